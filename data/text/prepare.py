@@ -1,0 +1,84 @@
+"""
+Prepare any UTF-8 text for rebm: one or more files, or folders of *.txt files.
+
+Each file is one document. With several documents they are split by document (whole files go to
+val and test, so their text is never seen in training); a single file is cut into three
+contiguous pieces instead. Writes train/val/test.bin and meta.json (see data/__init__.py).
+
+    python data/text/prepare.py my_book.txt --out_dir data/my_book                  # chars
+    python data/text/prepare.py corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
+"""
+
+import argparse
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
+from data import write_dataset  # noqa: E402
+from tokenizer import build_tokenizer  # noqa: E402
+
+
+def read_documents(paths):
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(root, f) for root, _, fs in os.walk(p) for f in fs if f.endswith('.txt'))
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise ValueError(f"input '{p}' does not exist: give text files or folders of .txt files")
+    docs = []
+    for f in files:
+        try:
+            with open(f, encoding='utf-8') as fh:
+                text = fh.read()
+        except UnicodeDecodeError:
+            raise ValueError(f"{f} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from None
+        if text.strip():
+            docs.append(text)
+    if not docs:
+        raise ValueError(f"no non-empty text found in {' '.join(paths)}")
+    return docs
+
+
+def split_documents(docs, val_frac, test_frac):
+    """Whole documents per split when there are at least 3, else contiguous pieces of one text."""
+    if len(docs) >= 3:
+        n_val = max(1, round(val_frac * len(docs)))
+        n_test = max(1, round(test_frac * len(docs)))
+        return dict(train=docs[:-n_val - n_test], val=docs[-n_val - n_test:-n_test], test=docs[-n_test:])
+    text = '\n'.join(docs)
+    a, b = int(len(text) * (1 - val_frac - test_frac)), int(len(text) * (1 - test_frac))
+    return dict(train=[text[:a]], val=[text[a:b]], test=[text[b:]])
+
+
+def prepare(docs, out_dir, tokenizer_name):
+    """Shared by every corpus script: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
+    tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
+    meta = write_dataset(out_dir, docs, tok)
+    print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
+          ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
+          " (docs " + ", ".join(f"{s} {n}" for s, n in meta['num_docs'].items()) + ")")
+    return meta
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
+    parser.add_argument('--out_dir', required=True, help='where to write the prepared data')
+    parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
+    parser.add_argument('--val_frac', type=float, default=0.05, help='fraction of documents (or text) for val')
+    parser.add_argument('--test_frac', type=float, default=0.05, help='fraction of documents (or text) for test')
+    parser.add_argument('--seed', type=int, default=0, help='shuffles documents before choosing val/test ones')
+    args = parser.parse_args(argv)
+    docs = read_documents(args.inputs)
+    random.Random(args.seed).shuffle(docs)
+    prepare(split_documents(docs, args.val_frac, args.test_frac), args.out_dir, args.tokenizer)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,298 @@
+"""
+The base language model P_LM of the residual EBM: a GPT (nanoGPT-compatible config names) with
+what the method needs on top of a plain GPT:
+
+- a KV cache, so that `generate` computes each prompt once and shares it across `num_samples`
+  continuations (negatives for NCE, samples for the log Z estimator of Eq. 4, proposals for
+  Algorithm 1 all come from here);
+- per-token log-probs of every sampled token under the *untruncated* LM at temperature 1, and
+  optionally under the proposal actually sampled from (top-k / top-p / temperature);
+- `sequence_logprob`, log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2, batched;
+- a `causal=False` switch so that energy.py can build the bidirectional BIT from the same blocks;
+- self-describing checkpoints, written atomically and loaded with weights_only=True.
+"""
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 96
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = False
+    causal: bool = True  # False: bidirectional attention (the BIT energy of energy.py)
+
+
+class SelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.dropout, self.causal = config.n_head, config.dropout, config.causal
+
+    def forward(self, x, cache=None, pos=0, mask=None):
+        """x: (B, T, C). cache: (k, v) buffers (B, nh, T_max, hs) that keys/values of positions
+        pos..pos+T-1 are written into; attention then runs over positions 0..pos+T-1.
+        mask: optional boolean (B, 1, T, T_keys), True = may attend (overrides causality)."""
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            cache[0][:, :, pos:pos + T] = k
+            cache[1][:, :, pos:pos + T] = v
+            k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
+        is_causal = False
+        if mask is None and self.causal and T > 1:
+            if pos == 0:
+                is_causal = True
+            else:  # queries start at pos: is_causal would align them with key 0, so be explicit
+                mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = SelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, pos=0, mask=None):
+        x = x + self.attn(self.ln_1(x), cache, pos, mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if pn.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=False):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def hidden(self, idx, cache=None, pos=0, mask=None):
+        """Final (layer-normed) hidden states (B, T, C) of tokens idx at positions pos..pos+T-1."""
+        T = idx.size(1)
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens is longer than the model's "
+                             f"block_size {self.config.block_size}: use a shorter prompt/length")
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
+        x = self.transformer.drop(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if cache is None else cache[i], pos, mask)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx, targets=None, cache=None, pos=0):
+        logits = self.lm_head(self.hidden(idx, cache, pos))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def new_cache(self, batch_size, length):
+        c = self.config
+        shape = (batch_size, c.n_head, length, c.n_embd // c.n_head)
+        p = self.lm_head.weight
+        return [(torch.empty(shape, dtype=p.dtype, device=p.device),
+                 torch.empty(shape, dtype=p.dtype, device=p.device)) for _ in range(c.n_layer)]
+
+    def sequence_logprob(self, idx, start, per_token=False):
+        """log P_LM(x_start..x_{T-1} | x_0..x_{start-1}) for each row of idx (B, T): the first
+        factor of Eq. 2. Only positions that predict a scored token go through the LM head.
+        Returns (B,) sums in float32, and also the (B, T-start) per-token terms if per_token."""
+        if not 1 <= start < idx.size(1):
+            raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] for sequences of length {idx.size(1)}")
+        h = self.hidden(idx[:, :-1])[:, start - 1:]
+        logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
+        tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
+        return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
+                 return_proposal=False, generator=None, max_rows=512):
+        """Draw num_samples continuations of max_new_tokens for each of the B prompts idx (B, P).
+
+        The prompts go through the model once; their KV cache is then copied to the rows of each
+        chunk of samples (at most max_rows rows at a time, so memory stays bounded however many
+        samples are asked for). Returns (tokens, logprobs[, logq]), each (B, num_samples, L):
+        logprobs are log P_LM(token | past) of the untruncated LM at temperature 1 (what Eq. 2-5
+        need), logq those of the distribution actually sampled from (top-k/top-p/temperature),
+        which importance-corrected resampling needs. top_k=None, top_p=None, temperature=1 is exact
+        ancestral sampling from P_LM; temperature=0 is greedy.
+        """
+        B, P = idx.shape
+        V = self.config.vocab_size
+        if P + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt of {P} tokens + {max_new_tokens} new tokens exceeds the model's "
+                             f"block_size {self.config.block_size}: shorten the prompt or the generation")
+        if top_k is not None and not 1 <= top_k <= V:
+            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {V} (or None for no truncation)")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no truncation)")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0")
+        cache = self.new_cache(B, P + max_new_tokens)
+        logits = self(idx, cache=cache)[0][:, -1]
+        per_chunk = max(1, max_rows // B)
+        chunks = []
+        for s in range(0, num_samples, per_chunk):
+            n = min(per_chunk, num_samples - s)
+            chunk_cache = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
+            out = self._decode(logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
+                               top_k, top_p, temperature, generator)
+            chunks.append([t.view(B, n, max_new_tokens) for t in out])
+        tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
+        return (tokens, logp, logq) if return_proposal else (tokens, logp)
+
+    def _decode(self, logits, cache, pos, steps, top_k, top_p, temperature, generator):
+        N = logits.size(0)
+        tokens = torch.empty(N, steps, dtype=torch.long, device=logits.device)
+        logp, logq = (torch.empty(N, steps, device=logits.device) for _ in range(2))
+        for t in range(steps):
+            tok, logp[:, t], logq[:, t] = sample_next(logits, top_k, top_p, temperature, generator)
+            tokens[:, t] = tok
+            if t + 1 < steps:
+                logits = self(tok[:, None], cache=cache, pos=pos + t)[0][:, -1]
+        return tokens, logp, logq
+
+
+def proposal_logprobs(logits, top_k=None, top_p=None, temperature=1.0):
+    """Log-probs of the distribution that sampling draws from: temperature, then top-k, then top-p
+    (the smallest set of most likely tokens whose mass reaches top_p). Removed tokens get -inf."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already enough
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float('-inf'))
+    return F.log_softmax(logits, dim=-1)
+
+
+def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None):
+    """One sampling step. Returns (token, log P_LM(token), log q(token)) for each row of logits."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(tok, dtype=logp.dtype)
+    logq = logp if (top_k, top_p, temperature) == (None, None, 1.0) else \
+        proposal_logprobs(logits, top_k, top_p, temperature)
+    tok = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def flops_per_token(config, num_params):
+    """Training FLOPs per token (forward + backward): 6N for the weights plus attention's
+    12 * L * T * C (PaLM appendix B), as in nanoGPT's MFU estimate."""
+    return 6 * num_params + 12 * config.n_layer * config.block_size * config.n_embd
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: self-describing dicts of tensors and plain Python values, so weights_only=True loads them
+
+def save_checkpoint(obj, path):
+    """Write atomically: a kill mid-write leaves the previous checkpoint intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, map_location='cpu'):
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path} does not exist: train one first (train_lm.py / nce_train.py)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}): "
+                         f"retrain it or restore a copy") from None
+    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:
+        raise ValueError(f"{path} is not a rebm checkpoint (no 'model'/'kind' entries)")
+    return ckpt
+
+
+def file_hash(path):
+    """Content hash of a file: energies and negatives record the one of the LM they belong to."""
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def check_vocab(ckpt, meta, path):
+    """A model only makes sense with the tokenizer it was trained with."""
+    ours = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'chars')}
+    theirs = {k: ckpt['meta'].get(k) for k in ('tokenizer', 'vocab_size', 'chars')}
+    if ours != theirs:
+        raise ValueError(f"checkpoint {path} was trained with another vocabulary "
+                         f"({theirs['tokenizer']}, {theirs['vocab_size']} tokens) than this data "
+                         f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
+
+
+def load_lm(path, device='cpu', meta=None):
+    """A GPT from a train_lm.py checkpoint, in eval mode; with meta, checked against that data."""
+    ckpt = load_checkpoint(path)
+    if ckpt['kind'] != 'lm':
+        raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not a language model")
+    if meta is not None:
+        check_vocab(ckpt, meta, path)
+    model = GPT(GPTConfig(**ckpt['config']))
+    model.load_state_dict(ckpt['model'])
+    return model.to(device).eval(), ckpt

@@ -1,0 +1,259 @@
+"""
+Conditional NCE training of the residual energy (Section 3.1, Eq. 3). For a prefix of the
+training split, the positive x+ is its real continuation and the negative x- one of its K stored
+LM samples (negatives.py), drawn uniformly each time. Because the noise distribution is P_LM and
+the model is P_LM exp(-E), the NCE classifier's logit log P_joint - log P_LM reduces to -E:
+
+    binary (Eq. 3):  loss = softplus(E(x+)) + softplus(-E(x-))
+    ranking:         loss = -log softmax(-E(x+), -E(x-_1), ..., -E(x-_M))[0]   (M negatives)
+
+    python nce_train.py --lm out/lm/ckpt.pt --negatives out/neg_train --val_negatives out/neg_val \\
+        --energy bit --out_dir out/bit                                   # CPU or one GPU
+    torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
+
+Batches are a function of (seed, iteration), so --resume is exact and DDP sees the same global
+batch as one process. Writes out_dir/ckpt.pt (atomically), log.jsonl and results.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from data import load_meta, load_split, write_json
+from energy import POOLS, Energy, build_energy, energy_state
+from model import GPTConfig, check_vocab, load_checkpoint, save_checkpoint
+from negatives import load_negatives, window_tokens
+from train_lm import all_mean, configure_optimizer, get_lr, progress, resolve_device, setup_distributed, train_step
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a('--lm', default='out/lm/ckpt.pt', help='the base LM the energy is the residual of')
+    a('--negatives', required=True, help='negatives.py output for the train split')
+    a('--val_negatives', required=True, help='negatives.py output for the val split')
+    a('--out_dir', default='out/energy')
+    a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
+    a('--energy', default='bit', choices=['bit', 'unit'], help='bidirectional or LM-initialised causal body')
+    a('--init_from', default=None, help='bit: an MLM checkpoint (train_lm.py --objective mlm); unit: an LM (default --lm)')
+    a('--pool', default='continuation', choices=POOLS, help='mean-pool hidden states over these positions')
+    a('--n_layer', type=int, default=None, help='BIT from scratch: layers (default: the LM\'s)')
+    a('--n_head', type=int, default=None)
+    a('--n_embd', type=int, default=None)
+    a('--loss', default='binary', choices=['binary', 'ranking'])
+    a('--num_neg', type=int, default=None, help='ranking: negatives per positive (default: all K stored)')
+    a('--batch_size', type=int, default=16, help='positives per micro-batch per process')
+    a('--grad_accum', type=int, default=1, help='micro-batches per iteration, summed over processes')
+    a('--max_iters', type=int, default=1000)
+    a('--lr', type=float, default=3e-4)
+    a('--min_lr', type=float, default=3e-5)
+    a('--warmup_iters', type=int, default=50)
+    a('--lr_decay_iters', type=int, default=None, help='end of the cosine decay (default: max_iters)')
+    a('--weight_decay', type=float, default=0.1)
+    a('--beta1', type=float, default=0.9)
+    a('--beta2', type=float, default=0.99)
+    a('--grad_clip', type=float, default=1.0)
+    a('--eval_interval', type=int, default=100)
+    a('--eval_prefixes', type=int, default=256, help='val prefixes (one fixed negative each) per evaluation')
+    a('--log_interval', type=int, default=10)
+    a('--device', default='auto')
+    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    a('--compile', action='store_true')
+    a('--seed', type=int, default=1337)
+    a('--quiet', action='store_true')
+    args = p.parse_args(argv)
+    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    return args
+
+
+def nce_loss(e_pos, e_neg, kind='binary'):
+    """e_pos (B,), e_neg (B, M) energies. Returns (loss, accuracy = fraction of pairs with
+    E(x+) < E(x-)). log P_LM does not appear: in the residual model it cancels from the NCE
+    logit log P_joint - log P_noise = -E (and from the ranking softmax, the prefix being shared)."""
+    if kind == 'binary':  # Eq. 3, averaged over the M negatives of each positive
+        loss = F.softplus(e_pos) + F.softplus(-e_neg).mean(1)
+    elif kind == 'ranking':
+        scores = -torch.cat([e_pos[:, None], e_neg], dim=1)
+        loss = F.cross_entropy(scores, torch.zeros(len(e_pos), dtype=torch.long, device=e_pos.device), reduction='none')
+    else:
+        raise ValueError(f"unknown NCE loss '{kind}': use 'binary' or 'ranking'")
+    return loss.mean(), (e_pos[:, None] < e_neg).float().mean()
+
+
+def nce_batch(data, neg, rows, neg_idx, device):
+    """(B*(1+M), P+L) tokens: the B positives, then for each row its M negatives (prefix + sample)."""
+    P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
+    pos = window_tokens(data, neg['offsets'][rows], P + L)
+    samples = torch.from_numpy(neg['tokens'][rows[:, None], neg_idx].astype(np.int64))  # (B, M, L)
+    prefix = pos[:, None, :P].expand(-1, samples.size(1), -1)
+    negs = torch.cat([prefix, samples], dim=2).flatten(0, 1)
+    return torch.cat([pos, negs]).to(device)
+
+
+def choose(n_rows, K, B, M, seed, it):
+    """Rows of iteration `it` and M distinct negatives of each, uniformly: a function of (seed, it)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + it)
+    rows = torch.randint(n_rows, (B,), generator=g).numpy()
+    neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()
+    return rows, neg_idx
+
+
+def energies(model, x, P, B):
+    """Split the energies of one concatenated forward into positives (B,) and negatives (B, M)."""
+    e = model(x, P)
+    return e[:B], e[B:].view(B, -1)
+
+
+@torch.no_grad()
+def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, rank=0, world_size=1):
+    """Loss, accuracy and mean energies on fixed val pairs, sharded over ranks, reduced."""
+    model.eval()
+    P = neg['meta']['prefix_len']
+    sums = torch.zeros(5, dtype=torch.float64)
+    starts = list(range(0, len(rows), batch_size))
+    for s in starts[rank::world_size]:
+        r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
+        with ctx:
+            e_pos, e_neg = energies(model, nce_batch(data, neg, r, j, device), P, len(r))
+        l, acc = nce_loss(e_pos, e_neg, loss)
+        sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(), e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(sums)
+    model.train()
+    n = sums[4].item()
+    return dict(val_loss=sums[0].item() / n, val_acc=sums[1].item() / n,
+                val_e_pos=sums[2].item() / n, val_e_neg=sums[3].item() / n)
+
+
+def main(argv=None):
+    args = get_args(argv)
+    device, dtype, ctx = resolve_device(args.device, args.dtype)
+    rank, world_size, device = setup_distributed(device)
+    master = rank == 0
+    if args.grad_accum % world_size:
+        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
+    torch.manual_seed(args.seed + rank)
+
+    neg, val_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.val_negatives, lm_path=args.lm)
+    nmeta = neg['meta']
+    for key in ('prefix_len', 'gen_len', 'data_dir'):
+        if val_neg['meta'][key] != nmeta[key]:
+            raise ValueError(f"train and val negatives differ in {key} ({nmeta[key]} vs {val_neg['meta'][key]}): regenerate one")
+    meta = load_meta(nmeta['data_dir'])
+    data, val_data = load_split(nmeta['data_dir'], nmeta['split'], meta), load_split(nmeta['data_dir'], val_neg['meta']['split'], meta)
+    P, L, K = nmeta['prefix_len'], nmeta['gen_len'], nmeta['num_samples']
+    M = 1 if args.loss == 'binary' else (args.num_neg or K)
+    if not 1 <= M <= K:
+        raise ValueError(f"--num_neg {M} must be between 1 and the {K} stored negatives per prefix")
+
+    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not args.resume and os.path.exists(ckpt_path):
+        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
+    iter_num, best_val_loss, ckpt = 0, float('inf'), None
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_vocab(ckpt, meta, ckpt_path)
+        model = Energy(GPTConfig(**ckpt['config']), ckpt['pool'])
+        model.load_state_dict(ckpt['model'])
+        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+    else:
+        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        model = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool)
+    if P + L > model.config.block_size:
+        raise ValueError(f"prefix_len + gen_len = {P + L} of the negatives exceeds the energy's block_size "
+                         f"{model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
+    model.to(device)
+    optimizer = configure_optimizer(model, args, device)
+    scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
+    if ckpt:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        torch.set_rng_state(ckpt['rng_state'])
+    raw_model = model
+    if args.compile:
+        model = torch.compile(model)
+    if world_size > 1:
+        model = DDP(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
+
+    n_val = min(args.eval_prefixes, len(val_neg['offsets']))
+    val_rows = np.arange(n_val)  # the first n_val val prefixes, each with fixed random negatives
+    val_idx = choose(n_val, val_neg['meta']['num_samples'], n_val, M, args.seed, -1)[1]
+    micro_steps = args.grad_accum // world_size
+    tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+        print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, {args.loss} NCE "
+              f"with {M} negative(s), {len(neg['offsets'])} train prefixes x {K} samples, {world_size} process(es) on {device}, {dtype}")
+    log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
+
+    def loss_fn(model, batch):
+        rows, neg_idx = batch
+        e_pos, e_neg = energies(model, nce_batch(data, neg, rows, neg_idx, device), P, len(rows))
+        loss, acc = nce_loss(e_pos, e_neg, args.loss)
+        return loss, dict(loss=loss.item(), acc=acc.item(), e_pos=e_pos.mean().item(), e_neg=e_neg.mean().item())
+
+    def checkpoint():
+        save_checkpoint(dict(energy_state(raw_model, args.lm, dict(meta, data_dir=nmeta['data_dir'])),
+                             optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), args=vars(args),
+                             iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
+                             negatives=args.negatives), ckpt_path)
+
+    t0, t_start, start_iter, last_val = time.time(), time.time(), iter_num, {}
+    bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
+    while iter_num < args.max_iters:
+        lr = get_lr(iter_num, args)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        rows, neg_idx = choose(len(neg['offsets']), K, args.batch_size * args.grad_accum, M, args.seed, iter_num)
+        micro = [(rows[i * args.batch_size:(i + 1) * args.batch_size], neg_idx[i * args.batch_size:(i + 1) * args.batch_size])
+                 for i in range(rank, args.grad_accum, world_size)]
+        metrics, grad_norm = train_step(model, optimizer, scaler, ctx, micro, loss_fn, args.grad_clip)
+        iter_num += 1
+        bar.update()
+        if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            keys = sorted(metrics)
+            rec = dict(zip(keys, all_mean([metrics[k] for k in keys], world_size)))
+            dt, t0 = time.time() - t0, time.time()
+            n_iters = (iter_num - 1) % args.log_interval + 1
+            rec.update(iter=iter_num, lr=lr, grad_norm=grad_norm, tokens_per_s=n_iters * tokens_per_iter / dt)
+            if master:
+                log.write(json.dumps(rec) + '\n')
+                log.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
+        if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+            last_val = evaluate(model, val_data, val_neg, val_rows, val_idx, args.batch_size, args.loss, device, ctx, rank, world_size)
+            best_val_loss = min(best_val_loss, last_val['val_loss'])
+            if master:
+                log.write(json.dumps(dict(iter=iter_num, **last_val)) + '\n')
+                log.flush()
+                bar.write(f"iter {iter_num}: val loss {last_val['val_loss']:.4f} acc {last_val['val_acc']:.3f} "
+                          f"E+ {last_val['val_e_pos']:.3f} E- {last_val['val_e_neg']:.3f}")
+                checkpoint()
+    bar.close()
+    train_time = time.time() - t_start
+    results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time,
+                   tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
+                   best_val_loss=best_val_loss, val_prefixes=n_val, **last_val)
+    if master:
+        log.close()
+        write_json(results, os.path.join(args.out_dir, 'results.json'))
+        print(f"held-out NCE accuracy {results.get('val_acc', float('nan')):.3f} on {n_val} val prefixes "
+              f"(chance 0.5), val loss {results.get('val_loss', float('nan')):.4f}; {train_time:.0f}s")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return results
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")

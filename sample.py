@@ -1,0 +1,225 @@
+"""
+Generation from the joint model P_LM exp(-E) (Section 3.3).
+
+- joint_sample, Algorithm 1: draw n continuations from the LM (top-k), score them with the
+  energy, resample one with probability ∝ exp(-E). Chunked with a running Gumbel-max choice, so
+  n = 10^4 runs in bounded memory. With correct_proposal the weights are exp(-E) P_LM / q, q the
+  top-k proposal: the target is then the untruncated joint model rather than the joint model of
+  the top-k LM. The effective sample size (Kish) says when the weights collapse onto one sample.
+- topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top-k next
+  tokens reweighted by Z(x_<=t) estimated with m LM samples of the rest. Expensive by design;
+  also gives the Table-3 view of the next-token distribution under the LM and the joint model.
+
+    python sample.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --prompt "ROMEO:" --n 1000
+    python sample.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --split test --num_prefixes 4
+
+Prints BASE LM / JOINT / WORST / GOLD continuations per prefix (the paper's Tables 5-6), n-gram
+uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint text; JSON too.
+"""
+
+import argparse
+import math
+import sys
+
+import numpy as np
+import torch
+
+from data import load_meta, load_split, write_json
+from energy import load_energy
+from estimate_ppl import logz_bounds, sample_log_weights, score
+from model import check_vocab, load_lm
+from negatives import window_tokens, windows
+from tokenizer import load_tokenizer
+from train_lm import progress, resolve_device
+
+
+@torch.no_grad()
+def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=False, generator=None,
+                 ctx=None, max_rows=256):
+    """Algorithm 1 for each row of prefix (B, P). Returns a dict of (B, L) token tensors
+    'joint' (resampled ∝ exp(-E), or exp(-E) P_LM/q), 'worst' (highest energy), 'base' (the first
+    LM sample), their energies, and 'ess' (B,) the Kish effective sample size of the weights."""
+    B, P = prefix.shape
+    ctx = ctx or torch.no_grad()
+    rows = torch.arange(B, device=prefix.device)
+    lse = lse2 = torch.full((B,), float('-inf'), dtype=torch.float64, device=prefix.device)  # log sum w, w^2
+    keep = {}  # name -> (best value so far, its tokens, its energy)
+
+    def update(name, value, tokens, e):
+        v, i = value.max(1)
+        new = (v, tokens[rows, i], e[rows, i])
+        if name in keep:
+            take = v > keep[name][0]
+            new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(new, keep[name]))
+        keep[name] = new
+
+    per = max(1, max_rows // B)
+    for s in range(0, n, per):
+        c = min(per, n - s)
+        with ctx:
+            tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
+                                             return_proposal=True, generator=generator, max_rows=max_rows)
+        x = torch.cat([prefix[:, None].expand(-1, c, -1), tokens], dim=2).flatten(0, 1)
+        e = score(energy, x, P, ctx, max_rows).view(B, c)
+        log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e
+        lse, lse2 = torch.logaddexp(lse, log_w.logsumexp(1)), torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
+        # Gumbel-max: the argmax of log w + Gumbel noise is a draw ∝ w, and a max runs over chunks
+        u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
+        update('joint', log_w - torch.log(-torch.log(u.clamp_min(1e-300))), tokens, e)
+        update('worst', e, tokens, e)
+        if s == 0:
+            update('base', torch.zeros_like(e[:, :1]), tokens[:, :1], e[:, :1])
+    out = {name: t for name, (_, t, _) in keep.items()}
+    out.update({f'{name}_energy': e for name, (_, _, e) in keep.items()})
+    out['ess'] = torch.exp(2 * lse - lse2)  # Kish: (sum w)^2 / sum w^2
+    return out
+
+
+@torch.no_grad()
+def next_token_table(lm, energy, prefix, gen_len, k, m, ctx, generator, max_rows=256):
+    """Table 3: for each row of prefix (B, P) the LM's top-k next tokens with their probability
+    under the LM and under the joint model, P_LM(v|x) Z(x, v) / Z(x) (Eq. 5), each Z the plain
+    Monte Carlo estimate exp(T_m) from m LM samples of the remaining tokens."""
+    B, P = prefix.shape
+    with ctx:
+        logp = torch.log_softmax(lm(prefix)[0][:, -1].double(), -1)
+    top_lp, top_v = logp.topk(k, dim=-1)  # (B, k)
+    cand = torch.cat([prefix.repeat_interleave(k, 0), top_v.reshape(-1, 1)], dim=1)  # (B*k, P+1)
+    if gen_len > 1:
+        lz_cand = logz_bounds(sample_log_weights(lm, [energy], cand, gen_len - 1, m, ctx, generator, max_rows)[0])[0]
+    else:
+        lz_cand = -score(energy, cand, P, ctx)
+    lz = logz_bounds(sample_log_weights(lm, [energy], prefix, gen_len, m, ctx, generator, max_rows)[0])[0]
+    joint_lp = top_lp + lz_cand.view(B, k) - lz[:, None]
+    return top_v, top_lp.exp(), joint_lp.exp()
+
+
+@torch.no_grad()
+def topk_autoregressive(lm, energy, prefix, gen_len, k, m, ctx, generator, max_rows=256):
+    """Appendix A.1: sample the continuation token by token from the LM's top-k next tokens,
+    each reweighted by its estimated Z (Eq. 5; the common denominator cancels)."""
+    x = prefix
+    for t in range(gen_len):
+        top_v, p_lm, p_joint = next_token_table(lm, energy, x, gen_len - t, k, m, ctx, generator, max_rows)
+        i = torch.multinomial(p_joint.float(), 1, generator=generator).squeeze(1)
+        x = torch.cat([x, top_v[torch.arange(x.size(0)), i][:, None]], dim=1)
+    return x[:, prefix.size(1):]
+
+
+# -----------------------------------------------------------------------------
+# analyses
+
+def unique_ngrams(texts, n):
+    """Percentage of distinct word n-grams among all word n-grams of the texts (Fig. 2 right)."""
+    grams = [tuple(w[i:i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
+    return 100.0 * len(set(grams)) / len(grams) if grams else float('nan')
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a('--lm', default='out/lm/ckpt.pt')
+    a('--energy', default='out/bit/ckpt.pt')
+    a('--prompt', default=None, help='a text prompt (else prefixes of --split)')
+    a('--split', default='test', choices=['train', 'val', 'test'])
+    a('--num_prefixes', type=int, default=4)
+    a('--prefix_len', type=int, default=128)
+    a('--gen_len', type=int, default=64)
+    a('--n', type=int, default=100, help='LM samples per prefix to resample from (the paper: 10,000)')
+    a('--top_k', type=int, default=10, help='top-k of the LM proposal (0: untruncated)')
+    a('--correct_proposal', action='store_true', help='weights exp(-E) P_LM/q: target the untruncated joint model')
+    a('--autoregressive', action='store_true', help='also top-k auto-regressive joint sampling (Appendix A.1; slow)')
+    a('--m', type=int, default=8, help='LM samples per Z estimate for --autoregressive and the next-token table')
+    a('--table_k', type=int, default=5, help='next tokens shown in the Table-3 view (0: off)')
+    a('--out', default='out/samples.json')
+    a('--device', default='auto')
+    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    a('--seed', type=int, default=1337)
+    a('--quiet', action='store_true')
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = get_args(argv)
+    device, dtype, ctx = resolve_device(args.device, args.dtype)
+    lm, lm_ckpt = load_lm(args.lm, device)
+    meta = load_meta(lm_ckpt['meta']['data_dir'])
+    check_vocab(lm_ckpt, meta, args.lm)
+    energy, _ = load_energy(args.energy, args.lm, device)
+    tok = load_tokenizer(meta)
+    top_k = args.top_k or None
+    if args.n < 1:
+        raise ValueError(f"--n {args.n} must be at least 1")
+    if args.prompt is not None:
+        ids = tok.encode(args.prompt)
+        if not ids:
+            raise ValueError("--prompt is empty")
+        prefixes, gold = torch.tensor([ids]), [None]
+    else:
+        data = load_split(lm_ckpt['meta']['data_dir'], args.split, meta)
+        offsets = windows(data, meta['eot_id'], args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
+        if len(offsets) == 0:
+            raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens in the {args.split} split")
+        x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
+        prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
+    g = torch.Generator(device).manual_seed(args.seed)
+    prefixes = prefixes.to(device)
+    results = []
+    for b in progress(range(prefixes.size(0)), quiet=args.quiet, desc='joint sampling'):
+        pre = prefixes[b:b + 1]
+        out = joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, ctx)
+        rec = dict(prefix=tok.decode(pre[0].tolist()), ess=out['ess'].item(), n=args.n,
+                   **{name: tok.decode(out[name][0].tolist()) for name in ('base', 'joint', 'worst')},
+                   **{f'{name}_energy': out[f'{name}_energy'].item() for name in ('base', 'joint', 'worst')})
+        cont = {name: out[name] for name in ('base', 'joint')}
+        if gold[b] is not None:
+            rec['gold'] = tok.decode(gold[b].tolist())
+            cont['gold'] = gold[b:b + 1].to(device)
+            rec['gold_energy'] = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ctx).item()
+        if args.autoregressive:
+            cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, top_k or 10, args.m, ctx, g)
+            rec['autoregressive'] = tok.decode(cont['autoregressive'][0].tolist())
+        with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
+            rec['lm_logp'] = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)).item() for name, t in cont.items()}
+        if args.table_k:
+            v, p_lm, p_joint = next_token_table(lm, energy, pre, args.gen_len, args.table_k, args.m, ctx, g)
+            rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c)
+                                  for t, a, c in zip(v[0].tolist(), p_lm[0].tolist(), p_joint[0].tolist())]
+        results.append(rec)
+        print_record(rec)
+    report = dict(args=vars(args), samples=results, **analyses(results))
+    write_json(report, args.out)
+    print(f"unique n-grams % (n=1..4): " + '; '.join(f"{k} " + ' '.join(f'{v:.1f}' for v in vals)
+                                               for k, vals in report['unique_ngrams'].items()))
+    print(f"mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
+          f"; -> {args.out}")
+    return report
+
+
+def analyses(results):
+    """Fig. 2 right (unique n-grams) and Fig. 3 (LM log-likelihood of each kind of continuation)."""
+    kinds = [k for k in ('gold', 'base', 'joint', 'autoregressive') if k in results[0]]
+    uniq = {k: [unique_ngrams([r[k] for r in results], n) for n in range(1, 5)] for k in kinds}
+    mean_lp = {k: float(np.mean([r['lm_logp'][k] for r in results])) for k in results[0]['lm_logp']}
+    diff = {f'{a}-{b}': mean_lp[a] - mean_lp[b] for a, b in (('base', 'gold'), ('joint', 'gold')) if a in mean_lp and b in mean_lp}
+    return dict(unique_ngrams=uniq, mean_lm_logp=mean_lp, mean_lm_logp_diff=diff)
+
+
+def print_record(rec):
+    print(f"\n=== PREFIX ===\n{rec['prefix']}")
+    for name in ('base', 'joint', 'worst', 'gold', 'autoregressive'):
+        if name in rec:
+            e = rec.get(f'{name}_energy')
+            print(f"--- {name.upper()}{'' if e is None else f' (E = {e:.3f})'}:\n{rec[name]}")
+    print(f"(ESS {rec['ess']:.1f} of n = {rec['n']})")
+    if 'next_tokens' in rec:
+        print("next token    P_LM   P_joint")
+        for t in rec['next_tokens']:
+            print(f"{t['token']!r:<12} {t['p_lm']:.3f}  {t['p_joint']:.3f}")
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")
