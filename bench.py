@@ -80,18 +80,22 @@ def autocast(device, dtype):
     return torch.autocast('cuda' if device.startswith('cuda') else 'cpu', dtype=dtype)
 
 
-def timeit(fn, device, warmup, repeats):
-    """Median wall time of fn() in seconds."""
+def timeit(fns, device, warmup, repeats, stat=statistics.median):
+    """Wall time in seconds (the median of the repeats) of each function of the dict fns. The
+    timed runs of the functions alternate, so that a load change on a shared machine hits all
+    of them alike."""
     for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: stat(ts) for name, ts in times.items()}
 
 
 def lm_config(args, meta):
@@ -101,50 +105,60 @@ def lm_config(args, meta):
 
 # -----------------------------------------------------------------------------
 
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+
+
 def bench_matmul_peak(args, device):
     n = args.matmul_size or (8192 if device.startswith('cuda') else 2048)
-    res = dict(matmul_size=n)
-    for name, dtype in (('fp32', torch.float32), ('bf16', torch.bfloat16)):
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        dt = timeit(lambda: a @ b, device, args.warmup, max(args.repeats, 5))
-        res[f'matmul_gflops_{name}'] = 2 * n ** 3 / dt / 1e9
-    return res
+    fns = {}
+    for name, dtype in DTYPES.items():
+        a, b, c = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
+        fns[name] = lambda a=a, b=b, c=c: torch.mm(a, b, out=c)
+    # a peak, so the fastest run: load from other processes can only slow a run down
+    dt = timeit(fns, device, args.warmup, max(args.repeats, 5), stat=min)
+    return dict(matmul_size=n, **{f'matmul_gflops_{name}': 2 * n ** 3 / dt[name] / 1e9 for name in DTYPES})
+
+
+def train_step_fn(args, device, meta, dtype, train_data):
+    """One iteration of train_lm.py (grad_accum=1, no logging) on a fresh model, as a closure."""
+    torch.manual_seed(args.seed)
+    model = GPT(lm_config(args, meta)).to(device)
+    targs = train_lm_args([])  # train_lm.py's optimiser settings
+    optimizer = configure_optimizer(model, targs, device)
+    it = 0
+
+    def step():
+        nonlocal it
+        offsets = batch_offsets(len(train_data), args.block_size, args.batch_size, args.seed, it)
+        x, y = get_batch(train_data, offsets, args.block_size, device)
+        with autocast(device, dtype):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        it += 1
+
+    return model, step
 
 
 def bench_train(args, device, meta, peak):
     """peak: {'fp32': GFLOP/s, 'bf16': GFLOP/s} from bench_matmul_peak."""
     train_data = load_split(args.data_dir, 'train', meta)
-    targs = train_lm_args([])  # train_lm.py's optimiser settings
-    res = {}
-    for name, dtype in (('fp32', torch.float32), ('bf16', torch.bfloat16)):
-        torch.manual_seed(args.seed)
-        model = GPT(lm_config(args, meta)).to(device)
-        optimizer = configure_optimizer(model, targs, device)
-        ctx = autocast(device, dtype)
-        it = 0
-
-        def step():  # what one iteration of train_lm.py does (grad_accum=1, no logging)
-            nonlocal it
-            offsets = batch_offsets(len(train_data), args.block_size, args.batch_size, args.seed, it)
-            x, y = get_batch(train_data, offsets, args.block_size, device)
-            with ctx:
-                _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss.item()
-            it += 1
-
-        dt = timeit(step, device, args.warmup, args.repeats)
-        tokens_per_s = args.batch_size * args.block_size / dt
-        # nanoGPT's MFU convention: N without the position embedding (not a matmul)
-        flops = flops_per_token(model.config, model.num_params(non_embedding=True))
+    models, steps = {}, {}
+    for name, dtype in DTYPES.items():
+        models[name], steps[name] = train_step_fn(args, device, meta, dtype, train_data)
+    dt = timeit(steps, device, args.warmup, args.repeats)
+    model = models['fp32']
+    # nanoGPT's MFU convention: N without the position embedding, which is no matmul
+    flops = flops_per_token(model.config, model.num_params(non_embedding=True))
+    res = dict(train_params=model.num_params(), train_flops_per_token=flops)
+    for name in DTYPES:
+        tokens_per_s = args.batch_size * args.block_size / dt[name]
         res[f'train_tokens_per_s_{name}'] = tokens_per_s
         res[f'train_mfu_{name}'] = tokens_per_s * flops / (peak[name] * 1e9)
-        res['train_params'] = model.num_params()
-    res['bf16_train_speedup'] = res['train_tokens_per_s_bf16'] / res['train_tokens_per_s_fp32']
+    res['bf16_train_speedup'] = dt['fp32'] / dt['bf16']
     return res
 
 
@@ -175,13 +189,11 @@ def bench_sampling(args, device, meta):
         with autocast(device, torch.bfloat16):
             model.generate(prompts, L, num_samples=K, generator=g)
 
-    def naive():
-        naive_sample(model, prompts, K, L, g)
-
-    t_cached = timeit(cached, device, args.warmup, args.repeats)
-    t_bf16 = timeit(cached_bf16, device, args.warmup, args.repeats)
-    log(args, f"  naive sampler ({B * K} rows x {L} full forwards)...")
-    t_naive = timeit(naive, device, 0, args.naive_repeats)
+    dt = timeit(dict(cached=cached, cached_bf16=cached_bf16), device, args.warmup, args.repeats)
+    t_cached, t_bf16 = dt['cached'], dt['cached_bf16']
+    log(args, f"  naive sampler: {B * K} rows x {L} full forwards...")
+    naive = lambda: naive_sample(model, prompts, K, L, g)
+    t_naive = timeit(dict(naive=naive), device, 0, args.naive_repeats)['naive']  # too slow to warm up
     n = B * K
     # token-forwards each sampler runs (prompt + the L-1 fed-back tokens), ~ their FLOP ratio
     work_cached = B * P + n * (L - 1)
@@ -217,7 +229,7 @@ def main(argv=None):
         return figures
 
     peak = run('matmul_peak', bench_matmul_peak)
-    run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in ('fp32', 'bf16')})
+    run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in DTYPES})
     run('sampling', bench_sampling, meta)
     results['bench_time_s'] = time.perf_counter() - t_start
 

@@ -19,7 +19,7 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, file_hash, load_checkpoint, load_lm
+from model import GPT, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm
 
 POOLS = ('continuation', 'all')
 
@@ -101,6 +101,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             if ckpt['kind'] != 'mlm':
                 raise ValueError(f"{init_from} is a '{ckpt['kind']}' checkpoint: a BIT starts from a "
                                  f"masked-LM one (train_lm.py --objective mlm)")
+            check_vocab(ckpt, meta, init_from)  # same size is not enough: the same tokens
             if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
                 raise ValueError(f"{init_from} was pretrained with another vocabulary than this data")
             energy = Energy(GPTConfig(**ckpt['config']), pool)

@@ -66,11 +66,14 @@ def score(energy, x, prefix_len, ctx, max_rows=256):
 
 
 @torch.no_grad()
-def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256):
+def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None):
     """log w = -E(x) of n untruncated LM continuations of each prefix, for each energy:
     (num_energies, B, n). Samples are drawn and scored in chunks and dropped, so memory holds
-    at most max_rows sequences whatever n is."""
+    at most max_rows sequences whatever n is. prefix_len: where the energy's prefix ends (default
+    all of `prefixes`); Eq. 5 conditions on real continuation tokens too, but E(x) is the same
+    function of the whole sequence, its prefix the original one."""
     B, P = prefixes.shape
+    prefix_len = P if prefix_len is None else prefix_len
     per = max(1, max_rows // B)
     out = []
     for s in range(0, n, per):
@@ -78,14 +81,15 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
         with ctx:
             tokens, _ = lm.generate(prefixes, gen_len, num_samples=c, generator=generator, max_rows=max_rows)
         x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens], dim=2).flatten(0, 1)
-        out.append(torch.stack([-score(e, x, P, ctx, max_rows).view(B, c) for e in energies]))
+        out.append(torch.stack([-score(e, x, prefix_len, ctx, max_rows).view(B, c) for e in energies]))
     return torch.cat(out, dim=2)
 
 
 @torch.no_grad()
-def last_step_logz(lm, energy, x, ctx):
+def last_step_logz(lm, energy, x, prefix_len, ctx):
     """Exact log Z(x_<T) = log sum_v P_LM(v | x_<T) exp(-E(x_<T, v)): the denominator of Eq. 5
-    at the last position, by enumerating the vocabulary (batched energy calls). x: (B, T)."""
+    at the last position, by enumerating the vocabulary (batched energy calls). x: (B, T), its
+    first prefix_len tokens the prefix that E(x) was defined with."""
     V = lm.config.vocab_size
     with ctx:
         logp = torch.log_softmax(lm(x[:, :-1])[0][:, -1].double(), -1)  # (B, V)
@@ -93,7 +97,7 @@ def last_step_logz(lm, energy, x, ctx):
     for b in range(x.size(0)):
         cand = x[b].repeat(V, 1)
         cand[:, -1] = torch.arange(V, device=x.device)
-        out.append(torch.logsumexp(logp[b] - score(energy, cand, x.size(1) - 1, ctx), 0))
+        out.append(torch.logsumexp(logp[b] - score(energy, cand, prefix_len, ctx), 0))
     return torch.stack(out)
 
 
@@ -169,7 +173,7 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256):
         _, lp = lm.sequence_logprob(x, P, per_token=True)
     lo, hi = torch.empty(B, L + 1, dtype=torch.float64), torch.empty(B, L + 1, dtype=torch.float64)
     for k in range(L):
-        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows)[0]
+        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows, prefix_len=P)[0]
         lo[:, k], hi[:, k] = (t.cpu() for t in logz_bounds(log_w))
     lo[:, L] = hi[:, L] = -score(energy, x, P, ctx).cpu()
     return lp.double().cpu(), lo, hi
@@ -183,7 +187,7 @@ def per_step_report(lm, energy, data, offsets, args, ctx, device):
     lp, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows)
     step_low = lp + lo[:, 1:] - hi[:, :-1]  # log P(x_t|x_<t): low numerator, high denominator
     step_high = lp + hi[:, 1:] - lo[:, :-1]
-    exact_last = lp[:, -1] + lo[:, -1] - last_step_logz(lm, energy, x, ctx).cpu()
+    exact_last = lp[:, -1] + lo[:, -1] - last_step_logz(lm, energy, x, P, ctx).cpu()
     return dict(num_prefixes=x.size(0), step_samples=args.step_samples,
                 position=list(range(1, L + 1)),
                 base_ppl=torch.exp(-lp.mean(0)).tolist(),

@@ -136,8 +136,12 @@ class GPT(nn.Module):
             x = block(x, None if cache is None else cache[i], pos, mask)
         return self.transformer.ln_f(x)
 
+    def logits(self, idx, cache=None, pos=0, first=0):
+        """Next-token logits from position `first` on (earlier positions skip the LM head)."""
+        return self.lm_head(self.hidden(idx, cache, pos)[:, first:])
+
     def forward(self, idx, targets=None, cache=None, pos=0):
-        logits = self.lm_head(self.hidden(idx, cache, pos))
+        logits = self.logits(idx, cache, pos)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -156,8 +160,7 @@ class GPT(nn.Module):
         Returns (B,) sums in float32, and also the (B, T-start) per-token terms if per_token."""
         if not 1 <= start < idx.size(1):
             raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] for sequences of length {idx.size(1)}")
-        h = self.hidden(idx[:, :-1])[:, start - 1:]
-        logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
+        logp = F.log_softmax(self.logits(idx[:, :-1], first=start - 1).float(), dim=-1)
         tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
         return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
 
@@ -210,6 +213,37 @@ class GPT(nn.Module):
         return tokens, logp, logq
 
 
+class RALM(GPT):
+    """The residual autoregressive baseline of Eq. 6: log P_RALM(x_t|x_<t) = log P_LM(x_t|x_<t) +
+    log P_phi(x_t|x_<t) + const. Adding the logits of the frozen base LM and of this GPT (phi)
+    before one softmax is exactly that: each log-softmax differs from its logits by a per-position
+    constant. phi's output layer starts at zero, so training starts from the base LM itself.
+    Sampling, caching and sequence_logprob all go through `logits`, so they use the combination."""
+
+    def __init__(self, config, base):
+        super().__init__(config)
+        if base.config.vocab_size != config.vocab_size or base.config.block_size < config.block_size:
+            raise ValueError("a RALM residual needs the base LM's vocabulary and at most its block_size")
+        self.base = base.requires_grad_(False).eval()
+        torch.nn.init.zeros_(self.lm_head.weight)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.base.eval()  # the base LM stays frozen, dropout included
+        return self
+
+    def logits(self, idx, cache=None, pos=0, first=0):
+        n = self.config.n_layer
+        own, base = (None, None) if cache is None else (cache[:n], cache[n:])
+        return super().logits(idx, own, pos, first) + self.base.logits(idx, base, pos, first)
+
+    def new_cache(self, batch_size, length):
+        return super().new_cache(batch_size, length) + self.base.new_cache(batch_size, length)
+
+    def residual_state_dict(self):
+        return {k: v for k, v in self.state_dict().items() if not k.startswith('base.')}
+
+
 def proposal_logprobs(logits, top_k=None, top_p=None, temperature=1.0):
     """Log-probs of the distribution that sampling draws from: temperature, then top-k, then top-p
     (the smallest set of most likely tokens whose mass reaches top_p). Removed tokens get -inf."""
@@ -235,6 +269,37 @@ def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None)
         proposal_logprobs(logits, top_k, top_p, temperature)
     tok = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
+
+
+# The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
+# Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
+PAPER_PRESETS = {
+    'base_lm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'base_lm_24l': dict(n_layer=24, n_head=12, n_embd=768, batch_size=50, warmup_iters=2000, max_iters=90000, lr=3e-4, grad_clip=0.25),
+    'ralm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=64, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'balm': dict(n_layer=12, n_head=16, n_embd=1568, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'unit': dict(batch_size=64, warmup_iters=2000, max_iters=180000, lr=3e-4, grad_clip=10.0),
+    'bit_base': dict(n_layer=12, n_head=12, n_embd=768, bias=True, batch_size=60, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_med': dict(n_layer=12, n_head=16, n_embd=1024, bias=True, batch_size=32, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True, batch_size=20, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+}
+PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)
+
+
+def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False):
+    """The n_embd (a multiple of n_head) whose GPT has the parameter count closest to target:
+    how BALM is sized to match base LM + energy. Counted on the meta device, so it is free."""
+    def count(c):
+        with torch.device('meta'):
+            return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer,
+                                 n_head=n_head, n_embd=c, bias=bias)).num_params()
+    widths = range(n_head, 8192 + 1, n_head)
+    lo, hi = 0, len(widths) - 1
+    while lo < hi:  # the count grows with the width: bisect for the first width >= target
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(widths[mid]) < target else (lo, mid)
+    cands = [widths[i] for i in (lo - 1, lo) if 0 <= i < len(widths)]
+    return min(cands, key=lambda c: abs(count(c) - target))
 
 
 def flops_per_token(config, num_params):
@@ -293,6 +358,15 @@ def load_lm(path, device='cpu', meta=None):
         raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not a language model")
     if meta is not None:
         check_vocab(ckpt, meta, path)
-    model = GPT(GPTConfig(**ckpt['config']))
-    model.load_state_dict(ckpt['model'])
+    config = GPTConfig(**ckpt['config'])
+    if ckpt.get('residual_of'):  # a RALM: its base LM is rebuilt from its own checkpoint
+        base_path, base_hash = ckpt['residual_of']
+        if not os.path.isfile(base_path) or file_hash(base_path) != base_hash:
+            raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), which is missing or changed")
+        model = RALM(config, load_lm(base_path)[0])
+        missing = model.load_state_dict(ckpt['model'], strict=False).missing_keys
+        assert all(k.startswith('base.') for k in missing), missing
+    else:
+        model = GPT(config)
+        model.load_state_dict(ckpt['model'])
     return model.to(device).eval(), ckpt

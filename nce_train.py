@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import load_meta, load_split, write_json
 from energy import POOLS, Energy, build_energy, energy_state
-from model import GPTConfig, check_vocab, load_checkpoint, save_checkpoint
+from model import GPTConfig, check_vocab, file_hash, load_checkpoint, save_checkpoint
 from negatives import load_negatives, window_tokens
 from train_lm import all_mean, configure_optimizer, get_lr, progress, resolve_device, setup_distributed, train_step
 
@@ -151,8 +151,9 @@ def main(argv=None):
     data, val_data = load_split(nmeta['data_dir'], nmeta['split'], meta), load_split(nmeta['data_dir'], val_neg['meta']['split'], meta)
     P, L, K = nmeta['prefix_len'], nmeta['gen_len'], nmeta['num_samples']
     M = 1 if args.loss == 'binary' else (args.num_neg or K)
-    if not 1 <= M <= K:
-        raise ValueError(f"--num_neg {M} must be between 1 and the {K} stored negatives per prefix")
+    if not 1 <= M <= min(K, val_neg['meta']['num_samples']):  # val pairs need M distinct negatives too
+        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, val_neg['meta']['num_samples'])} "
+                         f"stored negatives per prefix (train {K}, val {val_neg['meta']['num_samples']})")
 
     ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
     if not args.resume and os.path.exists(ckpt_path):
@@ -160,6 +161,11 @@ def main(argv=None):
     iter_num, best_val_loss, ckpt = 0, float('inf'), None
     if args.resume:
         ckpt = load_checkpoint(ckpt_path)
+        if ckpt['kind'] != 'energy':
+            raise ValueError(f"{ckpt_path} holds a '{ckpt['kind']}' model, not an energy: choose another --out_dir")
+        if ckpt['lm_hash'] != file_hash(args.lm):
+            raise ValueError(f"{ckpt_path} is the residual of another LM ({ckpt['lm_path']}) than {args.lm}: "
+                             f"resume with the --lm it was trained with")
         check_vocab(ckpt, meta, ckpt_path)
         model = Energy(GPTConfig(**ckpt['config']), ckpt['pool'])
         model.load_state_dict(ckpt['model'])

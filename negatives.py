@@ -147,6 +147,8 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
 def load_negatives(out_dir, mode='r', lm_path=None):
     """A negatives dir as a dict: meta, offsets (N,), and memmaps tokens (N,K,L), logp (N,K),
     logq (N,K), done; with lm_path, checked to come from that LM. Reading needs a complete run."""
+    if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
+        raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
     meta = load_meta(out_dir)
     if mode == 'r' and not meta.get('complete'):
         raise ValueError(f"negatives in {out_dir} are incomplete: rerun negatives.py with the same flags to finish them")

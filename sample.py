@@ -76,20 +76,23 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
 
 
 @torch.no_grad()
-def next_token_table(lm, energy, prefix, gen_len, k, m, ctx, generator, max_rows=256):
+def next_token_table(lm, energy, prefix, gen_len, k, m, ctx, generator, max_rows=256, prefix_len=None):
     """Table 3: for each row of prefix (B, P) the LM's top-k next tokens with their probability
     under the LM and under the joint model, P_LM(v|x) Z(x, v) / Z(x) (Eq. 5), each Z the plain
-    Monte Carlo estimate exp(T_m) from m LM samples of the remaining tokens."""
+    Monte Carlo estimate exp(T_m) from m LM samples of the remaining tokens. gen_len counts the
+    tokens still to come; prefix_len is where the energy's prefix ends (default P: nothing of
+    the continuation generated yet)."""
     B, P = prefix.shape
+    prefix_len = P if prefix_len is None else prefix_len
     with ctx:
         logp = torch.log_softmax(lm(prefix)[0][:, -1].double(), -1)
     top_lp, top_v = logp.topk(k, dim=-1)  # (B, k)
     cand = torch.cat([prefix.repeat_interleave(k, 0), top_v.reshape(-1, 1)], dim=1)  # (B*k, P+1)
     if gen_len > 1:
-        lz_cand = logz_bounds(sample_log_weights(lm, [energy], cand, gen_len - 1, m, ctx, generator, max_rows)[0])[0]
+        lz_cand = logz_bounds(sample_log_weights(lm, [energy], cand, gen_len - 1, m, ctx, generator, max_rows, prefix_len)[0])[0]
     else:
-        lz_cand = -score(energy, cand, P, ctx)
-    lz = logz_bounds(sample_log_weights(lm, [energy], prefix, gen_len, m, ctx, generator, max_rows)[0])[0]
+        lz_cand = -score(energy, cand, prefix_len, ctx)
+    lz = logz_bounds(sample_log_weights(lm, [energy], prefix, gen_len, m, ctx, generator, max_rows, prefix_len)[0])[0]
     joint_lp = top_lp + lz_cand.view(B, k) - lz[:, None]
     return top_v, top_lp.exp(), joint_lp.exp()
 
@@ -100,7 +103,7 @@ def topk_autoregressive(lm, energy, prefix, gen_len, k, m, ctx, generator, max_r
     each reweighted by its estimated Z (Eq. 5; the common denominator cancels)."""
     x = prefix
     for t in range(gen_len):
-        top_v, p_lm, p_joint = next_token_table(lm, energy, x, gen_len - t, k, m, ctx, generator, max_rows)
+        top_v, p_lm, p_joint = next_token_table(lm, energy, x, gen_len - t, k, m, ctx, generator, max_rows, prefix.size(1))
         i = torch.multinomial(p_joint.float(), 1, generator=generator).squeeze(1)
         x = torch.cat([x, top_v[torch.arange(x.size(0)), i][:, None]], dim=1)
     return x[:, prefix.size(1):]

@@ -568,3 +568,567 @@ def test_train_lm_bad_input(lm_corpus, lm_ckpt, tmp_path):
     # a test split too short for one window: refused before training, not a NaN perplexity
     short = prepare_corpus(tmp_path / 'short', {'s.txt': CORPUS[:400]}, extra=['--val_frac', '0.1', '--test_frac', '0.02'])
     assert_clean_error(train(short, tmp_path / 'o3'), 'test split has')
+
+
+# ---- energy, negatives, NCE (issue 3) ----
+
+import random  # noqa: E402
+import shutil  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+
+import nce_train  # noqa: E402
+import negatives  # noqa: E402
+from data import load_split  # noqa: E402
+from energy import Energy, build_energy, energy_state, load_energy, mlm_mask  # noqa: E402
+from model import save_checkpoint  # noqa: E402
+
+CPU = ['--quiet', '--device', 'cpu', '--dtype', 'float32']
+NEG_FLAGS = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CPU]
+NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size', '4', '--warmup_iters', '2',
+             '--eval_prefixes', '10', *CPU]
+
+
+def run_scripts(arg_lists, timeout=300):
+    """run_script for several independent commands at once (they are mostly python start-up)."""
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for a in arg_lists]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return out
+
+
+def dir_snapshot(d):
+    """{file: (bytes, mtime)} of everything under d: 'nothing was overwritten' is equality."""
+    snap = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, 'rb') as fh:
+                snap[os.path.relpath(p, d)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return snap
+
+
+def softplus64(x):
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
+
+
+def random_energy(kind, pool, vocab_size=12, block_size=16, seed=0):
+    """A tiny Energy with wide random weights, head included (a fresh head is zero: E = 0)."""
+    torch.manual_seed(seed)
+    e = Energy(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32,
+                         causal=kind == 'unit'), pool)
+    with torch.no_grad():
+        for p in e.parameters():
+            p.normal_(0.0, 0.3)
+    return e.eval()
+
+
+def energy_ref64(e, seq, P):
+    """Reference energy of one unpadded sequence: float64 mean of its final hidden states over the
+    pooled positions, through the head."""
+    with torch.no_grad():
+        h = e.body.hidden(seq[None])[0].double()
+    h = h[P:] if e.pool == 'continuation' else h
+    return (h.mean(0) @ e.head.weight.double()[0] + e.head.bias.double()[0]).item()
+
+
+@pytest.fixture(scope='module')
+def fox_negatives(lm_ckpt, tmp_path_factory):
+    """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and all 27 val prefixes."""
+    out = tmp_path_factory.mktemp('fox_neg')
+    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('val', ['--chunk', '8'])):
+        negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
+    return dict(train=str(out / 'train'), val=str(out / 'val'))
+
+
+@pytest.fixture(scope='module')
+def mlm_ckpt(lm_corpus, tmp_path_factory):
+    """A bidirectional masked-LM pretraining (block_size 8) on lm_corpus: a BIT's init_from."""
+    out = str(tmp_path_factory.mktemp('mlm_ckpt'))
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'mlm', '--max_iters', '2',
+                   '--eval_interval', '2', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
+    return os.path.join(out, 'ckpt.pt')
+
+
+# NCE losses
+
+def test_nce_loss_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for B, M in ((1, 1), (7, 1), (5, 4)):
+        e_pos = torch.randn(B, generator=g, dtype=torch.float64) * 6
+        e_neg = torch.randn(B, M, generator=g, dtype=torch.float64) * 6
+        e_neg[0, 0] = e_pos[0]  # a tie counts as a mistake: accuracy is E+ < E- strictly
+        e_pos[-1] = 40.0  # far in the tails: no overflow
+        p, n = e_pos.tolist(), e_neg.tolist()
+        ref_bin = sum(softplus64(p[b]) + sum(softplus64(-x) for x in n[b]) / M for b in range(B)) / B
+        ref_rank = 0.0
+        for b in range(B):
+            s = [-p[b]] + [-x for x in n[b]]
+            m = max(s)
+            ref_rank += -(s[0] - (m + math.log(sum(math.exp(v - m) for v in s)))) / B
+        ref_acc = sum(p[b] < x for b in range(B) for x in n[b]) / (B * M)
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            for kind, ref in (('binary', ref_bin), ('ranking', ref_rank)):
+                loss, acc = nce_train.nce_loss(e_pos.to(dtype), e_neg.to(dtype), kind)
+                assert abs(loss.item() - ref) <= tol * max(1.0, abs(ref)), (B, M, kind, dtype)
+                assert abs(acc.item() - ref_acc) < 1e-6  # accuracy is a float32 mean
+        if M == 1:  # with one negative, the ranking loss is the binary loss of E+ - E- (softmax of two)
+            ref_pair = sum(softplus64(p[b] - n[b][0]) for b in range(B)) / B
+            assert abs(nce_train.nce_loss(e_pos, e_neg, 'ranking')[0].item() - ref_pair) < 1e-12
+    assert 0 < ref_acc < 1
+    with pytest.raises(ValueError, match="unknown NCE loss 'hinge'"):
+        nce_train.nce_loss(e_pos, e_neg, 'hinge')
+
+
+# the energy
+
+@pytest.mark.parametrize('kind', ['bit', 'unit'])
+@pytest.mark.parametrize('pool', ['continuation', 'all'])
+def test_energy_padding_invariance(kind, pool):
+    P, T = 5, 16
+    e = random_energy(kind, pool)
+    assert e.kind == kind
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([16, 9, 12, 6, 11])
+    seqs = [torch.randint(12, (int(n),), generator=g) for n in lengths]
+    with torch.no_grad():
+        alone = torch.stack([e(s[None], P)[0] for s in seqs])
+        batches = []
+        for fill in (0, 7, None):  # the same batch padded with different pad ids
+            x = torch.randint(12, (len(seqs), T), generator=g) if fill is None else torch.full((len(seqs), T), fill)
+            for i, s in enumerate(seqs):
+                x[i, :len(s)] = s
+            batches.append(x)
+        padded = [e(x, P, lengths) for x in batches]
+        unmasked = e(batches[2], P)
+    ref = torch.tensor([energy_ref64(e, s, P) for s in seqs], dtype=torch.float64)
+    assert (alone.double() - ref).abs().max().item() < 1e-5
+    for got in padded:
+        assert got.dtype == torch.float32 and got.shape == (len(seqs),)
+        assert (got - alone).abs().max().item() < 1e-5
+    assert torch.equal(padded[0], padded[1]) and torch.equal(padded[0], padded[2])  # pad ids are invisible
+    # the test can see a mistake: energies are far apart, and without `lengths` padding leaks in
+    assert (ref.max() - ref.min()).item() > 0.1
+    assert (unmasked - alone).abs()[1:].max().item() > 1e-2
+    assert abs(unmasked[0] - alone[0]).item() < 1e-5  # the row without padding
+    other = Energy(e.config, 'all' if pool == 'continuation' else 'continuation')
+    other.load_state_dict(e.state_dict())
+    with torch.no_grad():
+        assert ((other.eval()(batches[0], P, lengths) - alone).abs() > 1e-3).all()
+    fresh = Energy(e.config, pool)  # a new energy is 0: the joint model starts as P_LM
+    assert torch.equal(fresh(batches[0], P, lengths), torch.zeros(len(seqs)))
+    with pytest.raises(ValueError, match="pool 'max' must be one of"):
+        Energy(e.config, 'max')
+
+
+def test_unit_starts_as_the_lm(lm_corpus, lm_ckpt, tmp_path):
+    meta = load_meta(lm_corpus)
+    lm, _ = load_lm(lm_ckpt)
+    x = torch.randint(meta['vocab_size'], (3, 16), generator=torch.Generator().manual_seed(0))
+    for sizes in (None, dict(n_layer=2, n_head=None)):  # flags equal to the LM's (or unset) are fine
+        e = build_energy('unit', lm_ckpt, meta, sizes=sizes)
+        assert e.kind == 'unit' and e.config == lm.config and e.config.causal
+        with torch.no_grad():
+            assert torch.equal(e.body.hidden(x), lm.hidden(x))
+            assert torch.equal(e(x, 4), torch.zeros(3))
+    for sizes, what in ((dict(n_layer=3), 'n_layer=2'), (dict(n_embd=64), 'n_embd=32'), (dict(n_head=4), 'n_head=2')):
+        with pytest.raises(ValueError, match=f'UNIT energy has the shape of the LM it starts from .*{what}'):
+            build_energy('unit', lm_ckpt, meta, sizes=sizes)
+    # the paper's UNIT may be another (e.g. larger) LM of the same data: init_from copies that one
+    out = str(tmp_path / 'lm1')
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--max_iters', '1', '--eval_interval', '1',
+                   '--final_eval', '0', *TRAIN_FLAGS, '--n_layer', '1'])
+    lm1, _ = load_lm(os.path.join(out, 'ckpt.pt'))
+    e = build_energy('unit', lm_ckpt, meta, init_from=os.path.join(out, 'ckpt.pt'))
+    assert e.config.n_layer == 1
+    with torch.no_grad():
+        assert torch.equal(e.body.hidden(x), lm1.hidden(x))
+    with pytest.raises(ValueError, match="unknown energy kind 'mlp'"):
+        build_energy('mlp', lm_ckpt, meta)
+
+
+def test_bit_from_mlm_and_from_scratch(lm_corpus, lm_ckpt, mlm_ckpt, tmp_path):
+    meta = load_meta(lm_corpus)
+    V = meta['vocab_size']
+    mlm = load_checkpoint(mlm_ckpt)
+    assert mlm['kind'] == 'mlm' and mlm['config']['vocab_size'] == V + 1 and not mlm['config']['causal']
+    e = build_energy('bit', lm_ckpt, meta, init_from=mlm_ckpt, pool='all')
+    assert e.kind == 'bit' and e.pool == 'all' and asdict(e.config) == mlm['config']
+    body = e.body.state_dict()
+    assert body.keys() == mlm['model'].keys()
+    for k, v in mlm['model'].items():
+        assert torch.equal(body[k], v), k
+    ref = GPT(GPTConfig(**mlm['config']))
+    ref.load_state_dict(mlm['model'])
+    x = torch.randint(V + 1, (2, 8), generator=torch.Generator().manual_seed(0))  # [MASK] included
+    with torch.no_grad():
+        assert torch.equal(e.body.hidden(x), ref.eval().hidden(x))
+        # bidirectional: the first position's state depends on the last token
+        y = x.clone()
+        y[:, -1] = (y[:, -1] + 1) % V
+        assert (e.body.hidden(x)[:, 0] - e.body.hidden(y)[:, 0]).abs().max().item() > 1e-4
+    with pytest.raises(ValueError, match="is a 'lm' checkpoint: a BIT starts from a masked-LM one"):
+        build_energy('bit', lm_ckpt, meta, init_from=lm_ckpt)
+    # from scratch: the LM's sizes and block unless told, one extra token ([MASK]), no causal mask
+    e = build_energy('bit', lm_ckpt, meta)
+    assert (e.config.vocab_size, e.config.block_size, e.config.n_layer, e.config.causal) == (V + 1, 16, 2, False)
+    e = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_embd=16, n_head=None), block_size=12)
+    assert (e.config.n_layer, e.config.n_embd, e.config.n_head, e.config.block_size) == (1, 16, 2, 12)
+    # an MLM of another corpus whose vocabulary happens to have the same size is still refused
+    other = prepare_corpus(tmp_path / 'upper', {'u.txt': CORPUS.upper()}, extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+    assert load_meta(other)['vocab_size'] == V and load_meta(other)['chars'] != meta['chars']
+    out = str(tmp_path / 'mlm_upper')
+    train_lm.main(['--data_dir', other, '--out_dir', out, '--objective', 'mlm', '--max_iters', '1',
+                   '--eval_interval', '1', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
+    with pytest.raises(ValueError, match='another vocabulary'):
+        build_energy('bit', lm_ckpt, meta, init_from=os.path.join(out, 'ckpt.pt'))
+
+
+@pytest.mark.parametrize('V', [5, 50])
+def test_mlm_mask_proportions(V):
+    shape = (400, 500)
+    n = shape[0] * shape[1]
+    x = torch.randint(V, shape, generator=torch.Generator().manual_seed(0))
+    inputs, targets = mlm_mask(x, V, mask_id=V, generator=torch.Generator().manual_seed(1))
+    chosen = targets != -1
+
+    def close(k, total, p):  # k successes in total trials within 5 binomial standard errors of p
+        return abs(k / total - p) < 5 * math.sqrt(p * (1 - p) / total)
+
+    nc = chosen.sum().item()
+    assert close(nc, n, 0.15), nc / n
+    for half in (chosen[:, :250], chosen[:, 250:], chosen[:200], chosen[200:]):  # not a block of positions
+        assert close(half.sum().item(), half.numel(), 0.15)
+    assert torch.equal(targets[chosen], x[chosen]) and (targets[~chosen] == -1).all()
+    assert torch.equal(inputs[~chosen], x[~chosen])
+    masked = chosen & (inputs == V)
+    kept = chosen & (inputs == x)
+    rand = chosen & (inputs != x) & (inputs != V)
+    # a random replacement is uniform over the V real tokens (never [MASK]), so it equals the
+    # original 1/V of the time; with V = 5 a [MASK] among them would show as 0.8 + 0.1/6 masked
+    assert close(masked.sum().item(), nc, 0.8), masked.sum().item() / nc
+    assert close(kept.sum().item(), nc, 0.1 + 0.1 / V), kept.sum().item() / nc
+    assert close(rand.sum().item(), nc, 0.1 * (1 - 1 / V)), rand.sum().item() / nc
+    assert inputs.min().item() >= 0 and inputs.max().item() == V
+    counts = torch.bincount(inputs[rand], minlength=V).double()
+    assert counts.numel() == V
+    expected = counts.sum() / V
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 3 * V + 10, chi2  # V - 1 degrees of freedom: a chance failure is < 1e-4 for both V
+    again = mlm_mask(x, V, mask_id=V, generator=torch.Generator().manual_seed(1))
+    other = mlm_mask(x, V, mask_id=V, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(again[0], inputs) and torch.equal(again[1], targets)
+    assert not torch.equal(other[1], targets)
+
+
+# windows and negatives
+
+def windows_brute(data, eot, P, L, stride=None):
+    n, stride, out, doc_start = P + L, stride or P + L, [], 0
+    for o in range(len(data)):
+        if o > 0 and data[o - 1] == eot:
+            doc_start = o
+        if (o - doc_start) % stride == 0 and o + n <= len(data) and eot not in data[o:o + n]:
+            out.append(o)
+    return out
+
+
+def test_windows_brute_force():
+    rng = np.random.default_rng(0)
+    eot = 0
+    docs = [rng.integers(1, 9, size=k).tolist() for k in (0, 1, 3, 9, 10, 11, 25, 0, 0, 17, 40, 2, 10)]
+    for lead, trail in ((False, True), (True, False)):
+        data = [eot] * lead + sum((d + [eot] for d in docs), [])
+        data = np.array(data[:-1] if not trail else data, dtype=np.uint16)
+        for P, L, stride in ((4, 6, None), (2, 1, None), (3, 3, 1), (5, 5, 4), (1, 1, 7), (30, 10, None)):
+            got = negatives.windows(data, eot, P, L, stride)
+            ref = windows_brute(data.tolist(), eot, P, L, stride)
+            assert got.dtype == np.int64 and got.tolist() == ref, (P, L, stride)
+            for o in got:
+                assert eot not in data[o:o + P + L].tolist() and o + P + L <= len(data)
+            if not ref:
+                continue
+            toks = negatives.window_tokens(data, got, P + L)
+            assert toks.dtype == torch.int64 and toks.tolist() == [data[o:o + P + L].tolist() for o in ref]
+            for m in (1, 2, 3, 7, len(ref) - 1, len(ref), len(ref) + 5):
+                if m < 1:
+                    continue
+                sub = negatives.windows(data, eot, P, L, stride, max_windows=m).tolist()
+                if m >= len(ref):
+                    assert sub == ref
+                    continue
+                idx = [ref.index(o) for o in sub]  # a subset, in order, of m distinct windows
+                assert len(sub) == m and idx == sorted(set(idx)) and idx[0] == 0
+                if m > 1:  # evenly spaced from the first to the last window
+                    gaps = np.diff(idx)
+                    assert idx[-1] == len(ref) - 1 and gaps.max() - gaps.min() <= 1, (m, idx)
+    assert len(negatives.windows(np.array([1, 2, 0, 3], dtype=np.uint16), 0, 2, 1)) == 0
+
+
+def neg_files(d):
+    names = ('tokens.bin', 'logp.bin', 'logq.bin', 'done.bin', 'offsets.npy', 'meta.json')
+    return {f: open(os.path.join(d, f), 'rb').read() for f in names}
+
+
+def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypatch):
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
+    res = run_script(['negatives.py', '--out_dir', a, *flags])
+    assert res.returncode == 0, res.stdout + res.stderr
+    # b: killed while sampling its third chunk (of 5), after a partial write of that chunk's rows
+    orig, calls = GPT.generate, []
+
+    def killed_at_third_chunk(self, *args, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return orig(self, *args, **kw)
+
+    monkeypatch.setattr(GPT, 'generate', killed_at_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        negatives.main(['--out_dir', b, *flags])
+    monkeypatch.setattr(GPT, 'generate', orig)
+    part = negatives.load_negatives(b, mode='r+')
+    assert part['done'].tolist() == [1, 1, 0, 0, 0] and not part['meta']['complete']
+    rng = np.random.default_rng(0)
+    for name in ('tokens', 'logp', 'logq'):
+        part[name][10:15] = rng.integers(0, 60000, part[name][10:15].shape)
+        part[name].flush()
+    del part
+    with pytest.raises(ValueError, match='incomplete: rerun negatives.py with the same flags'):
+        negatives.load_negatives(b)
+    fa, fb = neg_files(a), neg_files(b)
+    assert fa['tokens.bin'] != fb['tokens.bin'] and fa['done.bin'] != fb['done.bin']
+    assert fa['tokens.bin'][:10 * 3 * 4 * 2] == fb['tokens.bin'][:10 * 3 * 4 * 2]  # the two done chunks
+    res = run_script(['negatives.py', '--out_dir', b, *flags])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert neg_files(b) == fa
+    res = run_script(['negatives.py', '--out_dir', b, *flags])  # complete: nothing left to do
+    assert res.returncode == 0 and neg_files(b) == fa
+
+    # what the files hold: the LM's own samples and their log-probs
+    meta = load_meta(lm_corpus)
+    neg = negatives.load_negatives(a, lm_path=lm_ckpt)
+    data = load_split(lm_corpus, 'train', meta)
+    assert neg['offsets'].tolist() == negatives.windows(data, meta['eot_id'], 6, 4, max_windows=23).tolist()
+    N, K, L = 23, 3, 4
+    assert neg['tokens'].shape == (N, K, L) and neg['done'].tolist() == [1] * 5 and neg['meta']['complete']
+    tokens = torch.from_numpy(neg['tokens'].astype(np.int64)).view(N * K, L)
+    assert len({tuple(t) for t in tokens.tolist()}) > N  # samples, not copies of one
+    prefix = negatives.window_tokens(data, neg['offsets'], 6).repeat_interleave(K, 0)
+    lm, _ = load_lm(lm_ckpt)
+    with torch.no_grad():
+        ref = lm.sequence_logprob(torch.cat([prefix, tokens], 1), 6)
+        wrong = lm.sequence_logprob(torch.cat([prefix.roll(K, 0), tokens], 1), 6)
+    logp = torch.from_numpy(np.array(neg['logp'])).view(-1)
+    assert (logp - ref).abs().max().item() < 1e-4
+    assert (logp - wrong).abs().max().item() > 1e-2  # the check can see a prefix/sample mix-up
+    assert np.array_equal(neg['logq'], neg['logp'])  # untruncated: q is P_LM itself
+    # truncated sampling: logq is the renormalised top-k proposal, logp still the untruncated LM
+    c = str(tmp_path / 'topk')
+    negatives.main(['--out_dir', c, *flags, '--top_k', '3'])
+    neg = negatives.load_negatives(c)
+    assert neg['meta']['top_k'] == 3
+    tokens = torch.from_numpy(neg['tokens'].astype(np.int64)).view(N * K, L)
+    with torch.no_grad():
+        total, per_tok = lm.sequence_logprob(torch.cat([prefix, tokens], 1), 6, per_token=True)
+    assert (torch.from_numpy(np.array(neg['logp'])).view(-1) - total).abs().max().item() < 1e-4
+    ranks = (logprobs64(lm, torch.cat([prefix, tokens], 1))[:, 5:-1] > per_tok.double()[..., None] + 1e-6).sum(-1)
+    assert ranks.max().item() < 3  # every token among the 3 most likely
+    logq = np.array(neg['logq'])
+    assert (logq >= np.array(neg['logp']) - 1e-6).all() and (logq > np.array(neg['logp']) + 1e-3).mean() > 0.9
+
+
+# NCE training
+
+def unigram_lm(data_dir, path):
+    """Save an LM checkpoint that ignores its context: every next-token distribution is the
+    unigram distribution of the train split (blocks are identities, the final LayerNorm outputs
+    a constant that the tied head maps to the unigram log-probs). Returns those log-probs."""
+    meta = load_meta(data_dir)
+    V = meta['vocab_size']
+    counts = np.bincount(np.asarray(load_split(data_dir, 'train', meta)), minlength=V)
+    logp = torch.from_numpy(np.log(counts / counts.sum())).float()
+    cfg = GPTConfig(block_size=16, vocab_size=V, n_layer=1, n_head=1, n_embd=8, bias=True)
+    torch.manual_seed(0)
+    lm = GPT(cfg)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if 'c_proj' in name:
+                p.zero_()
+        lm.transformer.ln_f.weight.zero_()
+        lm.transformer.ln_f.bias.zero_()
+        lm.transformer.ln_f.bias[0] = 1.0
+        lm.transformer.wte.weight[:, 0] = logp
+    save_checkpoint(dict(kind='lm', model=lm.state_dict(), config=asdict(cfg), meta=dict(meta, data_dir=data_dir)), path)
+    return logp
+
+
+def test_nce_learns_what_the_lm_cannot_see(tmp_path):
+    """Every 8-character window is a random 4-letter word followed by a copy of it. The base LM is
+    the exact unigram model, so real continuations and its samples look the same to it; the energy
+    must learn the copy. 800 iterations of a tiny BIT: ~5 s."""
+    rng = random.Random(0)
+    words = lambda n: ''.join(w + w for w in (''.join(rng.choice('abcdefgh') for _ in range(4)) for _ in range(n)))
+    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25) for i in range(120)},
+                              extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+    lm_path = str(tmp_path / 'unigram.pt')
+    logp_uni = unigram_lm(data_dir, lm_path)
+    lm, _ = load_lm(lm_path)
+    V = len(logp_uni)
+    x = torch.randint(V, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (F.log_softmax(lm(x)[0], -1) - logp_uni).abs().max().item() < 1e-5
+    for split in ('train', 'val'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '4',
+                        '--gen_len', '4', '--num_samples', '4', '--chunk', '256', *CPU])
+    meta = load_meta(data_dir)
+    val = load_split(data_dir, 'val', meta)
+    neg = negatives.load_negatives(str(tmp_path / 'val'))
+    pos = negatives.window_tokens(val, neg['offsets'], 8)
+    assert len(pos) == 300 and torch.equal(pos[:, :4], pos[:, 4:])  # windows are aligned with the words
+    samples = torch.from_numpy(neg['tokens'].astype(np.int64))
+    assert (samples == pos[:, None, :4]).all(-1).float().mean().item() < 0.01
+    # to the LM, a real continuation is as likely as its own samples
+    assert abs(logp_uni[pos[:, 4:]].sum(1).mean().item() - np.array(neg['logp']).mean()) < 0.2
+    out = str(tmp_path / 'bit')
+    res = nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--val_negatives',
+                          str(tmp_path / 'val'), '--out_dir', out, '--energy', 'bit', '--n_layer', '2',
+                          '--n_head', '2', '--n_embd', '32', '--batch_size', '32', '--max_iters', '800',
+                          '--eval_interval', '800', '--log_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
+                          '--warmup_iters', '20', *CPU])
+    assert res['val_prefixes'] == 256 and res['val_acc'] > 0.9, res
+    assert res['val_e_pos'] < res['val_e_neg']
+    # independently, with the saved energy: every (positive, stored negative) pair of the val split
+    energy, ckpt = load_energy(os.path.join(out, 'ckpt.pt'), lm_path=lm_path)
+    assert ckpt['iter_num'] == 800 and energy.kind == 'bit'
+    with torch.no_grad():
+        e_pos = energy(pos, 4)
+        e_neg = energy(torch.cat([pos[:, None, :4].expand(-1, 4, -1), samples], 2).flatten(0, 1), 4).view(-1, 4)
+    assert (e_pos[:, None] < e_neg).float().mean().item() > 0.9
+    with pytest.raises(ValueError, match='residual of another LM'):
+        load_energy(os.path.join(out, 'ckpt.pt'), lm_path=os.path.join(out, 'results.json'))
+
+
+def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
+    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
+             '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1', '--grad_accum', '2', *NCE_FLAGS,
+             '--lr', '1e-2']
+    ddp, single = str(tmp_path / 'ddp'), str(tmp_path / 'single')
+    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'nce_train.py',
+                      '--out_dir', ddp, *flags])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '2 process(es)' in res.stdout
+    r1 = nce_train.main(['--out_dir', single, *flags])
+    (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
+    assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
+    for it in ls:
+        assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
+    for it in vs:
+        assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
+    assert max(ls.values()) - min(ls.values()) > 1e-3  # the energy trains: the curve is not flat
+    with open(os.path.join(ddp, 'results.json')) as f:
+        rd = json.load(f)
+    assert rd['val_prefixes'] == r1['val_prefixes'] == 10
+    for k in ('val_loss', 'val_acc', 'val_e_pos', 'val_e_neg'):
+        assert abs(rd[k] - r1[k]) < 1e-4, k
+    md, ms = (load_checkpoint(os.path.join(d, 'ckpt.pt'))['model'] for d in (ddp, single))
+    assert md.keys() == ms.keys()
+    for k in ms:
+        assert (md[k] - ms[k]).abs().max().item() < 1e-4, k
+
+
+def test_nce_resume_is_exact(lm_corpus, tmp_path):
+    """A UNIT from an LM with dropout 0.1, ranking NCE over 2 of 3 negatives: the resumed run
+    continues the dropout draws too."""
+    lm_dir = str(tmp_path / 'lm')
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', lm_dir, '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
+    lm_path = os.path.join(lm_dir, 'ckpt.pt')
+    for split in ('train', 'val'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split),
+                        '--max_prefixes', '24', *NEG_FLAGS])
+    flags = ['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--val_negatives', str(tmp_path / 'val'),
+             '--energy', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4', '--log_interval', '1',
+             '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    nce_train.main(['--out_dir', a, '--max_iters', '8', *flags])
+    nce_train.main(['--out_dir', b, '--max_iters', '4', *flags])
+    cb = load_checkpoint(os.path.join(b, 'ckpt.pt'))
+    assert cb['iter_num'] == 4 and cb['energy_kind'] == 'unit' and cb['config']['dropout'] == 0.1
+    torch.manual_seed(123)
+    nce_train.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
+    (la, va), (lb, vb) = read_log(a), read_log(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 9)) and sorted(va) == sorted(vb) == [4, 8]
+    for it in range(1, 9):
+        assert abs(la[it] - lb[it]) <= 1e-6, (it, la[it], lb[it])
+    assert abs(va[8] - vb[8]) <= 1e-6
+    assert abs(la[1] - math.log(3)) < 1e-6  # E = 0 at the start: ranking among 3 is ln 3
+    ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
+    assert ca['iter_num'] == cb['iter_num'] == 8
+    for k in ca['model']:
+        assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
+
+
+def test_negatives_and_nce_bad_input(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path):
+    # another LM: the fox LM with its weights nudged
+    other_lm = str(tmp_path / 'other_lm.pt')
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v + 0.01 for k, v in ck['model'].items()}
+    save_checkpoint(ck, other_lm)
+    # a corpus with the LM's characters whose documents are all shorter than prefix + continuation
+    sentence = CORPUS[:45]
+    short = prepare_corpus(tmp_path / 'short', {f'{i}.txt': sentence[9 * i:9 * i + 9] for i in range(5)})
+    # a complete negatives dir, rerun with other settings
+    rerun = str(tmp_path / 'rerun')
+    shutil.copytree(fox_negatives['val'], rerun)
+    before = dir_snapshot(rerun)
+    existing = tmp_path / 'existing'
+    existing.mkdir()
+    (existing / 'ckpt.pt').write_bytes(b'an older energy')
+    before_existing = dir_snapshot(existing)
+    # --resume of a checkpoint that is an LM, or the energy of another LM
+    lm_dir, other_energy = tmp_path / 'lm_dir', tmp_path / 'other_energy'
+    lm_dir.mkdir()
+    (lm_dir / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
+    meta = load_meta(load_checkpoint(lm_ckpt)['meta']['data_dir'])
+    save_checkpoint(dict(energy_state(build_energy('bit', other_lm, meta), other_lm, meta), iter_num=1),
+                    str(other_energy / 'ckpt.pt'))
+    before_resume = dir_snapshot(lm_dir), dir_snapshot(other_energy)
+    # val negatives with fewer samples than the ranking loss compares
+    val_k1 = str(tmp_path / 'val_k1')
+    negatives.main(['--lm', lm_ckpt, '--split', 'val', '--out_dir', val_k1, *NEG_FLAGS, '--num_samples', '1'])
+    out = lambda name: str(tmp_path / name)
+    neg = ['negatives.py', '--lm', lm_ckpt, *NEG_FLAGS]
+    nce = ['nce_train.py', '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
+           '--max_iters', '2', *NCE_FLAGS]
+    cases = [
+        ([*neg, '--out_dir', out('n1'), '--num_samples', '0'], '--num_samples 0 must be at least 1'),
+        ([*neg, '--out_dir', out('n2'), '--data_dir', short, '--split', 'val'], 'val split has no document of 10 tokens'),
+        ([*neg, '--out_dir', out('n3'), '--prefix_len', '12', '--gen_len', '8'], "exceeds the LM's block_size 16"),
+        ([*neg, '--out_dir', rerun, '--split', 'val', '--chunk', '8', '--gen_len', '3', '--seed', '7'],
+         'other settings (gen_len, num_prefixes, seed)'),
+        ([*nce, '--lm', other_lm, '--out_dir', out('e1')], 'sampled from another LM'),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e2'), '--init_from', mlm_ckpt], "exceeds the energy's block_size 8"),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e3'), '--energy', 'unit', '--n_layer', '3'],
+         'a UNIT energy has the shape of the LM'),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e4'), '--init_from', lm_ckpt], "is a 'lm' checkpoint"),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', str(existing)], 'exists: pass --resume'),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e5'), '--loss', 'ranking', '--num_neg', '4'],
+         '--num_neg 4 must be between 1 and the 3'),
+        (['nce_train.py', '--negatives', out('nowhere'), '--val_negatives', fox_negatives['val'], '--lm', lm_ckpt,
+          '--out_dir', out('e6')], 'no negatives in'),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', str(lm_dir), '--resume'], "holds a 'lm' model, not an energy"),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', str(other_energy), '--resume'], 'is the residual of another LM'),
+        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e7'), '--loss', 'ranking', '--val_negatives', val_k1],
+         '--num_neg 3 must be between 1 and the 1 stored negatives per prefix (train 3, val 1)'),
+    ]
+    for res, (args, msg) in zip(run_scripts([a for a, _ in cases]), cases):
+        assert_clean_error(res, msg)
+    for name in ('n1', 'n2', 'n3', 'e1', 'e2', 'e3', 'e4', 'e5', 'e6', 'e7'):
+        assert not os.path.exists(out(name)), name
+    assert dir_snapshot(rerun) == before and dir_snapshot(existing) == before_existing
+    assert (dir_snapshot(lm_dir), dir_snapshot(other_energy)) == before_resume

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
-from model import GPT, GPTConfig, check_vocab, load_checkpoint, save_checkpoint
+from model import (GPT, PAPER_DATA, PAPER_PRESETS, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint,
+                   load_lm, save_checkpoint, width_for_params)
 from tokenizer import load_tokenizer
 
 
@@ -38,6 +39,11 @@ def get_args(argv=None):
     a('--data_dir', default='data/shakespeare', help='prepared data (data/<corpus>/prepare.py)')
     a('--out_dir', default='out/lm', help='checkpoint, log and results go here')
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
+    a('--preset', default=None, choices=sorted(PAPER_PRESETS),
+      help="the paper's model shape and Table 4 optimisation settings (GPU scale; flags still override)")
+    a('--residual_of', default=None, help='train a RALM (Eq. 6): a GPT whose logits add to this frozen LM\'s')
+    a('--match_params', type=int, default=None,
+      help='BALM: choose n_embd so the model has about this many parameters (e.g. base LM + energy)')
     a('--objective', default='lm', choices=['lm', 'mlm'],
       help="lm: next-token MLE (base LM, BALM); mlm: BERT-style masked LM of a bidirectional body "
            "(the BIT energy's pretraining, energy.py)")
@@ -73,6 +79,9 @@ def get_args(argv=None):
     a('--compile', action='store_true', help='torch.compile the model')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true', help='no progress bar')
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
     args = p.parse_args(argv)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     return args
@@ -236,6 +245,9 @@ def main(argv=None):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
 
     mlm = args.objective == 'mlm'
+    if args.match_params:
+        args.n_embd = width_for_params(args.match_params, args.n_layer, args.n_head, meta['vocab_size'] + mlm,
+                                       args.block_size, args.bias)
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm)
     iter_num, best_val_loss, ckpt = 0, float('inf'), None
@@ -246,9 +258,15 @@ def main(argv=None):
             raise ValueError(f"{ckpt_path} was trained with --objective {ckpt['kind']}, not {args.objective}")
         config = GPTConfig(**ckpt['config'])  # the architecture is the checkpoint's, not the flags'
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-    model = GPT(config).to(device)
+    if args.residual_of:
+        if mlm:
+            raise ValueError("--residual_of trains a RALM, a causal LM: it does not go with --objective mlm")
+        model = RALM(config, load_lm(args.residual_of, meta=meta)[0])
+    else:
+        model = GPT(config)
+    model.to(device)
     if ckpt:
-        model.load_state_dict(ckpt['model'])
+        model.load_state_dict(ckpt['model'], strict=not args.residual_of)
     optimizer = configure_optimizer(model, args, device)
     scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
     if ckpt:
@@ -265,6 +283,8 @@ def main(argv=None):
     val_offsets = batch_offsets(len(val_data), args.block_size, args.eval_iters * args.batch_size, args.seed, -1)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
+        if args.match_params:
+            print(f"n_embd {config.n_embd} gives {raw_model.num_params():,} parameters for the {args.match_params:,} asked")
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
               f"{world_size} process(es) on {device}, {dtype}")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
@@ -279,7 +299,9 @@ def main(argv=None):
         return loss, dict(loss=loss.item())
 
     def checkpoint():
-        save_checkpoint(dict(kind=args.objective, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+        residual = isinstance(raw_model, RALM)
+        save_checkpoint(dict(kind=args.objective, model=raw_model.residual_state_dict() if residual else raw_model.state_dict(),
+                             residual_of=(args.residual_of, file_hash(args.residual_of)) if residual else None, optimizer=optimizer.state_dict(),
                              scaler=scaler.state_dict(), config=asdict(config), args=vars(args),
                              iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
                              meta=dict(meta, data_dir=args.data_dir)), ckpt_path)

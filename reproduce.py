@@ -1,0 +1,155 @@
+"""
+The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU.
+
+    prepare -> BASE LM -> BALM -> RALM -> negatives (train, val) -> MLM pretraining of the BIT body
+    -> JOINT BIT (NCE) -> JOINT UNIT (NCE) -> joint PPL of every model on val and test (Eq. 4),
+    per-step PPL (Eq. 5) and the bounds as n grows -> joint samples and analyses
+
+Each stage is the command a user would type (printed before it runs); a stage whose outputs
+exist is skipped and a half-done one resumes, so an interrupted run just continues. Everything
+lands in --out_dir: checkpoints, results.json (one row per model and split), the figures, and
+timings.json.
+
+    python reproduce.py                # ~30 min on 2 CPU cores
+    python reproduce.py --quick        # a few minutes, tiny models: the CI smoke test
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from data import write_json
+from energy import Energy
+from model import GPTConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Sizes and budgets. DEFAULT is tuned for ~30 minutes on this 2-core CPU (README has the timings).
+DEFAULT = dict(
+    lm=dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16, max_iters=1000, lr=2e-3,
+            warmup_iters=50, eval_interval=250),
+    residual=dict(n_layer=4, n_head=4, n_embd=256),      # RALM's phi: the LM's shape, as in the paper
+    mlm_iters=300,
+    neg=dict(prefix_len=128, gen_len=64, num_samples=4, train_prefixes=4000, val_prefixes=256),
+    nce=dict(batch_size=16, max_iters=600, lr=3e-4, warmup_iters=50, eval_interval=200),
+    ppl=dict(max_prefixes=128, num_samples=64, sweep='2,4,8,16,32,64', step_prefixes=8, step_samples=16),
+    samples=dict(num_prefixes=4, n=256),
+)
+QUICK = dict(
+    lm=dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=16, max_iters=150, lr=3e-3,
+            warmup_iters=10, eval_interval=75),
+    residual=dict(n_layer=1, n_head=2, n_embd=64),
+    mlm_iters=40,
+    neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=400, val_prefixes=64),
+    nce=dict(batch_size=16, max_iters=150, lr=1e-3, warmup_iters=10, eval_interval=75),
+    ppl=dict(max_prefixes=32, num_samples=16, sweep='2,4,16', step_prefixes=2, step_samples=4),
+    samples=dict(num_prefixes=2, n=32),
+)
+
+
+def run(cmd, name, done, timings, timings_path):
+    """Run one stage unless `done` (a path) exists; record its wall time."""
+    if done and os.path.exists(done):
+        print(f"[{name}] done already ({os.path.relpath(done)} exists): skipped")
+        return
+    print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    if subprocess.run([sys.executable] + cmd, cwd=HERE).returncode != 0:
+        sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: finished stages are skipped")
+    timings[name] = round(time.time() - t0, 1)
+    write_json(timings, timings_path)
+
+
+def flags(d):
+    return [f for k, v in d.items() for f in (f'--{k}', str(v))]
+
+
+def energy_params(lm, vocab_size):
+    """Parameters of a BIT of the LM's shape (counted on the meta device): BALM's target is LM + this."""
+    with torch.device('meta'):
+        cfg = GPTConfig(**{k: lm[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}, vocab_size=vocab_size + 1, causal=False)
+        return Energy(cfg).num_params()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--quick', action='store_true', help='tiny models and budgets (a smoke test of every stage)')
+    p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/ with --quick)')
+    p.add_argument('--data_dir', default='data/shakespeare')
+    p.add_argument('--seed', type=int, default=1337)
+    p.add_argument('--quiet', action='store_true', help='no progress bars in the stages')
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else DEFAULT
+    out = args.out_dir or ('out-quick' if args.quick else 'out')
+    path = lambda *a: os.path.join(out, *a)
+    os.makedirs(out, exist_ok=True)
+    timings_path = path('timings.json')
+    timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
+    common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
+    stage = lambda name, cmd, done: run(cmd + common, name, done, timings, timings_path)
+    lm, neg, nce = cfg['lm'], cfg['neg'], cfg['nce']
+
+    stage('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir], os.path.join(args.data_dir, 'meta.json'))
+    vocab = json.load(open(os.path.join(HERE, args.data_dir, 'meta.json')))['vocab_size']
+    lm_ckpt = path('lm', 'ckpt.pt')
+
+    def train(name, extra, objective='lm'):
+        resume = ['--resume'] if os.path.exists(path(name, 'ckpt.pt')) else []
+        stage(name, ['train_lm.py', '--data_dir', args.data_dir, '--out_dir', path(name), '--objective', objective]
+              + flags(lm) + extra + resume, path(name, 'results.json'))
+
+    train('lm', [])
+    lm_params = json.load(open(path('lm', 'results.json')))['params']
+    train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))])
+    train('ralm', ['--residual_of', lm_ckpt] + flags(cfg['residual']))
+    for split, n in (('train', neg['train_prefixes']), ('val', neg['val_prefixes'])):
+        stage(f'negatives_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'neg_{split}'),
+                                     '--max_prefixes', str(n)] + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), None)
+    train('mlm', ['--max_iters', str(cfg['mlm_iters']), '--final_eval', '0'], objective='mlm')
+    for kind, init in (('bit', path('mlm', 'ckpt.pt')), ('unit', lm_ckpt)):
+        resume = ['--resume'] if os.path.exists(path(kind, 'ckpt.pt')) else []
+        stage(kind, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path('neg_train'), '--val_negatives', path('neg_val'),
+                     '--energy', kind, '--init_from', init, '--out_dir', path(kind)] + flags(nce) + resume, path(kind, 'results.json'))
+    ppl = cfg['ppl']
+    stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
+                           '--energy', f"UNIT={path('unit', 'ckpt.pt')}", f"BIT={path('bit', 'ckpt.pt')}",
+                           '--extra_lm', f"RALM={path('ralm', 'ckpt.pt')}", f"BALM={path('balm', 'ckpt.pt')}",
+                           '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']), '--per_step',
+                           '--out', path('ppl.json')] + flags(ppl), path('ppl.json'))
+    stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'ckpt.pt'), '--split', 'test',
+                      '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                      '--out', path('samples.json')] + flags(cfg['samples']), path('samples.json'))
+    report(out, timings)
+
+
+def report(out, timings):
+    """results.json: the Table-1 rows (model, params, split, ppl or ppl_low/ppl_high/gain_se)."""
+    ppl = json.load(open(os.path.join(out, 'ppl.json')))
+    keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')
+    rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
+    lm = json.load(open(os.path.join(out, 'lm', 'results.json')))
+    nce = {k: json.load(open(os.path.join(out, k, 'results.json')))['val_acc'] for k in ('bit', 'unit')}
+    write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], nce_val_acc=nce, timings_s=timings,
+                    num_samples=ppl['splits']['test']['num_samples'], num_prefixes=ppl['splits']['test']['num_prefixes']),
+               os.path.join(out, 'results.json'))
+    print(f"\nTable 1 (Shakespeare, char-level; joint PPL as a range from {ppl['splits']['test']['num_samples']} samples)")
+    splits = list(ppl['splits'])
+    print(f"{'model':<12} {'params':>8} " + ' '.join(f"{s + ' PPL':>16}" for s in splits) + f" {'test gain (SE)':>18}")
+    for name in dict.fromkeys(r['model'] for r in rows):
+        cells = {r['split']: r for r in rows if r['model'] == name}
+        fmt = lambda r: f"{r['ppl']:.3f}" if 'ppl' in r else f"{r['ppl_low']:.3f}-{r['ppl_high']:.3f}"
+        test = cells.get('test', {})
+        gain = f"{100 * test['gain_nats_per_token']:.2f}% ({100 * test['gain_se']:.2f})" if 'gain_se' in test else ''
+        print(f"{name:<12} {next(iter(cells.values()))['params'] / 1e6:>7.2f}M " +
+              ' '.join(f"{fmt(cells[s]) if s in cells else '':>16}" for s in splits) + f" {gain:>18}")
+    print(f"held-out NCE accuracy: BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
+    print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json, figures {out}/ppl_*.png")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install what it needs, then reproduce Table 1 on Shakespeare.
+# Extra arguments go to reproduce.py (e.g. --quick, --out_dir).
+set -euo pipefail
+cd "$(dirname "$0")"
+python -m pip install -q -r requirements.txt
+python reproduce.py "$@"
