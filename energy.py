@@ -13,7 +13,6 @@ Pooling over the continuation only is the default: the prefix is the same for x+
 pooling it in only dilutes the difference the energy has to see (README has the comparison).
 """
 
-import math
 from dataclasses import asdict
 
 import torch

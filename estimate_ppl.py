@@ -137,7 +137,6 @@ def summarize(recs, names, extra_names, num_tokens, n, num_chars=None):
     """PPL of each model over the prefixes: the base LM, extra LMs, and each joint model as a
     range, with the per-prefix gain over the base LM (nats/token, conservative end) and its SE."""
     lp = np.array([r['lm_logp'] for r in recs])
-    units = [('token', num_tokens)] + ([('char', num_chars)] if num_chars else [])
     ppl = lambda logp, count: float(np.exp(-logp.sum() / count))
     rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
     for j, name in enumerate(extra_names):
@@ -228,6 +227,9 @@ def get_args(argv=None):
     for spec in args.energy + args.extra_lm:
         if '=' not in spec:
             raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/ckpt.pt")
+    names = ['BASE LM'] + [s.split('=', 1)[0] for s in args.energy + args.extra_lm]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be distinct (and not 'BASE LM'): {names[1:]}")
     if min([args.num_samples] + args.sweep) < 2:
         raise ValueError("--num_samples and --sweep values must be at least 2 (the upper bound needs leave-one-out)")
     return args
@@ -268,8 +270,9 @@ def main(argv=None):
                       [lm.num_params()] + [m.num_params() for m in extra_lms] + [lm.num_params() + e.num_params() for e in energies]))
     tok = load_tokenizer(meta)
 
-    out = dict(hashes=dict(lm=file_hash(args.lm), **{n: file_hash(s.split('=', 1)[1]) for n, s in zip(names + extra_names, args.energy + args.extra_lm)}),
-               splits={}, rows=[])
+    hashes = {'BASE LM': file_hash(args.lm)}
+    hashes.update({s.split('=', 1)[0]: file_hash(s.split('=', 1)[1]) for s in args.energy + args.extra_lm})
+    out = dict(hashes=hashes, splits={}, rows=[])
     for split in args.splits:
         data = load_split(data_dir, split, meta)
         offsets = windows(data, meta['eot_id'], P, L, max_windows=args.max_prefixes or None)

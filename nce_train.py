@@ -192,7 +192,6 @@ def main(argv=None):
     n_val = min(args.eval_prefixes, len(val_neg['offsets']))
     val_rows = np.arange(n_val)  # the first n_val val prefixes, each with fixed random negatives
     val_idx = choose(n_val, val_neg['meta']['num_samples'], n_val, M, args.seed, -1)[1]
-    micro_steps = args.grad_accum // world_size
     tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)

@@ -44,7 +44,7 @@ QUICK = dict(
     lm=dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=16, max_iters=150, lr=3e-3,
             warmup_iters=10, eval_interval=75),
     residual=dict(n_layer=1, n_head=2, n_embd=64),
-    mlm_iters=40,
+    mlm_iters=200,  # a shorter MLM pretraining leaves the BIT unable to learn (pooled states all alike)
     neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=400, val_prefixes=64),
     nce=dict(batch_size=16, max_iters=150, lr=1e-3, warmup_iters=10, eval_interval=75),
     ppl=dict(max_prefixes=32, num_samples=16, sweep='2,4,16', step_prefixes=2, step_samples=4),

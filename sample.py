@@ -4,7 +4,8 @@ Generation from the joint model P_LM exp(-E) (Section 3.3).
 - joint_sample, Algorithm 1: draw n continuations from the LM (top-k), score them with the
   energy, resample one with probability ∝ exp(-E). Chunked with a running Gumbel-max choice, so
   n = 10^4 runs in bounded memory. With correct_proposal the weights are exp(-E) P_LM / q, q the
-  top-k proposal: the target is then the untruncated joint model rather than the joint model of
+  top-k proposal: the target is then the untruncated joint model (on the support top-k can
+  reach: sequences it never proposes cannot be corrected for) rather than the joint model of
   the top-k LM. The effective sample size (Kish) says when the weights collapse onto one sample.
 - topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top-k next
   tokens reweighted by Z(x_<=t) estimated with m LM samples of the rest. Expensive by design;
@@ -18,7 +19,6 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import argparse
-import math
 import sys
 
 import numpy as np
@@ -115,7 +115,7 @@ def topk_autoregressive(lm, energy, prefix, gen_len, k, m, ctx, generator, max_r
 def unique_ngrams(texts, n):
     """Percentage of distinct word n-grams among all word n-grams of the texts (Fig. 2 right)."""
     grams = [tuple(w[i:i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
-    return 100.0 * len(set(grams)) / len(grams) if grams else float('nan')
+    return 100.0 * len(set(grams)) / len(grams) if grams else None  # None: no n-gram (JSON has no NaN)
 
 
 def get_args(argv=None):
@@ -151,6 +151,9 @@ def main(argv=None):
     energy, _ = load_energy(args.energy, args.lm, device)
     tok = load_tokenizer(meta)
     top_k = args.top_k or None
+    V = lm.config.vocab_size
+    if not (0 <= args.top_k <= V and 0 <= args.table_k <= V):
+        raise ValueError(f"--top_k and --table_k must be between 0 and the vocabulary size {V}")
     if args.n < 1:
         raise ValueError(f"--n {args.n} must be at least 1")
     if args.prompt is not None:
@@ -192,9 +195,9 @@ def main(argv=None):
         print_record(rec)
     report = dict(args=vars(args), samples=results, **analyses(results))
     write_json(report, args.out)
-    print(f"unique n-grams % (n=1..4): " + '; '.join(f"{k} " + ' '.join(f'{v:.1f}' for v in vals)
+    print("unique n-grams % (n=1..4): " + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)
                                                for k, vals in report['unique_ngrams'].items()))
-    print(f"mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
+    print("mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
           f"; -> {args.out}")
     return report
 
