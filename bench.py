@@ -1,26 +1,34 @@
 """
 Throughput benchmarks of rebm's building blocks, each against a baseline measured in the same
-process (so that ratios hold even on a noisy or shared machine):
+process:
 
 - matmul_peak: fp32 and bf16 square-matmul GFLOP/s, the peak that MFU is measured against;
-- train:       char-GPT training steps (forward + backward + AdamW on train-split windows),
-               tokens/s and MFU in fp32 and under bf16 autocast;
-- sampling:    K continuations per prompt with GPT.generate (prompt KV cache computed once and
-               shared by the K samples) vs a naive sampler that re-runs the full forward on the
-               whole sequence for every new token of every sample, as nanoGPT's generate does.
+- train:       char-GPT training steps as train_lm.py runs them (forward + backward + clipping +
+               AdamW on random train-split windows): tokens/s and MFU in fp32 and bf16 autocast;
+- sampling:    K continuations of each of B prompts with GPT.generate (the prompts' KV cache is
+               computed once and shared by their K samples), in fp32 and bf16 autocast, vs a
+               naive sampler without a cache that re-runs the model over the whole sequence for
+               every new token of every sample (nanoGPT's generate);
+- energy:      the BIT energy's forward (sequences/s at prefix 128 + continuation 64) and one
+               binary-NCE training step (positives and negatives in one forward), tokens/s;
+- estimation:  log Z estimation (LM samples drawn and scored per second) and joint sampling
+               (Algorithm 1) at n = 10^3 and 10^4 samples, with the process's peak memory: both
+               run in chunks, so memory should stay flat as n grows.
 
-    python bench.py                   # CPU, a few minutes on 2 cores
-    python bench.py --quick           # smoke test, under a minute (smaller sampling workload)
+    python bench.py                   # CPU: ~3 minutes on 2 idle cores
+    python bench.py --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
+                                      # instead of 8, so its sampling figures are not comparable
     python bench.py --device cuda     # GPU
 
-Each measurement is the median of --repeats timed runs after --warmup untimed ones. Prints a
-table, then one JSON object with every figure as the last line of stdout; the same JSON is
-written (atomically) to --out.
+Each figure is the median of --repeats timed runs after --warmup untimed ones (the matmul peak:
+the fastest run); the runs of the variants being compared alternate, so that load from other
+processes hits them alike. Prints a table, then one JSON object with every figure as the last
+line of stdout; the same JSON is written (atomically) to --out.
 """
 
 import argparse
 import json
-import os
+import resource
 import statistics
 import sys
 import time
@@ -29,7 +37,11 @@ from contextlib import nullcontext
 import torch
 
 from data import load_meta, load_split, write_json
+from energy import Energy
+from estimate_ppl import logz_bounds, sample_log_weights
 from model import GPT, GPTConfig, flops_per_token
+from nce_train import nce_loss
+from sample import joint_sample
 from train_lm import batch_offsets, configure_optimizer, get_args as train_lm_args, get_batch
 
 
@@ -39,10 +51,12 @@ def get_args(argv=None):
     a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
     a('--out', default='out/bench.json', help='the JSON of all figures is written here')
     a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
+    a('--threads', type=int, default=0,
+      help='CPU threads (0: torch default); 1 is steadier when other processes share the cores')
     a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true', help='print only the final JSON line (no progress, no table)')
+    a('--quiet', action='store_true', help='print only the JSON line (no progress on stderr, no table)')
     a('--quick', action='store_true',
-      help='smoke test: 1 warmup, 2 repeats and 2 sampling prompts instead of --sample_prompts')
+      help='smoke test: 1 warmup, 3 repeats and at most 2 sampling prompts')
     a('--warmup', type=int, default=2, help='untimed runs before each measurement')
     a('--repeats', type=int, default=5, help='timed runs per measurement (the median is reported)')
     a('--naive_repeats', type=int, default=1, help='timed runs of the (slow) naive sampler')
@@ -60,7 +74,7 @@ def get_args(argv=None):
     a('--new_tokens', type=int, default=64, help='tokens per continuation')
     args = p.parse_args(argv)
     if args.quick:
-        args.warmup, args.repeats, args.sample_prompts = 1, 2, min(args.sample_prompts, 2)
+        args.warmup, args.repeats, args.sample_prompts = 1, 3, min(args.sample_prompts, 2)
     return args
 
 
@@ -202,10 +216,67 @@ def bench_sampling(args, device, meta):
         sampling_samples_per_s_cached=n / t_cached, sampling_tokens_per_s_cached=n * L / t_cached,
         sampling_samples_per_s_naive=n / t_naive, sampling_tokens_per_s_naive=n * L / t_naive,
         sampling_speedup=t_naive / t_cached,
-        sampling_work_ratio=work_naive / work_cached,
+        sampling_token_forwards_ratio=work_naive / work_cached,
         sampling_samples_per_s_cached_bf16=n / t_bf16, sampling_tokens_per_s_cached_bf16=n * L / t_bf16,
         sampling_bf16_speedup=t_cached / t_bf16,
     )
+
+
+def bench_energy(args, device, meta):
+    """Energy forward (sequences/s at prefix 128 + continuation 64) and NCE training tokens/s
+    (one binary-NCE step of nce_train.py: positives and negatives in one forward)."""
+    P, L, B = 128, 64, args.batch_size
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd, causal=False)
+    energy = Energy(cfg).to(device)
+    x = torch.randint(meta['vocab_size'], (2 * B, P + L), device=device)
+    optimizer = configure_optimizer(energy, train_lm_args([]), device)
+
+    def forward():
+        with torch.no_grad():
+            energy(x, P)
+
+    def nce_step():
+        e = energy(x, P)
+        loss, _ = nce_loss(e[:B], e[B:, None])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    dt = timeit(dict(forward=forward, nce_step=nce_step), device, args.warmup, args.repeats)
+    return dict(energy_forward_seqs_per_s=2 * B / dt['forward'],
+                nce_train_tokens_per_s=2 * B * (P + L) / dt['nce_step'])
+
+
+def bench_estimation(args, device, meta):
+    """log Z estimation (LM samples drawn and scored per second) and joint sampling (Algorithm 1,
+    top-k 10) at n = 10^3 and 10^4 samples for one prefix, with the process's peak memory after
+    each: chunked, both should stay flat as n grows. A small model (2 layers, 128 wide) and
+    prefix 64 + continuation 32 keep n = 10^4 affordable."""
+    P, L = 64, 32
+    torch.manual_seed(args.seed)
+    lm = GPT(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'], n_layer=2, n_head=4, n_embd=128)).to(device).eval()
+    energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=2, n_head=4,
+                              n_embd=128, causal=False)).to(device).eval()
+    prefix = torch.randint(meta['vocab_size'], (1, P), device=device)
+    g = torch.Generator(device).manual_seed(args.seed)
+    res = {}
+    for n in ((10 ** 3,) if args.quick else (10 ** 3, 10 ** 4)):
+        t0 = time.perf_counter()
+        logz_bounds(sample_log_weights(lm, [energy], prefix, L, n, nullcontext(), g)[0])
+        res[f'logz_samples_per_s_n{n}'] = n / (time.perf_counter() - t0)
+        res[f'logz_peak_rss_mb_n{n}'] = peak_rss_mb()
+        t0 = time.perf_counter()
+        joint_sample(lm, energy, prefix, n, L, top_k=10, generator=g)
+        res[f'joint_samples_per_s_n{n}'] = n / (time.perf_counter() - t0)
+        res[f'joint_peak_rss_mb_n{n}'] = peak_rss_mb()
+    return res
+
+
+def peak_rss_mb():
+    """High-water mark of this process's resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -----------------------------------------------------------------------------
@@ -213,6 +284,8 @@ def bench_sampling(args, device, meta):
 def main(argv=None):
     args = get_args(argv)
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     meta = load_meta(args.data_dir)
     results = dict(device=device, num_threads=torch.get_num_threads(), quick=args.quick)
@@ -231,6 +304,8 @@ def main(argv=None):
     peak = run('matmul_peak', bench_matmul_peak)
     run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in DTYPES})
     run('sampling', bench_sampling, meta)
+    run('energy', bench_energy, meta)
+    run('estimation', bench_estimation, meta)
     results['bench_time_s'] = time.perf_counter() - t_start
 
     if not args.quiet:

@@ -211,7 +211,8 @@ def get_args(argv=None):
     a('--max_prefixes', type=int, default=128, help='evenly spaced prefixes per split (0: all)')
     a('--num_samples', type=int, default=64, help='n LM samples per prefix for the log Z bounds')
     a('--sweep', default='', help='comma-separated n values for the bounds as n grows (Fig. 2 left)')
-    a('--per_step', action='store_true', help='per-step PPL (Eq. 5) of the first energy (Fig. 1)')
+    a('--per_step', nargs='?', const='', default=None, metavar='NAME',
+      help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
     a('--step_prefixes', type=int, default=8)
     a('--step_samples', type=int, default=16, help='m LM samples per position for Eq. 5')
     a('--chunk', type=int, default=16, help='prefixes per batch')
@@ -262,6 +263,8 @@ def main(argv=None):
         name, path = spec.split('=', 1)
         extra_names.append(name)
         extra_lms.append(load_lm(path, device, meta=meta)[0])
+    if args.per_step and args.per_step not in names:
+        raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(names)})")
     P, L = args.prefix_len, args.gen_len
     for model in [lm] + energies + extra_lms:
         if P + L > model.config.block_size:
@@ -290,8 +293,9 @@ def main(argv=None):
             summary['sweep'] = {n: summarize(recs, names, [], len(offsets) * L, n)[1:] for n in sorted(set(args.sweep))}
         out['splits'][split] = dict(summary, rows=rows)
         out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in rows]
-        if args.per_step and energies and rank == 0:
-            out['splits'][split]['per_step'] = per_step_report(lm, energies[0], data, offsets, args, ctx, device)
+        if args.per_step is not None and energies and rank == 0 and split == args.splits[-1]:  # one split is enough
+            k = names.index(args.per_step) if args.per_step else 0
+            out['splits'][split]['per_step'] = dict(per_step_report(lm, energies[k], data, offsets, args, ctx, device), energy=names[k])
     if rank == 0:
         write_json(out, args.out)
         print_table(out['rows'], args.splits)

@@ -217,7 +217,9 @@ class RALM(GPT):
     """The residual autoregressive baseline of Eq. 6: log P_RALM(x_t|x_<t) = log P_LM(x_t|x_<t) +
     log P_phi(x_t|x_<t) + const. Adding the logits of the frozen base LM and of this GPT (phi)
     before one softmax is exactly that: each log-softmax differs from its logits by a per-position
-    constant. phi's output layer starts at zero, so training starts from the base LM itself.
+    constant. phi starts from the usual random init: zeroing its output layer (to start exactly at
+    the base LM) would also zero its tied input embedding. Both were tried on Shakespeare and
+    ended alike (val 1.9016 vs 1.9010 nats/char, base LM 1.9050).
     Sampling, caching and sequence_logprob all go through `logits`, so they use the combination."""
 
     def __init__(self, config, base):
@@ -225,7 +227,6 @@ class RALM(GPT):
         if base.config.vocab_size != config.vocab_size or base.config.block_size < config.block_size:
             raise ValueError("a RALM residual needs the base LM's vocabulary and at most its block_size")
         self.base = base.requires_grad_(False).eval()
-        torch.nn.init.zeros_(self.lm_head.weight)
 
     def train(self, mode=True):
         super().train(mode)

@@ -44,6 +44,9 @@ def get_args(argv=None):
     a('--residual_of', default=None, help='train a RALM (Eq. 6): a GPT whose logits add to this frozen LM\'s')
     a('--match_params', type=int, default=None,
       help='BALM: choose n_embd so the model has about this many parameters (e.g. base LM + energy)')
+    a('--init_from', default=None,
+      help='start from the weights of this checkpoint (same shape; e.g. the MLM pretraining of a BIT from '
+           'the base LM, whose vocabulary gains a [MASK] row)')
     a('--objective', default='lm', choices=['lm', 'mlm'],
       help="lm: next-token MLE (base LM, BALM); mlm: BERT-style masked LM of a bidirectional body "
            "(the BIT energy's pretraining, energy.py)")
@@ -201,6 +204,20 @@ def train_step(model, optimizer, scaler, ctx, micro_batches, loss_fn, grad_clip)
     return metrics, grad_norm
 
 
+def init_weights(model, path, meta):
+    """Copy a checkpoint's weights into a model of the same shape. Only the vocabulary may differ,
+    by the extra [MASK] row of an MLM: that row keeps its fresh initialisation."""
+    src = load_checkpoint(path)
+    check_vocab(src, meta, path)
+    state = model.state_dict()
+    for k, v in state.items():
+        w = src['model'].get(k)
+        if w is None or w.shape[1:] != v.shape[1:] or not 0 <= v.shape[0] - w.shape[0] <= 1:
+            raise ValueError(f"{path} does not have this model's shape ({k}): use the sizes it was trained with")
+        v[:w.shape[0]] = w
+    model.load_state_dict(state)
+
+
 def get_lr(it, args):
     """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters."""
     if it < args.warmup_iters:
@@ -258,12 +275,18 @@ def main(argv=None):
             raise ValueError(f"{ckpt_path} was trained with --objective {ckpt['kind']}, not {args.objective}")
         config = GPTConfig(**ckpt['config'])  # the architecture is the checkpoint's, not the flags'
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+        args.residual_of = (ckpt.get('residual_of') or [None])[0]
+    residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
+    if ckpt and residual_of and tuple(ckpt['residual_of']) != residual_of:
+        raise ValueError(f"the base LM {args.residual_of} changed since this RALM was started: start it again")
     if args.residual_of:
         if mlm:
             raise ValueError("--residual_of trains a RALM, a causal LM: it does not go with --objective mlm")
         model = RALM(config, load_lm(args.residual_of, meta=meta)[0])
     else:
         model = GPT(config)
+    if args.init_from and not ckpt:
+        init_weights(model, args.init_from, meta)
     model.to(device)
     if ckpt:
         model.load_state_dict(ckpt['model'], strict=not args.residual_of)
@@ -299,9 +322,8 @@ def main(argv=None):
         return loss, dict(loss=loss.item())
 
     def checkpoint():
-        residual = isinstance(raw_model, RALM)
-        save_checkpoint(dict(kind=args.objective, model=raw_model.residual_state_dict() if residual else raw_model.state_dict(),
-                             residual_of=(args.residual_of, file_hash(args.residual_of)) if residual else None, optimizer=optimizer.state_dict(),
+        weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
+        save_checkpoint(dict(kind=args.objective, model=weights, residual_of=residual_of, optimizer=optimizer.state_dict(),
                              scaler=scaler.state_dict(), config=asdict(config), args=vars(args),
                              iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
                              meta=dict(meta, data_dir=args.data_dir)), ckpt_path)
