@@ -205,6 +205,9 @@ def main(argv=None):
         loss, acc = nce_loss(e_pos, e_neg, args.loss)
         return loss, dict(loss=loss.item(), acc=acc.item(), e_pos=e_pos.mean().item(), e_neg=e_neg.mean().item())
 
+    def validate():
+        return evaluate(model, val_data, val_neg, val_rows, val_idx, args.batch_size, args.loss, device, ctx, rank, world_size)
+
     def checkpoint():
         save_checkpoint(dict(energy_state(raw_model, args.lm, dict(meta, data_dir=nmeta['data_dir'])),
                              optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), args=vars(args),
@@ -234,7 +237,7 @@ def main(argv=None):
                 log.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            last_val = evaluate(model, val_data, val_neg, val_rows, val_idx, args.batch_size, args.loss, device, ctx, rank, world_size)
+            last_val = validate()
             best_val_loss = min(best_val_loss, last_val['val_loss'])
             if master:
                 log.write(json.dumps(dict(iter=iter_num, **last_val)) + '\n')
@@ -243,6 +246,8 @@ def main(argv=None):
                           f"E+ {last_val['val_e_pos']:.3f} E- {last_val['val_e_neg']:.3f}")
                 checkpoint()
     bar.close()
+    if not last_val:  # resumed at max_iters: nothing was evaluated in this run
+        last_val = validate()
     train_time = time.time() - t_start
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),

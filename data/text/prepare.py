@@ -53,13 +53,14 @@ def split_documents(docs, val_frac, test_frac):
     return dict(train=[text[:a]], val=[text[a:b]], test=[text[b:]])
 
 
-def prepare(docs, out_dir, tokenizer_name):
+def prepare(docs, out_dir, tokenizer_name, quiet=False):
     """Shared by every corpus script: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
     tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
     meta = write_dataset(out_dir, docs, tok)
-    print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
-          ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
-          " (docs " + ", ".join(f"{s} {n}" for s, n in meta['num_docs'].items()) + ")")
+    if not quiet:
+        print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
+              ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
+              " (docs " + ", ".join(f"{s} {n}" for s, n in meta['num_docs'].items()) + ")")
     return meta
 
 
@@ -71,10 +72,11 @@ def main(argv=None):
     parser.add_argument('--val_frac', type=float, default=0.05, help='fraction of documents (or text) for val')
     parser.add_argument('--test_frac', type=float, default=0.05, help='fraction of documents (or text) for test')
     parser.add_argument('--seed', type=int, default=0, help='shuffles documents before choosing val/test ones')
+    parser.add_argument('--quiet', action='store_true', help='no summary line')
     args = parser.parse_args(argv)
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
-    prepare(split_documents(docs, args.val_frac, args.test_frac), args.out_dir, args.tokenizer)
+    prepare(split_documents(docs, args.val_frac, args.test_frac), args.out_dir, args.tokenizer, args.quiet)
 
 
 if __name__ == '__main__':
