@@ -528,21 +528,29 @@ def test_resume_is_exact(lm_corpus, tmp_path):
         assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
 
 
-def test_ddp_matches_single_process(lm_corpus, tmp_path):
-    flags = ['--data_dir', lm_corpus, '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1',
-             '--grad_accum', '2', *TRAIN_FLAGS]
+def run_ddp_and_single(script, main, flags, tmp_path):
+    """Run a trainer with 2 gloo processes and in-process alone (6 iterations, evals at 3 and 6);
+    assert their per-iteration train and val losses agree. Returns (ddp dir, single dir, the single
+    run's results, its train losses)."""
     ddp, single = str(tmp_path / 'ddp'), str(tmp_path / 'single')
-    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'train_lm.py',
+    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', script,
                       '--out_dir', ddp, *flags])
-    assert res.returncode == 0, res.stdout + res.stderr  # train_lm checks the ranks' parameters agree
+    assert res.returncode == 0, res.stdout + res.stderr  # the trainers check the ranks' parameters agree
     assert '2 process(es)' in res.stdout
-    r1 = train_lm.main(['--out_dir', single, *flags])
+    r1 = main(['--out_dir', single, *flags])
     (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
     assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
     for it in ls:
         assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
     for it in vs:
         assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
+    return ddp, single, r1, ls
+
+
+def test_ddp_matches_single_process(lm_corpus, tmp_path):
+    flags = ['--data_dir', lm_corpus, '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1',
+             '--grad_accum', '2', *TRAIN_FLAGS]
+    ddp, single, r1, ls = run_ddp_and_single('train_lm.py', train_lm.main, flags, tmp_path)
     with open(os.path.join(ddp, 'results.json')) as f:
         rd = json.load(f)
     assert abs(rd['test_loss'] - r1['test_loss']) < 1e-4
@@ -1024,18 +1032,7 @@ def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
     flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
              '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1', '--grad_accum', '2', *NCE_FLAGS,
              '--lr', '1e-2']
-    ddp, single = str(tmp_path / 'ddp'), str(tmp_path / 'single')
-    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'nce_train.py',
-                      '--out_dir', ddp, *flags])
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert '2 process(es)' in res.stdout
-    r1 = nce_train.main(['--out_dir', single, *flags])
-    (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
-    assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
-    for it in ls:
-        assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
-    for it in vs:
-        assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
+    ddp, single, r1, ls = run_ddp_and_single('nce_train.py', nce_train.main, flags, tmp_path)
     assert max(ls.values()) - min(ls.values()) > 1e-3  # the energy trains: the curve is not flat
     with open(os.path.join(ddp, 'results.json')) as f:
         rd = json.load(f)
