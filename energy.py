@@ -25,11 +25,13 @@ POOLS = ('continuation', 'all')
 
 class Energy(nn.Module):
 
-    def __init__(self, config, pool='continuation'):
+    def __init__(self, config, pool='continuation', context=None):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"pool '{pool}' must be one of {POOLS}")
-        self.config, self.pool = config, pool
+        if context is not None and context < 0:
+            raise ValueError(f"context {context} must be >= 0 prefix tokens (None: the whole prefix)")
+        self.config, self.pool, self.context = config, pool, context
         self.body = GPT(config)
         self.head = nn.Linear(config.n_embd, 1)
         nn.init.zeros_(self.head.weight)
@@ -45,7 +47,12 @@ class Energy(nn.Module):
 
     def forward(self, idx, prefix_len, lengths=None):
         """idx (B, T): prefix (first prefix_len tokens) + continuation, right-padded when lengths
-        (B,) gives the real lengths. Returns the energies (B,) in float32."""
+        (B,) gives the real lengths. Returns the energies (B,) in float32. With a context, E sees
+        only the last `context` prefix tokens: still a function of x, for less compute."""
+        if self.context is not None and prefix_len > self.context:
+            cut = prefix_len - self.context
+            idx, prefix_len = idx[:, cut:], self.context
+            lengths = None if lengths is None else lengths - cut
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         real = pos[None, :] < (lengths[:, None] if lengths is not None else T)
@@ -78,7 +85,7 @@ def mlm_mask(x, vocab_size, mask_id, generator=None, p=0.15):
     return inputs, targets
 
 
-def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continuation', block_size=None):
+def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continuation', block_size=None, context=None):
     """A new energy for the base LM at lm_path.
     bit: from scratch with `sizes` (n_layer/n_head/n_embd, default: the LM's), or from an MLM
          checkpoint (init_from); unit: from the LM (init_from, default lm_path)."""
@@ -92,7 +99,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             if getattr(src.config, k) != v:
                 raise ValueError(f"a UNIT energy has the shape of the LM it starts from ({src_path}: "
                                  f"{k}={getattr(src.config, k)}), not {k}={v}: drop the size flags")
-        energy = Energy(src.config, pool)
+        energy = Energy(src.config, pool, context)
         energy.body.load_state_dict(src.state_dict())
     elif kind == 'bit':
         if init_from:
@@ -103,13 +110,13 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             check_vocab(ckpt, meta, init_from)  # same size is not enough: the same tokens
             if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
                 raise ValueError(f"{init_from} was pretrained with another vocabulary than this data")
-            energy = Energy(GPTConfig(**ckpt['config']), pool)
+            energy = Energy(GPTConfig(**ckpt['config']), pool, context)
             energy.body.load_state_dict(ckpt['model'])
         else:
             cfg = dict(block_size=block_size or lm_cfg.block_size, n_layer=lm_cfg.n_layer,
                        n_head=lm_cfg.n_head, n_embd=lm_cfg.n_embd, bias=lm_cfg.bias)
             cfg.update(sizes)
-            energy = Energy(GPTConfig(**cfg, vocab_size=meta['vocab_size'] + 1, causal=False), pool)
+            energy = Energy(GPTConfig(**cfg, vocab_size=meta['vocab_size'] + 1, causal=False), pool, context)
     else:
         raise ValueError(f"unknown energy kind '{kind}': use 'bit' or 'unit'")
     return energy
@@ -118,7 +125,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
 def energy_state(energy, lm_path, meta):
     """What an energy checkpoint records besides training state: enough to rebuild it and to
     refuse pairing it with another base LM or vocabulary."""
-    return dict(kind='energy', energy_kind=energy.kind, config=asdict(energy.config), pool=energy.pool,
+    return dict(kind='energy', energy_kind=energy.kind, config=asdict(energy.config), pool=energy.pool, context=energy.context,
                 lm_path=lm_path, lm_hash=file_hash(lm_path), meta=meta, model=energy.state_dict())
 
 
@@ -130,6 +137,6 @@ def load_energy(path, lm_path=None, device='cpu'):
     if lm_path is not None and file_hash(lm_path) != ckpt['lm_hash']:
         raise ValueError(f"energy {path} is the residual of another LM ({ckpt['lm_path']}, hash "
                          f"{ckpt['lm_hash']}) than {lm_path}: pass the LM it was trained with")
-    energy = Energy(GPTConfig(**ckpt['config']), ckpt['pool'])
+    energy = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
     energy.load_state_dict(ckpt['model'])
     return energy.to(device).eval(), ckpt

@@ -45,6 +45,7 @@ def get_args(argv=None):
     a('--energy', default='bit', choices=['bit', 'unit'], help='bidirectional or LM-initialised causal body')
     a('--init_from', default=None, help='bit: an MLM checkpoint (train_lm.py --objective mlm); unit: an LM (default --lm)')
     a('--pool', default='continuation', choices=POOLS, help='mean-pool hidden states over these positions')
+    a('--context', type=int, default=None, help='the energy sees only the last N prefix tokens (default: all)')
     a('--n_layer', type=int, default=None, help='BIT from scratch: layers (default: the LM\'s)')
     a('--n_head', type=int, default=None)
     a('--n_embd', type=int, default=None)
@@ -167,12 +168,12 @@ def main(argv=None):
             raise ValueError(f"{ckpt_path} is the residual of another LM ({ckpt['lm_path']}) than {args.lm}: "
                              f"resume with the --lm it was trained with")
         check_vocab(ckpt, meta, ckpt_path)
-        model = Energy(GPTConfig(**ckpt['config']), ckpt['pool'])
+        model = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
         model.load_state_dict(ckpt['model'])
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     else:
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool)
+        model = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context)
     if P + L > model.config.block_size:
         raise ValueError(f"prefix_len + gen_len = {P + L} of the negatives exceeds the energy's block_size "
                          f"{model.config.block_size}: regenerate shorter negatives or give the energy a larger block")

@@ -739,6 +739,33 @@ def test_energy_padding_invariance(kind, pool):
         Energy(e.config, 'max')
 
 
+@pytest.mark.parametrize('kind', ['bit', 'unit'])
+def test_energy_context_sees_the_last_prefix_tokens(kind):
+    """With context c, E(x) is the full-context energy of x cut to its last c prefix tokens:
+    the float64 reference on the cut sequence, padded or not; earlier prefix tokens do not count."""
+    P, c = 6, 2
+    e = random_energy(kind, 'continuation')
+    cut = Energy(e.config, 'continuation', context=c)
+    cut.load_state_dict(e.state_dict())
+    cut.eval()
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([14, 9, 11])
+    x = torch.randint(12, (3, 14), generator=g)
+    ref = torch.tensor([energy_ref64(e, x[i, P - c:lengths[i]], c) for i in range(3)], dtype=torch.float64)
+    y = x.clone()
+    y[:, :P - c] = torch.randint(12, (3, P - c), generator=g)  # other early prefix tokens
+    with torch.no_grad():
+        got = cut(x, P, lengths)
+        assert (got.double() - ref).abs().max().item() < 1e-5
+        assert torch.allclose(cut(y, P, lengths), got, atol=1e-6)
+        assert (e(x, P, lengths) - got).abs().min().item() > 1e-3  # the whole prefix gives another energy
+        whole = Energy(e.config, 'continuation', context=P)  # a context as long as the prefix cuts nothing
+        whole.load_state_dict(e.state_dict())
+        assert torch.equal(whole.eval()(x, P, lengths), e(x, P, lengths))
+    with pytest.raises(ValueError, match='context -1 must be >= 0'):
+        Energy(e.config, 'continuation', context=-1)
+
+
 def test_unit_starts_as_the_lm(lm_corpus, lm_ckpt, tmp_path):
     meta = load_meta(lm_corpus)
     lm, _ = load_lm(lm_ckpt)
@@ -1511,7 +1538,7 @@ def eval_ckpts(lm_corpus, lm_ckpt, tmp_path_factory):
     return paths
 
 
-def test_energy_checkpoints(lm_ckpt, eval_ckpts):
+def test_energy_checkpoints(lm_ckpt, eval_ckpts, tmp_path):
     """The checkpoints the command-line tests use: load_energy rebuilds the saved energy exactly
     (the zero head is E = 0, the random head is not), tied to its LM by hash."""
     x = torch.randint(1, 30, (5, EVAL_P + EVAL_L), generator=torch.Generator().manual_seed(0))
@@ -1525,6 +1552,12 @@ def test_energy_checkpoints(lm_ckpt, eval_ckpts):
     ref = Energy(GPTConfig(**ck['config']), ck['pool'])
     ref.load_state_dict(torch.load(eval_ckpts['bit'], weights_only=True)['model'])
     assert torch.equal(energies(ref.eval(), x, EVAL_P), E)
+    cut = Energy(bit.config, ck['pool'], context=2)  # the context is saved and restored
+    cut.load_state_dict(bit.state_dict())
+    save_checkpoint(energy_state(cut, lm_ckpt, ck['meta']), str(tmp_path / 'cut.pt'))
+    back, _ = load_energy(str(tmp_path / 'cut.pt'))
+    assert back.context == 2 and torch.equal(energies(back, x, EVAL_P), energies(cut.eval(), x, EVAL_P))
+    assert (energies(back, x, EVAL_P) - E).abs().max() > 1e-3
     with pytest.raises(ValueError, match='not an energy'):
         load_energy(lm_ckpt)
     with pytest.raises(ValueError, match='residual of another LM'):
