@@ -37,7 +37,7 @@ DEFAULT = dict(
     residual=dict(n_layer=4, n_head=4, n_embd=256),      # RALM's phi: the LM's shape, as in the paper
     neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, val_prefixes=256),
     # BIT: a 4x128 body, MLM-pretrained from scratch (measured better here than the LM's shape
-    # pretrained from the LM's weights: README, 'What did not work'); UNIT: the LM's shape and weights
+    # pretrained from the LM's weights: README, 'What was tried for the energy'); UNIT: the LM's shape and weights
     mlm=dict(n_embd=128, max_iters=600, eval_interval=300),  # the LM's flags otherwise
     bit=dict(batch_size=16, max_iters=2400, lr=1e-3, warmup_iters=30, eval_interval=600),
     unit=dict(batch_size=16, max_iters=600, lr=5e-4, warmup_iters=50, eval_interval=300),
@@ -134,7 +134,7 @@ def main(argv=None):
               path(f'neg_{split}', 'meta.json'), ['lm'])
     # the BIT body (smaller than the LM) is pretrained as a masked LM on the corpus, from scratch: on
     # this budget that MLM stays near the unigram level, but the NCE that follows learns from its
-    # first steps instead of after a plateau (README, 'What did not work')
+    # first steps instead of after a plateau (README, 'What was tried for the energy')
     train('mlm', ['--final_eval', '0'], ['prepare'], objective='mlm', **cfg['mlm'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         resume = ['--resume'] if os.path.exists(path(kind, 'ckpt.pt')) else []
