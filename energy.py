@@ -13,7 +13,7 @@ Pooling over the continuation only is the default: the prefix is the same for x+
 pooling it in only dilutes the difference the energy has to see (measured: README, 'Pooling').
 """
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn as nn
@@ -85,10 +85,12 @@ def mlm_mask(x, vocab_size, mask_id, generator=None, p=0.15):
     return inputs, targets
 
 
-def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continuation', block_size=None, context=None):
+def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continuation', block_size=None, context=None,
+                 dropout=None):
     """A new energy for the base LM at lm_path.
     bit: from scratch with `sizes` (n_layer/n_head/n_embd, default: the LM's), or from an MLM
-         checkpoint (init_from); unit: from the LM (init_from, default lm_path)."""
+         checkpoint (init_from); unit: from the LM (init_from, default lm_path).
+    dropout: for the body (default: that of the model it starts from, 0 from scratch)."""
     lm, lm_ckpt = load_lm(lm_path, meta=meta)
     lm_cfg = lm.config
     sizes = {k: v for k, v in (sizes or {}).items() if v is not None}
@@ -99,7 +101,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             if getattr(src.config, k) != v:
                 raise ValueError(f"a UNIT energy has the shape of the LM it starts from ({src_path}: "
                                  f"{k}={getattr(src.config, k)}), not {k}={v}: drop the size flags")
-        energy = Energy(src.config, pool, context)
+        energy = Energy(replace(src.config, dropout=src.config.dropout if dropout is None else dropout), pool, context)
         energy.body.load_state_dict(src.state_dict())
     elif kind == 'bit':
         if init_from:
@@ -110,11 +112,12 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             check_vocab(ckpt, meta, init_from)  # same size is not enough: the same tokens
             if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
                 raise ValueError(f"{init_from} was pretrained with another vocabulary than this data")
-            energy = Energy(GPTConfig(**ckpt['config']), pool, context)
+            cfg = dict(ckpt['config'], **({} if dropout is None else dict(dropout=dropout)))
+            energy = Energy(GPTConfig(**cfg), pool, context)
             energy.body.load_state_dict(ckpt['model'])
         else:
             cfg = dict(block_size=block_size or lm_cfg.block_size, n_layer=lm_cfg.n_layer,
-                       n_head=lm_cfg.n_head, n_embd=lm_cfg.n_embd, bias=lm_cfg.bias)
+                       n_head=lm_cfg.n_head, n_embd=lm_cfg.n_embd, bias=lm_cfg.bias, dropout=dropout or 0.0)
             cfg.update(sizes)
             energy = Energy(GPTConfig(**cfg, vocab_size=meta['vocab_size'] + 1, causal=False), pool, context)
     else:

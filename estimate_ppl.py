@@ -28,7 +28,7 @@ import torch.distributed as dist
 from data import load_meta, load_split, write_json
 from energy import load_energy
 from model import check_vocab, file_hash, load_lm
-from negatives import window_tokens, windows
+from negatives import chunk_seed, window_tokens, windows
 from tokenizer import load_tokenizer
 from train_lm import progress, resolve_device, setup_distributed
 
@@ -114,7 +114,7 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, device,
     mine = list(chunks)[rank::world_size]
     for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)
-        g = torch.Generator(device).manual_seed(args.seed * 1_000_003 + s)
+        g = torch.Generator(device).manual_seed(chunk_seed(args.seed, split, s, purpose=1))
         with ctx:
             lp = lm.sequence_logprob(x, P).double()
             extra = [m.sequence_logprob(x, P).double() for m in extra_lms]

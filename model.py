@@ -32,6 +32,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     causal: bool = True  # False: bidirectional attention (the BIT energy of energy.py)
+    alibi: bool = False  # add ALiBi's distance penalty -m_h |i - j| to the attention scores
 
 
 class SelfAttention(nn.Module):
@@ -42,7 +43,7 @@ class SelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.dropout, self.causal = config.n_head, config.dropout, config.causal
+        self.n_head, self.dropout, self.causal, self.alibi = config.n_head, config.dropout, config.causal, config.alibi
 
     def forward(self, x, cache=None, pos=0, mask=None):
         """x: (B, T, C). cache: (k, v) buffers (B, nh, T_max, hs) that keys/values of positions
@@ -61,10 +62,25 @@ class SelfAttention(nn.Module):
                 is_causal = True
             else:  # queries start at pos: is_causal would align them with key 0, so be explicit
                 mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+        if self.alibi:
+            if is_causal:
+                mask, is_causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), False
+            bias = alibi_bias(self.n_head, pos, T, k.size(2), q.dtype, x.device)
+            mask = bias if mask is None else bias.masked_fill(~mask, float('-inf'))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def alibi_bias(n_head, pos, T, T_keys, dtype, device):
+    """(n_head, T, T_keys) ALiBi biases -m_h |i - j| for queries at pos..pos+T-1, with slopes
+    m_h = 2^(-8(h+1)/n_head) (Press et al., 2022). A bidirectional body with learned absolute
+    positions starts as a bag of tokens and can sit there for hundreds of steps (an MLM at the
+    unigram loss); the distance penalty makes it look at its neighbours from the first step."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=device) / n_head)
+    dist = (torch.arange(pos, pos + T, device=device)[:, None] - torch.arange(T_keys, device=device)[None]).abs()
+    return (-slopes[:, None, None] * dist).to(dtype)
 
 
 class MLP(nn.Module):

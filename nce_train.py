@@ -12,7 +12,9 @@ the model is P_LM exp(-E), the NCE classifier's logit log P_joint - log P_LM red
     torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
 
 Batches are a function of (seed, iteration), so --resume is exact and DDP sees the same global
-batch as one process. Writes out_dir/ckpt.pt (atomically), log.jsonl and results.json.
+batch as one process. Writes out_dir/ckpt.pt (the latest state, for --resume), best.pt (the energy
+at the lowest held-out NCE loss: the one to use, since NCE on a finite set of negatives overfits),
+log.jsonl and results.json; checkpoints are written atomically.
 """
 
 import argparse
@@ -49,6 +51,7 @@ def get_args(argv=None):
     a('--n_layer', type=int, default=None, help='BIT from scratch: layers (default: the LM\'s)')
     a('--n_head', type=int, default=None)
     a('--n_embd', type=int, default=None)
+    a('--dropout', type=float, default=None, help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
     a('--loss', default='binary', choices=['binary', 'ranking'])
     a('--num_neg', type=int, default=None, help='ranking: negatives per positive (default: all K stored)')
     a('--batch_size', type=int, default=16, help='positives per micro-batch per process')
@@ -156,10 +159,10 @@ def main(argv=None):
         raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, val_neg['meta']['num_samples'])} "
                          f"stored negatives per prefix (train {K}, val {val_neg['meta']['num_samples']})")
 
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt_path, best_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'best.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
-    iter_num, best_val_loss, ckpt = 0, float('inf'), None
+    iter_num, best_val_loss, best_iter, ckpt = 0, float('inf'), 0, None
     if args.resume:
         ckpt = load_checkpoint(ckpt_path)
         if ckpt['kind'] != 'energy':
@@ -170,10 +173,11 @@ def main(argv=None):
         check_vocab(ckpt, meta, ckpt_path)
         model = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
         model.load_state_dict(ckpt['model'])
-        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+        iter_num, best_val_loss, best_iter = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get('best_iter', 0)
     else:
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context)
+        model = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
+                             dropout=args.dropout)
     if P + L > model.config.block_size:
         raise ValueError(f"prefix_len + gen_len = {P + L} of the negatives exceeds the energy's block_size "
                          f"{model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
@@ -209,11 +213,13 @@ def main(argv=None):
     def validate():
         return evaluate(model, val_data, val_neg, val_rows, val_idx, args.batch_size, args.loss, device, ctx, rank, world_size)
 
-    def checkpoint():
-        save_checkpoint(dict(energy_state(raw_model, args.lm, dict(meta, data_dir=nmeta['data_dir'])),
-                             optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), args=vars(args),
-                             iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
-                             negatives=args.negatives), ckpt_path)
+    def checkpoint(improved):
+        state = dict(energy_state(raw_model, args.lm, dict(meta, data_dir=nmeta['data_dir'])), args=vars(args),
+                     iter_num=iter_num, best_val_loss=best_val_loss, best_iter=best_iter, negatives=args.negatives)
+        if improved:  # the energy to use: NCE overfits the finite negatives, so the last one may be worse
+            save_checkpoint(state, best_path)
+        save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                             rng_state=torch.get_rng_state()), ckpt_path)
 
     t0, t_start, start_iter, last_val = time.time(), time.time(), iter_num, {}
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
@@ -239,25 +245,28 @@ def main(argv=None):
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             last_val = validate()
-            best_val_loss = min(best_val_loss, last_val['val_loss'])
+            improved = last_val['val_loss'] < best_val_loss
+            if improved:
+                best_val_loss, best_iter = last_val['val_loss'], iter_num
             if master:
                 log.write(json.dumps(dict(iter=iter_num, **last_val)) + '\n')
                 log.flush()
                 bar.write(f"iter {iter_num}: val loss {last_val['val_loss']:.4f} acc {last_val['val_acc']:.3f} "
-                          f"E+ {last_val['val_e_pos']:.3f} E- {last_val['val_e_neg']:.3f}")
-                checkpoint()
+                          f"E+ {last_val['val_e_pos']:.3f} E- {last_val['val_e_neg']:.3f}" + (' (best)' if improved else ''))
+                checkpoint(improved)
     bar.close()
     if not last_val:  # resumed at max_iters: nothing was evaluated in this run
         last_val = validate()
     train_time = time.time() - t_start
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
-                   best_val_loss=best_val_loss, val_prefixes=n_val, **last_val)
+                   best_val_loss=best_val_loss, best_iter=best_iter, val_prefixes=n_val, **last_val)
     if master:
         log.close()
         write_json(results, os.path.join(args.out_dir, 'results.json'))
         print(f"held-out NCE accuracy {results.get('val_acc', float('nan')):.3f} on {n_val} val prefixes "
-              f"(chance 0.5), val loss {results.get('val_loss', float('nan')):.4f}; {train_time:.0f}s")
+              f"(chance 0.5), val loss {results.get('val_loss', float('nan')):.4f}; {train_time:.0f}s; "
+              f"best val loss {best_val_loss:.4f} at iter {best_iter} -> {best_path}")
     if world_size > 1:
         dist.destroy_process_group()
     return results

@@ -11,8 +11,8 @@ Default sampling is untruncated: NCE's noise distribution must be P_LM itself (T
 
 Output (out_dir): offsets.npy (N,) start of each prefix in the split; tokens.bin (N, K, L) sampled
 continuations; logp.bin / logq.bin (N, K) float32 log P_LM and log q of each continuation;
-done.bin, one byte per chunk of prefixes; meta.json. Every chunk is seeded by (seed, chunk), so a
-killed run resumes where it stopped and ends with byte-identical files.
+done.bin, one byte per chunk of prefixes; meta.json. Every chunk is seeded by (seed, split, chunk),
+so a killed run resumes where it stopped and ends with byte-identical files.
 """
 
 import argparse
@@ -43,6 +43,17 @@ def windows(data, eot_id, prefix_len, gen_len, stride=None, max_windows=None):
     return offsets.astype(np.int64)
 
 
+SPLITS = ('train', 'val', 'test')
+
+
+def chunk_seed(seed, split, chunk, purpose=0):
+    """The generator seed of one chunk of LM samples, distinct for each (seed, split, chunk,
+    purpose). Two sample sets drawn from one random stream are near copies of each other even
+    for different prefixes (the same uniforms pick the same characters once contexts agree), so
+    val negatives seeded like the train ones would be twins the energy has memorised."""
+    return int(np.random.SeedSequence([seed % 2**32, SPLITS.index(split), chunk, purpose]).generate_state(1)[0])
+
+
 def window_tokens(data, offsets, length):
     """(N, length) int64 tensor of the windows data[o : o + length]."""
     return torch.from_numpy(np.stack([data[o:o + length].astype(np.int64) for o in offsets]))
@@ -53,7 +64,7 @@ def get_args(argv=None):
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='base LM checkpoint (train_lm.py)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
-    a('--split', default='train', choices=['train', 'val', 'test'])
+    a('--split', default='train', choices=SPLITS)
     a('--out_dir', required=True, help='where the negatives go')
     a('--prefix_len', type=int, default=128)
     a('--gen_len', type=int, default=64)
@@ -100,7 +111,7 @@ def main(argv=None):
     for c in progress(todo, quiet=args.quiet or rank != 0, desc=f'negatives {args.split}'):
         i0, i1 = c * args.chunk, min(N, (c + 1) * args.chunk)
         prompts = window_tokens(data, offsets[i0:i1], P).to(device)
-        g = torch.Generator(device).manual_seed(args.seed * 1_000_003 + c)
+        g = torch.Generator(device).manual_seed(chunk_seed(args.seed, args.split, c))
         with ctx:
             t, lp, lq = lm.generate(prompts, L, num_samples=K, top_k=args.top_k, top_p=args.top_p,
                                     temperature=args.temperature, return_proposal=True, generator=g)

@@ -35,12 +35,13 @@ DEFAULT = dict(
     lm=dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16, max_iters=500, lr=2e-3,
             warmup_iters=40, eval_interval=200),
     residual=dict(n_layer=4, n_head=4, n_embd=256),      # RALM's phi: the LM's shape, as in the paper
-    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, val_prefixes=256),
-    # BIT: a 4x128 body, MLM-pretrained from scratch (measured better here than the LM's shape
-    # pretrained from the LM's weights: README, 'What was tried for the energy'); UNIT: the LM's shape and weights
-    mlm=dict(n_embd=128, max_iters=600, eval_interval=300),  # the LM's flags otherwise
-    bit=dict(batch_size=16, max_iters=2400, lr=1e-3, warmup_iters=30, eval_interval=600),
-    unit=dict(batch_size=16, max_iters=600, lr=5e-4, warmup_iters=50, eval_interval=300),
+    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, val_prefixes=1024),
+    # BIT: a 4x128 body, MLM-pretrained from scratch with ALiBi (without it the MLM sits at the
+    # unigram loss), fine-tuned by NCE at a low lr that keeps what the MLM knows; UNIT: the LM's
+    # shape and weights, also at a low lr (README, 'What was tried for the energy')
+    mlm=dict(n_embd=128, max_iters=1200, eval_interval=400, alibi=True),  # the LM's flags otherwise
+    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
+    unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
     ppl=dict(max_prefixes=1024, num_samples=12, sweep='2,4,8,12', step_prefixes=8, step_samples=8),
     samples=dict(num_prefixes=4, n=256),
 )
@@ -49,7 +50,7 @@ QUICK = dict(
             warmup_iters=10, eval_interval=75),
     residual=dict(n_layer=1, n_head=2, n_embd=64),
     neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=400, val_prefixes=64),
-    mlm=dict(n_embd=32, max_iters=100),
+    mlm=dict(n_embd=32, max_iters=100, alibi=True),
     bit=dict(batch_size=16, max_iters=150, lr=1e-3, warmup_iters=10, eval_interval=75),
     unit=dict(batch_size=16, max_iters=150, lr=1e-3, warmup_iters=10, eval_interval=75),
     ppl=dict(max_prefixes=32, num_samples=16, sweep='2,4,16', step_prefixes=2, step_samples=4),
@@ -86,7 +87,8 @@ class Pipeline:
 
 
 def flags(d):
-    return [f for k, v in d.items() for f in (f'--{k}', str(v))]
+    """{'lr': 1e-3, 'alibi': True} -> ['--lr', '0.001', '--alibi']"""
+    return [f for k, v in d.items() if v is not False for f in ((f'--{k}',) if v is True else (f'--{k}', str(v)))]
 
 
 def energy_params(lm, vocab_size):
@@ -132,9 +134,7 @@ def main(argv=None):
         stage(f'negatives_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'neg_{split}'),
                                      '--max_prefixes', str(n)] + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}),
               path(f'neg_{split}', 'meta.json'), ['lm'])
-    # the BIT body (smaller than the LM) is pretrained as a masked LM on the corpus, from scratch: on
-    # this budget that MLM stays near the unigram level, but the NCE that follows learns from its
-    # first steps instead of after a plateau (README, 'What was tried for the energy')
+    # the BIT body (smaller than the LM) is pretrained as a masked LM on the corpus, from scratch
     train('mlm', ['--final_eval', '0'], ['prepare'], objective='mlm', **cfg['mlm'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         resume = ['--resume'] if os.path.exists(path(kind, 'ckpt.pt')) else []
@@ -143,11 +143,11 @@ def main(argv=None):
               path(kind, 'results.json'), ['negatives_train', 'negatives_val', init])
     ppl = cfg['ppl']
     stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
-                           '--energy', f"UNIT={path('unit', 'ckpt.pt')}", f"BIT={path('bit', 'ckpt.pt')}",
+                           '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
                            '--extra_lm', f"RALM={path('ralm', 'ckpt.pt')}", f"BALM={path('balm', 'ckpt.pt')}",
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']), '--per_step', 'BIT',
                            '--out', path('ppl.json')] + flags(ppl), path('ppl.json'), ['lm', 'balm', 'ralm', 'bit', 'unit'])
-    stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'ckpt.pt'), '--split', 'test',
+    stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
                       '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                       '--out', path('samples.json')] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
     report(out, pipe.timings)

@@ -40,7 +40,7 @@ from data.text import prepare as text_prepare  # noqa: E402
 from energy import Energy, build_energy, energy_state, load_energy, mlm_mask  # noqa: E402
 from estimate_ppl import (evaluate_prefixes, last_step_logz, leave_one_out_lse, logz_bounds,  # noqa: E402
                           per_step, per_step_report, sample_log_weights, summarize)
-from model import GPT, GPTConfig, file_hash, load_checkpoint, load_lm, proposal_logprobs, save_checkpoint  # noqa: E402
+from model import GPT, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm, proposal_logprobs, save_checkpoint  # noqa: E402
 from negatives import window_tokens, windows  # noqa: E402
 from sample import joint_sample, next_token_table, topk_autoregressive, unique_ngrams  # noqa: E402
 from tokenizer import EOT, build_tokenizer, load_tokenizer, tokenizer_meta  # noqa: E402
@@ -67,13 +67,13 @@ def assert_clean_error(res, *fragments):
         assert f in lines[0], lines[0]
 
 
-def tiny_gpt(vocab_size=11, block_size=32, std=0.3, seed=0, n_layer=2, n_head=2, n_embd=32):
+def tiny_gpt(vocab_size=11, block_size=32, std=0.3, seed=0, n_layer=2, n_head=2, n_embd=32, **config):
     """A tiny random GPT in eval mode. Weights are drawn wider than GPT-2's init (std 0.02) so
     that attention and next-token distributions are far from uniform: a test that compares
     distributions must be able to see a wrong one."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer,
-                          n_head=n_head, n_embd=n_embd))
+                          n_head=n_head, n_embd=n_embd, **config))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -289,8 +289,9 @@ def test_shakespeare_strip_markup():
 
 # GPT: cached decoding, log-probs, sampling
 
-def test_cached_decoding_matches_full_forward():
-    model = tiny_gpt(block_size=32)
+@pytest.mark.parametrize('alibi', [False, True])
+def test_cached_decoding_matches_full_forward(alibi):
+    model = tiny_gpt(block_size=32, alibi=alibi)
     B, T = 3, 32
     idx = torch.randint(11, (B, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -316,6 +317,36 @@ def test_cached_decoding_matches_full_forward():
         assert (got - full64).abs().max().item() < 1e-12
         with pytest.raises(ValueError, match='longer than the model.s block_size 32'):
             model(idx[:, :2], cache=model.new_cache(B, T + 2), pos=31)
+
+
+@pytest.mark.parametrize('causal', [True, False])
+def test_alibi_attention_reference(causal):
+    """Attention with ALiBi against float64 softmax(q k^T / sqrt(d) - m_h |i - j|) v written out,
+    slopes 2^(-8h/H) in closed form, with and without a padding mask."""
+    torch.manual_seed(0)
+    H, C, T = 4, 32, 9
+    attn = SelfAttention(GPTConfig(n_head=H, n_embd=C, causal=causal, alibi=True)).double().eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0.0, 0.3)
+    x = torch.randn(2, T, C, dtype=torch.float64)
+    real = torch.tensor([T, 6])  # row 1: keys 6.. are padding
+    keep = torch.arange(T)[None, :] < real[:, None]
+    mask = keep[:, None, None, :] & (torch.ones(T, T, dtype=torch.bool).tril() if causal else True)
+    q, k, v = attn.c_attn(x).split(C, dim=2)
+    q, k, v = (t.view(2, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+    slopes = torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256], dtype=torch.float64)
+    dist = (torch.arange(T)[:, None] - torch.arange(T)[None]).abs()
+    scores = q @ k.transpose(-1, -2) / math.sqrt(C // H) - slopes[:, None, None] * dist
+    with torch.no_grad():
+        for m in (None, mask):
+            allowed = (torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)) if m is None else m
+            ref = attn.c_proj((scores.masked_fill(~allowed, float('-inf')).softmax(-1) @ v).transpose(1, 2).reshape(2, T, C))
+            got = attn(x, mask=m)
+            assert (got - ref).abs().max().item() < 1e-12
+            attn.alibi = False  # the reference can see the missing penalty
+            assert (attn(x, mask=m) - ref).abs().max().item() > 1e-3
+            attn.alibi = True
 
 
 def test_sequence_logprob_brute_force():
@@ -630,11 +661,11 @@ def softplus64(x):
     return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
 
 
-def random_energy(kind, pool, vocab_size=12, block_size=16, seed=0):
+def random_energy(kind, pool, vocab_size=12, block_size=16, seed=0, alibi=False):
     """A tiny Energy with wide random weights, head included (a fresh head is zero: E = 0)."""
     torch.manual_seed(seed)
     e = Energy(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32,
-                         causal=kind == 'unit'), pool)
+                         causal=kind == 'unit', alibi=alibi), pool)
     with torch.no_grad():
         for p in e.parameters():
             p.normal_(0.0, 0.3)
@@ -701,10 +732,10 @@ def test_nce_loss_brute_force():
 # the energy
 
 @pytest.mark.parametrize('kind', ['bit', 'unit'])
-@pytest.mark.parametrize('pool', ['continuation', 'all'])
-def test_energy_padding_invariance(kind, pool):
+@pytest.mark.parametrize('pool,alibi', [('continuation', False), ('all', False), ('continuation', True)])
+def test_energy_padding_invariance(kind, pool, alibi):
     P, T = 5, 16
-    e = random_energy(kind, pool)
+    e = random_energy(kind, pool, alibi=alibi)
     assert e.kind == kind
     g = torch.Generator().manual_seed(1)
     lengths = torch.tensor([16, 9, 12, 6, 11])
@@ -1102,6 +1133,37 @@ def test_nce_resume_is_exact(lm_corpus, tmp_path):
     assert ca['iter_num'] == cb['iter_num'] == 8
     for k in ca['model']:
         assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
+
+
+def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
+    """best.pt holds the energy at the lowest held-out NCE loss: the same weights as a run
+    stopped at that iteration (training is a function of the seed), with the --dropout given."""
+    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
+             '--eval_interval', '2', '--log_interval', '1', '--lr', '3e-2', '--lr_decay_iters', '12',
+             '--dropout', '0.05', *NCE_FLAGS]
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    res = nce_train.main(['--out_dir', a, '--max_iters', '12', *flags])
+    _, vals = read_log(a)
+    best_iter = min(vals, key=vals.get)
+    assert sorted(vals) == list(range(2, 13, 2)) and res['best_iter'] == best_iter and res['best_val_loss'] == vals[best_iter]
+    assert best_iter < 12  # so best.pt is not just the last energy
+    best = load_checkpoint(os.path.join(a, 'best.pt'))
+    assert best['iter_num'] == best_iter and 'optimizer' not in best and best['config']['dropout'] == 0.05
+    nce_train.main(['--out_dir', b, '--max_iters', str(best_iter), *flags])
+    stopped = load_checkpoint(os.path.join(b, 'ckpt.pt'))['model']
+    for k in stopped:
+        assert (best['model'][k] - stopped[k]).abs().max().item() <= 1e-6, k
+    energy, _ = load_energy(os.path.join(a, 'best.pt'), lm_path=lm_ckpt)
+    assert not energy.training and energy.kind == 'bit'
+
+
+def test_chunk_seeds_are_distinct():
+    """Every (split, chunk, purpose) draws its own stream: shared ones make val negatives (or the
+    log Z samples) near copies of train negatives the energy has seen."""
+    seeds = [negatives.chunk_seed(1337, s, c, p) for s in negatives.SPLITS for c in range(300) for p in (0, 1)]
+    assert len(set(seeds)) == len(seeds)
+    assert negatives.chunk_seed(1337, 'val', 3) == negatives.chunk_seed(1337, 'val', 3, 0) != negatives.chunk_seed(7, 'val', 3)
+    assert 0 <= negatives.chunk_seed(-5, 'test', 0) < 2**32
 
 
 def test_negatives_and_nce_bad_input(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path):

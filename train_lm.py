@@ -57,6 +57,7 @@ def get_args(argv=None):
     a('--block_size', type=int, default=256, help='context length in tokens')
     a('--dropout', type=float, default=0.0)
     a('--bias', action='store_true', help='biases in linear layers and LayerNorms')
+    a('--alibi', action='store_true', help="ALiBi distance penalty in attention (the BIT's MLM pretraining: no plateau)")
     # optimisation
     a('--batch_size', type=int, default=16, help='sequences per micro-batch per process')
     a('--grad_accum', type=int, default=1, help='micro-batches per iteration, summed over processes')
@@ -266,7 +267,8 @@ def main(argv=None):
         args.n_embd = width_for_params(args.match_params, args.n_layer, args.n_head, meta['vocab_size'] + mlm,
                                        args.block_size, args.bias)
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm)
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm,
+                       alibi=args.alibi)
     iter_num, best_val_loss, ckpt = 0, float('inf'), None
     if args.resume:
         ckpt = load_checkpoint(ckpt_path)
