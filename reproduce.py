@@ -11,7 +11,7 @@ one resumes: an interrupted run just continues, and a retrained model reruns wha
 lands in --out_dir: checkpoints, results.json (one row per model and split), the figures, and
 timings.json.
 
-    python reproduce.py                # ~37 min on 2 CPU cores
+    python reproduce.py                # ~40 min on 2 CPU cores
     python reproduce.py --quick        # a few minutes, tiny models: the CI smoke test
 """
 
@@ -30,7 +30,7 @@ from model import GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Sizes and budgets. DEFAULT takes ~37 minutes on this 2-core CPU (README has the stage timings).
+# Sizes and budgets. DEFAULT takes ~40 minutes on this 2-core CPU (README has the stage timings).
 DEFAULT = dict(
     lm=dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16, max_iters=500, lr=2e-3,
             warmup_iters=40, eval_interval=200),

@@ -2249,6 +2249,9 @@ def test_reproduce_quick_end_to_end(tmp_path):
     assert bit['ppl_low'] <= bit['ppl_high'] and math.isfinite(bit['gain_se']) and base['ppl'] > 1
     assert rows['JOINT BIT', 'test']['params'] == rows['BASE LM', 'test']['params'] + json.load(open(out / 'bit' / 'results.json'))['params']
     assert (out / 'samples.json').exists() and (out / 'ppl.json').exists()
+    best = str(out / 'bit' / 'best.pt')
+    assert load_checkpoint(best)['config']['alibi']  # the MLM's ALiBi body, carried into the energy
+    assert json.load(open(out / 'ppl.json'))['hashes']['BIT'] == file_hash(best)  # the best energy is evaluated
 
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and '$ python' not in res.stdout, res.stdout
