@@ -94,6 +94,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
     lm, lm_ckpt = load_lm(lm_path, meta=meta)
     lm_cfg = lm.config
     sizes = {k: v for k, v in (sizes or {}).items() if v is not None}
+    changes = {} if dropout is None else dict(dropout=dropout)
     if kind == 'unit':
         src_path = init_from or lm_path
         src, _ = load_lm(src_path, meta=meta)
@@ -101,7 +102,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             if getattr(src.config, k) != v:
                 raise ValueError(f"a UNIT energy has the shape of the LM it starts from ({src_path}: "
                                  f"{k}={getattr(src.config, k)}), not {k}={v}: drop the size flags")
-        energy = Energy(replace(src.config, dropout=src.config.dropout if dropout is None else dropout), pool, context)
+        energy = Energy(replace(src.config, **changes), pool, context)
         energy.body.load_state_dict(src.state_dict())
     elif kind == 'bit':
         if init_from:
@@ -112,12 +113,11 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             check_vocab(ckpt, meta, init_from)  # same size is not enough: the same tokens
             if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
                 raise ValueError(f"{init_from} was pretrained with another vocabulary than this data")
-            cfg = dict(ckpt['config'], **({} if dropout is None else dict(dropout=dropout)))
-            energy = Energy(GPTConfig(**cfg), pool, context)
+            energy = Energy(GPTConfig(**dict(ckpt['config'], **changes)), pool, context)
             energy.body.load_state_dict(ckpt['model'])
         else:
             cfg = dict(block_size=block_size or lm_cfg.block_size, n_layer=lm_cfg.n_layer,
-                       n_head=lm_cfg.n_head, n_embd=lm_cfg.n_embd, bias=lm_cfg.bias, dropout=dropout or 0.0)
+                       n_head=lm_cfg.n_head, n_embd=lm_cfg.n_embd, bias=lm_cfg.bias, **changes)
             cfg.update(sizes)
             energy = Energy(GPTConfig(**cfg, vocab_size=meta['vocab_size'] + 1, causal=False), pool, context)
     else:
