@@ -41,8 +41,9 @@ from energy import Energy
 from estimate_ppl import logz_bounds, sample_log_weights
 from model import GPT, GPTConfig, flops_per_token
 from nce_train import nce_loss
+from runtime import autocast, configure_optimizer, pick_device, run_main
 from sample import joint_sample
-from train_lm import batch_offsets, configure_optimizer, get_args as train_lm_args, get_batch
+from train_lm import batch_offsets, get_batch
 
 
 def get_args(argv=None):
@@ -88,12 +89,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def autocast(device, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast('cuda' if device.startswith('cuda') else 'cpu', dtype=dtype)
-
-
 def timeit(fns, device, warmup, repeats, stat=statistics.median):
     """Wall time in seconds (the median of the repeats) of each function of the dict fns. The
     timed runs of the functions alternate, so that a load change on a shared machine hits all
@@ -137,18 +132,17 @@ def train_step_fn(args, device, meta, dtype, train_data):
     """One iteration of train_lm.py (grad_accum=1, no logging) on a fresh model, as a closure."""
     torch.manual_seed(args.seed)
     model = GPT(lm_config(args, meta)).to(device)
-    targs = train_lm_args([])  # train_lm.py's optimiser settings
-    optimizer = configure_optimizer(model, targs, device)
+    optimizer = configure_optimizer(model, 2e-3, 0.1, (0.9, 0.99), device)  # train_lm.py's defaults
     it = 0
 
     def step():
         nonlocal it
-        offsets = batch_offsets(len(train_data), args.block_size, args.batch_size, args.seed, it)
+        offsets = batch_offsets(len(train_data), args.block_size, args.batch_size, args.seed, 'train', it)
         x, y = get_batch(train_data, offsets, args.block_size, device)
         with autocast(device, dtype):
             _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()
@@ -231,7 +225,7 @@ def bench_energy(args, device, meta):
                     n_head=args.n_head, n_embd=args.n_embd, causal=False)
     energy = Energy(cfg).to(device)
     x = torch.randint(meta['vocab_size'], (2 * B, P + L), device=device)
-    optimizer = configure_optimizer(energy, train_lm_args([]), device)
+    optimizer = configure_optimizer(energy, 3e-4, 0.1, (0.9, 0.99), device)  # nce_train.py's defaults
 
     def forward():
         with torch.no_grad():
@@ -283,7 +277,7 @@ def peak_rss_mb():
 
 def main(argv=None):
     args = get_args(argv)
-    device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -321,7 +315,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

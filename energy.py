@@ -143,3 +143,10 @@ def load_energy(path, lm_path=None, device='cpu'):
     energy = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
     energy.load_state_dict(ckpt['model'])
     return energy.to(device).eval(), ckpt
+
+
+@torch.no_grad()
+def score(energy, x, prefix_len, ctx, max_rows=256):
+    """Energies of the rows of x (N, T), at most max_rows per forward, in float64."""
+    with ctx:
+        return torch.cat([energy(b, prefix_len) for b in x.split(max_rows)]).double()

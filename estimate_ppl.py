@@ -19,18 +19,16 @@ enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep
 import argparse
 import math
 import os
-import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import load_meta, load_split, write_json
-from energy import load_energy
+from data import load_meta, load_split, window_tokens, windows, write_json
+from energy import load_energy, score
 from model import check_vocab, file_hash, load_lm
-from negatives import chunk_seed, window_tokens, windows
 from tokenizer import load_tokenizer
-from train_lm import progress, resolve_device, setup_distributed
+from runtime import DTYPES, precision, progress, rng, run_main, sampling_probe, scoring_probe, setup
 
 
 def leave_one_out_lse(lw):
@@ -59,14 +57,7 @@ def logz_bounds(log_w):
 # scoring
 
 @torch.no_grad()
-def score(energy, x, prefix_len, ctx, max_rows=256):
-    """Energies of the rows of x (N, T), at most max_rows per forward."""
-    with ctx:
-        return torch.cat([energy(b, prefix_len) for b in x.split(max_rows)]).double()
-
-
-@torch.no_grad()
-def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None):
+def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
     """log w = -E(x) of n untruncated LM continuations of each prefix, for each energy:
     (num_energies, B, n). Samples are drawn and scored in chunks and dropped, so memory holds
     at most max_rows sequences whatever n is. prefix_len: where the energy's prefix ends (default
@@ -81,12 +72,12 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
         with ctx:
             tokens, _ = lm.generate(prefixes, gen_len, num_samples=c, generator=generator, max_rows=max_rows)
         x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens], dim=2).flatten(0, 1)
-        out.append(torch.stack([-score(e, x, prefix_len, ctx, max_rows).view(B, c) for e in energies]))
+        out.append(torch.stack([-score(e, x, prefix_len, ectx or ctx, max_rows).view(B, c) for e in energies]))
     return torch.cat(out, dim=2)
 
 
 @torch.no_grad()
-def last_step_logz(lm, energy, x, prefix_len, ctx):
+def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):
     """Exact log Z(x_<T) = log sum_v P_LM(v | x_<T) exp(-E(x_<T, v)): the denominator of Eq. 5
     at the last position, by enumerating the vocabulary (batched energy calls). x: (B, T), its
     first prefix_len tokens the prefix that E(x) was defined with."""
@@ -97,14 +88,14 @@ def last_step_logz(lm, energy, x, prefix_len, ctx):
     for b in range(x.size(0)):
         cand = x[b].repeat(V, 1)
         cand[:, -1] = torch.arange(V, device=x.device)
-        out.append(torch.logsumexp(logp[b] - score(energy, cand, prefix_len, ctx), 0))
+        out.append(torch.logsumexp(logp[b] - score(energy, cand, prefix_len, ectx or ctx), 0))
     return torch.stack(out)
 
 
 # -----------------------------------------------------------------------------
 # sequence-level joint PPL (Table 1)
 
-def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, device, rank, world_size, split):
+def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split):
     """Per-prefix log-probs, energies and log Z bounds, each rank taking every world_size-th
     chunk of prefixes; every chunk has its own seed, so results do not depend on world_size."""
     P, L = args.prefix_len, args.gen_len
@@ -114,12 +105,12 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, device,
     mine = list(chunks)[rank::world_size]
     for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)
-        g = torch.Generator(device).manual_seed(chunk_seed(args.seed, split, s, purpose=1))
+        g = rng(args.seed, 'log_z', split, s, device)
         with ctx:
             lp = lm.sequence_logprob(x, P).double()
             extra = [m.sequence_logprob(x, P).double() for m in extra_lms]
-        e_real = [score(e, x, P, ctx) for e in energies]
-        log_w = sample_log_weights(lm, energies, x[:, :P], L, max(sweep), ctx, g, args.max_rows)
+        e_real = [score(e, x, P, ectx) for e in energies]
+        log_w = sample_log_weights(lm, energies, x[:, :P], L, max(sweep), ctx, g, args.max_rows, ectx=ectx)
         bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}
         for b in range(x.size(0)):
             recs.append(dict(index=s + b, lm_logp=lp[b].item(), extra_logp=[t[b].item() for t in extra],
@@ -160,7 +151,7 @@ def summarize(recs, names, extra_names, num_tokens, n, num_chars=None):
 # per-step PPL (Eq. 5, Fig. 1)
 
 @torch.no_grad()
-def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256):
+def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None):
     """For each position t of the continuation of every row of x (B, P+L): log P_LM(x_t | x_<t)
     and bounds of log Z(x_<=t) for k = t - P = 0..L real continuation tokens fixed, the rest
     marginalised with m LM samples; Z with all L fixed is exp(-E(x)), exactly. Each Z is
@@ -172,21 +163,21 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256):
         _, lp = lm.sequence_logprob(x, P, per_token=True)
     lo, hi = torch.empty(B, L + 1, dtype=torch.float64), torch.empty(B, L + 1, dtype=torch.float64)
     for k in range(L):
-        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows, prefix_len=P)[0]
+        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows, prefix_len=P, ectx=ectx)[0]
         lo[:, k], hi[:, k] = (t.cpu() for t in logz_bounds(log_w))
-    lo[:, L] = hi[:, L] = -score(energy, x, P, ctx).cpu()
+    lo[:, L] = hi[:, L] = -score(energy, x, P, ectx or ctx).cpu()
     return lp.double().cpu(), lo, hi
 
 
-def per_step_report(lm, energy, data, offsets, args, ctx, device):
+def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     """Fig. 1: base and joint PPL at each continuation position, with the exact last step."""
     P, L = args.prefix_len, args.gen_len
     x = window_tokens(data, offsets[:args.step_prefixes], P + L).to(device)
-    g = torch.Generator(device).manual_seed(args.seed)
-    lp, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows)
+    g = rng(args.seed, 'per_step', split, 0, device)
+    lp, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx)
     step_low = lp + lo[:, 1:] - hi[:, :-1]  # log P(x_t|x_<t): low numerator, high denominator
     step_high = lp + hi[:, 1:] - lo[:, :-1]
-    exact_last = lp[:, -1] + lo[:, -1] - last_step_logz(lm, energy, x, P, ctx).cpu()
+    exact_last = lp[:, -1] + lo[:, -1] - last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
     return dict(num_prefixes=x.size(0), step_samples=args.step_samples,
                 position=list(range(1, L + 1)),
                 base_ppl=torch.exp(-lp.mean(0)).tolist(),
@@ -219,7 +210,7 @@ def get_args(argv=None):
     a('--max_rows', type=int, default=256, help='sequences per forward (bounds memory)')
     a('--out', default='out/ppl.json', help='JSON results (plus a .png per figure if matplotlib is installed)')
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
@@ -236,6 +227,24 @@ def get_args(argv=None):
     return args
 
 
+def load_models(args, device):
+    """The base LM, its data, the energies and the extra LMs named on the command line, checked
+    to belong together and to fit prefix_len + gen_len."""
+    lm, lm_ckpt = load_lm(args.lm, device)
+    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
+    meta = load_meta(data_dir)
+    check_vocab(lm_ckpt, meta, args.lm)
+    energies = {name: load_energy(path, args.lm, device)[0] for name, path in (s.split('=', 1) for s in args.energy)}
+    extra = {name: load_lm(path, device, meta=meta)[0] for name, path in (s.split('=', 1) for s in args.extra_lm)}
+    if args.per_step and args.per_step not in energies:
+        raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(energies)})")
+    for model in [lm] + list(energies.values()) + list(extra.values()):
+        if args.prefix_len + args.gen_len > model.config.block_size:
+            raise ValueError(f"prefix_len + gen_len = {args.prefix_len + args.gen_len} exceeds a model's "
+                             f"block_size {model.config.block_size}")
+    return lm, meta, data_dir, (list(energies), list(energies.values())), (list(extra), list(extra.values()))
+
+
 def print_table(rows, splits):
     print(f"{'model':<14} {'params':>8} " + ' '.join(f"{s + ' PPL':>16}" for s in splits))
     for name in dict.fromkeys(r['model'] for r in rows):
@@ -247,41 +256,25 @@ def print_table(rows, splits):
 
 def main(argv=None):
     args = get_args(argv)
-    device, dtype, ctx = resolve_device(args.device, args.dtype)
-    rank, world_size, device = setup_distributed(device)
-    lm, lm_ckpt = load_lm(args.lm, device)
-    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
-    meta = load_meta(data_dir)
-    check_vocab(lm_ckpt, meta, args.lm)
-    names, energies = [], []
-    for spec in args.energy:
-        name, path = spec.split('=', 1)
-        names.append(name)
-        energies.append(load_energy(path, args.lm, device)[0])
-    extra_names, extra_lms = [], []
-    for spec in args.extra_lm:
-        name, path = spec.split('=', 1)
-        extra_names.append(name)
-        extra_lms.append(load_lm(path, device, meta=meta)[0])
-    if args.per_step and args.per_step not in names:
-        raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(names)})")
+    rank, world_size, device = setup(args.device)
+    lm, meta, data_dir, (names, energies), (extra_names, extra_lms) = load_models(args, device)
     P, L = args.prefix_len, args.gen_len
-    for model in [lm] + energies + extra_lms:
-        if P + L > model.config.block_size:
-            raise ValueError(f"prefix_len + gen_len = {P + L} exceeds a model's block_size {model.config.block_size}")
+    dtype, ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device), rank == 0)
+    edtype, ectx = precision(device, args.dtype, 'score', scoring_probe(energies[0], device, P + L), rank == 0) \
+        if energies else (dtype, ctx)
     params = dict(zip(['BASE LM'] + extra_names + [f'JOINT {n}' for n in names],
                       [lm.num_params()] + [m.num_params() for m in extra_lms] + [lm.num_params() + e.num_params() for e in energies]))
     tok = load_tokenizer(meta)
 
     hashes = {'BASE LM': file_hash(args.lm)}
     hashes.update({s.split('=', 1)[0]: file_hash(s.split('=', 1)[1]) for s in args.energy + args.extra_lm})
-    out = dict(hashes=hashes, splits={}, rows=[])
+    out = dict(hashes=hashes, dtype=dict(sample=dtype, score=edtype), splits={}, rows=[])
     for split in args.splits:
         data = load_split(data_dir, split, meta)
         offsets = windows(data, meta['eot_id'], P, L, max_windows=args.max_prefixes or None)
         if len(offsets) < 2:
             raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: lower --prefix_len/--gen_len")
-        recs = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, device, rank, world_size, split)
+        recs = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split)
         num_chars = None if meta['tokenizer'] == 'char' else \
             sum(len(tok.decode(data[o + P:o + P + L].tolist())) for o in offsets)
         rows = summarize(recs, names, extra_names, len(offsets) * L, args.num_samples, num_chars)
@@ -295,7 +288,7 @@ def main(argv=None):
         out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in rows]
         if args.per_step is not None and energies and rank == 0 and split == args.splits[-1]:  # one split is enough
             k = names.index(args.per_step) if args.per_step else 0
-            out['splits'][split]['per_step'] = dict(per_step_report(lm, energies[k], data, offsets, args, ctx, device), energy=names[k])
+            out['splits'][split]['per_step'] = dict(per_step_report(lm, energies[k], data, offsets, args, ctx, ectx, device, split), energy=names[k])
     if rank == 0:
         write_json(out, args.out)
         print_table(out['rows'], args.splits)
@@ -338,7 +331,4 @@ def plot(out, path):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

@@ -288,21 +288,6 @@ def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
 
 
-# The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
-# Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
-PAPER_PRESETS = {
-    'base_lm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
-    'base_lm_24l': dict(n_layer=24, n_head=12, n_embd=768, batch_size=50, warmup_iters=2000, max_iters=90000, lr=3e-4, grad_clip=0.25),
-    'ralm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=64, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
-    'balm': dict(n_layer=12, n_head=16, n_embd=1568, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
-    'unit': dict(batch_size=64, warmup_iters=2000, max_iters=180000, lr=3e-4, grad_clip=10.0),
-    'bit_base': dict(n_layer=12, n_head=12, n_embd=768, bias=True, batch_size=60, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
-    'bit_med': dict(n_layer=12, n_head=16, n_embd=1024, bias=True, batch_size=32, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
-    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True, batch_size=20, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
-}
-PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)
-
-
 def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False):
     """The n_embd (a multiple of n_head) whose GPT has the parameter count closest to target:
     how BALM is sized to match base LM + energy. Counted on the meta device, so it is free."""
@@ -368,11 +353,13 @@ def check_vocab(ckpt, meta, path):
                          f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
 
 
-def load_lm(path, device='cpu', meta=None):
-    """A GPT from a train_lm.py checkpoint, in eval mode; with meta, checked against that data."""
+def load_lm(path, device='cpu', meta=None, kind='lm'):
+    """A GPT (or RALM) from a train_lm.py checkpoint, in eval mode; with meta, checked against
+    that data. kind='mlm' loads a masked-LM body instead."""
     ckpt = load_checkpoint(path)
-    if ckpt['kind'] != 'lm':
-        raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not a language model")
+    if ckpt['kind'] != kind:
+        what = {'lm': 'a language model', 'mlm': 'a masked LM (train_lm.py --objective mlm)'}[kind]
+        raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not {what}")
     if meta is not None:
         check_vocab(ckpt, meta, path)
     config = GPTConfig(**ckpt['config'])

@@ -18,9 +18,7 @@ log.jsonl and results.json; checkpoints are written atomically.
 """
 
 import argparse
-import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -29,11 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import load_meta, load_split, write_json
-from energy import POOLS, Energy, build_energy, energy_state
-from model import GPTConfig, check_vocab, file_hash, load_checkpoint, save_checkpoint
-from negatives import load_negatives, window_tokens
-from train_lm import all_mean, configure_optimizer, get_lr, progress, resolve_device, setup_distributed, train_step
+from data import load_meta, load_negatives, load_split, window_tokens, write_json
+from energy import POOLS, build_energy, energy_state, load_energy
+from model import save_checkpoint
+from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
 
 
 def get_args(argv=None):
@@ -69,7 +66,7 @@ def get_args(argv=None):
     a('--eval_prefixes', type=int, default=256, help='val prefixes (one fixed negative each) per evaluation')
     a('--log_interval', type=int, default=10)
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    a('--dtype', default='auto', choices=DTYPES)
     a('--compile', action='store_true')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
@@ -102,18 +99,12 @@ def nce_batch(data, neg, rows, neg_idx, device):
     return torch.cat([pos, negs]).to(device)
 
 
-def choose(n_rows, K, B, M, seed, it):
-    """Rows of iteration `it` and M distinct negatives of each, uniformly: a function of (seed, it)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + it)
+def choose(n_rows, K, B, M, seed, split, it):
+    """Rows of batch `it` and M distinct negatives of each, uniformly: a function of (seed, split, it)."""
+    g = rng(seed, 'nce_pairs', split, it)
     rows = torch.randint(n_rows, (B,), generator=g).numpy()
     neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()
     return rows, neg_idx
-
-
-def energies(model, x, P, B):
-    """Split the energies of one concatenated forward into positives (B,) and negatives (B, M)."""
-    e = model(x, P)
-    return e[:B], e[B:].view(B, -1)
 
 
 @torch.no_grad()
@@ -126,7 +117,8 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
     for s in starts[rank::world_size]:
         r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
         with ctx:
-            e_pos, e_neg = energies(model, nce_batch(data, neg, r, j, device), P, len(r))
+            e = model(nce_batch(data, neg, r, j, device), P)
+        e_pos, e_neg = e[:len(r)], e[len(r):].view(len(r), -1)
         l, acc = nce_loss(e_pos, e_neg, loss)
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(), e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
     if world_size > 1:
@@ -137,143 +129,136 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
                 val_e_pos=sums[2].item() / n, val_e_neg=sums[3].item() / n)
 
 
+def load_pairs(args):
+    """The train and held-out negatives (checked to come from --lm and to agree), and the splits
+    their positives come from."""
+    neg, val_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.val_negatives, lm_path=args.lm)
+    for key in ('prefix_len', 'gen_len', 'data_dir'):
+        if val_neg['meta'][key] != neg['meta'][key]:
+            raise ValueError(f"train and val negatives differ in {key} ({neg['meta'][key]} vs {val_neg['meta'][key]}): regenerate one")
+    data_dir = neg['meta']['data_dir']
+    meta = load_meta(data_dir)
+    data = {n['meta']['split']: load_split(data_dir, n['meta']['split'], meta) for n in (neg, val_neg)}
+    return neg, val_neg, data, dict(meta, data_dir=data_dir)
+
+
+def build(args, meta):
+    """The energy to train and, with --resume, the checkpoint it continues."""
+    if args.resume:
+        model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
+        return model.train(), ckpt
+    sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    return build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
+                        dropout=args.dropout), None
+
+
 def main(argv=None):
     args = get_args(argv)
-    device, dtype, ctx = resolve_device(args.device, args.dtype)
-    rank, world_size, device = setup_distributed(device)
-    master = rank == 0
+    rank, world_size, device = setup(args.device)
+    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
+    master, n_micro = rank == 0, args.grad_accum // world_size
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(args.seed + rank)
-
-    neg, val_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.val_negatives, lm_path=args.lm)
-    nmeta = neg['meta']
-    for key in ('prefix_len', 'gen_len', 'data_dir'):
-        if val_neg['meta'][key] != nmeta[key]:
-            raise ValueError(f"train and val negatives differ in {key} ({nmeta[key]} vs {val_neg['meta'][key]}): regenerate one")
-    meta = load_meta(nmeta['data_dir'])
-    data, val_data = load_split(nmeta['data_dir'], nmeta['split'], meta), load_split(nmeta['data_dir'], val_neg['meta']['split'], meta)
-    P, L, K = nmeta['prefix_len'], nmeta['gen_len'], nmeta['num_samples']
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
+    neg, val_neg, data, meta = load_pairs(args)
+    (P, L, K), K_val = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), val_neg['meta']['num_samples']
+    train, held_out = data[neg['meta']['split']], data[val_neg['meta']['split']]
     M = 1 if args.loss == 'binary' else (args.num_neg or K)
-    if not 1 <= M <= min(K, val_neg['meta']['num_samples']):  # val pairs need M distinct negatives too
-        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, val_neg['meta']['num_samples'])} "
-                         f"stored negatives per prefix (train {K}, val {val_neg['meta']['num_samples']})")
-
+    if not 1 <= M <= min(K, K_val):  # held-out pairs need M distinct negatives too
+        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_val)} stored negatives per prefix "
+                         f"(train {K}, val {K_val})")
     ckpt_path, best_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'best.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
-    iter_num, best_val_loss, best_iter, ckpt = 0, float('inf'), 0, None
-    if args.resume:
-        ckpt = load_checkpoint(ckpt_path)
-        if ckpt['kind'] != 'energy':
-            raise ValueError(f"{ckpt_path} holds a '{ckpt['kind']}' model, not an energy: choose another --out_dir")
-        if ckpt['lm_hash'] != file_hash(args.lm):
-            raise ValueError(f"{ckpt_path} is the residual of another LM ({ckpt['lm_path']}) than {args.lm}: "
-                             f"resume with the --lm it was trained with")
-        check_vocab(ckpt, meta, ckpt_path)
-        model = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
-        model.load_state_dict(ckpt['model'])
-        iter_num, best_val_loss, best_iter = ckpt['iter_num'], ckpt['best_val_loss'], ckpt.get('best_iter', 0)
-    else:
-        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
-                             dropout=args.dropout)
-    if P + L > model.config.block_size:
+    raw_model, ckpt = build(args, meta)
+    if P + L > raw_model.config.block_size:
         raise ValueError(f"prefix_len + gen_len = {P + L} of the negatives exceeds the energy's block_size "
-                         f"{model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
-    model.to(device)
-    optimizer = configure_optimizer(model, args, device)
+                         f"{raw_model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
+    raw_model.to(device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
+    iter_num, best_val_loss, best_iter = (ckpt['iter_num'], ckpt['best_val_loss'], ckpt['best_iter']) if ckpt else (0, float('inf'), 0)
     if ckpt:
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
         torch.set_rng_state(ckpt['rng_state'])
-    raw_model = model
-    if args.compile:
-        model = torch.compile(model)
+    model = torch.compile(raw_model) if args.compile else raw_model
     if world_size > 1:
         model = DDP(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
 
-    n_val = min(args.eval_prefixes, len(val_neg['offsets']))
-    val_rows = np.arange(n_val)  # the first n_val val prefixes, each with fixed random negatives
-    val_idx = choose(n_val, val_neg['meta']['num_samples'], n_val, M, args.seed, -1)[1]
-    tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
+    n_val, B = min(args.eval_prefixes, len(val_neg['offsets'])), args.batch_size
+    val_rows = np.arange(n_val)  # the first n_val held-out prefixes, each with fixed random negatives
+    val_idx = choose(n_val, K_val, n_val, M, args.seed, 'held_out', 0)[1]
+    tokens_per_iter = B * args.grad_accum * (1 + M) * (P + L)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-        print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, {args.loss} NCE "
-              f"with {M} negative(s), {len(neg['offsets'])} train prefixes x {K} samples, {world_size} process(es) on {device}, {dtype}")
+        print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, {args.loss} NCE with {M} "
+              f"negative(s), {len(neg['offsets'])} train prefixes x {K} samples, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
-
-    def loss_fn(model, batch):
-        rows, neg_idx = batch
-        e_pos, e_neg = energies(model, nce_batch(data, neg, rows, neg_idx, device), P, len(rows))
-        loss, acc = nce_loss(e_pos, e_neg, args.loss)
-        return loss, dict(loss=loss.item(), acc=acc.item(), e_pos=e_pos.mean().item(), e_neg=e_neg.mean().item())
-
-    def validate():
-        return evaluate(model, val_data, val_neg, val_rows, val_idx, args.batch_size, args.loss, device, ctx, rank, world_size)
-
-    def checkpoint(improved):
-        state = dict(energy_state(raw_model, args.lm, dict(meta, data_dir=nmeta['data_dir'])), args=vars(args),
-                     iter_num=iter_num, best_val_loss=best_val_loss, best_iter=best_iter, negatives=args.negatives)
-        if improved:  # the energy to use: NCE overfits the finite negatives, so the last one may be worse
-            save_checkpoint(state, best_path)
-        save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                             rng_state=torch.get_rng_state()), ckpt_path)
-
     t0, t_start, start_iter, last_val = time.time(), time.time(), iter_num, {}
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
     while iter_num < args.max_iters:
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        rows, neg_idx = choose(len(neg['offsets']), K, args.batch_size * args.grad_accum, M, args.seed, iter_num)
-        micro = [(rows[i * args.batch_size:(i + 1) * args.batch_size], neg_idx[i * args.batch_size:(i + 1) * args.batch_size])
-                 for i in range(rank, args.grad_accum, world_size)]
-        metrics, grad_norm = train_step(model, optimizer, scaler, ctx, micro, loss_fn, args.grad_clip)
+        rows, neg_idx = choose(len(neg['offsets']), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
+        stats = np.zeros(4)
+        for m in range(rank, args.grad_accum, world_size):  # this process's micro-batches
+            r, j = rows[m * B:(m + 1) * B], neg_idx[m * B:(m + 1) * B]
+            if world_size > 1:  # all-reduce the gradients only on the last micro-batch
+                model.require_backward_grad_sync = m + world_size >= args.grad_accum
+            with ctx:  # positives and their negatives in one forward
+                e = model(nce_batch(train, neg, r, j, device), P)
+            e_pos, e_neg = e[:B], e[B:].view(B, M)
+            loss, acc = nce_loss(e_pos, e_neg, args.loss)
+            scaler.scale(loss / n_micro).backward()
+            stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float('inf')).item()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         bar.update()
+
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            keys = sorted(metrics)
-            rec = dict(zip(keys, all_mean([metrics[k] for k in keys], world_size)))
+            rec = dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), all_mean(list(stats / n_micro), world_size)))
             dt, t0 = time.time() - t0, time.time()
-            n_iters = (iter_num - 1) % args.log_interval + 1
-            rec.update(iter=iter_num, lr=lr, grad_norm=grad_norm, tokens_per_s=n_iters * tokens_per_iter / dt)
-            if master:
-                log.write(json.dumps(rec) + '\n')
-                log.flush()
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
+            rec.update(iter=iter_num, lr=lr, grad_norm=grad_norm,
+                       tokens_per_s=((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / dt)
+            write_log(log, rec)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            last_val = validate()
+            last_val = evaluate(model, held_out, val_neg, val_rows, val_idx, B, args.loss, device, ctx, rank, world_size)
             improved = last_val['val_loss'] < best_val_loss
             if improved:
                 best_val_loss, best_iter = last_val['val_loss'], iter_num
+            write_log(log, dict(iter=iter_num, **last_val))
             if master:
-                log.write(json.dumps(dict(iter=iter_num, **last_val)) + '\n')
-                log.flush()
-                bar.write(f"iter {iter_num}: val loss {last_val['val_loss']:.4f} acc {last_val['val_acc']:.3f} "
+                bar.write(f"iter {iter_num}: held-out loss {last_val['val_loss']:.4f} acc {last_val['val_acc']:.3f} "
                           f"E+ {last_val['val_e_pos']:.3f} E- {last_val['val_e_neg']:.3f}" + (' (best)' if improved else ''))
-                checkpoint(improved)
+                state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
+                             best_val_loss=best_val_loss, best_iter=best_iter, negatives=args.negatives)
+                if improved:  # the energy to use: NCE overfits the finite negatives, so the last one may be worse
+                    save_checkpoint(state, best_path)
+                save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                                     rng_state=torch.get_rng_state()), ckpt_path)
     bar.close()
     if not last_val:  # resumed at max_iters: nothing was evaluated in this run
-        last_val = validate()
+        last_val = evaluate(model, held_out, val_neg, val_rows, val_idx, B, args.loss, device, ctx, rank, world_size)
     train_time = time.time() - t_start
-    results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time,
+    results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
                    best_val_loss=best_val_loss, best_iter=best_iter, val_prefixes=n_val, **last_val)
     if master:
         log.close()
         write_json(results, os.path.join(args.out_dir, 'results.json'))
-        print(f"held-out NCE accuracy {results.get('val_acc', float('nan')):.3f} on {n_val} val prefixes "
-              f"(chance 0.5), val loss {results.get('val_loss', float('nan')):.4f}; {train_time:.0f}s; "
-              f"best val loss {best_val_loss:.4f} at iter {best_iter} -> {best_path}")
+        print(f"held-out NCE accuracy {results['val_acc']:.3f} on {n_val} prefixes (chance 0.5), loss "
+              f"{results['val_loss']:.4f}; {train_time:.0f}s; best loss {best_val_loss:.4f} at iter {best_iter} -> {best_path}")
     if world_size > 1:
         dist.destroy_process_group()
     return results
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

@@ -1,7 +1,7 @@
 """
 Offline negatives for conditional NCE (Eq. 3): for each prefix of a split, K continuations drawn
 once from the base LM and stored, as in the paper (16 or 128 per prefix, sampled uniformly among
-at training time). Also home of the prefix/continuation windowing that estimate_ppl.py shares.
+at training time).
 
 Default sampling is untruncated: NCE's noise distribution must be P_LM itself (Theorem 1).
 --top_k/--top_p are options, recorded in meta.json with each sample's log q.
@@ -17,46 +17,14 @@ so a killed run resumes where it stopped and ends with byte-identical files.
 
 import argparse
 import os
-import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import load_meta, load_split, write_json
+from data import SPLITS, load_meta, load_negatives, load_split, window_tokens, windows, write_json
 from model import check_vocab, file_hash, load_lm
-from train_lm import progress, resolve_device, setup_distributed
-
-
-def windows(data, eot_id, prefix_len, gen_len, stride=None, max_windows=None):
-    """Start offsets o such that data[o : o + prefix_len + gen_len] lies inside one document (no
-    end-of-text token), stepping by stride (default prefix_len + gen_len: no overlap) through
-    each document. With max_windows, an evenly spaced subset (deterministic)."""
-    n = prefix_len + gen_len
-    stride = stride or n
-    eot = np.flatnonzero(np.asarray(data) == eot_id)
-    starts = np.concatenate([[0], eot + 1])
-    ends = np.concatenate([eot, [len(data)]])
-    offsets = np.concatenate([np.arange(s, e - n + 1, stride) for s, e in zip(starts, ends)] + [np.zeros(0, int)])
-    if max_windows and len(offsets) > max_windows:
-        offsets = offsets[np.linspace(0, len(offsets) - 1, max_windows).round().astype(int)]
-    return offsets.astype(np.int64)
-
-
-SPLITS = ('train', 'val', 'test')
-
-
-def chunk_seed(seed, split, chunk, purpose=0):
-    """The generator seed of one chunk of LM samples, distinct for each (seed, split, chunk,
-    purpose). Two sample sets drawn from one random stream are near copies of each other even
-    for different prefixes (the same uniforms pick the same characters once contexts agree), so
-    val negatives seeded like the train ones would be twins the energy has memorised."""
-    return int(np.random.SeedSequence([seed % 2**32, SPLITS.index(split), chunk, purpose]).generate_state(1)[0])
-
-
-def window_tokens(data, offsets, length):
-    """(N, length) int64 tensor of the windows data[o : o + length]."""
-    return torch.from_numpy(np.stack([data[o:o + length].astype(np.int64) for o in offsets]))
+from runtime import DTYPES, progress, precision, rng, run_main, sampling_probe, setup
 
 
 def get_args(argv=None):
@@ -76,7 +44,7 @@ def get_args(argv=None):
     a('--temperature', type=float, default=1.0)
     a('--chunk', type=int, default=32, help='prefixes per generate call (and per resumable unit)')
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    a('--dtype', default='auto', choices=DTYPES)
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     return p.parse_args(argv)
@@ -84,11 +52,11 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
-    device, dtype, ctx = resolve_device(args.device, args.dtype)
-    rank, world_size, device = setup_distributed(device)
+    rank, world_size, device = setup(args.device)
     if args.num_samples < 1:
         raise ValueError(f"--num_samples {args.num_samples} must be at least 1")
     lm, lm_ckpt = load_lm(args.lm, device)
+    dtype, ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device), verbose=rank == 0)
     data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
     meta = load_meta(data_dir)
     check_vocab(lm_ckpt, meta, args.lm)
@@ -111,7 +79,7 @@ def main(argv=None):
     for c in progress(todo, quiet=args.quiet or rank != 0, desc=f'negatives {args.split}'):
         i0, i1 = c * args.chunk, min(N, (c + 1) * args.chunk)
         prompts = window_tokens(data, offsets[i0:i1], P).to(device)
-        g = torch.Generator(device).manual_seed(chunk_seed(args.seed, args.split, c))
+        g = rng(args.seed, 'negatives', args.split, c, device)
         with ctx:
             t, lp, lq = lm.generate(prompts, L, num_samples=K, top_k=args.top_k, top_p=args.top_p,
                                     temperature=args.temperature, return_proposal=True, generator=g)
@@ -155,27 +123,5 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
     return load_negatives(out_dir, mode='r+')
 
 
-def load_negatives(out_dir, mode='r', lm_path=None):
-    """A negatives dir as a dict: meta, offsets (N,), and memmaps tokens (N,K,L), logp (N,K),
-    logq (N,K), done; with lm_path, checked to come from that LM. Reading needs a complete run."""
-    if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
-        raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
-    meta = load_meta(out_dir)
-    if mode == 'r' and not meta.get('complete'):
-        raise ValueError(f"negatives in {out_dir} are incomplete: rerun negatives.py with the same flags to finish them")
-    if lm_path is not None and meta['lm_hash'] != file_hash(lm_path):
-        raise ValueError(f"negatives in {out_dir} were sampled from another LM ({meta['lm_path']}) "
-                         f"than {lm_path}: regenerate them with negatives.py --lm {lm_path}")
-    N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
-    n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
-    mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
-    return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
-                tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
-                logq=mm('logq', 'float32', (N, K)), done=mm('done', 'uint8', (n_chunks,)))
-
-
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

@@ -27,6 +27,7 @@ import torch
 from data import write_json
 from energy import Energy
 from model import GPTConfig
+from runtime import DTYPES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -106,6 +107,9 @@ def main(argv=None):
     p.add_argument('--data_dir', default='data/shakespeare')
     p.add_argument('--seed', type=int, default=1337)
     p.add_argument('--quiet', action='store_true', help='no progress bars in the stages')
+    p.add_argument('--device', default='auto', help='passed to every stage')
+    p.add_argument('--dtype', default='auto', choices=DTYPES,
+                   help="passed to every stage ('auto': each stage measures what is fastest for its work)")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else DEFAULT
     out = args.out_dir or ('out-quick' if args.quick else 'out')
@@ -113,18 +117,18 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
-    bf16 = ['--dtype', 'bfloat16']  # training only: 2x faster on this CPU; sampling and evaluation stay fp32
-    stage = lambda name, cmd, done, deps=(): pipe.run(name, cmd + common, done, deps)
+    system = ['--device', args.device, '--dtype', args.dtype]
+    stage = lambda name, cmd, done, deps=(): pipe.run(name, cmd + common + system, done, deps)
     lm, neg = cfg['lm'], cfg['neg']
 
-    stage('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir], os.path.join(args.data_dir, 'meta.json'))
+    pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir] + common, os.path.join(args.data_dir, 'meta.json'))
     vocab = json.load(open(os.path.join(HERE, args.data_dir, 'meta.json')))['vocab_size']
     lm_ckpt = path('lm', 'ckpt.pt')
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
         resume = ['--resume'] if os.path.exists(path(name, 'ckpt.pt')) else []
         stage(name, ['train_lm.py', '--data_dir', args.data_dir, '--out_dir', path(name), '--objective', objective]
-              + flags(dict(lm, **changes)) + extra + bf16 + resume, path(name, 'results.json'), deps)
+              + flags(dict(lm, **changes)) + extra + resume, path(name, 'results.json'), deps)
 
     train('lm', [], ['prepare'])
     lm_params = json.load(open(path('lm', 'results.json')))['params']
@@ -139,7 +143,7 @@ def main(argv=None):
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         resume = ['--resume'] if os.path.exists(path(kind, 'ckpt.pt')) else []
         stage(kind, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path('neg_train'), '--val_negatives', path('neg_val'),
-                     '--energy', kind, '--init_from', path(init, 'ckpt.pt'), '--out_dir', path(kind)] + flags(cfg[kind]) + bf16 + resume,
+                     '--energy', kind, '--init_from', path(init, 'ckpt.pt'), '--out_dir', path(kind)] + flags(cfg[kind]) + resume,
               path(kind, 'results.json'), ['negatives_train', 'negatives_val', init])
     ppl = cfg['ppl']
     stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',

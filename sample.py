@@ -1,12 +1,11 @@
 """
 Generation from the joint model P_LM exp(-E) (Section 3.3).
 
-- joint_sample, Algorithm 1: draw n continuations from the LM (top-k), score them with the
-  energy, resample one with probability ∝ exp(-E). Chunked with a running Gumbel-max choice, so
-  n = 10^4 runs in bounded memory. With correct_proposal the weights are exp(-E) P_LM / q, q the
-  top-k proposal: the target is then the untruncated joint model (on the support top-k can
-  reach: sequences it never proposes cannot be corrected for) rather than the joint model of
-  the top-k LM. The effective sample size (Kish) says when the weights collapse onto one sample.
+- algorithm_1, Algorithm 1 in five lines: draw n continuations from the LM (top-k), score them
+  with the energy, resample one with probability ∝ exp(-E); joint_sample, the same draw in
+  chunks with a running Gumbel-max choice, so n = 10^4 runs in bounded memory, with the
+  options: weights exp(-E) P_LM / q (the untruncated joint model as target, on the support top-k
+  can reach) and the effective sample size (Kish) that says when the weights collapse.
 - topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top-k next
   tokens reweighted by Z(x_<=t) estimated with m LM samples of the rest. Expensive by design;
   also gives the Table-3 view of the next-token distribution under the LM and the joint model.
@@ -19,40 +18,43 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import argparse
-import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from data import load_meta, load_split, write_json
-from energy import load_energy
-from estimate_ppl import logz_bounds, sample_log_weights, score
+from data import load_meta, load_split, window_tokens, windows, write_json
+from energy import load_energy, score
+from estimate_ppl import logz_bounds, sample_log_weights
 from model import check_vocab, load_lm
-from negatives import window_tokens, windows
+from runtime import DTYPES, precision, progress, rng, run_main, sampling_probe, scoring_probe, setup
 from tokenizer import load_tokenizer
-from train_lm import progress, resolve_device
+
+
+@torch.no_grad()
+def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None):
+    """Algorithm 1 as the paper writes it, for one prefix (1, P): draw n continuations from the
+    top-k LM, weight them by softmax(-E), draw one. Returns its tokens (L,)."""
+    tokens, _ = lm.generate(prefix, gen_len, num_samples=n, top_k=top_k, generator=generator)  # (1, n, L)
+    x = torch.cat([prefix.expand(n, -1), tokens[0]], dim=1)
+    w = torch.softmax(-energy(x, prefix.size(1)).double(), dim=0)
+    return tokens[0, torch.multinomial(w, 1, generator=generator)[0]]
 
 
 @torch.no_grad()
 def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=False, generator=None,
-                 ctx=None, max_rows=256):
-    """Algorithm 1 for each row of prefix (B, P). Returns a dict of (B, L) token tensors
-    'joint' (resampled ∝ exp(-E), or exp(-E) P_LM/q), 'worst' (highest energy), 'base' (the first
-    LM sample), their energies, and 'ess' (B,) the Kish effective sample size of the weights."""
+                 ctx=None, max_rows=256, ectx=None):
+    """Algorithm 1 for each row of prefix (B, P), in chunks of at most max_rows sequences so that
+    n = 10^4 fits in memory: the argmax of log w + Gumbel noise is a draw ∝ w, and an argmax
+    can run over chunks. Returns a dict of (B, L) token tensors 'joint' (resampled ∝ exp(-E),
+    or with correct_proposal ∝ exp(-E) P_LM/q: the target is then the untruncated joint model,
+    on the support top-k can reach), 'worst' (highest energy), 'base' (the first LM sample),
+    their energies, and 'ess' (B,), the Kish effective sample size of the weights."""
     B, P = prefix.shape
-    ctx = ctx or torch.no_grad()
+    ctx = ctx or nullcontext()
     rows = torch.arange(B, device=prefix.device)
     lse = lse2 = torch.full((B,), float('-inf'), dtype=torch.float64, device=prefix.device)  # log sum w, w^2
-    keep = {}  # name -> (best value so far, its tokens, its energy)
-
-    def update(name, value, tokens, e):
-        v, i = value.max(1)
-        new = (v, tokens[rows, i], e[rows, i])
-        if name in keep:
-            take = v > keep[name][0]
-            new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(new, keep[name]))
-        keep[name] = new
-
+    keep = {}  # name -> (best key so far, its tokens, its energy)
     per = max(1, max_rows // B)
     for s in range(0, n, per):
         c = min(per, n - s)
@@ -60,17 +62,23 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
             tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
                                              return_proposal=True, generator=generator, max_rows=max_rows)
         x = torch.cat([prefix[:, None].expand(-1, c, -1), tokens], dim=2).flatten(0, 1)
-        e = score(energy, x, P, ctx, max_rows).view(B, c)
+        e = score(energy, x, P, ectx or ctx, max_rows).view(B, c)
         log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e
         lse, lse2 = torch.logaddexp(lse, log_w.logsumexp(1)), torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
-        # Gumbel-max: the argmax of log w + Gumbel noise is a draw ∝ w, and a max runs over chunks
         u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
-        update('joint', log_w - torch.log(-torch.log(u.clamp_min(1e-300))), tokens, e)
-        update('worst', e, tokens, e)
+        keys = dict(joint=log_w - torch.log(-torch.log(u.clamp_min(1e-300))), worst=e)
         if s == 0:
-            update('base', torch.zeros_like(e[:, :1]), tokens[:, :1], e[:, :1])
+            base = (tokens[:, 0], e[:, 0])  # the LM's own sample, to compare with
+        for name, key in keys.items():
+            v, i = key.max(1)
+            new = (v, tokens[rows, i], e[rows, i])
+            if name in keep:
+                take = v > keep[name][0]
+                new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(new, keep[name]))
+            keep[name] = new
     out = {name: t for name, (_, t, _) in keep.items()}
     out.update({f'{name}_energy': e for name, (_, _, e) in keep.items()})
+    out['base'], out['base_energy'] = base
     out['ess'] = torch.exp(2 * lse - lse2)  # Kish: (sum w)^2 / sum w^2
     return out
 
@@ -136,7 +144,7 @@ def get_args(argv=None):
     a('--table_k', type=int, default=5, help='next tokens shown in the Table-3 view (0: off)')
     a('--out', default='out/samples.json')
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     return p.parse_args(argv)
@@ -144,11 +152,13 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
-    device, dtype, ctx = resolve_device(args.device, args.dtype)
+    device = setup(args.device)[2]
     lm, lm_ckpt = load_lm(args.lm, device)
     meta = load_meta(lm_ckpt['meta']['data_dir'])
     check_vocab(lm_ckpt, meta, args.lm)
     energy, _ = load_energy(args.energy, args.lm, device)
+    ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device))[1]
+    ectx = precision(device, args.dtype, 'score', scoring_probe(energy, device, args.prefix_len + args.gen_len))[1]
     tok = load_tokenizer(meta)
     top_k = args.top_k or None
     V = lm.config.vocab_size
@@ -168,12 +178,12 @@ def main(argv=None):
             raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens in the {args.split} split")
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
         prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
-    g = torch.Generator(device).manual_seed(args.seed)
+    g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
     results = []
     for b in progress(range(prefixes.size(0)), quiet=args.quiet, desc='joint sampling'):
         pre = prefixes[b:b + 1]
-        out = joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, ctx)
+        out = joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, ctx, ectx=ectx)
         rec = dict(prefix=tok.decode(pre[0].tolist()), ess=out['ess'].item(), n=args.n,
                    **{name: tok.decode(out[name][0].tolist()) for name in ('base', 'joint', 'worst')},
                    **{f'{name}_energy': out[f'{name}_energy'].item() for name in ('base', 'joint', 'worst')})
@@ -181,7 +191,7 @@ def main(argv=None):
         if gold[b] is not None:
             rec['gold'] = tok.decode(gold[b].tolist())
             cont['gold'] = gold[b:b + 1].to(device)
-            rec['gold_energy'] = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ctx).item()
+            rec['gold_energy'] = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ectx).item()
         if args.autoregressive:
             cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, top_k or 10, args.m, ctx, g)
             rec['autoregressive'] = tok.decode(cont['autoregressive'][0].tolist())
@@ -225,7 +235,4 @@ def print_record(rec):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

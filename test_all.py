@@ -34,14 +34,14 @@ import nce_train  # noqa: E402
 import negatives  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
-from data import load_meta, load_split  # noqa: E402
+from data import load_meta, load_negatives, load_split, window_tokens, windows  # noqa: E402
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from energy import Energy, build_energy, energy_state, load_energy, mlm_mask  # noqa: E402
+from energy import Energy, build_energy, energy_state, load_energy, mlm_mask, score  # noqa: E402
 from estimate_ppl import (evaluate_prefixes, last_step_logz, leave_one_out_lse, logz_bounds,  # noqa: E402
                           per_step, per_step_report, sample_log_weights, summarize)
+from runtime import rng  # noqa: E402
 from model import GPT, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm, proposal_logprobs, save_checkpoint  # noqa: E402
-from negatives import window_tokens, windows  # noqa: E402
 from sample import joint_sample, next_token_table, topk_autoregressive, unique_ngrams  # noqa: E402
 from tokenizer import EOT, build_tokenizer, load_tokenizer, tokenizer_meta  # noqa: E402
 
@@ -917,19 +917,19 @@ def test_windows_brute_force():
         data = [eot] * lead + sum((d + [eot] for d in docs), [])
         data = np.array(data[:-1] if not trail else data, dtype=np.uint16)
         for P, L, stride in ((4, 6, None), (2, 1, None), (3, 3, 1), (5, 5, 4), (1, 1, 7), (30, 10, None)):
-            got = negatives.windows(data, eot, P, L, stride)
+            got = windows(data, eot, P, L, stride)
             ref = windows_brute(data.tolist(), eot, P, L, stride)
             assert got.dtype == np.int64 and got.tolist() == ref, (P, L, stride)
             for o in got:
                 assert eot not in data[o:o + P + L].tolist() and o + P + L <= len(data)
             if not ref:
                 continue
-            toks = negatives.window_tokens(data, got, P + L)
+            toks = window_tokens(data, got, P + L)
             assert toks.dtype == torch.int64 and toks.tolist() == [data[o:o + P + L].tolist() for o in ref]
             for m in (1, 2, 3, 7, len(ref) - 1, len(ref), len(ref) + 5):
                 if m < 1:
                     continue
-                sub = negatives.windows(data, eot, P, L, stride, max_windows=m).tolist()
+                sub = windows(data, eot, P, L, stride, max_windows=m).tolist()
                 if m >= len(ref):
                     assert sub == ref
                     continue
@@ -938,7 +938,7 @@ def test_windows_brute_force():
                 if m > 1:  # evenly spaced from the first to the last window
                     gaps = np.diff(idx)
                     assert idx[-1] == len(ref) - 1 and gaps.max() - gaps.min() <= 1, (m, idx)
-    assert len(negatives.windows(np.array([1, 2, 0, 3], dtype=np.uint16), 0, 2, 1)) == 0
+    assert len(windows(np.array([1, 2, 0, 3], dtype=np.uint16), 0, 2, 1)) == 0
 
 
 def neg_files(d):
@@ -964,7 +964,7 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         negatives.main(['--out_dir', b, *flags])
     monkeypatch.setattr(GPT, 'generate', orig)
-    part = negatives.load_negatives(b, mode='r+')
+    part = load_negatives(b, mode='r+')
     assert part['done'].tolist() == [1, 1, 0, 0, 0] and not part['meta']['complete']
     rng = np.random.default_rng(0)
     for name in ('tokens', 'logp', 'logq'):
@@ -972,7 +972,7 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
         part[name].flush()
     del part
     with pytest.raises(ValueError, match='incomplete: rerun negatives.py with the same flags'):
-        negatives.load_negatives(b)
+        load_negatives(b)
     fa, fb = neg_files(a), neg_files(b)
     assert fa['tokens.bin'] != fb['tokens.bin'] and fa['done.bin'] != fb['done.bin']
     assert fa['tokens.bin'][:10 * 3 * 4 * 2] == fb['tokens.bin'][:10 * 3 * 4 * 2]  # the two done chunks
@@ -984,14 +984,14 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
 
     # what the files hold: the LM's own samples and their log-probs
     meta = load_meta(lm_corpus)
-    neg = negatives.load_negatives(a, lm_path=lm_ckpt)
+    neg = load_negatives(a, lm_path=lm_ckpt)
     data = load_split(lm_corpus, 'train', meta)
-    assert neg['offsets'].tolist() == negatives.windows(data, meta['eot_id'], 6, 4, max_windows=23).tolist()
+    assert neg['offsets'].tolist() == windows(data, meta['eot_id'], 6, 4, max_windows=23).tolist()
     N, K, L = 23, 3, 4
     assert neg['tokens'].shape == (N, K, L) and neg['done'].tolist() == [1] * 5 and neg['meta']['complete']
     tokens = torch.from_numpy(neg['tokens'].astype(np.int64)).view(N * K, L)
     assert len({tuple(t) for t in tokens.tolist()}) > N  # samples, not copies of one
-    prefix = negatives.window_tokens(data, neg['offsets'], 6).repeat_interleave(K, 0)
+    prefix = window_tokens(data, neg['offsets'], 6).repeat_interleave(K, 0)
     lm, _ = load_lm(lm_ckpt)
     with torch.no_grad():
         ref = lm.sequence_logprob(torch.cat([prefix, tokens], 1), 6)
@@ -1003,7 +1003,7 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     # truncated sampling: logq is the renormalised top-k proposal, logp still the untruncated LM
     c = str(tmp_path / 'topk')
     negatives.main(['--out_dir', c, *flags, '--top_k', '3'])
-    neg = negatives.load_negatives(c)
+    neg = load_negatives(c)
     assert neg['meta']['top_k'] == 3
     tokens = torch.from_numpy(neg['tokens'].astype(np.int64)).view(N * K, L)
     with torch.no_grad():
@@ -1060,8 +1060,8 @@ def test_nce_learns_what_the_lm_cannot_see(tmp_path):
                         '--gen_len', '4', '--num_samples', '4', '--chunk', '256', *CPU])
     meta = load_meta(data_dir)
     val = load_split(data_dir, 'val', meta)
-    neg = negatives.load_negatives(str(tmp_path / 'val'))
-    pos = negatives.window_tokens(val, neg['offsets'], 8)
+    neg = load_negatives(str(tmp_path / 'val'))
+    pos = window_tokens(val, neg['offsets'], 8)
     assert len(pos) == 300 and torch.equal(pos[:, :4], pos[:, 4:])  # windows are aligned with the words
     samples = torch.from_numpy(neg['tokens'].astype(np.int64))
     assert (samples == pos[:, None, :4]).all(-1).float().mean().item() < 0.01
@@ -1157,13 +1157,13 @@ def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
     assert not energy.training and energy.kind == 'bit'
 
 
-def test_chunk_seeds_are_distinct():
-    """Every (split, chunk, purpose) draws its own stream: shared ones make val negatives (or the
-    log Z samples) near copies of train negatives the energy has seen."""
-    seeds = [negatives.chunk_seed(1337, s, c, p) for s in negatives.SPLITS for c in range(300) for p in (0, 1)]
+def test_rng_seeds_are_distinct():
+    """One seeding rule: every (seed, purpose, split, index) gets its own stream."""
+    from runtime import rng_seed
+    seeds = [rng_seed(1337, p, s, c) for p in ('negatives', 'log_z') for s in ('train', 'val', 'test') for c in range(300)]
     assert len(set(seeds)) == len(seeds)
-    assert negatives.chunk_seed(1337, 'val', 3) == negatives.chunk_seed(1337, 'val', 3, 0) != negatives.chunk_seed(7, 'val', 3)
-    assert 0 <= negatives.chunk_seed(-5, 'test', 0) < 2**32
+    assert rng_seed(1337, 'log_z', 'val', 3) == rng_seed(1337, 'log_z', 'val', 3) != rng_seed(7, 'log_z', 'val', 3)
+    assert 0 <= rng_seed(-5, 'negatives', 'test', 0) < 2**32
 
 
 def test_negatives_and_nce_bad_input(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path):
@@ -1463,7 +1463,7 @@ def test_evaluate_prefixes_exact():
     x = window_tokens(data, offsets, P + L)
     args = types.SimpleNamespace(prefix_len=P, gen_len=L, sweep=[4], num_samples=4096, chunk=2, seed=3,
                                  max_rows=8192, quiet=True)
-    recs = evaluate_prefixes(lm, [e], [lm2], data, offsets, args, NULL, 'cpu', 0, 1, 'test')
+    recs = evaluate_prefixes(lm, [e], [lm2], data, offsets, args, NULL, NULL, 'cpu', 0, 1, 'test')
     assert [r['index'] for r in recs] == list(range(5))
     lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
     lp2_ref = logprobs64(lm2, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
@@ -1548,7 +1548,7 @@ def test_per_step_report_exact():
     lm, e = toy_lm(V), rand_energy(V)
     data, offsets = toy_split(V, P, L, 4, seed=2)
     args = types.SimpleNamespace(prefix_len=P, gen_len=L, step_prefixes=3, step_samples=4000, seed=1, max_rows=8192)
-    rep = per_step_report(lm, e, data, offsets, args, NULL, 'cpu')
+    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
     x = window_tokens(data, offsets[:3], P + L)
     Z = exact_step_logz(lm, e, x, P, V)
     lp = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
@@ -1566,8 +1566,8 @@ def test_per_step_report_exact():
     # with few samples the range is wide; its ends combine the bounds of Z as Eq. 5 needs: the
     # low end of log P(x_t | x_<t) is the low numerator Z(x_<=t) over the high denominator Z(x_<t)
     args.step_samples = 4
-    rep = per_step_report(lm, e, data, offsets, args, NULL, 'cpu')
-    lp, lo, hi = per_step(lm, e, x, P, 4, NULL, torch.Generator().manual_seed(args.seed), args.max_rows)
+    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
+    lp, lo, hi = per_step(lm, e, x, P, 4, NULL, rng(args.seed, 'per_step', 'test', 0), args.max_rows)
     assert (hi - lo).max() > 0.1  # the two bounds differ: mixing them up would show
     assert np.allclose(rep['joint_ppl_high'], torch.exp(-(lp + lo[:, 1:] - hi[:, :-1]).mean(0)).numpy(), rtol=1e-12)
     assert np.allclose(rep['joint_ppl_low'], torch.exp(-(lp + hi[:, 1:] - lo[:, :-1]).mean(0)).numpy(), rtol=1e-12)
@@ -2161,7 +2161,8 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
 
 # ---- baselines, presets and the main job (issue 6) ----
 
-from model import PAPER_PRESETS, RALM, width_for_params  # noqa: E402
+from model import RALM, width_for_params  # noqa: E402
+from train_lm import PAPER_PRESETS  # noqa: E402
 
 
 def test_ralm_normalised_and_zero_residual_is_base():

@@ -15,22 +15,33 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
-from model import (GPT, PAPER_DATA, PAPER_PRESETS, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint,
-                   load_lm, save_checkpoint, width_for_params)
+from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
+from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
 from tokenizer import load_tokenizer
+
+# The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
+# Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
+PAPER_PRESETS = {
+    'base_lm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'base_lm_24l': dict(n_layer=24, n_head=12, n_embd=768, batch_size=50, warmup_iters=2000, max_iters=90000, lr=3e-4, grad_clip=0.25),
+    'ralm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=64, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'balm': dict(n_layer=12, n_head=16, n_embd=1568, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'unit': dict(batch_size=64, warmup_iters=2000, max_iters=180000, lr=3e-4, grad_clip=10.0),
+    'bit_base': dict(n_layer=12, n_head=12, n_embd=768, bias=True, batch_size=60, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_med': dict(n_layer=12, n_head=16, n_embd=1024, bias=True, batch_size=32, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True, batch_size=20, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+}
+PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)
 
 
 def get_args(argv=None):
@@ -78,8 +89,9 @@ def get_args(argv=None):
     a('--num_samples', type=int, default=2, help='samples printed at the end')
     # system
     a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
-    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'],
-      help="autocast dtype ('auto': bf16 on GPUs that have it, else fp16 with GradScaler; fp32 on CPU)")
+    a('--dtype', default='auto', choices=DTYPES,
+      help="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
+           "on a CPU bf16 only where it measures faster than fp32)")
     a('--compile', action='store_true', help='torch.compile the model')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true', help='no progress bar')
@@ -92,56 +104,12 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# system: DDP, device, autocast
-
-def setup_distributed(device):
-    """(rank, world_size, device) from torchrun's environment; a no-op for one process."""
-    if int(os.environ.get('RANK', -1)) == -1:
-        return 0, 1, device
-    local_rank = int(os.environ['LOCAL_RANK'])
-    if device.startswith('cuda'):
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def resolve_device(device, dtype):
-    """The device, and the autocast context + whether to scale gradients (fp16 only)."""
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if dtype == 'auto':
-        if device.startswith('cuda'):
-            dtype = 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
-        else:
-            dtype = 'float32'
-    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    ctx = nullcontext() if dtype == 'float32' else \
-        torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-    return device, dtype, ctx
-
-
-def all_mean(values, world_size):
-    """Average a list of floats over processes (identity for one process)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if world_size > 1:
-        dist.all_reduce(t)
-        t /= world_size
-    return t.tolist()
-
-
-def progress(iterable=None, quiet=False, **kw):
-    return tqdm(iterable, disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True, **kw)
-
-
-# -----------------------------------------------------------------------------
 # data
 
-def batch_offsets(n_tokens, block_size, n, seed, it):
-    """Start offsets of the n windows of iteration `it`: a function of (seed, it) only, which is
-    what makes --resume exact and DDP see the same global batch as one process."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + it)
-    return torch.randint(n_tokens - block_size - 1, (n,), generator=g)
+def batch_offsets(n_tokens, block_size, n, seed, split, it):
+    """Start offsets of the n windows of batch `it` of a split: a function of (seed, split, it)
+    only, which is what makes --resume exact and DDP see the same global batch as one process."""
+    return torch.randint(n_tokens - block_size - 1, (n,), generator=rng(seed, 'windows', split, it))
 
 
 def get_batch(data, offsets, block_size, device):
@@ -150,34 +118,33 @@ def get_batch(data, offsets, block_size, device):
     return x[:, :-1], x[:, 1:]
 
 
-def make_batch(data, offsets, block_size, device, objective='lm', vocab_size=None, seed=0):
-    """Inputs and targets of one micro-batch: next tokens (lm), or masked positions (mlm, with
-    masks seeded by `seed`; the [MASK] id is vocab_size, one past the data's tokens)."""
+def make_batch(data, offsets, block_size, device, objective='lm', vocab_size=None, g=None):
+    """Inputs and targets of one micro-batch: next tokens (lm), or masked positions (mlm, masks
+    drawn from the generator g; the [MASK] id is vocab_size, one past the data's tokens)."""
     x, y = get_batch(data, offsets, block_size, device)
     if objective == 'lm':
         return x, y
-    return mlm_mask(x, vocab_size, mask_id=vocab_size, generator=torch.Generator().manual_seed(seed))
+    return mlm_mask(x, vocab_size, mask_id=vocab_size, generator=g)
 
 
 @torch.no_grad()
-def evaluate(model, data, offsets, batch_fn, batch_size, ctx, rank=0, world_size=1):
-    """Mean loss over the windows at `offsets` (batch_fn(offsets, i) -> x, y for the i-th batch),
-    each process taking every world_size-th batch; token-weighted sums are reduced, so the
-    result does not depend on the number of processes."""
+def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0, world_size=1):
+    """Mean loss over the windows at `offsets`, each process taking every world_size-th batch;
+    token-weighted sums are reduced, so the result does not depend on the number of processes."""
     model.eval()
-    total, count = 0.0, 0
-    batches = offsets.split(batch_size)
+    sums = torch.zeros(2, dtype=torch.float64)
+    batches = offsets.split(args.batch_size)
     for i in range(rank, len(batches), world_size):
-        x, y = batch_fn(batches[i], i)
+        x, y = make_batch(data, batches[i], args.block_size, device, args.objective, vocab_size,
+                          rng(args.seed, 'mlm_mask', split, i))
         with ctx:
             _, loss = model(x, y)
         n = (y >= 0).sum().item()
-        total, count = total + loss.item() * n, count + n
+        sums += torch.tensor([loss.item() * n, n], dtype=torch.float64)
     model.train()
-    t = torch.tensor([total, count], dtype=torch.float64)
     if world_size > 1:
-        dist.all_reduce(t)
-    return (t[0] / t[1]).item()
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 
 def full_split_offsets(data, block_size):
@@ -185,24 +152,30 @@ def full_split_offsets(data, block_size):
     return torch.arange(0, len(data) - block_size - 1, block_size)
 
 
-def train_step(model, optimizer, scaler, ctx, micro_batches, loss_fn, grad_clip):
-    """One optimizer step with gradients accumulated over this process's micro-batches.
-    loss_fn(model, batch) -> (loss, {name: float}); returns the averaged metrics and grad norm."""
-    n, metrics = len(micro_batches), {}
-    for i, batch in enumerate(micro_batches):
-        if isinstance(model, DDP):  # all-reduce gradients only on the last micro-step
-            model.require_backward_grad_sync = i == n - 1
-        with ctx:
-            loss, m = loss_fn(model, batch)
-        scaler.scale(loss / n).backward()
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v / n
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf')).item()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return metrics, grad_norm
+# -----------------------------------------------------------------------------
+# the model
+
+def build_model(args, meta):
+    """The model to train and, with --resume, the checkpoint it continues (whose architecture
+    wins over the flags). New: a GPT, or a RALM on the frozen --residual_of LM (Eq. 6),
+    optionally starting from --init_from's weights."""
+    mlm = args.objective == 'mlm'
+    if args.resume:
+        model, ckpt = load_lm(os.path.join(args.out_dir, 'ckpt.pt'), meta=meta, kind=args.objective)
+        args.residual_of = (ckpt.get('residual_of') or [None])[0]
+        return model.train(), ckpt
+    if args.residual_of and mlm:
+        raise ValueError("--residual_of trains a RALM, a causal LM: it does not go with --objective mlm")
+    if args.match_params:
+        args.n_embd = width_for_params(args.match_params, args.n_layer, args.n_head, meta['vocab_size'] + mlm,
+                                       args.block_size, args.bias)
+    config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm,
+                       alibi=args.alibi)
+    model = RALM(config, load_lm(args.residual_of, meta=meta)[0]) if args.residual_of else GPT(config)
+    if args.init_from:
+        init_weights(model, args.init_from, meta)
+    return model, None
 
 
 def init_weights(model, path, meta):
@@ -219,180 +192,122 @@ def init_weights(model, path, meta):
     model.load_state_dict(state)
 
 
-def get_lr(it, args):
-    """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / (args.warmup_iters + 1)
-    if it > args.lr_decay_iters:
-        return args.min_lr
-    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
-
-
-def configure_optimizer(model, args, device):
-    """AdamW; weight decay on matrices only (not on biases, LayerNorms), fused where available."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    fused = device.startswith('cuda')
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), fused=fused)
+def load_data(args):
+    meta = load_meta(args.data_dir)
+    splits = ('train', 'val', 'test') if args.final_eval else ('train', 'val')
+    data = {name: load_split(args.data_dir, name, meta) for name in splits}
+    for name, d in data.items():
+        if len(d) <= args.block_size + 1:
+            raise ValueError(f"the {name} split has {len(d)} tokens, fewer than block_size+1 = "
+                             f"{args.block_size + 1}: lower --block_size or add text")
+    return meta, data
 
 
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
     args = get_args(argv)
-    device, dtype, ctx = resolve_device(args.device, args.dtype)
-    rank, world_size, device = setup_distributed(device)
-    master = rank == 0
+    rank, world_size, device = setup(args.device)
+    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
+    master, n_micro = rank == 0, args.grad_accum // world_size
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(args.seed + rank)
-
-    meta = load_meta(args.data_dir)
-    train_data, val_data = load_split(args.data_dir, 'train', meta), load_split(args.data_dir, 'val', meta)
-    splits = dict(train=train_data, val=val_data)
-    if args.final_eval:  # the final evaluation of the test split needs a window too
-        splits['test'] = load_split(args.data_dir, 'test', meta)
-    for name, d in splits.items():
-        if len(d) <= args.block_size + 1:
-            raise ValueError(f"the {name} split has {len(d)} tokens, fewer than block_size+1 = "
-                             f"{args.block_size + 1}: lower --block_size or add text")
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
+    meta, data = load_data(args)
     ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
-
-    mlm = args.objective == 'mlm'
-    if args.match_params:
-        args.n_embd = width_for_params(args.match_params, args.n_layer, args.n_head, meta['vocab_size'] + mlm,
-                                       args.block_size, args.bias)
-    config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm,
-                       alibi=args.alibi)
-    iter_num, best_val_loss, ckpt = 0, float('inf'), None
-    if args.resume:
-        ckpt = load_checkpoint(ckpt_path)
-        check_vocab(ckpt, meta, ckpt_path)
-        if ckpt['kind'] != args.objective:
-            raise ValueError(f"{ckpt_path} was trained with --objective {ckpt['kind']}, not {args.objective}")
-        config = GPTConfig(**ckpt['config'])  # the architecture is the checkpoint's, not the flags'
-        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-        args.residual_of = (ckpt.get('residual_of') or [None])[0]
+    raw_model, ckpt = build_model(args, meta)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
-    if ckpt and residual_of and tuple(ckpt['residual_of']) != residual_of:
-        raise ValueError(f"the base LM {args.residual_of} changed since this RALM was started: start it again")
-    if args.residual_of:
-        if mlm:
-            raise ValueError("--residual_of trains a RALM, a causal LM: it does not go with --objective mlm")
-        model = RALM(config, load_lm(args.residual_of, meta=meta)[0])
-    else:
-        model = GPT(config)
-    if args.init_from and not ckpt:
-        init_weights(model, args.init_from, meta)
-    model.to(device)
-    if ckpt:
-        model.load_state_dict(ckpt['model'], strict=not args.residual_of)
-    optimizer = configure_optimizer(model, args, device)
+    raw_model.to(device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
+    iter_num, best_val_loss = (ckpt['iter_num'], ckpt['best_val_loss']) if ckpt else (0, float('inf'))
     if ckpt:
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
         torch.set_rng_state(ckpt['rng_state'])  # dropout draws continue too
-    raw_model = model
-    if args.compile:
-        model = torch.compile(model)
+    model = torch.compile(raw_model) if args.compile else raw_model
     if world_size > 1:
         model = DDP(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
 
-    tokens_per_iter = args.batch_size * args.grad_accum * args.block_size
-    val_offsets = batch_offsets(len(val_data), args.block_size, args.eval_iters * args.batch_size, args.seed, -1)
+    B, V, train = args.batch_size, meta['vocab_size'], data['train']
+    tokens_per_iter = B * args.grad_accum * args.block_size
+    val_offsets = batch_offsets(len(data['val']), args.block_size, args.eval_iters * B, args.seed, 'val', 0)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-        if args.match_params:
-            print(f"n_embd {config.n_embd} gives {raw_model.num_params():,} parameters for the {args.match_params:,} asked")
-        print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
-              f"{world_size} process(es) on {device}, {dtype}")
+        print(f"{raw_model.num_params() / 1e6:.2f}M parameters (n_embd {raw_model.config.n_embd}), "
+              f"{tokens_per_iter:,} tokens/iter, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
-
-    def batch_fn(data, seed):
-        return lambda offsets, i: make_batch(data, offsets, args.block_size, device, args.objective,
-                                             meta['vocab_size'], seed * 1_000_003 + i)
-
-    def loss_fn(model, batch):
-        offsets, seed = batch
-        _, loss = model(*make_batch(train_data, offsets, args.block_size, device, args.objective, meta['vocab_size'], seed))
-        return loss, dict(loss=loss.item())
-
-    def checkpoint():
-        weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
-        save_checkpoint(dict(kind=args.objective, model=weights, residual_of=residual_of, optimizer=optimizer.state_dict(),
-                             scaler=scaler.state_dict(), config=asdict(config), args=vars(args),
-                             iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
-                             meta=dict(meta, data_dir=args.data_dir)), ckpt_path)
-
     t0, t_start, start_iter = time.time(), time.time(), iter_num
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
     while iter_num < args.max_iters:
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        offsets = batch_offsets(len(train_data), args.block_size, args.batch_size * args.grad_accum,
-                                args.seed, iter_num).view(args.grad_accum, args.batch_size)
-        micro = [(offsets[m], (args.seed * 1_000_003 + iter_num) * 1009 + m) for m in range(rank, args.grad_accum, world_size)]
-        metrics, grad_norm = train_step(model, optimizer, scaler, ctx, micro, loss_fn, args.grad_clip)
+        offsets = batch_offsets(len(train), args.block_size, B * args.grad_accum, args.seed, 'train', iter_num)
+        train_loss = 0.0
+        for m in range(rank, args.grad_accum, world_size):  # this process's micro-batches
+            x, y = make_batch(train, offsets[m * B:(m + 1) * B], args.block_size, device, args.objective, V,
+                              rng(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m))
+            if world_size > 1:  # all-reduce the gradients only on the last micro-batch
+                model.require_backward_grad_sync = m + world_size >= args.grad_accum
+            with ctx:
+                _, loss = model(x, y)
+            scaler.scale(loss / n_micro).backward()
+            train_loss += loss.item() / n_micro
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float('inf')).item()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         bar.update()
 
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            loss_avg, = all_mean([metrics['loss']], world_size)
+            train_loss, = all_mean([train_loss], world_size)
             dt, t0 = time.time() - t0, time.time()
-            n_iters = (iter_num - 1) % args.log_interval + 1
-            rec = dict(iter=iter_num, loss=loss_avg, lr=lr, grad_norm=grad_norm,
-                       tokens_per_s=n_iters * tokens_per_iter / dt)
-            if master:
-                log.write(json.dumps(rec) + '\n')
-                log.flush()
-                bar.set_postfix(loss=f"{loss_avg:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            tok_s = ((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / dt
+            write_log(log, dict(iter=iter_num, loss=train_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tok_s))
+            bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:.0f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            val_loss = evaluate(model, val_data, val_offsets, batch_fn(val_data, -1), args.batch_size, ctx, rank, world_size)
+            val_loss = evaluate(model, data['val'], 'val', val_offsets, args, V, device, ctx, rank, world_size)
             best_val_loss = min(best_val_loss, val_loss)
+            write_log(log, dict(iter=iter_num, val_loss=val_loss))
             if master:
-                log.write(json.dumps(dict(iter=iter_num, val_loss=val_loss)) + '\n')
-                log.flush()
                 bar.write(f"iter {iter_num}: val loss {val_loss:.4f}")
-                checkpoint()
+                weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
+                save_checkpoint(dict(kind=args.objective, model=weights, residual_of=residual_of, config=asdict(raw_model.config),
+                                     optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), args=vars(args),
+                                     iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
+                                     meta=dict(meta, data_dir=args.data_dir)), ckpt_path)
     bar.close()
     train_time = time.time() - t_start
-
-    if world_size > 1:  # DDP must leave every rank with the same weights
-        flat = torch.cat([p.detach().double().flatten() for p in raw_model.parameters()]).cpu()
-        sums = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
-        dist.all_gather(sums, torch.stack([flat.sum(), (flat * torch.arange(len(flat))).sum()]))
-        if master and not all(torch.equal(s, sums[0]) for s in sums):
-            raise RuntimeError(f"ranks ended with different parameters: {sums}")
-
-    results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time,
+    results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
                    best_val_loss=best_val_loss)
     if args.final_eval:
         for split in ('val', 'test'):
-            data = load_split(args.data_dir, split, meta)
-            loss = evaluate(model, data, full_split_offsets(data, args.block_size), batch_fn(data, -2),
-                            args.batch_size, ctx, rank, world_size)
+            d = data[split]
+            loss = evaluate(model, d, split, full_split_offsets(d, args.block_size), args, V, device, ctx, rank, world_size)
             results[f'{split}_loss'], results[f'{split}_ppl'] = loss, math.exp(loss)
     if master:
         log.close()
-        write_json(results, os.path.join(args.out_dir, 'results.json'))
-        print(f"{'split':<6} {'loss':>8} {'ppl':>8}")
-        for split in ('val', 'test'):
-            if f'{split}_loss' in results:
-                print(f"{split:<6} {results[f'{split}_loss']:>8.4f} {results[f'{split}_ppl']:>8.3f}")
-        print(f"trained {iter_num} iters in {train_time:.0f}s ({results['tokens_per_s']:.0f} tokens/s)")
-        if args.num_samples and not mlm:
-            print_samples(raw_model, val_data, meta, args.num_samples, device)
+        report(results, args, raw_model, data['val'], meta, device)
     if world_size > 1:
         dist.destroy_process_group()
     return results
+
+
+def report(results, args, model, val_data, meta, device):
+    write_json(results, os.path.join(args.out_dir, 'results.json'))
+    print(f"{'split':<6} {'loss':>8} {'ppl':>8}")
+    for split in ('val', 'test'):
+        if f'{split}_loss' in results:
+            print(f"{split:<6} {results[f'{split}_loss']:>8.4f} {results[f'{split}_ppl']:>8.3f}")
+    print(f"trained {results['iters']} iters in {results['train_time_s']:.0f}s ({results['tokens_per_s']:.0f} tokens/s)")
+    if args.num_samples and args.objective == 'lm':
+        print_samples(model, val_data, meta, args.num_samples, device)
 
 
 def print_samples(model, data, meta, num_samples, device):
@@ -408,7 +323,4 @@ def print_samples(model, data, meta, num_samples, device):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

@@ -13,8 +13,10 @@ import json
 import os
 
 import numpy as np
+import torch
 
-from tokenizer import tokenizer_meta
+from model import file_hash
+from tokenizer import build_tokenizer, tokenizer_meta
 
 SPLITS = ('train', 'val', 'test')
 
@@ -64,3 +66,59 @@ def load_split(data_dir, split, meta=None):
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         raise ValueError(f"split file {path} is missing or empty: re-run the data's prepare.py")
     return np.memmap(path, dtype=meta['dtype'], mode='r')
+
+
+def prepare(docs, out_dir, tokenizer_name, quiet=False):
+    """Shared by every data/<corpus>/prepare.py: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
+    tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
+    meta = write_dataset(out_dir, docs, tok)
+    if not quiet:
+        print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
+              ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
+              " (docs " + ", ".join(f"{s} {n}" for s, n in meta['num_docs'].items()) + ")")
+    return meta
+
+
+# -----------------------------------------------------------------------------
+# prefix + continuation windows: the unit of NCE training (x+), estimation and sampling
+
+def windows(data, eot_id, prefix_len, gen_len, stride=None, max_windows=None):
+    """Start offsets o such that data[o : o + prefix_len + gen_len] lies inside one document (no
+    end-of-text token), stepping by stride (default prefix_len + gen_len: no overlap) through
+    each document. With max_windows, an evenly spaced subset (deterministic)."""
+    n = prefix_len + gen_len
+    stride = stride or n
+    eot = np.flatnonzero(np.asarray(data) == eot_id)
+    starts = np.concatenate([[0], eot + 1])
+    ends = np.concatenate([eot, [len(data)]])
+    offsets = np.concatenate([np.arange(s, e - n + 1, stride) for s, e in zip(starts, ends)] + [np.zeros(0, int)])
+    if max_windows and len(offsets) > max_windows:
+        offsets = offsets[np.linspace(0, len(offsets) - 1, max_windows).round().astype(int)]
+    return offsets.astype(np.int64)
+
+
+def window_tokens(data, offsets, length):
+    """(N, length) int64 tensor of the windows data[o : o + length]."""
+    return torch.from_numpy(np.stack([data[o:o + length].astype(np.int64) for o in offsets]))
+
+
+# -----------------------------------------------------------------------------
+# negatives.py's output: K LM samples per prefix of a split
+
+def load_negatives(out_dir, mode='r', lm_path=None):
+    """A negatives dir as a dict: meta, offsets (N,), and memmaps tokens (N,K,L), logp (N,K),
+    logq (N,K), done; with lm_path, checked to come from that LM. Reading needs a complete run."""
+    if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
+        raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
+    meta = load_meta(out_dir)
+    if mode == 'r' and not meta.get('complete'):
+        raise ValueError(f"negatives in {out_dir} are incomplete: rerun negatives.py with the same flags to finish them")
+    if lm_path is not None and meta['lm_hash'] != file_hash(lm_path):
+        raise ValueError(f"negatives in {out_dir} were sampled from another LM ({meta['lm_path']}) "
+                         f"than {lm_path}: regenerate them with negatives.py --lm {lm_path}")
+    N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
+    n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
+    mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
+    return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
+                tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
+                logq=mm('logq', 'float32', (N, K)), done=mm('done', 'uint8', (n_chunks,)))

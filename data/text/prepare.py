@@ -15,8 +15,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
-from data import write_dataset  # noqa: E402
-from tokenizer import build_tokenizer  # noqa: E402
+from data import prepare  # noqa: E402
 
 
 def read_documents(paths):
@@ -51,17 +50,6 @@ def split_documents(docs, val_frac, test_frac):
     text = '\n'.join(docs)
     a, b = int(len(text) * (1 - val_frac - test_frac)), int(len(text) * (1 - test_frac))
     return dict(train=[text[:a]], val=[text[a:b]], test=[text[b:]])
-
-
-def prepare(docs, out_dir, tokenizer_name, quiet=False):
-    """Shared by every corpus script: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
-    tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
-    meta = write_dataset(out_dir, docs, tok)
-    if not quiet:
-        print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
-              ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
-              " (docs " + ", ".join(f"{s} {n}" for s, n in meta['num_docs'].items()) + ")")
-    return meta
 
 
 def main(argv=None):
