@@ -7,6 +7,7 @@ or a closed form). Run: python -m pytest -q test_all.py
 import collections
 import contextlib
 import copy
+import io
 import csv
 import itertools
 import json
@@ -2039,20 +2040,26 @@ def test_human_eval_roundtrip():
     assert sorted(int(it['prefix'].split()[1]) for it in regular) == list(range(8))
     votes = simulate_votes(items, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
     rep = human_eval.score(key, votes)
-    # r2 dropped; r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
-    assert rep['dropped_raters'] == ['r2']
-    assert (rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 9, 6, 1)
+    # r2 dropped; per prefix (r1, r3): 0 JJ, 1 JB, 2 JJ, 3 JB, 4 JJ, 5 =B, 6 BJ, 7 BB -> items 3 won,
+    # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
+    assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
+    assert rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8 and rep['p_value'] == 5 / 16
+    rep = human_eval.score(key, votes, per_vote=True)
+    assert rep['unit'] == 'vote' and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1)
     assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
     assert rep['p_value'] == float(binom_tail_exact(9, 6))
-    # tolerated failures keep r2: its 8 wins count
+    # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
     rep = human_eval.score(key, votes, max_failed_checks=3)
-    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
+    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
+    rep = human_eval.score(key, votes, max_failed_checks=3, per_vote=True)
+    assert (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
     rep = human_eval.score(key, votes, max_failed_checks=2)
     assert rep['dropped_raters'] == ['r2']
-    # the same items with the systems swapped: wins and losses swap
+    # the same items with the systems swapped: wins and losses swap (one rater: items = votes)
     items2, key2 = human_eval.export(HE_SAMPLES, ['base', 'joint'], 0, seed=0)
     rep = human_eval.score(key2, simulate_votes(items2, dict(r1=prefs_good)))
-    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes']) == (2, 5, 1, 8)
+    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes'], rep['n']) == (2, 5, 1, 8, 8)
     assert human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0) == (items, key)  # seeded
 
 
@@ -2083,8 +2090,8 @@ def test_human_eval_cli(tmp_path):
     res = run_script(['human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes', str(tmp_path / 'votes.csv')])
     assert res.returncode == 0, res.stderr
     rep = json.loads((tmp_path / 'votes_report.json').read_text())
-    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 9
-    assert 'preferred 56.2%' in res.stdout
+    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 3
+    assert 'preferred 37.5%' in res.stdout and 'of 8 items' in res.stdout
     # votes naming an item the key does not have, or a bad choice: one clear error
     for bad in (['r1', '99', 'A'], ['r1', '0', 'C']):
         with open(tmp_path / 'bad.csv', 'w', newline='') as f:
@@ -2275,3 +2282,113 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup', 'energy_forward_seqs_per_s',
                 'nce_train_tokens_per_s', 'logz_samples_per_s_n1000', 'joint_samples_per_s_n1000'):
         assert figures[key] > 0, key
+
+
+# ---- paper fidelity: human eval over items (A.4), A.1 top-k sampler, NCE with truncated noise ----
+
+HAND_KEY = dict(systems=['joint', 'base'], items={
+    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
+        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'),
+         ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base')])},
+    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
+# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
+HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
+              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
+
+
+def hand_votes():
+    votes = []
+    for item, s in HAND_VOTES.items():
+        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
+            if c != '_':
+                votes.append((rater, item, 'equal' if c == '=' else c))
+    return votes
+
+
+def binom_tail(w, l):
+    return sum(math.comb(w + l, k) for k in range(w, w + l + 1)) / 2 ** (w + l)
+
+
+def test_human_eval_items_by_majority():
+    """Per item (r4 dropped), in system terms J (joint), B (base), = (equal):
+    0 JJJ W | 1 JJB W | 2 J=J W | 3 JB= equal (no strict plurality) | 4 J== equal ('equal' majority)
+    5 === equal | 6 BBJ L | 7 BBB L | 8 JJ W | 9 J= equal (tie with 'equal') | 10 only r4: unvoted | 11 JJB W.
+    Items: 5 won, 2 lost, 4 equal of 11. Votes: J 15, B 8, = 8 of 31."""
+    votes = hand_votes()
+    assert len(votes) == 31 + 3 + 6 + 2  # counted, r4's on items, the checks of r1-r3, r4's checks
+    rep = human_eval.score(HAND_KEY, votes)
+    assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (11, 31, 5, 2, 4, 1)
+    assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
+    assert rep['p_value'] == 29 / 128 == binom_tail(5, 2)  # (C(7,5) + C(7,6) + C(7,7)) / 2^7
+    per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
+    assert per_vote['unit'] == 'vote'
+    assert (per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties']) == (31, 31, 15, 8, 8)
+    assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
+    assert per_vote['p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
+    assert per_vote['p_value'] < rep['p_value'] / 2  # counting correlated votes as independent overstates significance
+    # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
+    rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
+    assert rep['dropped_raters'] == [] and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0)
+    assert rep['p_value'] == 93 / 256
+    # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
+    assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
+    assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
+    assert human_eval.plurality({'joint': 0, 'base': 1, 'equal': 0}) == 'base'
+    with pytest.raises(ValueError, match='rater r1 voted more than once on item 3'):
+        human_eval.score(HAND_KEY, votes + [('r1', '3', 'B')])
+
+
+def test_human_eval_cli_units_overwrite_and_bad_files(tmp_path):
+    key_path, votes_path = tmp_path / 'key.json', tmp_path / 'votes.csv'
+    key_path.write_text(json.dumps(HAND_KEY))
+    with open(votes_path, 'w', newline='') as f:
+        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
+    for extra, unit in (([], 'item'), (['--per_vote'], 'vote')):
+        out = tmp_path / f'{unit}.json'
+        with contextlib.redirect_stdout(io.StringIO()) as s:
+            human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path), '--out', str(out), *extra])
+        rep = json.loads(out.read_text())
+        assert rep == json.loads(json.dumps(human_eval.score(HAND_KEY, hand_votes(), per_vote=bool(extra))))
+        assert rep['unit'] == unit
+        assert (f'of 11 items' if unit == 'item' else 'of 31 votes (per vote') in s.getvalue()
+        assert f"over {unit}s" in s.getvalue()
+    # export refuses to replace a key that votes may have been collected against, unless --force
+    samples = write_samples(tmp_path / 'samples.json')
+    out_dir = tmp_path / 'he'
+    export = ['human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    assert run_script(export).returncode == 0
+    before = dir_snapshot(out_dir)
+    bad = tmp_path / 'bad.json'
+    bad.write_text('{"samples": [')
+    notsamples = tmp_path / 'notsamples.json'
+    notsamples.write_text('[1, 2]')
+    badcsv = tmp_path / 'bad.csv'
+    badcsv.write_text('who,what\nr1,0\n')
+    missing = str(tmp_path / 'missing')
+    res = run_scripts([export + ['--seed', '7'],
+                       ['human_eval.py', 'export', '--samples', missing, '--out_dir', str(tmp_path / 'x1')],
+                       ['human_eval.py', 'export', '--samples', str(bad), '--out_dir', str(tmp_path / 'x2')],
+                       ['human_eval.py', 'export', '--samples', str(notsamples), '--out_dir', str(tmp_path / 'x3')],
+                       ['human_eval.py', 'score', '--key', missing, '--votes', str(votes_path)],
+                       ['human_eval.py', 'score', '--key', str(bad), '--votes', str(votes_path)],
+                       ['human_eval.py', 'score', '--key', str(notsamples), '--votes', str(votes_path)],
+                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', missing],
+                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', str(badcsv)],
+                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', str(bad)]])
+    assert_clean_error(res[0], str(out_dir / 'key.json'), 'exists', '--force')
+    assert dir_snapshot(out_dir) == before  # nothing was overwritten, items included
+    assert_clean_error(res[1], '--samples', missing, 'does not exist')
+    assert_clean_error(res[2], '--samples', str(bad), 'not valid JSON')
+    assert_clean_error(res[3], '--samples', "no 'samples' list")
+    assert_clean_error(res[4], '--key', missing, 'does not exist')
+    assert_clean_error(res[5], '--key', str(bad), 'not valid JSON')
+    assert_clean_error(res[6], '--key', 'not a key written by human_eval.py export')
+    assert_clean_error(res[7], '--votes', missing, 'does not exist')
+    assert_clean_error(res[8], '--votes', 'rater,item,choice')
+    assert_clean_error(res[9], '--votes', 'rater,item,choice')
+    res = run_script(export + ['--seed', '7', '--force'])
+    assert res.returncode == 0, res.stderr
+    after = dir_snapshot(out_dir)
+    assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
+    assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
