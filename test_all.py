@@ -1915,43 +1915,48 @@ def rel_var(lp, E):
 
 
 def test_next_token_table_exact():
-    """Table 3's next-token probabilities under the joint model, P_LM(v|x) Z(x, v) / Z(x), vs
-    exact enumeration; tolerances from the delta-method standard error of the two log Z."""
+    """Table 3's next-token probabilities under the joint model, P_LM(v|x) Z(x, v) / Z(x) over the
+    LM's top 3, renormalised (Appendix A.1 with 3 candidates, all 3 kept), vs exact enumeration;
+    tolerances from the delta-method standard error of the estimated log Z(x, v)."""
     V, P, m = 4, 2, 6000
     lm, e = toy_lm(V), rand_energy(V)
     prefix = torch.tensor([[2, 3], [3, 1], [0, 3]])
     for gen_len in (1, 2):
-        top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, m, NULL, torch.Generator().manual_seed(0),
+        top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, 3, m, NULL, torch.Generator().manual_seed(0),
                                                 max_rows=8192)
         assert top_v.shape == p_lm.shape == p_joint.shape == (3, 3)
+        assert (p_joint.sum(1) - 1).abs().max() < 1e-12 and (p_joint[:, :-1] >= p_joint[:, 1:]).all()
         for b in range(3):
             lp = logprobs64(lm, prefix[b:b + 1])[0, -1]
-            assert torch.equal(top_v[b], lp.topk(3).indices)
+            assert sorted(top_v[b].tolist()) == sorted(lp.topk(3).indices.tolist())
             assert (p_lm[b] - lp.exp()[top_v[b]]).abs().max() < 1e-6
-            _, lp_rest, E_rest, logz = enumerate_joint(lm, e, prefix[b], gen_len, V, P)
-            for j, v in enumerate(top_v[b]):
+            logz, rv = [], []
+            for v in top_v[b]:
                 _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix[b], v.view(1)]), gen_len - 1, V, P)
-                exact = (lp[v] + logz_c - logz).exp().item()
-                se = math.sqrt((rel_var(lp_c, E_c) + rel_var(lp_rest, E_rest)) / m)
-                assert abs(p_joint[b, j].item() / exact - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact, se)
-                if b < 2 and j == 0:  # the joint next-token distribution is far from the LM's here
-                    assert abs(exact - p_lm[b, j].item()) > 0.1
+                logz.append(logz_c)
+                rv.append(rel_var(lp_c, E_c))
+            exact = torch.softmax(lp[top_v[b]] + torch.stack(logz), 0)
+            for j in range(3):  # Var log p_j <~ (rv_j + sum_u p_u^2 rv_u) / m
+                se = math.sqrt((rv[j] + sum(exact[u].item() ** 2 * rv[u] for u in range(3))) / m)
+                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
+            if b < 2:  # the joint next-token distribution is far from the LM's here
+                assert tv(exact, torch.softmax(lp[top_v[b]], 0)) > 0.1
 
 
 def test_topk_autoregressive_distribution():
-    """With k = V (no truncation) Appendix A.1's token-by-token sampler approaches the exact joint
-    model; with k = 2 it stays inside the LM's top-2 at every step."""
+    """With all V candidates kept (no truncation) Appendix A.1's token-by-token sampler approaches
+    the exact joint model; with 2 candidates it stays inside the LM's top-2 at every step."""
     V, L = 4, 2
     lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
     prefix = torch.tensor([1, 2])
     _, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
     B = 3000
     rows = prefix.expand(B, -1).contiguous()
-    toks = topk_autoregressive(lm, e, rows, L, V, 48, NULL, torch.Generator().manual_seed(0), max_rows=200000)
+    toks = topk_autoregressive(lm, e, rows, L, V, V, 48, NULL, torch.Generator().manual_seed(0), max_rows=200000)
     assert toks.shape == (B, L)
     d = tv(empirical(toks, V), joint)
     assert d < 0.05 and tv(p_lm, joint) > 0.3, d
-    toks = topk_autoregressive(lm, e, rows[:200], L, 2, 8, NULL, torch.Generator().manual_seed(1), max_rows=200000)
+    toks = topk_autoregressive(lm, e, rows[:200], L, 2, 2, 8, NULL, torch.Generator().manual_seed(1), max_rows=200000)
     seqs = torch.cat([rows[:200], toks], 1)
     lp = logprobs64(lm, seqs)[:, 1:-1]
     rank = (lp > lp.gather(-1, toks[..., None])).sum(-1)
@@ -2119,7 +2124,7 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     out = tmp_path / 's.json'
     argv = ['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--split', 'test', '--num_prefixes', '3',
             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
-            '--table_k', '3', '--autoregressive', '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
+            '--candidates', '6', '--keep', '4', '--table_k', '3', '--autoregressive', '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
     rep = sample.main(argv)
     assert json.dumps(json.loads(out.read_text())) == json.dumps(rep)
     meta = load_meta(lm_corpus)
@@ -2143,10 +2148,12 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
             s = seqs[k]
             ref = logprobs64(lm, s)[0, EVAL_P - 1:-1].gather(-1, s[0, EVAL_P:, None]).sum().item()
             assert abs(r['lm_logp'][k] - ref) < 1e-4
-        assert len(r['next_tokens']) == 3
+        assert len(r['next_tokens']) == 3  # the first 3 of the 4 kept of the LM's top 6, by joint probability
         lp = logprobs64(lm, x[b:b + 1, :EVAL_P])[0, -1]
-        assert [t['token'] for t in r['next_tokens']] == [tok.decode([v]) for v in lp.topk(3).indices.tolist()]
-        assert np.allclose([t['p_lm'] for t in r['next_tokens']], lp.exp().topk(3).values.numpy(), atol=1e-6)
+        top6 = {tok.decode([v]): p for v, p in zip(lp.topk(6).indices.tolist(), lp.exp().topk(6).values.tolist())}
+        assert all(t['token'] in top6 and abs(t['p_lm'] - top6[t['token']]) < 1e-6 for t in r['next_tokens'])
+        p_joint = [t['p_joint'] for t in r['next_tokens']]
+        assert p_joint == sorted(p_joint, reverse=True) and sum(p_joint) < 1 <= sum(p_joint) + p_joint[-1] + 1e-6  # the 4th is at most the 3rd
     assert json.dumps(rep['unique_ngrams']) == json.dumps(sample.analyses(rep['samples'])['unique_ngrams'])  # NaN-aware
     assert sorted(rep['unique_ngrams']) == ['autoregressive', 'base', 'gold', 'joint']
     assert rep['mean_lm_logp']['gold'] == np.mean([r['lm_logp']['gold'] for r in rep['samples']])
@@ -2162,6 +2169,7 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
     # bad input
     assert_clean_error(run_script(['sample.py', *argv[:-1], str(tmp_path / 'bad.json'), '--n', '0']), 'at least 1')
+    assert_clean_error(run_script(['sample.py', *argv[:-1], str(tmp_path / 'bad.json'), '--keep', '2']), '--table_k (3) <= --keep (2)')
     assert_clean_error(run_script(['sample.py', '--lm', eval_ckpts['lm2'], '--energy', eval_ckpts['bit'], '--n', '2',
                                    '--out', str(tmp_path / 'bad.json')]), 'residual of another LM')
 
@@ -2392,3 +2400,63 @@ def test_human_eval_cli_units_overwrite_and_bad_files(tmp_path):
     after = dir_snapshot(out_dir)
     assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
     assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
+
+
+def exact_next_token(lm, e, prefix, gen_len, V):
+    """Exact log P_LM(v|x) and log P_LM(v|x) Z(x, v) (float64, all V tokens), and the relative
+    variance of the weights behind each Z(x, v), by enumerating every continuation."""
+    lp = logprobs64(lm, prefix[None])[0, -1]
+    score, rv = [], []
+    for v in range(V):
+        _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix, torch.tensor([v])]), gen_len - 1, V, prefix.numel())
+        score.append(lp[v] + logz_c)
+        rv.append(rel_var(lp_c, E_c))
+    return lp, torch.stack(score), torch.tensor(rv, dtype=torch.float64)
+
+
+def test_next_token_table_a1_exact():
+    """Appendix A.1 on an enumerable toy (V = 6): the LM's top 4 candidates, Z of each from m
+    completions, the top 3 kept and renormalised. The kept tokens are the exact top 3 of
+    P_LM(v|x) Z(x, v) among the candidates (a token outside them is never kept, even where the
+    exact joint model ranks it in its top 3), their probabilities sum to 1 and match the exact
+    joint next-token probabilities restricted to them within 4 delta-method SE + 0.5% (exact to
+    float32 rounding when Z is exp(-E), gen_len 1), and memory stays within max_rows."""
+    V, C, K, m = 6, 4, 3, 4000
+    lm, e = toy_lm(V), rand_energy(V, seed=2, head_std=1.5)
+    prefix = torch.tensor([[2, 1], [0, 3], [5, 5]])
+    outside_kept = 0
+    for gen_len in (1, 2, 3):
+        v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, C, K, m, NULL, torch.Generator().manual_seed(gen_len),
+                                            max_rows=512)
+        assert v.shape == p_lm.shape == p_joint.shape == (3, K)
+        assert (p_joint.sum(1) - 1).abs().max() < 1e-12
+        for b in range(3):
+            lp, score, rv = exact_next_token(lm, e, prefix[b], gen_len, V)
+            cand = lp.topk(C).indices
+            ranked = cand[score[cand].argsort(descending=True)]
+            s = score[ranked]
+            se_boundary = math.sqrt((rv[ranked[K - 1]] + rv[ranked[K]]).item() / m)
+            assert s[K - 1] - s[K] > 6 * se_boundary + 0.05  # the kept set is well determined: no flaky test
+            assert v[b].tolist() == ranked[:K].tolist()
+            outside_kept += len(set(score.topk(K).indices.tolist()) - set(cand.tolist()))
+            exact = torch.softmax(score[v[b]], 0)  # the joint P(v|x) restricted to the kept tokens
+            assert (p_lm[b] - lp[v[b]].exp()).abs().max() < 1e-6
+            if gen_len == 1:
+                assert (p_joint[b] - exact).abs().max() < 1e-6
+            for j in range(K):
+                se = math.sqrt((rv[v[b, j]] + (exact ** 2 * rv[v[b]]).sum()).item() / m)
+                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
+            assert tv(exact, torch.softmax(lp[v[b]], 0)) > 0.05 or b > 0  # the test sees the energy
+    assert outside_kept >= 2  # the exact top 3 of the joint model reaches outside the LM's top 4 here
+    # bounded memory: no generate call holds more than max_rows sequences
+    rows, orig = [], lm.generate
+
+    def recorded(idx, n_new, num_samples=1, **kw):
+        rows.append(idx.size(0) * num_samples)
+        return orig(idx, n_new, num_samples=num_samples, **kw)
+
+    lm.generate = recorded
+    next_token_table(lm, e, prefix, 3, C, K, 40, NULL, torch.Generator().manual_seed(0), max_rows=16)
+    assert max(rows) <= 16 and sum(rows) == 3 * C * 40
+    with pytest.raises(ValueError, match='keep'):
+        next_token_table(lm, e, prefix, 3, 2, 3, 4, NULL, torch.Generator())
