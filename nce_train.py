@@ -78,18 +78,23 @@ def get_args(argv=None):
     return args
 
 
-def nce_loss(e_pos, e_neg, kind='binary'):
-    """e_pos (B,), e_neg (B, M) energies. Returns (loss, accuracy = fraction of pairs with
-    E(x+) < E(x-)). log P_LM does not appear: in the residual model it cancels from the NCE
-    logit log P_joint - log P_noise = -E (and from the ranking softmax, the prefix being shared)."""
+def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
+    """e_pos (B,), e_neg (B, M) energies. Returns (loss, accuracy = fraction of pairs whose
+    positive has the larger logit; without d: E(x+) < E(x-)). The NCE logit of x is
+    log P_joint(x) - log q(x) = -E(x) + d(x), d = log P_LM(x) - log q(x) for noise q: with q = P_LM
+    (untruncated negatives) d = 0 and P_LM cancels, leaving -E (Eq. 3; None is that case, exactly).
+    With top-k/top-p/temperature negatives, d_pos (B,) and d_neg (B, M) are the stored log-ratios
+    (negatives.py). A real continuation that q cannot propose has d = +inf: it is data with
+    certainty, its loss term is 0 and it carries no gradient (no inf - inf anywhere)."""
+    s_pos = -e_pos if d_pos is None else d_pos - e_pos
+    s_neg = -e_neg if d_neg is None else d_neg - e_neg
     if kind == 'binary':  # Eq. 3, averaged over the M negatives of each positive
-        loss = F.softplus(e_pos) + F.softplus(-e_neg).mean(1)
-    elif kind == 'ranking':
-        scores = -torch.cat([e_pos[:, None], e_neg], dim=1)
-        loss = F.cross_entropy(scores, torch.zeros(len(e_pos), dtype=torch.long, device=e_pos.device), reduction='none')
+        loss = F.softplus(-s_pos) + F.softplus(s_neg).mean(1)
+    elif kind == 'ranking':  # -log softmax(s_pos, s_neg_1..M)[0] = log(1 + sum_j exp(s_neg_j - s_pos))
+        loss = torch.logsumexp(F.pad(s_neg - s_pos[:, None], (1, 0)), 1)
     else:
         raise ValueError(f"unknown NCE loss '{kind}': use 'binary' or 'ranking'")
-    return loss.mean(), (e_pos[:, None] < e_neg).float().mean()
+    return loss.mean(), (s_pos[:, None] > s_neg).float().mean()
 
 
 def nce_batch(data, neg, rows, neg_idx, device):

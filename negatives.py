@@ -11,8 +11,11 @@ Default sampling is untruncated: NCE's noise distribution must be P_LM itself (T
 
 Output (out_dir): offsets.npy (N,) start of each prefix in the split; tokens.bin (N, K, L) sampled
 continuations; logp.bin / logq.bin (N, K) float32 log P_LM and log q of each continuation;
-done.bin, one byte per chunk of prefixes; meta.json. Every chunk is seeded by (seed, split, chunk),
-so a killed run resumes where it stopped and ends with byte-identical files.
+pos_logp.bin / pos_logq.bin (N,) float32 the same for the real continuation of each prefix (log q
+= -inf where q cannot propose it); done.bin, one byte per chunk of prefixes; meta.json. NCE with a
+truncated q needs both: its logit is -E + log P_LM - log q (nce_train.nce_loss). Every chunk is
+seeded by (seed, split, chunk), so a killed run resumes where it stopped and ends with
+byte-identical files.
 """
 
 import argparse
@@ -22,9 +25,10 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
-from model import check_vocab, file_hash, load_lm
+from model import check_vocab, file_hash, load_lm, proposal_logprobs
 from train_lm import progress, resolve_device, setup_distributed
 
 
@@ -57,6 +61,30 @@ def chunk_seed(seed, split, chunk, purpose=0):
 def window_tokens(data, offsets, length):
     """(N, length) int64 tensor of the windows data[o : o + length]."""
     return torch.from_numpy(np.stack([data[o:o + length].astype(np.int64) for o in offsets]))
+
+
+@torch.no_grad()
+def real_logprobs(lm, x, P, top_k=None, top_p=None, temperature=1.0):
+    """log P_LM and log q (each (B,) float32) of the real continuations x[:, P:] of the rows of x
+    (B, P+L), q the proposal that generate() samples negatives from with these settings (per
+    token: proposal_logprobs, or the argmax at temperature 0). A real token outside q's support
+    gives log q = -inf. Batched like GPT.sequence_logprob, a few rows at a time: the logits of
+    every position are (rows, L, V)."""
+    L = x.size(1) - P
+    lp, lq = [], []
+    for rows in x.split(max(1, 1024 // L)):
+        logits = lm.logits(rows[:, :-1], first=P - 1).float()
+        tok = rows[:, P:, None]
+        logp = F.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
+        if (top_k, top_p, temperature) == (None, None, 1.0):
+            logq = logp
+        elif temperature == 0:  # greedy: q is a point mass on the argmax
+            logq = torch.where(logits.argmax(-1, keepdim=True) == tok, 0.0, float('-inf')).squeeze(-1)
+        else:
+            logq = proposal_logprobs(logits, top_k, top_p, temperature).gather(-1, tok).squeeze(-1)
+        lp.append(logp.sum(1))
+        lq.append(logq.sum(1))
+    return torch.cat(lp), torch.cat(lq)
 
 
 def get_args(argv=None):
@@ -105,19 +133,21 @@ def main(argv=None):
                     top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, chunk=args.chunk,
                     seed=args.seed, dtype=meta['dtype'])
     neg = open_outputs(args.out_dir, settings, offsets, n_chunks, rank, world_size)
-    tokens, logp, logq, done = neg['tokens'], neg['logp'], neg['logq'], neg['done']
+    tokens, logp, logq, pos_logp, pos_logq, done = (neg[k] for k in ('tokens', 'logp', 'logq', 'pos_logp', 'pos_logq', 'done'))
+    proposal = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature)
 
     todo = [c for c in range(rank, n_chunks, world_size) if not done[c]]
     for c in progress(todo, quiet=args.quiet or rank != 0, desc=f'negatives {args.split}'):
         i0, i1 = c * args.chunk, min(N, (c + 1) * args.chunk)
-        prompts = window_tokens(data, offsets[i0:i1], P).to(device)
+        real = window_tokens(data, offsets[i0:i1], P + L).to(device)
         g = torch.Generator(device).manual_seed(chunk_seed(args.seed, args.split, c))
         with ctx:
-            t, lp, lq = lm.generate(prompts, L, num_samples=K, top_k=args.top_k, top_p=args.top_p,
-                                    temperature=args.temperature, return_proposal=True, generator=g)
+            t, lp, lq = lm.generate(real[:, :P], L, num_samples=K, return_proposal=True, generator=g, **proposal)
+            pos_lp, pos_lq = real_logprobs(lm, real, P, **proposal)
         tokens[i0:i1] = t.cpu().numpy()
         logp[i0:i1], logq[i0:i1] = lp.sum(-1).cpu().numpy(), lq.sum(-1).cpu().numpy()
-        for m in (tokens, logp, logq):
+        pos_logp[i0:i1], pos_logq[i0:i1] = pos_lp.cpu().numpy(), pos_lq.cpu().numpy()
+        for m in (tokens, logp, logq, pos_logp, pos_logq):
             m.flush()
         done[c] = 1  # only after the chunk's rows are on disk
         done.flush()
@@ -145,8 +175,8 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
         else:
             os.makedirs(out_dir, exist_ok=True)
             np.save(os.path.join(out_dir, 'offsets.npy'), offsets)
-            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'),
-                          logq=((N, K), 'float32'), done=((n_chunks,), 'uint8'))
+            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'), logq=((N, K), 'float32'),
+                          pos_logp=((N,), 'float32'), pos_logq=((N,), 'float32'), done=((n_chunks,), 'uint8'))
             for name, (shape, dtype) in shapes.items():
                 np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode='w+', shape=shape).flush()
             write_json(dict(settings, complete=False), meta_path)
@@ -155,9 +185,16 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
     return load_negatives(out_dir, mode='r+')
 
 
+def untruncated(meta):
+    """Negatives drawn from P_LM itself (generate's exact path): log q = log P_LM, NCE's d = 0."""
+    return (meta['top_k'], meta['top_p'], meta['temperature']) == (None, None, 1.0)
+
+
 def load_negatives(out_dir, mode='r', lm_path=None):
     """A negatives dir as a dict: meta, offsets (N,), and memmaps tokens (N,K,L), logp (N,K),
-    logq (N,K), done; with lm_path, checked to come from that LM. Reading needs a complete run."""
+    logq (N,K), pos_logp (N,), pos_logq (N,), done; with lm_path, checked to come from that LM.
+    Reading needs a complete run. Dirs written before pos_logp/pos_logq existed still read when
+    untruncated (d = 0: the positives' scores are not needed), with those two set to None."""
     if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
         raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
     meta = load_meta(out_dir)
@@ -169,9 +206,27 @@ def load_negatives(out_dir, mode='r', lm_path=None):
     N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
     n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
     mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
+    has_pos = os.path.isfile(os.path.join(out_dir, 'pos_logq.bin'))
+    if not has_pos and (mode != 'r' or not untruncated(meta)):
+        raise ValueError(f"negatives in {out_dir} predate the stored log P_LM / log q of real continuations, which "
+                         f"{'NCE with truncated negatives needs' if mode == 'r' else 'a resumed run writes'}: "
+                         f"regenerate them into a new --out_dir")
+    pos = lambda name: mm(name, 'float32', (N,)) if has_pos else None
     return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
                 tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
-                logq=mm('logq', 'float32', (N, K)), done=mm('done', 'uint8', (n_chunks,)))
+                logq=mm('logq', 'float32', (N, K)), pos_logp=pos('pos_logp'), pos_logq=pos('pos_logq'),
+                done=mm('done', 'uint8', (n_chunks,)))
+
+
+def log_ratios(neg, rows, neg_idx, device='cpu'):
+    """nce_loss's d = log P_LM - log q of the real continuations of prefixes `rows` (B,) and of
+    their negatives neg_idx (B, M), as float32 tensors; (None, None) for untruncated negatives.
+    d_pos is +inf where the real continuation lies outside q's support."""
+    if untruncated(neg['meta']):
+        return None, None
+    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]
+    d_neg = neg['logp'][rows[:, None], neg_idx] - neg['logq'][rows[:, None], neg_idx]
+    return torch.from_numpy(d_pos).to(device), torch.from_numpy(d_neg).to(device)
 
 
 if __name__ == '__main__':

@@ -943,7 +943,7 @@ def test_windows_brute_force():
 
 
 def neg_files(d):
-    names = ('tokens.bin', 'logp.bin', 'logq.bin', 'done.bin', 'offsets.npy', 'meta.json')
+    names = ('tokens.bin', 'logp.bin', 'logq.bin', 'pos_logp.bin', 'pos_logq.bin', 'done.bin', 'offsets.npy', 'meta.json')
     return {f: open(os.path.join(d, f), 'rb').read() for f in names}
 
 
@@ -968,7 +968,7 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     part = negatives.load_negatives(b, mode='r+')
     assert part['done'].tolist() == [1, 1, 0, 0, 0] and not part['meta']['complete']
     rng = np.random.default_rng(0)
-    for name in ('tokens', 'logp', 'logq'):
+    for name in ('tokens', 'logp', 'logq', 'pos_logp', 'pos_logq'):
         part[name][10:15] = rng.integers(0, 60000, part[name][10:15].shape)
         part[name].flush()
     del part
@@ -2460,3 +2460,169 @@ def test_next_token_table_a1_exact():
     assert max(rows) <= 16 and sum(rows) == 3 * C * 40
     with pytest.raises(ValueError, match='keep'):
         next_token_table(lm, e, prefix, 3, 2, 3, 4, NULL, torch.Generator())
+
+
+def test_nce_loss_with_log_ratios():
+    """The NCE logit -E + d, d = log P_LM - log q, in both losses vs float64 brute force; d = None
+    is today's loss exactly; d_pos = +inf (a real continuation q cannot propose) is data with
+    certainty: zero loss for that positive, finite gradients, no NaN."""
+    g = torch.Generator().manual_seed(0)
+    B, M = 5, 3
+    e_pos, e_neg = torch.randn(B, generator=g, dtype=torch.float64) * 3, torch.randn(B, M, generator=g, dtype=torch.float64) * 3
+    d_pos, d_neg = torch.randn(B, generator=g, dtype=torch.float64) * 2, torch.randn(B, M, generator=g, dtype=torch.float64) * 2
+    for dtype in (torch.float64, torch.float32):
+        ep, en = e_pos.to(dtype), e_neg.to(dtype)
+        old_bin = (F.softplus(ep) + F.softplus(-en).mean(1)).mean()
+        old_rank = F.cross_entropy(-torch.cat([ep[:, None], en], 1), torch.zeros(B, dtype=torch.long))
+        old_acc = (ep[:, None] < en).float().mean()
+        for d in ((None, None), (torch.zeros(B, dtype=dtype), torch.zeros(B, M, dtype=dtype))):
+            loss, acc = nce_train.nce_loss(ep, en, 'binary', *d)
+            assert torch.equal(loss, old_bin) and torch.equal(acc, old_acc)
+            loss, acc = nce_train.nce_loss(ep, en, 'ranking', *d)
+            assert abs(loss.item() - old_rank.item()) <= 4 * torch.finfo(dtype).eps * old_rank.item() and torch.equal(acc, old_acc)
+    p, n, dp, dn = e_pos.tolist(), e_neg.tolist(), d_pos.tolist(), d_neg.tolist()
+    ref_bin = sum(softplus64(p[b] - dp[b]) + sum(softplus64(dn[b][j] - n[b][j]) for j in range(M)) / M for b in range(B)) / B
+    ref_rank = 0.0
+    for b in range(B):
+        s = [dp[b] - p[b]] + [dn[b][j] - n[b][j] for j in range(M)]
+        ref_rank += (max(s) + math.log(sum(math.exp(v - max(s)) for v in s)) - s[0]) / B
+    ref_acc = sum(dp[b] - p[b] > dn[b][j] - n[b][j] for b in range(B) for j in range(M)) / (B * M)
+    for kind, ref in (('binary', ref_bin), ('ranking', ref_rank)):
+        loss, acc = nce_train.nce_loss(e_pos, e_neg, kind, d_pos, d_neg)
+        assert abs(loss.item() - ref) < 1e-12 and abs(acc.item() - ref_acc) < 1e-7, kind
+        assert abs(loss.item() - nce_train.nce_loss(e_pos, e_neg, kind)[0].item()) > 0.1  # d matters
+    # row 0's real continuation is outside q's support: d_pos = +inf
+    d_pos[0] = float('inf')
+    for kind in ('binary', 'ranking'):
+        ep, en = e_pos.clone().requires_grad_(), e_neg.clone().requires_grad_()
+        loss, acc = nce_train.nce_loss(ep, en, kind, d_pos, d_neg)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(ep.grad).all() and torch.isfinite(en.grad).all()
+        assert ep.grad[0] == 0  # nothing to learn from a certain positive
+        rows = torch.arange(1, B)
+        rest = nce_train.nce_loss(e_pos[rows], e_neg[rows], kind, d_pos[rows], d_neg[rows])[0].item() * (B - 1) / B
+        if kind == 'ranking':  # the whole row is certain: 0
+            assert abs(loss.item() - rest) < 1e-12 and (en.grad[0] == 0).all()
+        else:  # its negatives still count
+            neg0 = sum(softplus64(dn[0][j] - n[0][j]) for j in range(M)) / M / B
+            assert abs(loss.item() - rest - neg0) < 1e-12
+
+
+def truncated_toy(top_k=2):
+    """Two-token sequences over 4 tokens: P_LM(x1) P_LM(x2|x1) from a bigram table whose top-2
+    mass after x1 depends on x1, q its per-step top-2 truncation (renormalised at each step, so
+    P_LM/q varies across sequences), a random E* and P_data ∝ P_LM exp(-E*) on q's support.
+    Returns float64 log P_LM, log q (-inf off the support) and log P_data over the 16 sequences."""
+    first = torch.tensor([1.0, 0.6, -0.5, -1.2], dtype=torch.float64)
+    lp1, lp2 = torch.log_softmax(first, 0), torch.log_softmax(torch.tensor(BIGRAM, dtype=torch.float64), 1)
+
+    def truncate(lp):
+        keep = lp >= lp.topk(top_k, -1).values[..., -1:]
+        return torch.where(keep, lp - torch.logsumexp(lp.masked_fill(~keep, float('-inf')), -1, keepdim=True), float('-inf'))
+
+    log_p = (lp1[:, None] + lp2).flatten()
+    log_q = (truncate(lp1)[:, None] + truncate(lp2)).flatten()
+    e_star = torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    log_data = torch.log_softmax((log_p - e_star).masked_fill(log_q == float('-inf'), float('-inf')), 0)
+    return log_p, log_q, log_data, e_star
+
+
+def nce_optimum(log_p, log_q, log_data, kind, corrected):
+    """Minimise the exact expected NCE loss over a free energy per sequence of q's support, x+ ~
+    P_data and x- ~ q, through nce_loss on every (x+, x-) pair weighted by P_data(x+) q(x-)."""
+    sup = torch.isfinite(log_q)
+    n = int(sup.sum())
+    d = (log_p - log_q)[sup]
+    w = (log_data[sup][:, None] + log_q[sup][None]).exp().flatten()  # (n*n,) pair weights
+    i, j = torch.arange(n).repeat_interleave(n), torch.arange(n).repeat(n)
+    E = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([E], lr=1, max_iter=1000, tolerance_grad=1e-13, tolerance_change=1e-16,
+                            line_search_fn='strong_wolfe')
+
+    def closure():
+        opt.zero_grad()
+        loss = sum(w[k] * nce_train.nce_loss(E[i[k]:i[k] + 1], E[j[k]].view(1, 1), kind,
+                                             *((d[i[k]:i[k] + 1], d[j[k]].view(1, 1)) if corrected else ()))[0]
+                   for k in range(n * n))
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    assert E.grad.abs().max() < 1e-7
+    return E.detach(), sup
+
+
+def test_nce_with_truncated_noise_recovers_the_energy():
+    """With top-k noise q, NCE with the logit -E + log P_LM - log q has its optimum at P_LM exp(-E)
+    = P_data on q's support (binary: self-normalised, E = E* + log Z*; ranking: up to a constant);
+    with the logit -E alone it converges elsewhere: P_LM exp(-E) ∝ P_data P_LM / q."""
+    log_p, log_q, log_data, e_star = truncated_toy()
+    sup = torch.isfinite(log_q)
+    assert int(sup.sum()) == 4 and (log_p - log_q)[sup].std() > 0.3  # P_LM/q not constant: truncation matters
+    log_z_star = torch.logsumexp((log_p - e_star)[sup], 0)
+    for kind in ('binary', 'ranking'):
+        E, _ = nce_optimum(log_p, log_q, log_data, kind, corrected=True)
+        model = torch.log_softmax(log_p[sup] - E, 0)
+        assert (model - log_data[sup]).abs().max() < 1e-6, kind
+        assert ((E - e_star[sup]) - (E - e_star[sup]).mean()).abs().max() < 1e-6  # E* up to a constant
+        if kind == 'binary':  # and that constant is log Z*: P_LM exp(-E) is normalised
+            assert (E - e_star[sup] - log_z_star).abs().max() < 1e-6
+            assert abs(torch.logsumexp(log_p[sup] - E, 0).item()) < 1e-6
+        E_u, _ = nce_optimum(log_p, log_q, log_data, kind, corrected=False)
+        wrong = torch.log_softmax(log_p[sup] - E_u, 0)
+        assert (wrong - torch.log_softmax(log_data[sup] + (log_p - log_q)[sup], 0)).abs().max() < 1e-6
+        assert tv(wrong.exp(), log_data[sup].exp()) > 0.05, kind
+
+
+def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
+    """pos_logp / pos_logq of negatives.py vs float64 brute force on the tiny LM: log P_LM of the
+    real continuation, and its log q under the proposal the negatives came from (-inf for a real
+    token outside top-k/top-p, the argmax at temperature 0); untruncated, pos_logq == pos_logp.
+    log_ratios hands nce_loss d = log P_LM - log q (None untruncated, +inf off the support)."""
+    meta = load_meta(lm_corpus)
+    data = load_split(lm_corpus, 'train', meta)
+    lm, _ = load_lm(lm_ckpt)
+    P, L, N = 6, 4, 23
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', str(N), '--chunk', '5', *NEG_FLAGS]
+    real = None
+    # the LM is nearly uniform over 30 tokens: wide truncations, so that some real continuations fit
+    for name, extra, proposal in (('full', [], {}), ('topk', ['--top_k', '20'], dict(top_k=20)),
+                                  ('topp', ['--top_p', '0.8', '--temperature', '0.7'], dict(top_p=0.8, temperature=0.7)),
+                                  ('greedy', ['--temperature', '0'], 'greedy')):
+        out = str(tmp_path / name)
+        negatives.main(['--out_dir', out, *flags, *extra])
+        neg = negatives.load_negatives(out, lm_path=lm_ckpt)
+        if real is None:
+            real = window_tokens(data, neg['offsets'], P + L)
+            lp64 = logprobs64(lm, real)[:, P - 1:-1]  # (N, L, V)
+            tok = real[:, P:, None]
+            ref_logp = lp64.gather(-1, tok).squeeze(-1).sum(1)
+        pos_logp, pos_logq = torch.from_numpy(np.array(neg['pos_logp'])), torch.from_numpy(np.array(neg['pos_logq']))
+        assert pos_logp.shape == pos_logq.shape == (N,) and pos_logp.dtype == torch.float32
+        assert (pos_logp.double() - ref_logp).abs().max() < 1e-4
+        if proposal == {}:
+            assert torch.equal(pos_logq, pos_logp)
+            assert negatives.log_ratios(neg, np.arange(3), np.zeros((3, 2), int)) == (None, None)
+            continue
+        if proposal == 'greedy':
+            ref_q = torch.where(lp64.argmax(-1, keepdim=True) == tok, 0.0, float('-inf')).squeeze(-1).sum(1)
+        else:
+            ref_q = torch.from_numpy(brute_proposal64(lp64.numpy(), **proposal)).view(N, L, -1).gather(-1, tok).squeeze(-1).sum(1)
+        off = torch.isinf(ref_q)
+        assert 0 < off.sum() < N or proposal == 'greedy' and off.sum() > 0, (name, off.sum())  # both cases occur
+        assert torch.equal(torch.isinf(pos_logq), off) and (pos_logq[off] == float('-inf')).all()
+        assert ((pos_logq[~off].double() - ref_q[~off]).abs() < 1e-4).all()
+        rows, idx = np.array([0, 4, 7]), np.array([[2, 0], [1, 1], [0, 2]])
+        d_pos, d_neg = negatives.log_ratios(neg, rows, idx)
+        assert torch.equal(d_pos, pos_logp[rows] - pos_logq[rows]) and torch.isinf(d_pos).tolist() == off[rows].tolist()
+        assert torch.equal(d_neg, torch.from_numpy(np.array(neg['logp'])[rows[:, None], idx] - np.array(neg['logq'])[rows[:, None], idx]))
+        assert torch.isfinite(d_neg).all()
+    # a dir from before these files: still read untruncated (d = 0), refused truncated
+    for name in ('full', 'topk'):
+        for f in ('pos_logp.bin', 'pos_logq.bin'):
+            os.remove(tmp_path / name / f)
+    neg = negatives.load_negatives(str(tmp_path / 'full'))
+    assert neg['pos_logp'] is None and negatives.log_ratios(neg, np.arange(2), np.zeros((2, 1), int)) == (None, None)
+    with pytest.raises(ValueError, match='regenerate them into a new --out_dir'):
+        negatives.load_negatives(str(tmp_path / 'topk'))
