@@ -6,11 +6,14 @@ system there more often than allowed are dropped.
 
     python human_eval.py export --samples out/samples.json --systems joint,base --out_dir out/human_eval
         -> items.csv and items.jsonl for raters; key.json stays with you
-    python human_eval.py score --key out/human_eval/key.json --votes votes.csv
+    python human_eval.py score --key out/human_eval/key.json --votes votes.csv [--per_vote]
         votes.csv columns: rater,item,choice   (choice: A, B or equal)
 
-Reports, for system 1 over system 2: the preference rate (strictly better), the not-worse rate
-(better or equal), and the one-sided binomial p-value of wins against losses (ties dropped).
+Each item is decided by the majority of its raters' votes (the paper: 3 raters per item, "one
+continuation better if it gets more votes"). Reports, for system 1 over system 2, over items: the
+preference rate (strictly better), the not-worse rate (better or equal), and the one-sided
+binomial p-value of items won against items lost (equal items dropped). --per_vote counts votes
+instead; export refuses to replace an existing key.json unless --force.
 """
 
 import argparse
@@ -49,39 +52,108 @@ def export(samples, systems, num_checks, seed):
     return items, dict(systems=systems, items=key)
 
 
-def score(key, votes, max_failed_checks=0):
-    """Preference of systems[0] over systems[1] from votes [(rater, item, choice)]."""
+def score(key, votes, max_failed_checks=0, per_vote=False):
+    """Preference of systems[0] (s1) over systems[1] (s2) from votes [(rater, item, choice)].
+
+    Raters failing more than max_failed_checks attention checks are dropped: none of their votes
+    count. Then, as in the paper (Appendix A.4, "we consider one continuation better if it gets
+    more votes"; Table 2 counts sentences), each item is decided by its remaining votes: the item
+    goes to the option among s1, s2 and 'equal' with strictly the most votes; with no strict
+    plurality (s1 and s2 tied, or 'equal' tied with the leader) or an 'equal' plurality, the item
+    is equal. Without 'equal' votes this is exactly the paper's rule. Items with no remaining
+    vote are left out (counted in unvoted_items). The one-sided binomial test is over items, wins
+    against losses, equal items dropped: votes on one item are not independent.
+
+    per_vote: every counted vote is a unit instead (wins, losses, ties and the test over votes);
+    its p-value is too small, since raters of one item agree more often than independent votes
+    would. The report's 'unit' says which ('item' or 'vote')."""
     s1, s2 = key['systems']
-    failed = {}
+    failed, seen = {}, set()
     for rater, item, choice in votes:
+        if (rater, item) in seen:  # one rater must not weigh twice in an item's majority
+            raise ValueError(f"rater {rater} voted more than once on item {item}: keep one vote per rater and item")
+        seen.add((rater, item))
         k = key['items'][item]
         if k['check'] and choice in ('A', 'B') and k[choice] != 'gold':
             failed[rater] = failed.get(rater, 0) + 1
     dropped = sorted(r for r, n in failed.items() if n > max_failed_checks)
-    wins = losses = ties = 0
+    tally = {}  # item -> {s1: n, s2: n, 'equal': n}
     for rater, item, choice in votes:
         k = key['items'][item]
         if k['check'] or rater in dropped:
             continue
-        if choice == 'equal':
-            ties += 1
-        elif k[choice] == s1:
-            wins += 1
-        else:
-            losses += 1
+        t = tally.setdefault(item, {s1: 0, s2: 0, 'equal': 0})
+        t['equal' if choice == 'equal' else k[choice]] += 1
+    num_votes = sum(sum(t.values()) for t in tally.values())
+    if per_vote:
+        wins, losses, ties = (sum(t[c] for t in tally.values()) for c in (s1, s2, 'equal'))
+    else:
+        outcome = [plurality(t) for t in tally.values()]
+        wins, losses, ties = (outcome.count(c) for c in (s1, s2, 'equal'))
     n = wins + losses + ties
-    return dict(system=s1, versus=s2, votes=n, wins=wins, losses=losses, ties=ties, dropped_raters=dropped,
+    unvoted = sum(1 for i, k in key['items'].items() if not k['check'] and i not in tally)
+    return dict(system=s1, versus=s2, unit='vote' if per_vote else 'item', n=n, votes=num_votes,
+                wins=wins, losses=losses, ties=ties, unvoted_items=unvoted, dropped_raters=dropped,
                 preferred=wins / n if n else float('nan'), not_worse=(wins + ties) / n if n else float('nan'),
                 p_value=binomial_p_value(wins, losses))
 
 
+def plurality(tally):
+    """The option with strictly the most votes, else 'equal'."""
+    (a, na), (_, nb) = sorted(tally.items(), key=lambda kv: -kv[1])[:2]
+    return a if na > nb else 'equal'
+
+
+# -----------------------------------------------------------------------------
+# files: one clear error for a missing or malformed one
+
+def load_json(path, flag, hint):
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} does not exist: {hint}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path} is not valid JSON ({e}): {hint}") from None
+
+
+def check_key(key, path):
+    ok = (isinstance(key, dict) and isinstance(key.get('systems'), list) and len(key['systems']) == 2
+          and isinstance(key.get('items'), dict)
+          and all(isinstance(k, dict) and {'A', 'B', 'check'} <= set(k) for k in key['items'].values()))
+    if not ok:
+        raise ValueError(f"--key {path} is not a key written by human_eval.py export (systems, items with A/B/check)")
+    return key
+
+
 def read_votes(path, key):
-    with open(path, newline='') as f:
-        votes = [(r['rater'], r['item'], r['choice'].strip()) for r in csv.DictReader(f)]
+    if not os.path.isfile(path):
+        raise ValueError(f"--votes {path} does not exist: give the CSV of votes (columns rater,item,choice)")
+    try:
+        with open(path, newline='') as f:
+            reader = csv.DictReader(f)
+            if not {'rater', 'item', 'choice'} <= set(reader.fieldnames or ()):
+                raise ValueError(f"--votes {path} needs a header with columns rater,item,choice (has {reader.fieldnames})")
+            votes = [(r['rater'], r['item'], (r['choice'] or '').strip()) for r in reader]
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"--votes {path} is not a readable CSV ({e}): columns rater,item,choice") from None
     for rater, item, choice in votes:
-        if item not in key['items'] or choice not in ('A', 'B', 'equal'):
+        if rater is None or item not in key['items'] or choice not in ('A', 'B', 'equal'):
             raise ValueError(f"bad vote ({rater}, {item}, {choice}) in {path}: item must be in the key and choice A, B or equal")
     return votes
+
+
+def write_items(items, out_dir):
+    """items.csv and items.jsonl, each written atomically."""
+    csv_path, jsonl_path = os.path.join(out_dir, 'items.csv'), os.path.join(out_dir, 'items.jsonl')
+    with open(csv_path + '.tmp', 'w', newline='') as f:
+        w = csv.DictWriter(f, fieldnames=['item', 'prefix', 'A', 'B'])
+        w.writeheader()
+        w.writerows(items)
+    with open(jsonl_path + '.tmp', 'w') as f:
+        f.writelines(json.dumps(it) + '\n' for it in items)
+    os.replace(csv_path + '.tmp', csv_path)
+    os.replace(jsonl_path + '.tmp', jsonl_path)
 
 
 def main(argv=None):
@@ -92,37 +164,42 @@ def main(argv=None):
     e.add_argument('--systems', default='joint,base', help='the two systems compared (base, joint, worst, gold)')
     e.add_argument('--checks', type=int, default=2, help='attention-check items (system vs real text)')
     e.add_argument('--out_dir', default='out/human_eval')
+    e.add_argument('--force', action='store_true', help='overwrite an existing key.json (votes collected against it become unscorable)')
     e.add_argument('--seed', type=int, default=1337)
     s = sub.add_parser('score', help='read votes back and report the preference')
     s.add_argument('--key', default='out/human_eval/key.json')
     s.add_argument('--votes', required=True, help='CSV with columns rater,item,choice')
     s.add_argument('--max_failed_checks', type=int, default=0, help='drop raters failing more checks than this')
+    s.add_argument('--per_vote', action='store_true', help='count votes, not items decided by majority (p-value too small)')
     s.add_argument('--out', default=None, help='JSON report (default: beside the votes)')
     args = p.parse_args(argv)
     if args.cmd == 'export':
-        with open(args.samples) as f:
-            samples = json.load(f)['samples']
+        key_path = os.path.join(args.out_dir, 'key.json')
+        if os.path.exists(key_path) and not args.force:  # a new key would silently rescore votes collected on the old items
+            raise ValueError(f"{key_path} exists: votes collected against it would score wrongly with a new key; "
+                             f"choose another --out_dir, or pass --force to overwrite it")
+        hint = "give sample.py's JSON output (python sample.py ... --out FILE)"
+        samples = load_json(args.samples, '--samples', hint)
+        if not isinstance(samples, dict) or not isinstance(samples.get('samples'), list) or not samples['samples']:
+            raise ValueError(f"--samples {args.samples} has no 'samples' list: {hint}")
+        samples = samples['samples']
         systems = args.systems.split(',')
         if len(systems) != 2 or any(sys_ not in samples[0] for sys_ in systems):
             raise ValueError(f"--systems must name two of {[k for k in ('base', 'joint', 'worst', 'gold') if k in samples[0]]}")
         items, key = export(samples, systems, args.checks, args.seed)
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, 'items.csv'), 'w', newline='') as f:
-            w = csv.DictWriter(f, fieldnames=['item', 'prefix', 'A', 'B'])
-            w.writeheader()
-            w.writerows(items)
-        with open(os.path.join(args.out_dir, 'items.jsonl'), 'w') as f:
-            f.writelines(json.dumps(it) + '\n' for it in items)
-        write_json(key, os.path.join(args.out_dir, 'key.json'))
+        write_items(items, args.out_dir)
+        write_json(key, key_path)
         print(f"{len(items)} items ({args.checks} attention checks) -> {args.out_dir}/items.csv, items.jsonl; key.json is the key")
     else:
-        with open(args.key) as f:
-            key = json.load(f)
-        report = score(key, read_votes(args.votes, key), args.max_failed_checks)
+        key = check_key(load_json(args.key, '--key', 'give the key.json that human_eval.py export wrote'), args.key)
+        report = score(key, read_votes(args.votes, key), args.max_failed_checks, args.per_vote)
         write_json(report, args.out or os.path.splitext(args.votes)[0] + '_report.json')
+        unit = (f"{report['n']} items (each decided by the majority of its raters; {report['votes']} votes)"
+                if report['unit'] == 'item' else f"{report['n']} votes (per vote: votes on one item are not independent)")
         print(f"{report['system']} vs {report['versus']}: preferred {100 * report['preferred']:.1f}%, "
-              f"not worse {100 * report['not_worse']:.1f}% of {report['votes']} votes "
-              f"(one-sided binomial p = {report['p_value']:.3g}); dropped raters: {report['dropped_raters'] or 'none'}")
+              f"not worse {100 * report['not_worse']:.1f}% of {unit}; one-sided binomial p = {report['p_value']:.3g} "
+              f"over {report['unit']}s; dropped raters: {report['dropped_raters'] or 'none'}")
 
 
 if __name__ == '__main__':

@@ -7,6 +7,10 @@ the model is P_LM exp(-E), the NCE classifier's logit log P_joint - log P_LM red
     binary (Eq. 3):  loss = softplus(E(x+)) + softplus(-E(x-))
     ranking:         loss = -log softmax(-E(x+), -E(x-_1), ..., -E(x-_M))[0]   (M negatives)
 
+With truncated negatives (negatives.py --top_k/--top_p/--temperature) the noise is the proposal
+q, not P_LM, and the logit is -E + log P_LM - log q: the stored log-probs of every negative and
+of every real continuation under both give that correction, applied automatically.
+
     python nce_train.py --lm out/lm/ckpt.pt --negatives out/neg_train --val_negatives out/neg_val \\
         --energy bit --out_dir out/bit                                   # CPU or one GPU
     torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
@@ -27,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import load_meta, load_negatives, load_split, window_tokens, write_json
+from data import load_meta, load_negatives, load_split, log_ratios, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import save_checkpoint
 from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
@@ -75,18 +79,23 @@ def get_args(argv=None):
     return args
 
 
-def nce_loss(e_pos, e_neg, kind='binary'):
-    """e_pos (B,), e_neg (B, M) energies. Returns (loss, accuracy = fraction of pairs with
-    E(x+) < E(x-)). log P_LM does not appear: in the residual model it cancels from the NCE
-    logit log P_joint - log P_noise = -E (and from the ranking softmax, the prefix being shared)."""
+def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
+    """e_pos (B,), e_neg (B, M) energies. Returns (loss, accuracy = fraction of pairs whose
+    positive has the larger logit; without d: E(x+) < E(x-)). The NCE logit of x is
+    log P_joint(x) - log q(x) = -E(x) + d(x), d = log P_LM(x) - log q(x) for noise q: with q = P_LM
+    (untruncated negatives) d = 0 and P_LM cancels, leaving -E (Eq. 3; None is that case, exactly).
+    With top-k/top-p/temperature negatives, d_pos (B,) and d_neg (B, M) are the stored log-ratios
+    (negatives.py). A real continuation that q cannot propose has d = +inf: it is data with
+    certainty, its loss term is 0 and it carries no gradient (no inf - inf anywhere)."""
+    s_pos = -e_pos if d_pos is None else d_pos - e_pos
+    s_neg = -e_neg if d_neg is None else d_neg - e_neg
     if kind == 'binary':  # Eq. 3, averaged over the M negatives of each positive
-        loss = F.softplus(e_pos) + F.softplus(-e_neg).mean(1)
-    elif kind == 'ranking':
-        scores = -torch.cat([e_pos[:, None], e_neg], dim=1)
-        loss = F.cross_entropy(scores, torch.zeros(len(e_pos), dtype=torch.long, device=e_pos.device), reduction='none')
+        loss = F.softplus(-s_pos) + F.softplus(s_neg).mean(1)
+    elif kind == 'ranking':  # -log softmax(s_pos, s_neg_1..M)[0] = log(1 + sum_j exp(s_neg_j - s_pos))
+        loss = torch.logsumexp(F.pad(s_neg - s_pos[:, None], (1, 0)), 1)
     else:
         raise ValueError(f"unknown NCE loss '{kind}': use 'binary' or 'ranking'")
-    return loss.mean(), (e_pos[:, None] < e_neg).float().mean()
+    return loss.mean(), (s_pos[:, None] > s_neg).float().mean()
 
 
 def nce_batch(data, neg, rows, neg_idx, device):
@@ -119,7 +128,7 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
         with ctx:
             e = model(nce_batch(data, neg, r, j, device), P)
         e_pos, e_neg = e[:len(r)], e[len(r):].view(len(r), -1)
-        l, acc = nce_loss(e_pos, e_neg, loss)
+        l, acc = nce_loss(e_pos, e_neg, loss, *log_ratios(neg, r, j, device))
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(), e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(sums)
@@ -210,7 +219,7 @@ def main(argv=None):
             with ctx:  # positives and their negatives in one forward
                 e = model(nce_batch(train, neg, r, j, device), P)
             e_pos, e_neg = e[:B], e[B:].view(B, M)
-            loss, acc = nce_loss(e_pos, e_neg, args.loss)
+            loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
             scaler.scale(loss / n_micro).backward()
             stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
         scaler.unscale_(optimizer)

@@ -11,8 +11,11 @@ Default sampling is untruncated: NCE's noise distribution must be P_LM itself (T
 
 Output (out_dir): offsets.npy (N,) start of each prefix in the split; tokens.bin (N, K, L) sampled
 continuations; logp.bin / logq.bin (N, K) float32 log P_LM and log q of each continuation;
-done.bin, one byte per chunk of prefixes; meta.json. Every chunk is seeded by (seed, split, chunk),
-so a killed run resumes where it stopped and ends with byte-identical files.
+pos_logp.bin / pos_logq.bin (N,) float32 the same for the real continuation of each prefix (log q
+= -inf where q cannot propose it); done.bin, one byte per chunk of prefixes; meta.json. NCE with a
+truncated q needs both: its logit is -E + log P_LM - log q (nce_train.nce_loss). Every chunk is
+seeded by (seed, split, chunk), so a killed run resumes where it stopped and ends with
+byte-identical files.
 """
 
 import argparse
@@ -21,10 +24,35 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from data import SPLITS, load_meta, load_negatives, load_split, window_tokens, windows, write_json
-from model import check_vocab, file_hash, load_lm
+from model import check_vocab, file_hash, load_lm, proposal_logprobs
 from runtime import DTYPES, progress, precision, rng, run_main, sampling_probe, setup
+
+
+@torch.no_grad()
+def real_logprobs(lm, x, P, top_k=None, top_p=None, temperature=1.0):
+    """log P_LM and log q (each (B,) float32) of the real continuations x[:, P:] of the rows of x
+    (B, P+L), q the proposal that generate() samples negatives from with these settings (per
+    token: proposal_logprobs, or the argmax at temperature 0). A real token outside q's support
+    gives log q = -inf. Batched like GPT.sequence_logprob, a few rows at a time: the logits of
+    every position are (rows, L, V)."""
+    L = x.size(1) - P
+    lp, lq = [], []
+    for rows in x.split(max(1, 1024 // L)):
+        logits = lm.logits(rows[:, :-1], first=P - 1).float()
+        tok = rows[:, P:, None]
+        logp = F.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
+        if (top_k, top_p, temperature) == (None, None, 1.0):
+            logq = logp
+        elif temperature == 0:  # greedy: q is a point mass on the argmax
+            logq = torch.where(logits.argmax(-1, keepdim=True) == tok, 0.0, float('-inf')).squeeze(-1)
+        else:
+            logq = proposal_logprobs(logits, top_k, top_p, temperature).gather(-1, tok).squeeze(-1)
+        lp.append(logp.sum(1))
+        lq.append(logq.sum(1))
+    return torch.cat(lp), torch.cat(lq)
 
 
 def get_args(argv=None):
@@ -73,19 +101,21 @@ def main(argv=None):
                     top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, chunk=args.chunk,
                     seed=args.seed, dtype=meta['dtype'])
     neg = open_outputs(args.out_dir, settings, offsets, n_chunks, rank, world_size)
-    tokens, logp, logq, done = neg['tokens'], neg['logp'], neg['logq'], neg['done']
+    tokens, logp, logq, pos_logp, pos_logq, done = (neg[k] for k in ('tokens', 'logp', 'logq', 'pos_logp', 'pos_logq', 'done'))
+    proposal = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature)
 
     todo = [c for c in range(rank, n_chunks, world_size) if not done[c]]
     for c in progress(todo, quiet=args.quiet or rank != 0, desc=f'negatives {args.split}'):
         i0, i1 = c * args.chunk, min(N, (c + 1) * args.chunk)
-        prompts = window_tokens(data, offsets[i0:i1], P).to(device)
+        real = window_tokens(data, offsets[i0:i1], P + L).to(device)
         g = rng(args.seed, 'negatives', args.split, c, device)
         with ctx:
-            t, lp, lq = lm.generate(prompts, L, num_samples=K, top_k=args.top_k, top_p=args.top_p,
-                                    temperature=args.temperature, return_proposal=True, generator=g)
+            t, lp, lq = lm.generate(real[:, :P], L, num_samples=K, return_proposal=True, generator=g, **proposal)
+            pos_lp, pos_lq = real_logprobs(lm, real, P, **proposal)
         tokens[i0:i1] = t.cpu().numpy()
         logp[i0:i1], logq[i0:i1] = lp.sum(-1).cpu().numpy(), lq.sum(-1).cpu().numpy()
-        for m in (tokens, logp, logq):
+        pos_logp[i0:i1], pos_logq[i0:i1] = pos_lp.cpu().numpy(), pos_lq.cpu().numpy()
+        for m in (tokens, logp, logq, pos_logp, pos_logq):
             m.flush()
         done[c] = 1  # only after the chunk's rows are on disk
         done.flush()
@@ -113,8 +143,8 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
         else:
             os.makedirs(out_dir, exist_ok=True)
             np.save(os.path.join(out_dir, 'offsets.npy'), offsets)
-            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'),
-                          logq=((N, K), 'float32'), done=((n_chunks,), 'uint8'))
+            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'), logq=((N, K), 'float32'),
+                          pos_logp=((N,), 'float32'), pos_logq=((N,), 'float32'), done=((n_chunks,), 'uint8'))
             for name, (shape, dtype) in shapes.items():
                 np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode='w+', shape=shape).flush()
             write_json(dict(settings, complete=False), meta_path)

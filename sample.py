@@ -6,9 +6,10 @@ Generation from the joint model P_LM exp(-E) (Section 3.3).
   chunks with a running Gumbel-max choice, so n = 10^4 runs in bounded memory, with the
   options: weights exp(-E) P_LM / q (the untruncated joint model as target, on the support top-k
   can reach) and the effective sample size (Kish) that says when the weights collapse.
-- topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top-k next
-  tokens reweighted by Z(x_<=t) estimated with m LM samples of the rest. Expensive by design;
-  also gives the Table-3 view of the next-token distribution under the LM and the joint model.
+- topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top 128 next
+  tokens reweighted by Z(x_<=t) estimated with m LM samples of the rest, the top 10 of them
+  renormalised. Expensive by design; also gives the Table-3 view of the next-token distribution
+  under the LM and the joint model.
 
     python sample.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --prompt "ROMEO:" --n 1000
     python sample.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --split test --num_prefixes 4
@@ -18,6 +19,7 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import argparse
+import math
 from contextlib import nullcontext
 
 import numpy as np
@@ -25,7 +27,7 @@ import torch
 
 from data import load_meta, load_split, window_tokens, windows, write_json
 from energy import load_energy, score
-from estimate_ppl import logz_bounds, sample_log_weights
+from estimate_ppl import sample_log_weights
 from model import check_vocab, load_lm
 from runtime import DTYPES, precision, progress, rng, run_main, sampling_probe, scoring_probe, setup
 from tokenizer import load_tokenizer
@@ -84,36 +86,49 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
 
 
 @torch.no_grad()
-def next_token_table(lm, energy, prefix, gen_len, k, m, ctx, generator, max_rows=256, prefix_len=None):
-    """Table 3: for each row of prefix (B, P) the LM's top-k next tokens with their probability
-    under the LM and under the joint model, P_LM(v|x) Z(x, v) / Z(x) (Eq. 5), each Z the plain
-    Monte Carlo estimate exp(T_m) from m LM samples of the remaining tokens. gen_len counts the
-    tokens still to come; prefix_len is where the energy's prefix ends (default P: nothing of
-    the continuation generated yet)."""
+def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, generator, max_rows=256, prefix_len=None):
+    """The joint model's next-token distribution of Appendix A.1 (Table 3) for each row of prefix
+    (B, P): "we further approximate it by only considering the top 128 words predicted by BASE LM,
+    where we sample 10,000 completions for each of them to estimate P(x_t|x_<t). Then we take the
+    top 10 entries and re-normalize". By Eq. 5, P(v|x) = P_LM(v|x) Z(x, v) / Z(x); Z(x) is common
+    to all v and cancels in the renormalisation, so only Z(x, v) = E_r[exp(-E(x, v, r))] of each
+    of the LM's top `candidates` tokens v (all V if fewer) is estimated, as the plain Monte Carlo
+    mean over m LM completions r of the gen_len - 1 tokens still to come (exactly exp(-E(x, v))
+    when v is the last token). The `keep` tokens with the largest P_LM(v|x) Z(x, v) are
+    renormalised: p_joint sums to 1 over them by construction.
+    Returns (tokens, p_lm, p_joint), each (B, keep), ordered by p_joint; p_lm is P_LM(v|x) itself.
+    prefix_len: where the energy's prefix ends (default P: no continuation token fixed yet)."""
     B, P = prefix.shape
+    candidates = min(candidates, lm.config.vocab_size)
+    if not (1 <= keep <= candidates and m >= 1):
+        raise ValueError(f"need 1 <= keep ({keep}) <= candidates ({candidates}, at most the vocabulary) and m ({m}) >= 1")
     prefix_len = P if prefix_len is None else prefix_len
     with ctx:
-        logp = torch.log_softmax(lm(prefix)[0][:, -1].double(), -1)
-    top_lp, top_v = logp.topk(k, dim=-1)  # (B, k)
-    cand = torch.cat([prefix.repeat_interleave(k, 0), top_v.reshape(-1, 1)], dim=1)  # (B*k, P+1)
-    if gen_len > 1:
-        lz_cand = logz_bounds(sample_log_weights(lm, [energy], cand, gen_len - 1, m, ctx, generator, max_rows, prefix_len)[0])[0]
-    else:
-        lz_cand = -score(energy, cand, prefix_len, ctx)
-    lz = logz_bounds(sample_log_weights(lm, [energy], prefix, gen_len, m, ctx, generator, max_rows, prefix_len)[0])[0]
-    joint_lp = top_lp + lz_cand.view(B, k) - lz[:, None]
-    return top_v, top_lp.exp(), joint_lp.exp()
+        logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)
+    cand_lp, cand_v = logp.topk(candidates, dim=-1)  # (B, C)
+    x = torch.cat([prefix.repeat_interleave(candidates, 0), cand_v.reshape(-1, 1)], dim=1)  # (B*C, P+1)
+    if gen_len == 1:
+        log_z = -score(energy, x, prefix_len, ctx, max_rows)
+    else:  # groups small enough that every generate call draws >= min(m, 16) completions per prompt:
+        # the prompts' forward, shared by their completions, stays a small part of the work
+        group = max(1, max_rows // min(m, 16))
+        log_z = torch.cat([sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows, prefix_len)[0]
+                           .logsumexp(-1) - math.log(m) for rows in x.split(group)])
+    top, i = (cand_lp + log_z.view(B, candidates)).topk(keep, dim=-1)
+    return cand_v.gather(1, i), cand_lp.gather(1, i).exp(), torch.softmax(top, -1)
 
 
 @torch.no_grad()
-def topk_autoregressive(lm, energy, prefix, gen_len, k, m, ctx, generator, max_rows=256):
-    """Appendix A.1: sample the continuation token by token from the LM's top-k next tokens,
-    each reweighted by its estimated Z (Eq. 5; the common denominator cancels)."""
+def topk_autoregressive(lm, energy, prefix, gen_len, candidates, keep, m, ctx, generator, max_rows=256):
+    """Appendix A.1: the joint model factorised token by token (Eq. 5), each token drawn from
+    next_token_table's `keep` renormalised entries among the LM's top `candidates`, every Z from
+    m LM completions of the rest. Expensive by design: candidates * m completions per token."""
     x = prefix
     for t in range(gen_len):
-        top_v, p_lm, p_joint = next_token_table(lm, energy, x, gen_len - t, k, m, ctx, generator, max_rows, prefix.size(1))
-        i = torch.multinomial(p_joint.float(), 1, generator=generator).squeeze(1)
-        x = torch.cat([x, top_v[torch.arange(x.size(0)), i][:, None]], dim=1)
+        v, _, p_joint = next_token_table(lm, energy, x, gen_len - t, candidates, keep, m, ctx, generator, max_rows,
+                                         prefix.size(1))
+        i = torch.multinomial(p_joint.float(), 1, generator=generator)
+        x = torch.cat([x, v.gather(1, i)], dim=1)
     return x[:, prefix.size(1):]
 
 
@@ -140,8 +155,10 @@ def get_args(argv=None):
     a('--top_k', type=int, default=10, help='top-k of the LM proposal (0: untruncated)')
     a('--correct_proposal', action='store_true', help='weights exp(-E) P_LM/q: target the untruncated joint model')
     a('--autoregressive', action='store_true', help='also top-k auto-regressive joint sampling (Appendix A.1; slow)')
-    a('--m', type=int, default=8, help='LM samples per Z estimate for --autoregressive and the next-token table')
-    a('--table_k', type=int, default=5, help='next tokens shown in the Table-3 view (0: off)')
+    a('--candidates', type=int, default=128, help='A.1: the LM\'s top next tokens whose Z is estimated (the paper: 128)')
+    a('--keep', type=int, default=10, help='A.1: the top entries kept after reweighting and renormalised (the paper: 10)')
+    a('--m', type=int, default=32, help='A.1: LM completions per Z estimate, for --autoregressive and the Table-3 view (the paper: 10,000)')
+    a('--table_k', type=int, default=5, help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
     a('--out', default='out/samples.json')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
@@ -162,8 +179,11 @@ def main(argv=None):
     tok = load_tokenizer(meta)
     top_k = args.top_k or None
     V = lm.config.vocab_size
-    if not (0 <= args.top_k <= V and 0 <= args.table_k <= V):
-        raise ValueError(f"--top_k and --table_k must be between 0 and the vocabulary size {V}")
+    if not 0 <= args.top_k <= V:
+        raise ValueError(f"--top_k must be between 0 and the vocabulary size {V}")
+    if (args.autoregressive or args.table_k) and not (0 <= args.table_k <= args.keep <= min(args.candidates, V) and args.m >= 1):
+        raise ValueError(f"need 0 <= --table_k ({args.table_k}) <= --keep ({args.keep}) <= --candidates ({args.candidates}) "
+                         f"and the vocabulary size ({V}), and --m ({args.m}) >= 1")
     if args.n < 1:
         raise ValueError(f"--n {args.n} must be at least 1")
     if args.prompt is not None:
@@ -193,14 +213,14 @@ def main(argv=None):
             cont['gold'] = gold[b:b + 1].to(device)
             rec['gold_energy'] = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ectx).item()
         if args.autoregressive:
-            cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, top_k or 10, args.m, ctx, g)
+            cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m, ctx, g)
             rec['autoregressive'] = tok.decode(cont['autoregressive'][0].tolist())
         with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
             rec['lm_logp'] = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)).item() for name, t in cont.items()}
         if args.table_k:
-            v, p_lm, p_joint = next_token_table(lm, energy, pre, args.gen_len, args.table_k, args.m, ctx, g)
-            rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c)
-                                  for t, a, c in zip(v[0].tolist(), p_lm[0].tolist(), p_joint[0].tolist())]
+            v, p_lm, p_joint = next_token_table(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m, ctx, g)
+            rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
+                                  zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(), p_joint[0, :args.table_k].tolist())]
         results.append(rec)
         print_record(rec)
     report = dict(args=vars(args), samples=results, **analyses(results))

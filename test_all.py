@@ -7,6 +7,7 @@ or a closed form). Run: python -m pytest -q test_all.py
 import collections
 import contextlib
 import copy
+import io
 import csv
 import itertools
 import json
@@ -34,7 +35,7 @@ import nce_train  # noqa: E402
 import negatives  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
-from data import load_meta, load_negatives, load_split, window_tokens, windows  # noqa: E402
+from data import load_meta, load_negatives, load_split, log_ratios, untruncated, window_tokens, windows  # noqa: E402
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 from energy import Energy, build_energy, energy_state, load_energy, mlm_mask, score  # noqa: E402
@@ -942,7 +943,7 @@ def test_windows_brute_force():
 
 
 def neg_files(d):
-    names = ('tokens.bin', 'logp.bin', 'logq.bin', 'done.bin', 'offsets.npy', 'meta.json')
+    names = ('tokens.bin', 'logp.bin', 'logq.bin', 'pos_logp.bin', 'pos_logq.bin', 'done.bin', 'offsets.npy', 'meta.json')
     return {f: open(os.path.join(d, f), 'rb').read() for f in names}
 
 
@@ -967,7 +968,7 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     part = load_negatives(b, mode='r+')
     assert part['done'].tolist() == [1, 1, 0, 0, 0] and not part['meta']['complete']
     rng = np.random.default_rng(0)
-    for name in ('tokens', 'logp', 'logq'):
+    for name in ('tokens', 'logp', 'logq', 'pos_logp', 'pos_logq'):
         part[name][10:15] = rng.integers(0, 60000, part[name][10:15].shape)
         part[name].flush()
     del part
@@ -1914,43 +1915,48 @@ def rel_var(lp, E):
 
 
 def test_next_token_table_exact():
-    """Table 3's next-token probabilities under the joint model, P_LM(v|x) Z(x, v) / Z(x), vs
-    exact enumeration; tolerances from the delta-method standard error of the two log Z."""
+    """Table 3's next-token probabilities under the joint model, P_LM(v|x) Z(x, v) / Z(x) over the
+    LM's top 3, renormalised (Appendix A.1 with 3 candidates, all 3 kept), vs exact enumeration;
+    tolerances from the delta-method standard error of the estimated log Z(x, v)."""
     V, P, m = 4, 2, 6000
     lm, e = toy_lm(V), rand_energy(V)
     prefix = torch.tensor([[2, 3], [3, 1], [0, 3]])
     for gen_len in (1, 2):
-        top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, m, NULL, torch.Generator().manual_seed(0),
+        top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, 3, m, NULL, torch.Generator().manual_seed(0),
                                                 max_rows=8192)
         assert top_v.shape == p_lm.shape == p_joint.shape == (3, 3)
+        assert (p_joint.sum(1) - 1).abs().max() < 1e-12 and (p_joint[:, :-1] >= p_joint[:, 1:]).all()
         for b in range(3):
             lp = logprobs64(lm, prefix[b:b + 1])[0, -1]
-            assert torch.equal(top_v[b], lp.topk(3).indices)
+            assert sorted(top_v[b].tolist()) == sorted(lp.topk(3).indices.tolist())
             assert (p_lm[b] - lp.exp()[top_v[b]]).abs().max() < 1e-6
-            _, lp_rest, E_rest, logz = enumerate_joint(lm, e, prefix[b], gen_len, V, P)
-            for j, v in enumerate(top_v[b]):
+            logz, rv = [], []
+            for v in top_v[b]:
                 _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix[b], v.view(1)]), gen_len - 1, V, P)
-                exact = (lp[v] + logz_c - logz).exp().item()
-                se = math.sqrt((rel_var(lp_c, E_c) + rel_var(lp_rest, E_rest)) / m)
-                assert abs(p_joint[b, j].item() / exact - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact, se)
-                if b < 2 and j == 0:  # the joint next-token distribution is far from the LM's here
-                    assert abs(exact - p_lm[b, j].item()) > 0.1
+                logz.append(logz_c)
+                rv.append(rel_var(lp_c, E_c))
+            exact = torch.softmax(lp[top_v[b]] + torch.stack(logz), 0)
+            for j in range(3):  # Var log p_j <~ (rv_j + sum_u p_u^2 rv_u) / m
+                se = math.sqrt((rv[j] + sum(exact[u].item() ** 2 * rv[u] for u in range(3))) / m)
+                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
+            if b < 2:  # the joint next-token distribution is far from the LM's here
+                assert tv(exact, torch.softmax(lp[top_v[b]], 0)) > 0.1
 
 
 def test_topk_autoregressive_distribution():
-    """With k = V (no truncation) Appendix A.1's token-by-token sampler approaches the exact joint
-    model; with k = 2 it stays inside the LM's top-2 at every step."""
+    """With all V candidates kept (no truncation) Appendix A.1's token-by-token sampler approaches
+    the exact joint model; with 2 candidates it stays inside the LM's top-2 at every step."""
     V, L = 4, 2
     lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
     prefix = torch.tensor([1, 2])
     _, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
     B = 3000
     rows = prefix.expand(B, -1).contiguous()
-    toks = topk_autoregressive(lm, e, rows, L, V, 48, NULL, torch.Generator().manual_seed(0), max_rows=200000)
+    toks = topk_autoregressive(lm, e, rows, L, V, V, 48, NULL, torch.Generator().manual_seed(0), max_rows=200000)
     assert toks.shape == (B, L)
     d = tv(empirical(toks, V), joint)
     assert d < 0.05 and tv(p_lm, joint) > 0.3, d
-    toks = topk_autoregressive(lm, e, rows[:200], L, 2, 8, NULL, torch.Generator().manual_seed(1), max_rows=200000)
+    toks = topk_autoregressive(lm, e, rows[:200], L, 2, 2, 8, NULL, torch.Generator().manual_seed(1), max_rows=200000)
     seqs = torch.cat([rows[:200], toks], 1)
     lp = logprobs64(lm, seqs)[:, 1:-1]
     rank = (lp > lp.gather(-1, toks[..., None])).sum(-1)
@@ -2039,20 +2045,26 @@ def test_human_eval_roundtrip():
     assert sorted(int(it['prefix'].split()[1]) for it in regular) == list(range(8))
     votes = simulate_votes(items, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
     rep = human_eval.score(key, votes)
-    # r2 dropped; r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
-    assert rep['dropped_raters'] == ['r2']
-    assert (rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 9, 6, 1)
+    # r2 dropped; per prefix (r1, r3): 0 JJ, 1 JB, 2 JJ, 3 JB, 4 JJ, 5 =B, 6 BJ, 7 BB -> items 3 won,
+    # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
+    assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
+    assert rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8 and rep['p_value'] == 5 / 16
+    rep = human_eval.score(key, votes, per_vote=True)
+    assert rep['unit'] == 'vote' and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1)
     assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
     assert rep['p_value'] == float(binom_tail_exact(9, 6))
-    # tolerated failures keep r2: its 8 wins count
+    # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
     rep = human_eval.score(key, votes, max_failed_checks=3)
-    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
+    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
+    rep = human_eval.score(key, votes, max_failed_checks=3, per_vote=True)
+    assert (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
     rep = human_eval.score(key, votes, max_failed_checks=2)
     assert rep['dropped_raters'] == ['r2']
-    # the same items with the systems swapped: wins and losses swap
+    # the same items with the systems swapped: wins and losses swap (one rater: items = votes)
     items2, key2 = human_eval.export(HE_SAMPLES, ['base', 'joint'], 0, seed=0)
     rep = human_eval.score(key2, simulate_votes(items2, dict(r1=prefs_good)))
-    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes']) == (2, 5, 1, 8)
+    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes'], rep['n']) == (2, 5, 1, 8, 8)
     assert human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0) == (items, key)  # seeded
 
 
@@ -2083,8 +2095,8 @@ def test_human_eval_cli(tmp_path):
     res = run_script(['human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes', str(tmp_path / 'votes.csv')])
     assert res.returncode == 0, res.stderr
     rep = json.loads((tmp_path / 'votes_report.json').read_text())
-    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 9
-    assert 'preferred 56.2%' in res.stdout
+    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 3
+    assert 'preferred 37.5%' in res.stdout and 'of 8 items' in res.stdout
     # votes naming an item the key does not have, or a bad choice: one clear error
     for bad in (['r1', '99', 'A'], ['r1', '0', 'C']):
         with open(tmp_path / 'bad.csv', 'w', newline='') as f:
@@ -2112,7 +2124,7 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     out = tmp_path / 's.json'
     argv = ['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--split', 'test', '--num_prefixes', '3',
             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
-            '--table_k', '3', '--autoregressive', '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
+            '--candidates', '6', '--keep', '4', '--table_k', '3', '--autoregressive', '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
     rep = sample.main(argv)
     assert json.dumps(json.loads(out.read_text())) == json.dumps(rep)
     meta = load_meta(lm_corpus)
@@ -2136,10 +2148,12 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
             s = seqs[k]
             ref = logprobs64(lm, s)[0, EVAL_P - 1:-1].gather(-1, s[0, EVAL_P:, None]).sum().item()
             assert abs(r['lm_logp'][k] - ref) < 1e-4
-        assert len(r['next_tokens']) == 3
+        assert len(r['next_tokens']) == 3  # the first 3 of the 4 kept of the LM's top 6, by joint probability
         lp = logprobs64(lm, x[b:b + 1, :EVAL_P])[0, -1]
-        assert [t['token'] for t in r['next_tokens']] == [tok.decode([v]) for v in lp.topk(3).indices.tolist()]
-        assert np.allclose([t['p_lm'] for t in r['next_tokens']], lp.exp().topk(3).values.numpy(), atol=1e-6)
+        top6 = {tok.decode([v]): p for v, p in zip(lp.topk(6).indices.tolist(), lp.exp().topk(6).values.tolist())}
+        assert all(t['token'] in top6 and abs(t['p_lm'] - top6[t['token']]) < 1e-6 for t in r['next_tokens'])
+        p_joint = [t['p_joint'] for t in r['next_tokens']]
+        assert p_joint == sorted(p_joint, reverse=True) and sum(p_joint) < 1 <= sum(p_joint) + p_joint[-1] + 1e-6  # the 4th is at most the 3rd
     assert json.dumps(rep['unique_ngrams']) == json.dumps(sample.analyses(rep['samples'])['unique_ngrams'])  # NaN-aware
     assert sorted(rep['unique_ngrams']) == ['autoregressive', 'base', 'gold', 'joint']
     assert rep['mean_lm_logp']['gold'] == np.mean([r['lm_logp']['gold'] for r in rep['samples']])
@@ -2155,6 +2169,7 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
     # bad input
     assert_clean_error(run_script(['sample.py', *argv[:-1], str(tmp_path / 'bad.json'), '--n', '0']), 'at least 1')
+    assert_clean_error(run_script(['sample.py', *argv[:-1], str(tmp_path / 'bad.json'), '--keep', '2']), '--table_k (3) <= --keep (2)')
     assert_clean_error(run_script(['sample.py', '--lm', eval_ckpts['lm2'], '--energy', eval_ckpts['bit'], '--n', '2',
                                    '--out', str(tmp_path / 'bad.json')]), 'residual of another LM')
 
@@ -2276,3 +2291,339 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup', 'energy_forward_seqs_per_s',
                 'nce_train_tokens_per_s', 'logz_samples_per_s_n1000', 'joint_samples_per_s_n1000'):
         assert figures[key] > 0, key
+
+
+# ---- paper fidelity: human eval over items (A.4), A.1 top-k sampler, NCE with truncated noise ----
+
+HAND_KEY = dict(systems=['joint', 'base'], items={
+    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
+        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'),
+         ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base')])},
+    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
+# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
+HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
+              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
+
+
+def hand_votes():
+    votes = []
+    for item, s in HAND_VOTES.items():
+        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
+            if c != '_':
+                votes.append((rater, item, 'equal' if c == '=' else c))
+    return votes
+
+
+def binom_tail(w, l):
+    return sum(math.comb(w + l, k) for k in range(w, w + l + 1)) / 2 ** (w + l)
+
+
+def test_human_eval_items_by_majority():
+    """Per item (r4 dropped), in system terms J (joint), B (base), = (equal):
+    0 JJJ W | 1 JJB W | 2 J=J W | 3 JB= equal (no strict plurality) | 4 J== equal ('equal' majority)
+    5 === equal | 6 BBJ L | 7 BBB L | 8 JJ W | 9 J= equal (tie with 'equal') | 10 only r4: unvoted | 11 JJB W.
+    Items: 5 won, 2 lost, 4 equal of 11. Votes: J 15, B 8, = 8 of 31."""
+    votes = hand_votes()
+    assert len(votes) == 31 + 3 + 6 + 2  # counted, r4's on items, the checks of r1-r3, r4's checks
+    rep = human_eval.score(HAND_KEY, votes)
+    assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (11, 31, 5, 2, 4, 1)
+    assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
+    assert rep['p_value'] == 29 / 128 == binom_tail(5, 2)  # (C(7,5) + C(7,6) + C(7,7)) / 2^7
+    per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
+    assert per_vote['unit'] == 'vote'
+    assert (per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties']) == (31, 31, 15, 8, 8)
+    assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
+    assert per_vote['p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
+    assert per_vote['p_value'] < rep['p_value'] / 2  # counting correlated votes as independent overstates significance
+    # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
+    rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
+    assert rep['dropped_raters'] == [] and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0)
+    assert rep['p_value'] == 93 / 256
+    # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
+    assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
+    assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
+    assert human_eval.plurality({'joint': 0, 'base': 1, 'equal': 0}) == 'base'
+    with pytest.raises(ValueError, match='rater r1 voted more than once on item 3'):
+        human_eval.score(HAND_KEY, votes + [('r1', '3', 'B')])
+
+
+def test_human_eval_cli_units_overwrite_and_bad_files(tmp_path):
+    key_path, votes_path = tmp_path / 'key.json', tmp_path / 'votes.csv'
+    key_path.write_text(json.dumps(HAND_KEY))
+    with open(votes_path, 'w', newline='') as f:
+        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
+    for extra, unit in (([], 'item'), (['--per_vote'], 'vote')):
+        out = tmp_path / f'{unit}.json'
+        with contextlib.redirect_stdout(io.StringIO()) as s:
+            human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path), '--out', str(out), *extra])
+        rep = json.loads(out.read_text())
+        assert rep == json.loads(json.dumps(human_eval.score(HAND_KEY, hand_votes(), per_vote=bool(extra))))
+        assert rep['unit'] == unit
+        assert (f'of 11 items' if unit == 'item' else 'of 31 votes (per vote') in s.getvalue()
+        assert f"over {unit}s" in s.getvalue()
+    # export refuses to replace a key that votes may have been collected against, unless --force
+    samples = write_samples(tmp_path / 'samples.json')
+    out_dir = tmp_path / 'he'
+    export = ['human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    assert run_script(export).returncode == 0
+    before = dir_snapshot(out_dir)
+    bad = tmp_path / 'bad.json'
+    bad.write_text('{"samples": [')
+    notsamples = tmp_path / 'notsamples.json'
+    notsamples.write_text('[1, 2]')
+    badcsv = tmp_path / 'bad.csv'
+    badcsv.write_text('who,what\nr1,0\n')
+    missing = str(tmp_path / 'missing')
+    res = run_scripts([export + ['--seed', '7'],
+                       ['human_eval.py', 'export', '--samples', missing, '--out_dir', str(tmp_path / 'x1')],
+                       ['human_eval.py', 'export', '--samples', str(bad), '--out_dir', str(tmp_path / 'x2')],
+                       ['human_eval.py', 'export', '--samples', str(notsamples), '--out_dir', str(tmp_path / 'x3')],
+                       ['human_eval.py', 'score', '--key', missing, '--votes', str(votes_path)],
+                       ['human_eval.py', 'score', '--key', str(bad), '--votes', str(votes_path)],
+                       ['human_eval.py', 'score', '--key', str(notsamples), '--votes', str(votes_path)],
+                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', missing],
+                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', str(badcsv)],
+                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', str(bad)]])
+    assert_clean_error(res[0], str(out_dir / 'key.json'), 'exists', '--force')
+    assert dir_snapshot(out_dir) == before  # nothing was overwritten, items included
+    assert_clean_error(res[1], '--samples', missing, 'does not exist')
+    assert_clean_error(res[2], '--samples', str(bad), 'not valid JSON')
+    assert_clean_error(res[3], '--samples', "no 'samples' list")
+    assert_clean_error(res[4], '--key', missing, 'does not exist')
+    assert_clean_error(res[5], '--key', str(bad), 'not valid JSON')
+    assert_clean_error(res[6], '--key', 'not a key written by human_eval.py export')
+    assert_clean_error(res[7], '--votes', missing, 'does not exist')
+    assert_clean_error(res[8], '--votes', 'rater,item,choice')
+    assert_clean_error(res[9], '--votes', 'rater,item,choice')
+    res = run_script(export + ['--seed', '7', '--force'])
+    assert res.returncode == 0, res.stderr
+    after = dir_snapshot(out_dir)
+    assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
+    assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
+
+
+def exact_next_token(lm, e, prefix, gen_len, V):
+    """Exact log P_LM(v|x) and log P_LM(v|x) Z(x, v) (float64, all V tokens), and the relative
+    variance of the weights behind each Z(x, v), by enumerating every continuation."""
+    lp = logprobs64(lm, prefix[None])[0, -1]
+    score, rv = [], []
+    for v in range(V):
+        _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix, torch.tensor([v])]), gen_len - 1, V, prefix.numel())
+        score.append(lp[v] + logz_c)
+        rv.append(rel_var(lp_c, E_c))
+    return lp, torch.stack(score), torch.tensor(rv, dtype=torch.float64)
+
+
+def test_next_token_table_a1_exact():
+    """Appendix A.1 on an enumerable toy (V = 6): the LM's top 4 candidates, Z of each from m
+    completions, the top 3 kept and renormalised. The kept tokens are the exact top 3 of
+    P_LM(v|x) Z(x, v) among the candidates (a token outside them is never kept, even where the
+    exact joint model ranks it in its top 3), their probabilities sum to 1 and match the exact
+    joint next-token probabilities restricted to them within 4 delta-method SE + 0.5% (exact to
+    float32 rounding when Z is exp(-E), gen_len 1), and memory stays within max_rows."""
+    V, C, K, m = 6, 4, 3, 4000
+    lm, e = toy_lm(V), rand_energy(V, seed=2, head_std=1.5)
+    prefix = torch.tensor([[2, 1], [0, 3], [5, 5]])
+    outside_kept = 0
+    for gen_len in (1, 2, 3):
+        v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, C, K, m, NULL, torch.Generator().manual_seed(gen_len),
+                                            max_rows=512)
+        assert v.shape == p_lm.shape == p_joint.shape == (3, K)
+        assert (p_joint.sum(1) - 1).abs().max() < 1e-12
+        for b in range(3):
+            lp, score, rv = exact_next_token(lm, e, prefix[b], gen_len, V)
+            cand = lp.topk(C).indices
+            ranked = cand[score[cand].argsort(descending=True)]
+            s = score[ranked]
+            se_boundary = math.sqrt((rv[ranked[K - 1]] + rv[ranked[K]]).item() / m)
+            assert s[K - 1] - s[K] > 6 * se_boundary + 0.05  # the kept set is well determined: no flaky test
+            assert v[b].tolist() == ranked[:K].tolist()
+            outside_kept += len(set(score.topk(K).indices.tolist()) - set(cand.tolist()))
+            exact = torch.softmax(score[v[b]], 0)  # the joint P(v|x) restricted to the kept tokens
+            assert (p_lm[b] - lp[v[b]].exp()).abs().max() < 1e-6
+            if gen_len == 1:
+                assert (p_joint[b] - exact).abs().max() < 1e-6
+            for j in range(K):
+                se = math.sqrt((rv[v[b, j]] + (exact ** 2 * rv[v[b]]).sum()).item() / m)
+                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
+            assert tv(exact, torch.softmax(lp[v[b]], 0)) > 0.05 or b > 0  # the test sees the energy
+    assert outside_kept >= 2  # the exact top 3 of the joint model reaches outside the LM's top 4 here
+    # bounded memory: no generate call holds more than max_rows sequences
+    rows, orig = [], lm.generate
+
+    def recorded(idx, n_new, num_samples=1, **kw):
+        rows.append(idx.size(0) * num_samples)
+        return orig(idx, n_new, num_samples=num_samples, **kw)
+
+    lm.generate = recorded
+    next_token_table(lm, e, prefix, 3, C, K, 40, NULL, torch.Generator().manual_seed(0), max_rows=16)
+    assert max(rows) <= 16 and sum(rows) == 3 * C * 40
+    with pytest.raises(ValueError, match='keep'):
+        next_token_table(lm, e, prefix, 3, 2, 3, 4, NULL, torch.Generator())
+
+
+def test_nce_loss_with_log_ratios():
+    """The NCE logit -E + d, d = log P_LM - log q, in both losses vs float64 brute force; d = None
+    is today's loss exactly; d_pos = +inf (a real continuation q cannot propose) is data with
+    certainty: zero loss for that positive, finite gradients, no NaN."""
+    g = torch.Generator().manual_seed(0)
+    B, M = 5, 3
+    e_pos, e_neg = torch.randn(B, generator=g, dtype=torch.float64) * 3, torch.randn(B, M, generator=g, dtype=torch.float64) * 3
+    d_pos, d_neg = torch.randn(B, generator=g, dtype=torch.float64) * 2, torch.randn(B, M, generator=g, dtype=torch.float64) * 2
+    for dtype in (torch.float64, torch.float32):
+        ep, en = e_pos.to(dtype), e_neg.to(dtype)
+        old_bin = (F.softplus(ep) + F.softplus(-en).mean(1)).mean()
+        old_rank = F.cross_entropy(-torch.cat([ep[:, None], en], 1), torch.zeros(B, dtype=torch.long))
+        old_acc = (ep[:, None] < en).float().mean()
+        for d in ((None, None), (torch.zeros(B, dtype=dtype), torch.zeros(B, M, dtype=dtype))):
+            loss, acc = nce_train.nce_loss(ep, en, 'binary', *d)
+            assert torch.equal(loss, old_bin) and torch.equal(acc, old_acc)
+            loss, acc = nce_train.nce_loss(ep, en, 'ranking', *d)
+            assert abs(loss.item() - old_rank.item()) <= 4 * torch.finfo(dtype).eps * old_rank.item() and torch.equal(acc, old_acc)
+    p, n, dp, dn = e_pos.tolist(), e_neg.tolist(), d_pos.tolist(), d_neg.tolist()
+    ref_bin = sum(softplus64(p[b] - dp[b]) + sum(softplus64(dn[b][j] - n[b][j]) for j in range(M)) / M for b in range(B)) / B
+    ref_rank = 0.0
+    for b in range(B):
+        s = [dp[b] - p[b]] + [dn[b][j] - n[b][j] for j in range(M)]
+        ref_rank += (max(s) + math.log(sum(math.exp(v - max(s)) for v in s)) - s[0]) / B
+    ref_acc = sum(dp[b] - p[b] > dn[b][j] - n[b][j] for b in range(B) for j in range(M)) / (B * M)
+    for kind, ref in (('binary', ref_bin), ('ranking', ref_rank)):
+        loss, acc = nce_train.nce_loss(e_pos, e_neg, kind, d_pos, d_neg)
+        assert abs(loss.item() - ref) < 1e-12 and abs(acc.item() - ref_acc) < 1e-7, kind
+        assert abs(loss.item() - nce_train.nce_loss(e_pos, e_neg, kind)[0].item()) > 0.1  # d matters
+    # row 0's real continuation is outside q's support: d_pos = +inf
+    d_pos[0] = float('inf')
+    for kind in ('binary', 'ranking'):
+        ep, en = e_pos.clone().requires_grad_(), e_neg.clone().requires_grad_()
+        loss, acc = nce_train.nce_loss(ep, en, kind, d_pos, d_neg)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(ep.grad).all() and torch.isfinite(en.grad).all()
+        assert ep.grad[0] == 0  # nothing to learn from a certain positive
+        rows = torch.arange(1, B)
+        rest = nce_train.nce_loss(e_pos[rows], e_neg[rows], kind, d_pos[rows], d_neg[rows])[0].item() * (B - 1) / B
+        if kind == 'ranking':  # the whole row is certain: 0
+            assert abs(loss.item() - rest) < 1e-12 and (en.grad[0] == 0).all()
+        else:  # its negatives still count
+            neg0 = sum(softplus64(dn[0][j] - n[0][j]) for j in range(M)) / M / B
+            assert abs(loss.item() - rest - neg0) < 1e-12
+
+
+def truncated_toy(top_k=2):
+    """Two-token sequences over 4 tokens: P_LM(x1) P_LM(x2|x1) from a bigram table whose top-2
+    mass after x1 depends on x1, q its per-step top-2 truncation (renormalised at each step, so
+    P_LM/q varies across sequences), a random E* and P_data ∝ P_LM exp(-E*) on q's support.
+    Returns float64 log P_LM, log q (-inf off the support) and log P_data over the 16 sequences."""
+    first = torch.tensor([1.0, 0.6, -0.5, -1.2], dtype=torch.float64)
+    lp1, lp2 = torch.log_softmax(first, 0), torch.log_softmax(torch.tensor(BIGRAM, dtype=torch.float64), 1)
+
+    def truncate(lp):
+        keep = lp >= lp.topk(top_k, -1).values[..., -1:]
+        return torch.where(keep, lp - torch.logsumexp(lp.masked_fill(~keep, float('-inf')), -1, keepdim=True), float('-inf'))
+
+    log_p = (lp1[:, None] + lp2).flatten()
+    log_q = (truncate(lp1)[:, None] + truncate(lp2)).flatten()
+    e_star = torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    log_data = torch.log_softmax((log_p - e_star).masked_fill(log_q == float('-inf'), float('-inf')), 0)
+    return log_p, log_q, log_data, e_star
+
+
+def nce_optimum(log_p, log_q, log_data, kind, corrected):
+    """Minimise the exact expected NCE loss over a free energy per sequence of q's support, x+ ~
+    P_data and x- ~ q, through nce_loss on every (x+, x-) pair weighted by P_data(x+) q(x-)."""
+    sup = torch.isfinite(log_q)
+    n = int(sup.sum())
+    d = (log_p - log_q)[sup]
+    w = (log_data[sup][:, None] + log_q[sup][None]).exp().flatten()  # (n*n,) pair weights
+    i, j = torch.arange(n).repeat_interleave(n), torch.arange(n).repeat(n)
+    E = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([E], lr=1, max_iter=1000, tolerance_grad=1e-13, tolerance_change=1e-16,
+                            line_search_fn='strong_wolfe')
+
+    def closure():
+        opt.zero_grad()
+        loss = sum(w[k] * nce_train.nce_loss(E[i[k]:i[k] + 1], E[j[k]].view(1, 1), kind,
+                                             *((d[i[k]:i[k] + 1], d[j[k]].view(1, 1)) if corrected else ()))[0]
+                   for k in range(n * n))
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    assert E.grad.abs().max() < 1e-7
+    return E.detach(), sup
+
+
+def test_nce_with_truncated_noise_recovers_the_energy():
+    """With top-k noise q, NCE with the logit -E + log P_LM - log q has its optimum at P_LM exp(-E)
+    = P_data on q's support (binary: self-normalised, E = E* + log Z*; ranking: up to a constant);
+    with the logit -E alone it converges elsewhere: P_LM exp(-E) ∝ P_data P_LM / q."""
+    log_p, log_q, log_data, e_star = truncated_toy()
+    sup = torch.isfinite(log_q)
+    assert int(sup.sum()) == 4 and (log_p - log_q)[sup].std() > 0.3  # P_LM/q not constant: truncation matters
+    log_z_star = torch.logsumexp((log_p - e_star)[sup], 0)
+    for kind in ('binary', 'ranking'):
+        E, _ = nce_optimum(log_p, log_q, log_data, kind, corrected=True)
+        model = torch.log_softmax(log_p[sup] - E, 0)
+        assert (model - log_data[sup]).abs().max() < 1e-6, kind
+        assert ((E - e_star[sup]) - (E - e_star[sup]).mean()).abs().max() < 1e-6  # E* up to a constant
+        if kind == 'binary':  # and that constant is log Z*: P_LM exp(-E) is normalised
+            assert (E - e_star[sup] - log_z_star).abs().max() < 1e-6
+            assert abs(torch.logsumexp(log_p[sup] - E, 0).item()) < 1e-6
+        E_u, _ = nce_optimum(log_p, log_q, log_data, kind, corrected=False)
+        wrong = torch.log_softmax(log_p[sup] - E_u, 0)
+        assert (wrong - torch.log_softmax(log_data[sup] + (log_p - log_q)[sup], 0)).abs().max() < 1e-6
+        assert tv(wrong.exp(), log_data[sup].exp()) > 0.05, kind
+
+
+def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
+    """pos_logp / pos_logq of negatives.py vs float64 brute force on the tiny LM: log P_LM of the
+    real continuation, and its log q under the proposal the negatives came from (-inf for a real
+    token outside top-k/top-p, the argmax at temperature 0); untruncated, pos_logq == pos_logp.
+    log_ratios hands nce_loss d = log P_LM - log q (None untruncated, +inf off the support)."""
+    meta = load_meta(lm_corpus)
+    data = load_split(lm_corpus, 'train', meta)
+    lm, _ = load_lm(lm_ckpt)
+    P, L, N = 6, 4, 23
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', str(N), '--chunk', '5', *NEG_FLAGS]
+    real = None
+    # the LM is nearly uniform over 30 tokens: wide truncations, so that some real continuations fit
+    for name, extra, proposal in (('full', [], {}), ('topk', ['--top_k', '20'], dict(top_k=20)),
+                                  ('topp', ['--top_p', '0.8', '--temperature', '0.7'], dict(top_p=0.8, temperature=0.7)),
+                                  ('greedy', ['--temperature', '0'], 'greedy')):
+        out = str(tmp_path / name)
+        negatives.main(['--out_dir', out, *flags, *extra])
+        neg = load_negatives(out, lm_path=lm_ckpt)
+        if real is None:
+            real = window_tokens(data, neg['offsets'], P + L)
+            lp64 = logprobs64(lm, real)[:, P - 1:-1]  # (N, L, V)
+            tok = real[:, P:, None]
+            ref_logp = lp64.gather(-1, tok).squeeze(-1).sum(1)
+        pos_logp, pos_logq = torch.from_numpy(np.array(neg['pos_logp'])), torch.from_numpy(np.array(neg['pos_logq']))
+        assert pos_logp.shape == pos_logq.shape == (N,) and pos_logp.dtype == torch.float32
+        assert (pos_logp.double() - ref_logp).abs().max() < 1e-4
+        if proposal == {}:
+            assert torch.equal(pos_logq, pos_logp)
+            assert log_ratios(neg, np.arange(3), np.zeros((3, 2), int)) == (None, None)
+            continue
+        if proposal == 'greedy':
+            ref_q = torch.where(lp64.argmax(-1, keepdim=True) == tok, 0.0, float('-inf')).squeeze(-1).sum(1)
+        else:
+            ref_q = torch.from_numpy(brute_proposal64(lp64.numpy(), **proposal)).view(N, L, -1).gather(-1, tok).squeeze(-1).sum(1)
+        off = torch.isinf(ref_q)
+        assert 0 < off.sum() < N or proposal == 'greedy' and off.sum() > 0, (name, off.sum())  # both cases occur
+        assert torch.equal(torch.isinf(pos_logq), off) and (pos_logq[off] == float('-inf')).all()
+        assert ((pos_logq[~off].double() - ref_q[~off]).abs() < 1e-4).all()
+        rows, idx = np.array([0, 4, 7]), np.array([[2, 0], [1, 1], [0, 2]])
+        d_pos, d_neg = log_ratios(neg, rows, idx)
+        assert torch.equal(d_pos, pos_logp[rows] - pos_logq[rows]) and torch.isinf(d_pos).tolist() == off[rows].tolist()
+        assert torch.equal(d_neg, torch.from_numpy(np.array(neg['logp'])[rows[:, None], idx] - np.array(neg['logq'])[rows[:, None], idx]))
+        assert torch.isfinite(d_neg).all()
+    # a dir from before these files: still read untruncated (d = 0), refused truncated
+    for name in ('full', 'topk'):
+        for f in ('pos_logp.bin', 'pos_logq.bin'):
+            os.remove(tmp_path / name / f)
+    neg = load_negatives(str(tmp_path / 'full'))
+    assert neg['pos_logp'] is None and log_ratios(neg, np.arange(2), np.zeros((2, 1), int)) == (None, None)
+    with pytest.raises(ValueError, match='regenerate them into a new --out_dir'):
+        load_negatives(str(tmp_path / 'topk'))

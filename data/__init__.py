@@ -105,9 +105,16 @@ def window_tokens(data, offsets, length):
 # -----------------------------------------------------------------------------
 # negatives.py's output: K LM samples per prefix of a split
 
+def untruncated(meta):
+    """Negatives drawn from P_LM itself (generate's exact path): log q = log P_LM, NCE's d = 0."""
+    return (meta['top_k'], meta['top_p'], meta['temperature']) == (None, None, 1.0)
+
+
 def load_negatives(out_dir, mode='r', lm_path=None):
     """A negatives dir as a dict: meta, offsets (N,), and memmaps tokens (N,K,L), logp (N,K),
-    logq (N,K), done; with lm_path, checked to come from that LM. Reading needs a complete run."""
+    logq (N,K), pos_logp (N,), pos_logq (N,), done; with lm_path, checked to come from that LM.
+    Reading needs a complete run. Dirs written before pos_logp/pos_logq existed still read when
+    untruncated (d = 0: the positives' scores are not needed), with those two set to None."""
     if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
         raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
     meta = load_meta(out_dir)
@@ -119,6 +126,24 @@ def load_negatives(out_dir, mode='r', lm_path=None):
     N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
     n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
     mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
+    has_pos = os.path.isfile(os.path.join(out_dir, 'pos_logq.bin'))
+    if not has_pos and (mode != 'r' or not untruncated(meta)):
+        raise ValueError(f"negatives in {out_dir} predate the stored log P_LM / log q of real continuations, which "
+                         f"{'NCE with truncated negatives needs' if mode == 'r' else 'a resumed run writes'}: "
+                         f"regenerate them into a new --out_dir")
+    pos = lambda name: mm(name, 'float32', (N,)) if has_pos else None
     return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
                 tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
-                logq=mm('logq', 'float32', (N, K)), done=mm('done', 'uint8', (n_chunks,)))
+                logq=mm('logq', 'float32', (N, K)), pos_logp=pos('pos_logp'), pos_logq=pos('pos_logq'),
+                done=mm('done', 'uint8', (n_chunks,)))
+
+
+def log_ratios(neg, rows, neg_idx, device='cpu'):
+    """nce_loss's d = log P_LM - log q of the real continuations of prefixes `rows` (B,) and of
+    their negatives neg_idx (B, M), as float32 tensors; (None, None) for untruncated negatives.
+    d_pos is +inf where the real continuation lies outside q's support."""
+    if untruncated(neg['meta']):
+        return None, None
+    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]
+    d_neg = neg['logp'][rows[:, None], neg_idx] - neg['logq'][rows[:, None], neg_idx]
+    return torch.from_numpy(d_pos).to(device), torch.from_numpy(d_neg).to(device)
