@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import load_meta, load_split, window_tokens, windows, write_json
+from data import load_meta, load_split, window_tokens, windows, write_json, write_text
 from energy import load_energy, score
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
@@ -126,25 +126,70 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
 
 def summarize(recs, names, extra_names, num_tokens, n, num_chars=None):
     """PPL of each model over the prefixes: the base LM, extra LMs, and each joint model as a
-    range, with the per-prefix gain over the base LM (nats/token, conservative end) and its SE."""
+    range; for every model but the base, the per-prefix gain over the base LM in nats per token
+    (for a joint model at its conservative, high-PPL end) with its standard error."""
     lp = np.array([r['lm_logp'] for r in recs])
     ppl = lambda logp, count: float(np.exp(-logp.sum() / count))
+    L = num_tokens / len(recs)
+    gain = lambda logp: dict(gain_nats_per_token=float(((logp - lp) / L).mean()),
+                             gain_se=float(((logp - lp) / L).std(ddof=1) / math.sqrt(len(lp))))
     rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
     for j, name in enumerate(extra_names):
-        rows.append(dict(model=name, ppl=ppl(np.array([r['extra_logp'][j] for r in recs]), num_tokens)))
-    L = num_tokens / len(recs)
+        logp = np.array([r['extra_logp'][j] for r in recs])
+        rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain(logp)))
     for k, name in enumerate(names):
         e = np.array([r['energy'][k] for r in recs])
         lo = np.array([r['logz'][n][k][0] for r in recs])
         hi = np.array([r['logz'][n][k][1] for r in recs])
         joint_high, joint_low = lp - e - lo, lp - e - hi  # log P bounds: low log Z -> high log P
-        gain = (joint_low - lp) / L  # per-prefix nats/token gained over the base LM, upper-bound PPL
         rows.append(dict(model=f'JOINT {name}', ppl_low=ppl(joint_high, num_tokens), ppl_high=ppl(joint_low, num_tokens),
-                         gain_nats_per_token=float(gain.mean()), gain_se=float(gain.std(ddof=1) / math.sqrt(len(gain))),
+                         **gain(joint_low),
                          **({'ppl_char_low': ppl(joint_high, num_chars), 'ppl_char_high': ppl(joint_low, num_chars)} if num_chars else {})))
     if num_chars:
         rows[0]['ppl_char'] = ppl(lp, num_chars)
     return rows
+
+
+# -----------------------------------------------------------------------------
+# calibration: how far the n-sample bounds are from log Z
+
+def calibrate(log_w, n, L):
+    """Bias of the n-sample bounds of Eq. 4, measured against a reference from all N samples of
+    log_w (..., B, N) (many more than n): the N samples are cut into N // n disjoint groups of
+    n, the mean of a bound over groups estimates its expectation, and bias = that minus the
+    reference log Z, per token (/ L) and averaged over the B prefixes. Theorem 2 makes the
+    lower bias negative and, for n large enough, the upper one positive; at small n with
+    heavy-tailed weights both are negative. Also: the fraction of (prefix, group) ranges that
+    contain the reference, and how wide the reference's own range is (it should be << the
+    biases it measures)."""
+    N = log_w.size(-1)
+    ref_lo, ref_hi = logz_bounds(log_w)
+    ref = (ref_lo + ref_hi) / 2
+    lo, hi = logz_bounds(log_w[..., :N // n * n].unflatten(-1, (N // n, n)))  # (..., B, groups)
+    covered = (lo <= ref[..., None]) & (ref[..., None] <= hi)
+    return dict(n=n, reference_samples=N, bias_lower=((lo.mean(-1) - ref) / L).mean(-1).tolist(),
+                bias_upper=((hi.mean(-1) - ref) / L).mean(-1).tolist(),
+                bracketed=covered.double().mean((-2, -1)).tolist(),
+                reference_width=(ref_hi - ref_lo).abs().mean(-1).tolist())
+
+
+def calibration_report(lm, energies, names, data, offsets, args, ctx, ectx, device, split):
+    """calibrate() on an evenly spaced subset of the split's prefixes, for every energy and for
+    every power-of-two n up to N / 8 (the default n included), in nats per token."""
+    P, L, B = args.prefix_len, args.gen_len, args.calib_prefixes
+    offsets = offsets[np.linspace(0, len(offsets) - 1, min(B, len(offsets))).round().astype(int)]
+    log_w = []
+    for s in progress(range(0, len(offsets), args.chunk), quiet=args.quiet, desc=f'calibration ({split})'):
+        x = window_tokens(data, offsets[s:s + args.chunk], P).to(device)
+        g = rng(args.seed, 'calibration', split, s, device)
+        log_w.append(sample_log_weights(lm, energies, x, L, args.calib_samples, ctx, g, args.max_rows, ectx=ectx))
+    log_w = torch.cat(log_w, dim=1)  # (energies, B, N)
+    ns = sorted({2 ** k for k in range(1, 20) if 2 ** k <= args.calib_samples // 8} | {args.num_samples})
+    per_n = {n: calibrate(log_w, n, L) for n in ns}
+    return {name: dict(prefixes=len(offsets), reference_samples=args.calib_samples,
+                       **{k: per_n[args.num_samples][k][i] for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width')},
+                       by_n={n: {k: c[k][i] for k in ('bias_lower', 'bias_upper', 'bracketed')} for n, c in per_n.items()})
+            for i, name in enumerate(names)}
 
 
 # -----------------------------------------------------------------------------
@@ -170,7 +215,10 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None):
 
 
 def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
-    """Fig. 1: base and joint PPL at each continuation position, with the exact last step."""
+    """Fig. 1: base and joint PPL at each continuation position, with the exact last step, and
+    the last step estimated again from last_step_samples samples: with enough samples its range
+    must contain the exact value (with step_samples it may not: the bounds hold for n large
+    enough, Theorem 2)."""
     P, L = args.prefix_len, args.gen_len
     x = window_tokens(data, offsets[:args.step_prefixes], P + L).to(device)
     g = rng(args.seed, 'per_step', split, 0, device)
@@ -178,7 +226,11 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     step_low = lp + lo[:, 1:] - hi[:, :-1]  # log P(x_t|x_<t): low numerator, high denominator
     step_high = lp + hi[:, 1:] - lo[:, :-1]
     exact_last = lp[:, -1] + lo[:, -1] - last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
-    return dict(num_prefixes=x.size(0), step_samples=args.step_samples,
+    log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, ctx, g, args.max_rows, P, ectx)[0]
+    z_lo, z_hi = (t.cpu() for t in logz_bounds(log_w))
+    last = lambda z: math.exp(-(lp[:, -1] + lo[:, -1] - z).mean().item())
+    return dict(num_prefixes=x.size(0), step_samples=args.step_samples, last_step_samples=args.last_step_samples,
+                last_step_ppl_low=last(z_lo), last_step_ppl_high=last(z_hi),
                 position=list(range(1, L + 1)),
                 base_ppl=torch.exp(-lp.mean(0)).tolist(),
                 joint_ppl_low=torch.exp(-step_high.mean(0)).tolist(),
@@ -206,6 +258,9 @@ def get_args(argv=None):
       help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
     a('--step_prefixes', type=int, default=8)
     a('--step_samples', type=int, default=16, help='m LM samples per position for Eq. 5')
+    a('--last_step_samples', type=int, default=1024, help='LM samples for the last step estimated again, beside the exact value')
+    a('--calib_prefixes', type=int, default=64, help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
+    a('--calib_samples', type=int, default=1024, help='LM samples per prefix of the calibration reference (n_ref)')
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=256, help='sequences per forward (bounds memory)')
     a('--out', default='out/ppl.json', help='JSON results (plus a .png per figure if matplotlib is installed)')
@@ -245,13 +300,37 @@ def load_models(args, device):
     return lm, meta, data_dir, (list(energies), list(energies.values())), (list(extra), list(extra.values()))
 
 
-def print_table(rows, splits):
-    print(f"{'model':<14} {'params':>8} " + ' '.join(f"{s + ' PPL':>16}" for s in splits))
+def format_table(rows, splits):
+    """Table 1 as text: PPL per split (a range for joint models), then, on the last split, the
+    gain over the base LM in nats per token (conservative end, +- SE) and the PPL reduction."""
+    last = splits[-1]
+    head = f"{'model':<12} {'params':>8} " + ' '.join(f"{s + ' PPL':>13}" for s in splits)
+    lines = [head + f" {last + ' gain nats/tok (SE)':>26} {last + ' PPL reduction':>19}"]
+    base = next(r['ppl'] for r in rows if r['model'] == 'BASE LM' and r['split'] == last)
     for name in dict.fromkeys(r['model'] for r in rows):
         cells = {r['split']: r for r in rows if r['model'] == name}
-        first = next(iter(cells.values()))
         fmt = lambda r: f"{r['ppl']:.3f}" if 'ppl' in r else f"{r['ppl_low']:.3f}-{r['ppl_high']:.3f}"
-        print(f"{name:<14} {first['params'] / 1e6:>7.2f}M " + ' '.join(f"{fmt(cells[s]) if s in cells else '':>16}" for s in splits))
+        line = f"{name:<12} {next(iter(cells.values()))['params'] / 1e6:>7.2f}M " + \
+            ' '.join(f"{fmt(cells[s]) if s in cells else '':>13}" for s in splits)
+        r = cells.get(last, {})
+        if 'gain_se' in r:
+            z = r['gain_nats_per_token'] / r['gain_se'] if r['gain_se'] > 0 else float('nan')
+            line += f" {r['gain_nats_per_token']:>+11.5f} ({r['gain_se']:.5f}, {z:>4.1f} SE)"
+            line += f" {100 * (1 - r.get('ppl', r.get('ppl_high', base)) / base):>18.2f}%"
+        lines.append(line)
+    return '\n'.join(lines)
+
+
+def format_calibration(calib, num_samples, gains):
+    """One line per energy: the bias of each bound at the default n, against the reference."""
+    lines = []
+    for name, c in calib.items():
+        se = gains.get(name)
+        lines.append(f"calibration {name}: n = {num_samples} vs n_ref = {c['reference_samples']} on {c['prefixes']} prefixes: "
+                     f"bias of the lower bound {c['bias_lower']:+.5f}, upper {c['bias_upper']:+.5f} nats/token"
+                     + (f" (gain SE {se:.5f})" if se else '') + f"; range contains log Z for {100 * c['bracketed']:.0f}% "
+                     f"(reference width {c['reference_width']:.4f} nats)")
+    return '\n'.join(lines)
 
 
 def main(argv=None):
@@ -271,7 +350,7 @@ def main(argv=None):
     out = dict(hashes=hashes, dtype=dict(sample=dtype, score=edtype), splits={}, rows=[])
     for split in args.splits:
         data = load_split(data_dir, split, meta)
-        offsets = windows(data, meta['eot_id'], P, L, max_windows=args.max_prefixes or None)
+        offsets = windows(data, P, L, max_windows=args.max_prefixes or None)
         if len(offsets) < 2:
             raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: lower --prefix_len/--gen_len")
         recs = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split)
@@ -286,14 +365,23 @@ def main(argv=None):
             summary['sweep'] = {n: summarize(recs, names, [], len(offsets) * L, n)[1:] for n in sorted(set(args.sweep))}
         out['splits'][split] = dict(summary, rows=rows)
         out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in rows]
-        if args.per_step is not None and energies and rank == 0 and split == args.splits[-1]:  # one split is enough
-            k = names.index(args.per_step) if args.per_step else 0
-            out['splits'][split]['per_step'] = dict(per_step_report(lm, energies[k], data, offsets, args, ctx, ectx, device, split), energy=names[k])
+        if rank == 0 and energies and split == args.splits[-1]:  # one split is enough
+            if args.per_step is not None:
+                k = names.index(args.per_step) if args.per_step else 0
+                out['splits'][split]['per_step'] = dict(per_step_report(lm, energies[k], data, offsets, args, ctx, ectx,
+                                                                        device, split), energy=names[k])
+            if args.calib_prefixes:
+                out['splits'][split]['calibration'] = calibration_report(lm, energies, names, data, offsets, args,
+                                                                         ctx, ectx, device, split)
     if rank == 0:
+        last = out['splits'][args.splits[-1]]
+        gains = {r['model'][6:]: r['gain_se'] for r in last['rows'] if r['model'].startswith('JOINT ')}
+        text = format_table(out['rows'], args.splits) + '\n' + \
+            f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n" + \
+            format_calibration(last.get('calibration', {}), args.num_samples, gains)
         write_json(out, args.out)
-        print_table(out['rows'], args.splits)
-        print(f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4); -> {args.out}")
-        plot(out, args.out)
+        write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
+        print(text + f"\n-> {args.out}")
     if world_size > 1:
         dist.destroy_process_group()
     return out

@@ -11,7 +11,7 @@ With truncated negatives (negatives.py --top_k/--top_p/--temperature) the noise 
 q, not P_LM, and the logit is -E + log P_LM - log q: the stored log-probs of every negative and
 of every real continuation under both give that correction, applied automatically.
 
-    python nce_train.py --lm out/lm/ckpt.pt --negatives out/neg_train --val_negatives out/neg_val \\
+    python nce_train.py --lm out/lm/ckpt.pt --negatives out/neg_train --held_out_negatives out/neg_select \\
         --energy bit --out_dir out/bit                                   # CPU or one GPU
     torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
 
@@ -42,7 +42,9 @@ def get_args(argv=None):
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
-    a('--val_negatives', required=True, help='negatives.py output for the val split')
+    a('--held_out_negatives', '--val_negatives', required=True,
+      help="negatives.py output for held-out prefixes, whose NCE loss chooses best.pt: the selection split "
+           "('select', carved from the training documents), so that val and test are only reported")
     a('--out_dir', default='out/energy')
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
     a('--energy', default='bit', choices=['bit', 'unit'], help='bidirectional or LM-initialised causal body')
@@ -67,7 +69,7 @@ def get_args(argv=None):
     a('--beta2', type=float, default=0.99)
     a('--grad_clip', type=float, default=1.0)
     a('--eval_interval', type=int, default=100)
-    a('--eval_prefixes', type=int, default=256, help='val prefixes (one fixed negative each) per evaluation')
+    a('--eval_prefixes', type=int, default=256, help='held-out prefixes (fixed negatives each) per evaluation')
     a('--log_interval', type=int, default=10)
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES)
@@ -118,7 +120,7 @@ def choose(n_rows, K, B, M, seed, split, it):
 
 @torch.no_grad()
 def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, rank=0, world_size=1):
-    """Loss, accuracy and mean energies on fixed val pairs, sharded over ranks, reduced."""
+    """Loss, accuracy and mean energies on fixed held-out pairs, sharded over ranks, reduced."""
     model.eval()
     P = neg['meta']['prefix_len']
     sums = torch.zeros(5, dtype=torch.float64)
@@ -134,21 +136,24 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
         dist.all_reduce(sums)
     model.train()
     n = sums[4].item()
-    return dict(val_loss=sums[0].item() / n, val_acc=sums[1].item() / n,
-                val_e_pos=sums[2].item() / n, val_e_neg=sums[3].item() / n)
+    return dict(held_out_loss=sums[0].item() / n, held_out_acc=sums[1].item() / n,
+                held_out_e_pos=sums[2].item() / n, held_out_e_neg=sums[3].item() / n)
 
 
 def load_pairs(args):
     """The train and held-out negatives (checked to come from --lm and to agree), and the splits
     their positives come from."""
-    neg, val_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.val_negatives, lm_path=args.lm)
+    neg, held_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.held_out_negatives, lm_path=args.lm)
     for key in ('prefix_len', 'gen_len', 'data_dir'):
-        if val_neg['meta'][key] != neg['meta'][key]:
-            raise ValueError(f"train and val negatives differ in {key} ({neg['meta'][key]} vs {val_neg['meta'][key]}): regenerate one")
+        if held_neg['meta'][key] != neg['meta'][key]:
+            raise ValueError(f"train and held-out negatives differ in {key} ({neg['meta'][key]} vs {held_neg['meta'][key]}): regenerate one")
+    if held_neg['meta']['split'] == 'train':
+        raise ValueError(f"--held_out_negatives {args.held_out_negatives} were made from the train split: held-out "
+                         f"pairs must come from prefixes the energy never trains on (negatives.py --split select)")
     data_dir = neg['meta']['data_dir']
     meta = load_meta(data_dir)
-    data = {n['meta']['split']: load_split(data_dir, n['meta']['split'], meta) for n in (neg, val_neg)}
-    return neg, val_neg, data, dict(meta, data_dir=data_dir)
+    data = {n['meta']['split']: load_split(data_dir, n['meta']['split'], meta) for n in (neg, held_neg)}
+    return neg, held_neg, data, dict(meta, data_dir=data_dir)
 
 
 def build(args, meta):
@@ -169,13 +174,13 @@ def main(argv=None):
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
-    neg, val_neg, data, meta = load_pairs(args)
-    (P, L, K), K_val = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), val_neg['meta']['num_samples']
-    train, held_out = data[neg['meta']['split']], data[val_neg['meta']['split']]
+    neg, held_neg, data, meta = load_pairs(args)
+    (P, L, K), K_held = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), held_neg['meta']['num_samples']
+    train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
     M = 1 if args.loss == 'binary' else (args.num_neg or K)
-    if not 1 <= M <= min(K, K_val):  # held-out pairs need M distinct negatives too
-        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_val)} stored negatives per prefix "
-                         f"(train {K}, val {K_val})")
+    if not 1 <= M <= min(K, K_held):  # held-out pairs need M distinct negatives too
+        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_held)} stored negatives per prefix "
+                         f"(train {K}, held-out {K_held})")
     ckpt_path, best_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'best.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
@@ -186,7 +191,7 @@ def main(argv=None):
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
-    iter_num, best_val_loss, best_iter = (ckpt['iter_num'], ckpt['best_val_loss'], ckpt['best_iter']) if ckpt else (0, float('inf'), 0)
+    iter_num, best_loss, best_iter = (ckpt['iter_num'], ckpt['best_loss'], ckpt['best_iter']) if ckpt else (0, float('inf'), 0)
     if ckpt:
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
@@ -195,16 +200,16 @@ def main(argv=None):
     if world_size > 1:
         model = DDP(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
 
-    n_val, B = min(args.eval_prefixes, len(val_neg['offsets'])), args.batch_size
-    val_rows = np.arange(n_val)  # the first n_val held-out prefixes, each with fixed random negatives
-    val_idx = choose(n_val, K_val, n_val, M, args.seed, 'held_out', 0)[1]
+    n_held, B = min(args.eval_prefixes, len(held_neg['offsets'])), args.batch_size
+    held_rows = np.arange(n_held)  # the first n_held held-out prefixes, each with fixed random negatives
+    held_idx = choose(n_held, K_held, n_held, M, args.seed, 'held_out', 0)[1]
     tokens_per_iter = B * args.grad_accum * (1 + M) * (P + L)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
         print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, {args.loss} NCE with {M} "
               f"negative(s), {len(neg['offsets'])} train prefixes x {K} samples, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
-    t0, t_start, start_iter, last_val = time.time(), time.time(), iter_num, {}
+    t0, t_start, start_iter, last_eval = time.time(), time.time(), iter_num, {}
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
     while iter_num < args.max_iters:
         lr = get_lr(iter_num, args)
@@ -238,32 +243,32 @@ def main(argv=None):
             write_log(log, rec)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            last_val = evaluate(model, held_out, val_neg, val_rows, val_idx, B, args.loss, device, ctx, rank, world_size)
-            improved = last_val['val_loss'] < best_val_loss
+            last_eval = evaluate(model, held_out, held_neg, held_rows, held_idx, B, args.loss, device, ctx, rank, world_size)
+            improved = last_eval['held_out_loss'] < best_loss
             if improved:
-                best_val_loss, best_iter = last_val['val_loss'], iter_num
-            write_log(log, dict(iter=iter_num, **last_val))
+                best_loss, best_iter = last_eval['held_out_loss'], iter_num
+            write_log(log, dict(iter=iter_num, **last_eval))
             if master:
-                bar.write(f"iter {iter_num}: held-out loss {last_val['val_loss']:.4f} acc {last_val['val_acc']:.3f} "
-                          f"E+ {last_val['val_e_pos']:.3f} E- {last_val['val_e_neg']:.3f}" + (' (best)' if improved else ''))
+                bar.write(f"iter {iter_num}: held-out loss {last_eval['held_out_loss']:.4f} acc {last_eval['held_out_acc']:.3f} "
+                          f"E+ {last_eval['held_out_e_pos']:.3f} E- {last_eval['held_out_e_neg']:.3f}" + (' (best)' if improved else ''))
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
-                             best_val_loss=best_val_loss, best_iter=best_iter, negatives=args.negatives)
+                             best_loss=best_loss, best_iter=best_iter, negatives=args.negatives)
                 if improved:  # the energy to use: NCE overfits the finite negatives, so the last one may be worse
                     save_checkpoint(state, best_path)
                 save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                                      rng_state=torch.get_rng_state()), ckpt_path)
     bar.close()
-    if not last_val:  # resumed at max_iters: nothing was evaluated in this run
-        last_val = evaluate(model, held_out, val_neg, val_rows, val_idx, B, args.loss, device, ctx, rank, world_size)
+    if not last_eval:  # resumed at max_iters: nothing was evaluated in this run
+        last_eval = evaluate(model, held_out, held_neg, held_rows, held_idx, B, args.loss, device, ctx, rank, world_size)
     train_time = time.time() - t_start
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
-                   best_val_loss=best_val_loss, best_iter=best_iter, val_prefixes=n_val, **last_val)
+                   best_loss=best_loss, best_iter=best_iter, held_out_prefixes=n_held, **last_eval)
     if master:
         log.close()
         write_json(results, os.path.join(args.out_dir, 'results.json'))
-        print(f"held-out NCE accuracy {results['val_acc']:.3f} on {n_val} prefixes (chance 0.5), loss "
-              f"{results['val_loss']:.4f}; {train_time:.0f}s; best loss {best_val_loss:.4f} at iter {best_iter} -> {best_path}")
+        print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {n_held} prefixes (chance 0.5), loss "
+              f"{results['held_out_loss']:.4f}; {train_time:.0f}s; best loss {best_loss:.4f} at iter {best_iter} -> {best_path}")
     if world_size > 1:
         dist.destroy_process_group()
     return results

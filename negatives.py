@@ -92,9 +92,9 @@ def main(argv=None):
     if P + L > lm.config.block_size:
         raise ValueError(f"prefix_len + gen_len = {P + L} exceeds the LM's block_size {lm.config.block_size}")
     data = load_split(data_dir, args.split, meta)
-    offsets = windows(data, meta['eot_id'], P, L, args.stride, args.max_prefixes)
+    offsets = windows(data, P, L, args.stride, args.max_prefixes)
     if len(offsets) == 0:
-        raise ValueError(f"the {args.split} split has no document of {P + L} tokens: lower --prefix_len/--gen_len")
+        raise ValueError(f"the {args.split} split is shorter than {P + L} tokens: lower --prefix_len/--gen_len")
     N, n_chunks = len(offsets), (len(offsets) + args.chunk - 1) // args.chunk
     settings = dict(lm_path=args.lm, lm_hash=file_hash(args.lm), data_dir=data_dir, split=args.split,
                     prefix_len=P, gen_len=L, stride=args.stride, num_prefixes=N, num_samples=K,

@@ -1,9 +1,10 @@
 """
 The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU.
 
-    prepare -> BASE LM -> BALM -> RALM -> negatives (train, val) -> MLM pretraining of the BIT body
-    -> JOINT BIT (NCE) -> JOINT UNIT (NCE) -> joint PPL of every model on val and test (Eq. 4),
-    per-step PPL (Eq. 5) and the bounds as n grows -> joint samples and analyses
+    prepare -> BASE LM -> BALM -> RALM -> negatives (train, select) -> MLM pretraining of the BIT
+    body -> JOINT BIT (NCE) -> JOINT UNIT (NCE) -> joint PPL of every model on val and test (Eq. 4),
+    the bounds' calibration against many samples, per-step PPL (Eq. 5) and the bounds as n
+    grows -> joint samples and analyses
 
 Each stage is the command a user would type (printed before it runs). Like make, a stage whose
 outputs exist and are newer than those of the stages it depends on is skipped, and a half-done
@@ -11,8 +12,9 @@ one resumes: an interrupted run just continues, and a retrained model reruns wha
 lands in --out_dir: checkpoints, results.json (one row per model and split), the figures, and
 timings.json.
 
-    python reproduce.py                # ~40 min on 2 CPU cores
-    python reproduce.py --quick        # a few minutes, tiny models: the CI smoke test
+    python reproduce.py                      # ~30 min on 2 CPU cores with bf16 units (README)
+    python reproduce.py --quick              # a few minutes, tiny models: the CI smoke test
+    python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
 
 import argparse
@@ -27,43 +29,65 @@ import torch
 from data import write_json
 from energy import Energy
 from model import GPTConfig
-from runtime import DTYPES
+from runtime import DTYPES, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Sizes and budgets. DEFAULT takes ~40 minutes on this 2-core CPU (README has the stage timings).
+# Sizes and budgets (README has the stage timings). Everything that is tuned (the energy's
+# early stopping, and the recipe) looks at the selection split, never at val or test.
 DEFAULT = dict(
     lm=dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16, max_iters=500, lr=2e-3,
-            warmup_iters=40, eval_interval=200),
+            warmup_iters=40, eval_interval=250),
     residual=dict(n_layer=4, n_head=4, n_embd=256),      # RALM's phi: the LM's shape, as in the paper
-    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, val_prefixes=1024),
+    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024),
     # BIT: a 4x128 body, MLM-pretrained from scratch with ALiBi (without it the MLM sits at the
     # unigram loss), fine-tuned by NCE at a low lr that keeps what the MLM knows; UNIT: the LM's
-    # shape and weights, also at a low lr (README, 'What was tried for the energy')
+    # shape and weights, also at a low lr (EXPERIMENTS.md)
     mlm=dict(n_embd=128, max_iters=1200, eval_interval=400, alibi=True),  # the LM's flags otherwise
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
     unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
-    ppl=dict(max_prefixes=1024, num_samples=12, sweep='2,4,8,12', step_prefixes=8, step_samples=8),
-    samples=dict(num_prefixes=4, n=256),
+    ppl=dict(max_prefixes=1024, num_samples=32, sweep='2,4,8,16,32', step_prefixes=8, step_samples=8,
+             last_step_samples=1024, calib_prefixes=32, calib_samples=1024),
+    samples=dict(num_prefixes=32, n=256, table_prefixes=2),
 )
 QUICK = dict(
     lm=dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=16, max_iters=150, lr=3e-3,
             warmup_iters=10, eval_interval=75),
     residual=dict(n_layer=1, n_head=2, n_embd=64),
-    neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=400, val_prefixes=64),
+    neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=400, select_prefixes=64),
     mlm=dict(n_embd=32, max_iters=100, alibi=True),
     bit=dict(batch_size=16, max_iters=150, lr=1e-3, warmup_iters=10, eval_interval=75),
     unit=dict(batch_size=16, max_iters=150, lr=1e-3, warmup_iters=10, eval_interval=75),
-    ppl=dict(max_prefixes=32, num_samples=16, sweep='2,4,16', step_prefixes=2, step_samples=4),
-    samples=dict(num_prefixes=2, n=32),
+    ppl=dict(max_prefixes=32, num_samples=16, sweep='2,4,16', step_prefixes=2, step_samples=4,
+             last_step_samples=64, calib_prefixes=4, calib_samples=128),
+    samples=dict(num_prefixes=4, n=32, table_prefixes=1, candidates=16, m=4),
+)
+# the paper's tokenizer (GPT-2 BPE, 50,257 tokens) through every stage, with tiny models: a test
+# that the BPE path runs end to end (the vocabulary makes the LM head and the exact last-step
+# enumeration the big costs), not a result
+QUICK_GPT2 = dict(
+    lm=dict(n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=8, max_iters=30, lr=3e-3,
+            warmup_iters=5, eval_interval=15, eval_iters=4),
+    residual=dict(n_layer=1, n_head=2, n_embd=32),
+    neg=dict(prefix_len=24, gen_len=8, num_samples=2, train_prefixes=64, select_prefixes=16),
+    mlm=dict(n_embd=32, max_iters=20, alibi=True),
+    bit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
+    unit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
+    ppl=dict(max_prefixes=8, num_samples=4, sweep='2,4', step_prefixes=1, step_samples=2,
+             last_step_samples=16, calib_prefixes=2, calib_samples=32),
+    samples=dict(num_prefixes=2, n=8, table_prefixes=1, candidates=8, keep=4, table_k=3, m=2),
 )
 
 
 def finished(path):
-    """A stage's output exists (and a negatives dir's meta.json says it is complete)."""
+    """A stage's output exists (a negatives dir's meta.json says it is complete, a data dir's that
+    it has the selection split)."""
     if not os.path.exists(path):
         return False
-    return not path.endswith('meta.json') or json.load(open(path)).get('complete', True)
+    if not path.endswith('meta.json'):
+        return True
+    meta = json.load(open(path))
+    return meta.get('complete', True) and 'select' in meta.get('num_tokens', {'select': 0})
 
 
 class Pipeline:
@@ -100,28 +124,38 @@ def energy_params(lm, vocab_size):
         return Energy(cfg).num_params()
 
 
-def main(argv=None):
+def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--quick', action='store_true', help='tiny models and budgets (a smoke test of every stage)')
-    p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/ with --quick)')
-    p.add_argument('--data_dir', default='data/shakespeare')
+    p.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'],
+                   help="gpt2: the paper's BPE (with --quick: tiny models, a test of the path; data in data/shakespeare_gpt2)")
+    p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/, out-quick-gpt2/ with --quick)')
+    p.add_argument('--data_dir', default=None, help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2)')
     p.add_argument('--seed', type=int, default=1337)
     p.add_argument('--quiet', action='store_true', help='no progress bars in the stages')
     p.add_argument('--device', default='auto', help='passed to every stage')
     p.add_argument('--dtype', default='auto', choices=DTYPES,
                    help="passed to every stage ('auto': each stage measures what is fastest for its work)")
     args = p.parse_args(argv)
-    cfg = QUICK if args.quick else DEFAULT
-    out = args.out_dir or ('out-quick' if args.quick else 'out')
+    gpt2 = args.tokenizer == 'gpt2'
+    args.cfg = (QUICK_GPT2 if gpt2 else QUICK) if args.quick else DEFAULT
+    args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else ''))
+    args.data_dir = args.data_dir or ('data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
+    return args
+
+
+def main(argv=None):
+    args = get_args(argv)
+    cfg, out = args.cfg, args.out_dir
     path = lambda *a: os.path.join(out, *a)
     os.makedirs(out, exist_ok=True)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
-    system = ['--device', args.device, '--dtype', args.dtype]
-    stage = lambda name, cmd, done, deps=(): pipe.run(name, cmd + common + system, done, deps)
+    stage = lambda name, cmd, done, deps=(): pipe.run(name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps)
     lm, neg = cfg['lm'], cfg['neg']
 
-    pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir] + common, os.path.join(args.data_dir, 'meta.json'))
+    pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir, '--tokenizer', args.tokenizer] + common,
+             os.path.join(args.data_dir, 'meta.json'))
     vocab = json.load(open(os.path.join(HERE, args.data_dir, 'meta.json')))['vocab_size']
     lm_ckpt = path('lm', 'ckpt.pt')
 
@@ -131,55 +165,63 @@ def main(argv=None):
               + flags(dict(lm, **changes)) + extra + resume, path(name, 'results.json'), deps)
 
     train('lm', [], ['prepare'])
+    print_estimate(pipe.timings, cfg is DEFAULT)
     lm_params = json.load(open(path('lm', 'results.json')))['params']
     train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))], ['prepare'])
     train('ralm', ['--residual_of', lm_ckpt] + flags(cfg['residual']), ['lm'])
-    for split, n in (('train', neg['train_prefixes']), ('val', neg['val_prefixes'])):
+    for split in ('train', 'select'):  # held-out pairs from the selection split choose best.pt
         stage(f'negatives_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'neg_{split}'),
-                                     '--max_prefixes', str(n)] + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}),
-              path(f'neg_{split}', 'meta.json'), ['lm'])
+                                     '--max_prefixes', str(neg[f'{split}_prefixes'])]
+              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), path(f'neg_{split}', 'meta.json'), ['lm'])
     # the BIT body (smaller than the LM) is pretrained as a masked LM on the corpus, from scratch
     train('mlm', ['--final_eval', '0'], ['prepare'], objective='mlm', **cfg['mlm'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         resume = ['--resume'] if os.path.exists(path(kind, 'ckpt.pt')) else []
-        stage(kind, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path('neg_train'), '--val_negatives', path('neg_val'),
+        stage(kind, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path('neg_train'), '--held_out_negatives', path('neg_select'),
                      '--energy', kind, '--init_from', path(init, 'ckpt.pt'), '--out_dir', path(kind)] + flags(cfg[kind]) + resume,
-              path(kind, 'results.json'), ['negatives_train', 'negatives_val', init])
-    ppl = cfg['ppl']
+              path(kind, 'results.json'), ['negatives_train', 'negatives_select', init])
     stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
                            '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
                            '--extra_lm', f"RALM={path('ralm', 'ckpt.pt')}", f"BALM={path('balm', 'ckpt.pt')}",
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']), '--per_step', 'BIT',
-                           '--out', path('ppl.json')] + flags(ppl), path('ppl.json'), ['lm', 'balm', 'ralm', 'bit', 'unit'])
+                           '--out', path('ppl.json')] + flags(cfg['ppl']), path('ppl.json'), ['lm', 'balm', 'ralm', 'bit', 'unit'])
     stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
                       '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                       '--out', path('samples.json')] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
     report(out, pipe.timings)
 
 
+# Stage times of the default run relative to the LM's, measured on the README's machine: the
+# LM stage measures this machine's speed, these turn it into an estimate of the whole run.
+RELATIVE_TIME = dict(lm=1.0, balm=1.75, ralm=1.8, negatives_train=0.8, negatives_select=0.1, mlm=1.3, bit=3.4,
+                     unit=1.6, estimate_ppl=3.0, samples=0.6)
+
+
+def print_estimate(timings, default):
+    """Once the LM stage has measured this machine: the whole run's expected duration."""
+    if default and 'lm' in timings:
+        total = timings['lm'] * sum(RELATIVE_TIME.values())
+        print(f"estimated total: ~{total / 60:.0f} min on this machine (the LM stage took {timings['lm']:.0f}s; "
+              f"README lists each stage's time on its machines)", flush=True)
+
+
 def report(out, timings):
-    """results.json: the Table-1 rows (model, params, split, ppl or ppl_low/ppl_high/gain_se)."""
+    """results.json: the Table-1 rows, the calibration of the log Z bounds, the held-out NCE
+    accuracies and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
     ppl = json.load(open(os.path.join(out, 'ppl.json')))
     keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
     lm = json.load(open(os.path.join(out, 'lm', 'results.json')))
-    nce = {k: json.load(open(os.path.join(out, k, 'results.json')))['val_acc'] for k in ('bit', 'unit')}
-    write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], nce_val_acc=nce, timings_s=timings,
-                    num_samples=ppl['splits']['test']['num_samples'], num_prefixes=ppl['splits']['test']['num_prefixes']),
+    nce = {k: json.load(open(os.path.join(out, k, 'results.json')))['held_out_acc'] for k in ('bit', 'unit')}
+    test = ppl['splits']['test']
+    write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_nce_acc=nce, timings_s=timings,
+                    calibration=test.get('calibration'), num_samples=test['num_samples'], num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))
-    print(f"\nTable 1 (Shakespeare, char-level; joint PPL as a range from {ppl['splits']['test']['num_samples']} samples)")
-    splits = list(ppl['splits'])
-    print(f"{'model':<12} {'params':>8} " + ' '.join(f"{s + ' PPL':>16}" for s in splits) + f" {'test gain (SE)':>18}")
-    for name in dict.fromkeys(r['model'] for r in rows):
-        cells = {r['split']: r for r in rows if r['model'] == name}
-        fmt = lambda r: f"{r['ppl']:.3f}" if 'ppl' in r else f"{r['ppl_low']:.3f}-{r['ppl_high']:.3f}"
-        test = cells.get('test', {})
-        gain = f"{100 * test['gain_nats_per_token']:.2f}% ({100 * test['gain_se']:.2f})" if 'gain_se' in test else ''
-        print(f"{name:<12} {next(iter(cells.values()))['params'] / 1e6:>7.2f}M " +
-              ' '.join(f"{fmt(cells[s]) if s in cells else '':>16}" for s in splits) + f" {gain:>18}")
-    print(f"held-out NCE accuracy: BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
-    print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json, figures {out}/ppl_*.png")
+    print("\nTable 1 (Shakespeare; val and test only reported, the selection split chose best.pt)")
+    print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
+    print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
+    print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json")
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)

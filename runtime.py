@@ -72,21 +72,20 @@ def matmul_probe():
     torch.nn.functional.linear(_PROBE['x'], _PROBE['w']).sum().backward()
 
 
-def bf16_speedup(probe, work):
-    """fp32 time / bf16-autocast time of probe() (fastest of 3 after a warm-up), measured once
-    per process for each kind of work."""
+def bf16_speedup(probe, work, repeats=7):
+    """fp32 time / bf16-autocast time of probe() (the fastest of the repeats, fp32 and bf16 runs
+    alternating so that load from other processes hits both alike), measured once per process
+    for each kind of work."""
     if work not in _SPEEDUP:
-        times = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            with autocast('cpu', dtype):
-                probe()
-                ts = []
-                for _ in range(3):
+        times = {torch.float32: [], torch.bfloat16: []}
+        for i in range(repeats + 1):
+            for dtype, ts in times.items():
+                with autocast('cpu', dtype):
                     t0 = time.perf_counter()
                     probe()
-                    ts.append(time.perf_counter() - t0)
-            times[dtype] = min(ts)
-        _SPEEDUP[work] = times[torch.float32] / times[torch.bfloat16]
+                    if i:  # the first run of each warms up
+                        ts.append(time.perf_counter() - t0)
+        _SPEEDUP[work] = min(times[torch.float32]) / min(times[torch.bfloat16])
     return _SPEEDUP[work]
 
 

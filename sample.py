@@ -159,6 +159,8 @@ def get_args(argv=None):
     a('--keep', type=int, default=10, help='A.1: the top entries kept after reweighting and renormalised (the paper: 10)')
     a('--m', type=int, default=32, help='A.1: LM completions per Z estimate, for --autoregressive and the Table-3 view (the paper: 10,000)')
     a('--table_k', type=int, default=5, help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
+    a('--table_prefixes', type=int, default=4, help='Table-3 view for the first this many prefixes only (each costs '
+                                                   'candidates x m LM samples)')
     a('--out', default='out/samples.json')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
@@ -193,7 +195,7 @@ def main(argv=None):
         prefixes, gold = torch.tensor([ids]), [None]
     else:
         data = load_split(lm_ckpt['meta']['data_dir'], args.split, meta)
-        offsets = windows(data, meta['eot_id'], args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
+        offsets = windows(data, args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
         if len(offsets) == 0:
             raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens in the {args.split} split")
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
@@ -217,7 +219,7 @@ def main(argv=None):
             rec['autoregressive'] = tok.decode(cont['autoregressive'][0].tolist())
         with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
             rec['lm_logp'] = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)).item() for name, t in cont.items()}
-        if args.table_k:
+        if args.table_k and b < args.table_prefixes:
             v, p_lm, p_joint = next_token_table(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m, ctx, g)
             rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
                                   zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(), p_joint[0, :args.table_k].tolist())]

@@ -39,7 +39,7 @@ from data import load_meta, load_negatives, load_split, log_ratios, untruncated,
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 from energy import Energy, build_energy, energy_state, load_energy, mlm_mask, score  # noqa: E402
-from estimate_ppl import (evaluate_prefixes, last_step_logz, leave_one_out_lse, logz_bounds,  # noqa: E402
+from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, leave_one_out_lse, logz_bounds,  # noqa: E402
                           per_step, per_step_report, sample_log_weights, summarize)
 from runtime import rng  # noqa: E402
 from model import GPT, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm, proposal_logprobs, save_checkpoint  # noqa: E402
@@ -111,7 +111,7 @@ def read_log(out_dir):
     with open(os.path.join(out_dir, 'log.jsonl')) as f:
         recs = [json.loads(l) for l in f]
     losses = {r['iter']: r['loss'] for r in recs if 'loss' in r}
-    vals = {r['iter']: r['val_loss'] for r in recs if 'val_loss' in r}
+    vals = {r['iter']: r.get('select_loss', r.get('held_out_loss')) for r in recs if 'select_loss' in r or 'held_out_loss' in r}
     return losses, vals
 
 
@@ -202,9 +202,9 @@ def test_prepare_multi_document(tmp_path, tokenizer):
     docs = [t for n, t in DOCS.items() if n.endswith('.txt') and t.strip()]
     tok = load_tokenizer(meta)
     assert meta['dtype'] == 'uint16' and meta['tokenizer'] == tokenizer and meta['vocab_size'] == tok.vocab_size
-    assert meta['num_docs'] == dict(train=3, val=1, test=1)
+    assert meta['num_docs'] == dict(train=2, select=1, val=1, test=1)
     seen = collections.Counter()
-    for split in ('train', 'val', 'test'):
+    for split in ('train', 'select', 'val', 'test'):
         path = os.path.join(out, f'{split}.bin')
         assert os.path.getsize(path) == 2 * meta['num_tokens'][split]  # 2 bytes a token: uint16
         ids = np.fromfile(path, dtype=np.uint16).tolist()
@@ -225,14 +225,14 @@ def test_prepare_single_file_contiguous(tmp_path):
     out = prepare_corpus(tmp_path, {'one.txt': text}, extra=['--val_frac', '0.1', '--test_frac', '0.2'])
     meta = load_meta(out)
     tok = load_tokenizer(meta)
-    assert meta['num_docs'] == dict(train=1, val=1, test=1)
+    assert meta['num_docs'] == dict(train=1, select=1, val=1, test=1)
     parts = []
-    for split in ('train', 'val', 'test'):
+    for split in ('train', 'select', 'val', 'test'):
         dec = tok.decode(np.fromfile(os.path.join(out, f'{split}.bin'), dtype=np.uint16).tolist())
         assert dec.endswith(EOT) and dec.count(EOT) == 1
         parts.append(dec[:-len(EOT)])
     n = len(text)
-    assert parts == [text[:int(n * 0.7)], text[int(n * 0.7):int(n * 0.8)], text[int(n * 0.8):]]
+    assert parts == [text[:int(n * 0.65)], text[int(n * 0.65):int(n * 0.7)], text[int(n * 0.7):int(n * 0.8)], text[int(n * 0.8):]]
 
 
 def test_prepare_bad_input(tmp_path):
@@ -900,46 +900,59 @@ def test_mlm_mask_proportions(V):
 
 # windows and negatives
 
-def windows_brute(data, eot, P, L, stride=None):
-    n, stride, out, doc_start = P + L, stride or P + L, [], 0
-    for o in range(len(data)):
-        if o > 0 and data[o - 1] == eot:
-            doc_start = o
-        if (o - doc_start) % stride == 0 and o + n <= len(data) and eot not in data[o:o + n]:
-            out.append(o)
-    return out
+def windows_brute(data, P, L, stride=None):
+    n, stride = P + L, stride or P + L
+    return [o for o in range(len(data)) if o % stride == 0 and o + n <= len(data)]
 
 
 def test_windows_brute_force():
-    rng = np.random.default_rng(0)
+    rng_ = np.random.default_rng(0)
     eot = 0
-    docs = [rng.integers(1, 9, size=k).tolist() for k in (0, 1, 3, 9, 10, 11, 25, 0, 0, 17, 40, 2, 10)]
-    for lead, trail in ((False, True), (True, False)):
-        data = [eot] * lead + sum((d + [eot] for d in docs), [])
-        data = np.array(data[:-1] if not trail else data, dtype=np.uint16)
-        for P, L, stride in ((4, 6, None), (2, 1, None), (3, 3, 1), (5, 5, 4), (1, 1, 7), (30, 10, None)):
-            got = windows(data, eot, P, L, stride)
-            ref = windows_brute(data.tolist(), eot, P, L, stride)
-            assert got.dtype == np.int64 and got.tolist() == ref, (P, L, stride)
-            for o in got:
-                assert eot not in data[o:o + P + L].tolist() and o + P + L <= len(data)
-            if not ref:
+    docs = [rng_.integers(1, 9, size=k).tolist() for k in (0, 1, 3, 9, 10, 11, 25, 0, 0, 17, 40, 2, 10)]
+    data = np.array(sum((d + [eot] for d in docs), []), dtype=np.uint16)
+    for P, L, stride in ((4, 6, None), (2, 1, None), (3, 3, 1), (5, 5, 4), (1, 1, 7), (30, 10, None)):
+        got = windows(data, P, L, stride)
+        ref = windows_brute(data.tolist(), P, L, stride)
+        assert got.dtype == np.int64 and got.tolist() == ref, (P, L, stride)
+        assert any(eot in data[o:o + P + L].tolist() for o in got)  # windows cross document ends
+        toks = window_tokens(data, got, P + L)
+        assert toks.dtype == torch.int64 and toks.tolist() == [data[o:o + P + L].tolist() for o in ref]
+        for m in (1, 2, 3, 7, len(ref) - 1, len(ref), len(ref) + 5):
+            sub = windows(data, P, L, stride, max_windows=m).tolist()
+            if m >= len(ref):
+                assert sub == ref
                 continue
-            toks = window_tokens(data, got, P + L)
-            assert toks.dtype == torch.int64 and toks.tolist() == [data[o:o + P + L].tolist() for o in ref]
-            for m in (1, 2, 3, 7, len(ref) - 1, len(ref), len(ref) + 5):
-                if m < 1:
-                    continue
-                sub = windows(data, eot, P, L, stride, max_windows=m).tolist()
-                if m >= len(ref):
-                    assert sub == ref
-                    continue
-                idx = [ref.index(o) for o in sub]  # a subset, in order, of m distinct windows
-                assert len(sub) == m and idx == sorted(set(idx)) and idx[0] == 0
-                if m > 1:  # evenly spaced from the first to the last window
-                    gaps = np.diff(idx)
-                    assert idx[-1] == len(ref) - 1 and gaps.max() - gaps.min() <= 1, (m, idx)
-    assert len(windows(np.array([1, 2, 0, 3], dtype=np.uint16), 0, 2, 1)) == 0
+            idx = [ref.index(o) for o in sub]  # a subset, in order, of m distinct windows
+            assert len(sub) == m and idx == sorted(set(idx)) and idx[0] == 0
+            if m > 1:  # evenly spaced from the first to the last window
+                gaps = np.diff(idx)
+                assert idx[-1] == len(ref) - 1 and gaps.max() - gaps.min() <= 1, (m, idx)
+    assert len(windows(np.array([1, 2, 0, 3], dtype=np.uint16), 3, 2)) == 0
+
+
+def test_end_of_text_cannot_separate_real_from_sampled():
+    """With an exact LM (here the Markov chain that wrote the corpus), the end-of-text token is as
+    frequent in real continuations x+ as in LM samples x-, so no energy can separate them by it.
+    Windows kept inside documents (rebm's old rule) never showed it in x+: a free give-away."""
+    V, eot, P, L = 5, 0, 3, 6
+    g = torch.Generator().manual_seed(0)
+    T = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    T[:, eot] = 0.08
+    T /= T.sum(1, keepdim=True)
+    stream = [1]
+    for u in torch.rand(60000, generator=g).tolist():
+        stream.append(int(np.searchsorted(np.cumsum(T[stream[-1]].numpy()), u * 0.999999)))
+    data = np.array(stream, dtype=np.uint16)
+    x = window_tokens(data, windows(data, P, L), P + L)
+    real = x[:, P:]
+    prev, fake = x[:, P - 1], []
+    for _ in range(L):
+        prev = torch.multinomial(T[prev], 1, generator=g).squeeze(1)
+        fake.append(prev)
+    fake = torch.stack(fake, 1)
+    has_real, has_fake = (real == eot).any(1).double(), (fake == eot).any(1).double()
+    se = math.sqrt((has_real.var() + has_fake.var()) / len(has_real))
+    assert has_real.mean() > 0.2 and abs(has_real.mean() - has_fake.mean()) < 4 * se
 
 
 def neg_files(d):
@@ -987,7 +1000,7 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     meta = load_meta(lm_corpus)
     neg = load_negatives(a, lm_path=lm_ckpt)
     data = load_split(lm_corpus, 'train', meta)
-    assert neg['offsets'].tolist() == windows(data, meta['eot_id'], 6, 4, max_windows=23).tolist()
+    assert neg['offsets'].tolist() == windows(data, 6, 4, max_windows=23).tolist()
     N, K, L = 23, 3, 4
     assert neg['tokens'].shape == (N, K, L) and neg['done'].tolist() == [1] * 5 and neg['meta']['complete']
     tokens = torch.from_numpy(neg['tokens'].astype(np.int64)).view(N * K, L)
@@ -1047,7 +1060,8 @@ def test_nce_learns_what_the_lm_cannot_see(tmp_path):
     must learn the copy. 800 iterations of a tiny BIT: ~5 s."""
     rng = random.Random(0)
     words = lambda n: ''.join(w + w for w in (''.join(rng.choice('abcdefgh') for _ in range(4)) for _ in range(n)))
-    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25) for i in range(120)},
+    # 199 characters + end-of-text: every document is 200 tokens, so 8-token windows stay aligned
+    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25)[:-1] for i in range(120)},
                               extra=['--val_frac', '0.1', '--test_frac', '0.1'])
     lm_path = str(tmp_path / 'unigram.pt')
     logp_uni = unigram_lm(data_dir, lm_path)
@@ -1056,26 +1070,27 @@ def test_nce_learns_what_the_lm_cannot_see(tmp_path):
     x = torch.randint(V, (4, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (F.log_softmax(lm(x)[0], -1) - logp_uni).abs().max().item() < 1e-5
-    for split in ('train', 'val'):
+    for split in ('train', 'select', 'val'):
         negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '4',
                         '--gen_len', '4', '--num_samples', '4', '--chunk', '256', *CPU])
     meta = load_meta(data_dir)
     val = load_split(data_dir, 'val', meta)
     neg = load_negatives(str(tmp_path / 'val'))
     pos = window_tokens(val, neg['offsets'], 8)
-    assert len(pos) == 300 and torch.equal(pos[:, :4], pos[:, 4:])  # windows are aligned with the words
+    whole = (pos != meta['eot_id']).all(1)  # windows aligned with the words, but the last of each document
+    assert len(pos) == 300 and whole.sum() == 288 and torch.equal(pos[whole, :4], pos[whole, 4:])
     samples = torch.from_numpy(neg['tokens'].astype(np.int64))
     assert (samples == pos[:, None, :4]).all(-1).float().mean().item() < 0.01
     # to the LM, a real continuation is as likely as its own samples
     assert abs(logp_uni[pos[:, 4:]].sum(1).mean().item() - np.array(neg['logp']).mean()) < 0.2
     out = str(tmp_path / 'bit')
-    res = nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--val_negatives',
-                          str(tmp_path / 'val'), '--out_dir', out, '--energy', 'bit', '--n_layer', '2',
+    res = nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives',
+                          str(tmp_path / 'select'), '--out_dir', out, '--energy', 'bit', '--n_layer', '2',
                           '--n_head', '2', '--n_embd', '32', '--batch_size', '32', '--max_iters', '800',
                           '--eval_interval', '800', '--log_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
                           '--warmup_iters', '20', *CPU])
-    assert res['val_prefixes'] == 256 and res['val_acc'] > 0.9, res
-    assert res['val_e_pos'] < res['val_e_neg']
+    assert res['held_out_prefixes'] == 150 and res['held_out_acc'] > 0.9, res
+    assert res['held_out_e_pos'] < res['held_out_e_neg']
     # independently, with the saved energy: every (positive, stored negative) pair of the val split
     energy, ckpt = load_energy(os.path.join(out, 'ckpt.pt'), lm_path=lm_path)
     assert ckpt['iter_num'] == 800 and energy.kind == 'bit'
@@ -1087,6 +1102,50 @@ def test_nce_learns_what_the_lm_cannot_see(tmp_path):
         load_energy(os.path.join(out, 'ckpt.pt'), lm_path=os.path.join(out, 'results.json'))
 
 
+def test_joint_ppl_end_to_end_on_the_copy_task(tmp_path):
+    """The whole chain where the answer is known. Real text is random 2-letter words each followed
+    by its copy; the base LM is the exact unigram model; NCE (early-stopped on the selection
+    split) trains an energy that learns the copy; estimate_ppl.py's joint PPL range, from LM
+    samples, contains the exact joint PPL (log Z by summing P_LM exp(-E) over all V^2
+    continuations) and lies far below the base LM's."""
+    rng_ = random.Random(1)
+    words = lambda n: ''.join(w + w for w in (''.join(rng_.choice('abcd') for _ in range(2)) for _ in range(n)))
+    # 99 characters + end-of-text: every document is 100 tokens, so 4-token windows stay aligned
+    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25)[:-1] for i in range(60)},
+                              extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+    lm_path = str(tmp_path / 'unigram.pt')
+    logp_uni = unigram_lm(data_dir, lm_path).double()
+    for split in ('train', 'select'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '2',
+                        '--gen_len', '2', '--num_samples', '4', '--chunk', '256', *CPU])
+    nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives', str(tmp_path / 'select'),
+                    '--out_dir', str(tmp_path / 'bit'), '--energy', 'bit', '--n_layer', '2', '--n_head', '2', '--n_embd', '32',
+                    '--batch_size', '32', '--max_iters', '300', '--eval_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
+                    '--warmup_iters', '20', *CPU])
+    best = str(tmp_path / 'bit' / 'best.pt')
+    out = estimate_ppl.main(['--lm', lm_path, '--energy', f'BIT={best}', '--splits', 'test', '--prefix_len', '2',
+                             '--gen_len', '2', '--max_prefixes', '0', '--num_samples', '1024', '--calib_prefixes', '0',
+                             '--out', str(tmp_path / 'ppl.json'), *CPU])
+    rows = {r['model']: r for r in out['rows']}
+    meta = load_meta(data_dir)
+    test = load_split(data_dir, 'test', meta)
+    x = window_tokens(test, windows(test, 2, 2), 4)
+    V = meta['vocab_size']
+    energy, _ = load_energy(best, lm_path)
+    cont = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # all V^2 continuations
+    with torch.no_grad():
+        e_all = energy(torch.cat([x[:, None, :2].expand(-1, V * V, -1), cont.expand(len(x), -1, -1)], 2).flatten(0, 1), 2)
+        e_real = energy(x, 2).double()
+    log_z = torch.logsumexp(logp_uni[cont].sum(1) - e_all.double().view(len(x), -1), 1)
+    lp_real = logp_uni[x[:, 2:]].sum(1)
+    exact_ppl = math.exp(-(lp_real - e_real - log_z).sum().item() / x[:, 2:].numel())
+    base_ppl = math.exp(-lp_real.sum().item() / x[:, 2:].numel())
+    assert abs(rows['BASE LM']['ppl'] - base_ppl) < 1e-4 * base_ppl
+    joint = rows['JOINT BIT']
+    assert joint['ppl_low'] * 0.99 <= exact_ppl <= joint['ppl_high'] * 1.01, (joint, exact_ppl)
+    assert exact_ppl < 0.7 * base_ppl and joint['ppl_high'] < 0.7 * base_ppl, (exact_ppl, base_ppl)
+
+
 def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
     flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
              '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1', '--grad_accum', '2', *NCE_FLAGS,
@@ -1096,7 +1155,7 @@ def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
     with open(os.path.join(ddp, 'results.json')) as f:
         rd = json.load(f)
     assert rd['val_prefixes'] == r1['val_prefixes'] == 10
-    for k in ('val_loss', 'val_acc', 'val_e_pos', 'val_e_neg'):
+    for k in ('held_out_loss', 'held_out_acc', 'held_out_e_pos', 'held_out_e_neg'):
         assert abs(rd[k] - r1[k]) < 1e-4, k
     md, ms = (load_checkpoint(os.path.join(d, 'ckpt.pt'))['model'] for d in (ddp, single))
     assert md.keys() == ms.keys()
@@ -1146,7 +1205,7 @@ def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
     res = nce_train.main(['--out_dir', a, '--max_iters', '12', *flags])
     _, vals = read_log(a)
     best_iter = min(vals, key=vals.get)
-    assert sorted(vals) == list(range(2, 13, 2)) and res['best_iter'] == best_iter and res['best_val_loss'] == vals[best_iter]
+    assert sorted(vals) == list(range(2, 13, 2)) and res['best_iter'] == best_iter and res['best_loss'] == vals[best_iter]
     assert best_iter < 12  # so best.pt is not just the last energy
     best = load_checkpoint(os.path.join(a, 'best.pt'))
     assert best['iter_num'] == best_iter and 'optimizer' not in best and best['config']['dropout'] == 0.05
@@ -1372,6 +1431,30 @@ def toy_lm(V=4):
     return tiny_gpt(vocab_size=V, block_size=8, std=0.5, seed=3)
 
 
+def test_calibrate_matches_exact_bias():
+    """calibrate() measures the bias of the n-sample bounds from many samples; on weights with
+    three possible values the exact expectation of each bound is a finite sum over the
+    multinomial counts of n draws, and the two agree (as does the fraction of bracketing ranges)."""
+    log_vals, p, n, L = torch.tensor([0.0, -1.5, 2.5], dtype=torch.float64), torch.tensor([0.6, 0.3, 0.1]), 4, 2
+    log_z = torch.logsumexp(log_vals + p.double().log(), 0).item()
+    exact = dict(lo=0.0, hi=0.0, bracketed=0.0)
+    for c in itertools.product(range(n + 1), repeat=3):
+        if sum(c) != n:
+            continue
+        prob = math.factorial(n) / math.prod(math.factorial(k) for k in c) * math.prod(float(q) ** k for q, k in zip(p, c))
+        lo, hi = (t.item() for t in logz_bounds(log_vals.repeat_interleave(torch.tensor(c))))
+        exact['lo'] += prob * lo
+        exact['hi'] += prob * hi
+        exact['bracketed'] += prob * (lo <= log_z <= hi)
+    B, N = 2, 200_000
+    draws = torch.multinomial(p, B * N, replacement=True, generator=torch.Generator().manual_seed(0))
+    c = calibrate(log_vals[draws].view(1, B, N), n, L)
+    assert exact['lo'] - log_z < -0.1 and abs(exact['hi'] - log_z) > 0.05  # both biased at this small n
+    assert abs(c['bias_lower'][0] - (exact['lo'] - log_z) / L) < 0.005
+    assert abs(c['bias_upper'][0] - (exact['hi'] - log_z) / L) < 0.005
+    assert abs(c['bracketed'][0] - exact['bracketed']) < 0.01 and c['reference_width'][0] < 0.01
+
+
 def test_logz_bounds_exact_enumeration():
     """log Z(prefix) of a random tiny LM and energy, exactly over all 4^3 continuations; the
     weights from sample_log_weights are unbiased for Z, and the bounds bracket log Z on average
@@ -1413,7 +1496,7 @@ def test_logz_bounds_exact_enumeration():
 def toy_split(V, P, L, n_windows, seed=0):
     """A token stream of n_windows back-to-back windows with no end-of-text token (id V)."""
     data = torch.randint(V, (n_windows * (P + L),), generator=torch.Generator().manual_seed(seed)).numpy().astype(np.uint16)
-    offsets = windows(data, V, P, L)
+    offsets = windows(data, P, L)
     assert len(offsets) == n_windows
     return data, offsets
 
@@ -1548,7 +1631,8 @@ def test_per_step_report_exact():
     V, P, L = 4, 2, 3
     lm, e = toy_lm(V), rand_energy(V)
     data, offsets = toy_split(V, P, L, 4, seed=2)
-    args = types.SimpleNamespace(prefix_len=P, gen_len=L, step_prefixes=3, step_samples=4000, seed=1, max_rows=8192)
+    args = types.SimpleNamespace(prefix_len=P, gen_len=L, step_prefixes=3, step_samples=4000, seed=1, max_rows=8192,
+                                 last_step_samples=20000)
     rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
     x = window_tokens(data, offsets[:3], P + L)
     Z = exact_step_logz(lm, e, x, P, V)
@@ -1558,6 +1642,10 @@ def test_per_step_report_exact():
     assert np.allclose(rep['base_ppl'], torch.exp(-lp.mean(0)).numpy(), rtol=1e-5)
     assert abs(rep['last_step_base_ppl'] - math.exp(-lp[:, -1].mean().item())) < 1e-5 * rep['last_step_base_ppl']
     assert abs(rep['last_step_exact_ppl'] - math.exp(-exact_step[:, -1].mean().item())) < 1e-5 * rep['last_step_exact_ppl']
+    # the last step estimated again from many samples brackets the exact value, closely
+    assert rep['last_step_ppl_low'] <= rep['last_step_exact_ppl'] * (1 + 1e-3) and \
+        rep['last_step_exact_ppl'] <= rep['last_step_ppl_high'] * (1 + 1e-3)
+    assert abs(math.log(rep['last_step_ppl_high'] / rep['last_step_ppl_low'])) < 0.01
     exact_ppl = torch.exp(-exact_step.mean(0)).numpy()
     assert abs(exact_ppl[-1] - rep['base_ppl'][-1]) > 0.05  # the joint model differs from the LM at the last step
     for t in range(L):
@@ -1648,7 +1736,7 @@ def test_estimate_ppl_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     for split in ('val', 'test'):
         s = res['splits'][split]
         data = load_split(lm_corpus, split, meta)
-        offsets = windows(data, meta['eot_id'], EVAL_P, EVAL_L, max_windows=5)
+        offsets = windows(data, EVAL_P, EVAL_L, max_windows=5)
         x = window_tokens(data, offsets, EVAL_P + EVAL_L)
         assert (s['split'], s['num_samples'], s['num_prefixes'], s['num_tokens']) == (split, 8, 5, 5 * EVAL_L)
         lp = logprobs64(lm, x)[:, EVAL_P - 1:-1].gather(-1, x[:, EVAL_P:, None]).squeeze(-1).sum(1)
@@ -2132,7 +2220,7 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     lm = load_lm(lm_ckpt)[0]
     energy = load_energy(eval_ckpts['bit'], lm_ckpt)[0]
     data = load_split(lm_corpus, 'test', meta)
-    x = window_tokens(data, windows(data, meta['eot_id'], EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
+    x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
     assert len(rep['samples']) == 3
     for b, r in enumerate(rep['samples']):
         assert r['prefix'] == tok.decode(x[b, :EVAL_P].tolist()) and r['gold'] == tok.decode(x[b, EVAL_P:].tolist())

@@ -8,11 +8,12 @@ BALM/RALM baselines and the masked-LM pretraining of the BIT energy).
 
 Batches are a pure function of (seed, iteration): the global batch of an iteration is the same
 whatever the number of processes, and --resume continues exactly where the checkpoint stopped.
-Writes out_dir/ckpt.pt (atomically, at every eval), out_dir/log.jsonl and out_dir/results.json.
+The periodic evaluation uses the selection split ('select', carved from the training documents);
+val and test are evaluated once, at the end, and only reported. Writes out_dir/ckpt.pt
+(atomically, at every evaluation), out_dir/log.jsonl and out_dir/results.json.
 """
 
 import argparse
-import json
 import math
 import os
 import time
@@ -82,8 +83,8 @@ def get_args(argv=None):
     a('--beta2', type=float, default=0.99)
     a('--grad_clip', type=float, default=1.0, help='clip gradients at this norm (0: off)')
     # evaluation and logging
-    a('--eval_interval', type=int, default=250, help='val loss + checkpoint every this many iterations')
-    a('--eval_iters', type=int, default=20, help='val batches per periodic evaluation')
+    a('--eval_interval', type=int, default=250, help='selection-set loss + checkpoint every this many iterations')
+    a('--eval_iters', type=int, default=20, help='selection-set batches per periodic evaluation')
     a('--log_interval', type=int, default=10)
     a('--final_eval', type=int, default=1, help='1: val/test PPL over the whole splits at the end')
     a('--num_samples', type=int, default=2, help='samples printed at the end')
@@ -194,7 +195,7 @@ def init_weights(model, path, meta):
 
 def load_data(args):
     meta = load_meta(args.data_dir)
-    splits = ('train', 'val', 'test') if args.final_eval else ('train', 'val')
+    splits = ('train', 'select', 'val', 'test') if args.final_eval else ('train', 'select', 'val')
     data = {name: load_split(args.data_dir, name, meta) for name in splits}
     for name, d in data.items():
         if len(d) <= args.block_size + 1:
@@ -222,7 +223,7 @@ def main(argv=None):
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
-    iter_num, best_val_loss = (ckpt['iter_num'], ckpt['best_val_loss']) if ckpt else (0, float('inf'))
+    iter_num, best_loss = (ckpt['iter_num'], ckpt.get('best_select_loss', float('inf'))) if ckpt else (0, float('inf'))
     if ckpt:
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
@@ -233,7 +234,7 @@ def main(argv=None):
 
     B, V, train = args.batch_size, meta['vocab_size'], data['train']
     tokens_per_iter = B * args.grad_accum * args.block_size
-    val_offsets = batch_offsets(len(data['val']), args.block_size, args.eval_iters * B, args.seed, 'val', 0)
+    select_offsets = batch_offsets(len(data['select']), args.block_size, args.eval_iters * B, args.seed, 'select', 0)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters (n_embd {raw_model.config.n_embd}), "
@@ -271,21 +272,21 @@ def main(argv=None):
             write_log(log, dict(iter=iter_num, loss=train_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tok_s))
             bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:.0f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            val_loss = evaluate(model, data['val'], 'val', val_offsets, args, V, device, ctx, rank, world_size)
-            best_val_loss = min(best_val_loss, val_loss)
-            write_log(log, dict(iter=iter_num, val_loss=val_loss))
+            select_loss = evaluate(model, data['select'], 'select', select_offsets, args, V, device, ctx, rank, world_size)
+            best_loss = min(best_loss, select_loss)
+            write_log(log, dict(iter=iter_num, select_loss=select_loss))
             if master:
-                bar.write(f"iter {iter_num}: val loss {val_loss:.4f}")
+                bar.write(f"iter {iter_num}: select loss {select_loss:.4f}")
                 weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
                 save_checkpoint(dict(kind=args.objective, model=weights, residual_of=residual_of, config=asdict(raw_model.config),
                                      optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), args=vars(args),
-                                     iter_num=iter_num, best_val_loss=best_val_loss, rng_state=torch.get_rng_state(),
+                                     iter_num=iter_num, best_select_loss=best_loss, rng_state=torch.get_rng_state(),
                                      meta=dict(meta, data_dir=args.data_dir)), ckpt_path)
     bar.close()
     train_time = time.time() - t_start
     results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
-                   best_val_loss=best_val_loss)
+                   best_select_loss=best_loss)
     if args.final_eval:
         for split in ('val', 'test'):
             d = data[split]

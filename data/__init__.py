@@ -1,8 +1,8 @@
 """
 The on-disk format of a prepared corpus, shared by every data/<corpus>/prepare.py and every reader:
 
-    <data_dir>/train.bin, val.bin, test.bin   token ids (uint16 if the vocabulary fits, else uint32);
-                                              each document is followed by the end-of-text id
+    <data_dir>/train.bin, select.bin,         token ids (uint16 if the vocabulary fits, else uint32);
+             val.bin, test.bin                each document is followed by the end-of-text id
     <data_dir>/meta.json                      tokenizer (and char table), vocab size, dtype,
                                               eot id, token and document counts per split
 
@@ -18,7 +18,9 @@ import torch
 from model import file_hash
 from tokenizer import build_tokenizer, tokenizer_meta
 
-SPLITS = ('train', 'val', 'test')
+# select: documents carved from training that choose what is tuned (early stopping, learning
+# rates, recipes), so that val and test are only ever reported
+SPLITS = ('train', 'select', 'val', 'test')
 
 
 def write_dataset(out_dir, docs, tokenizer):
@@ -42,12 +44,17 @@ def write_dataset(out_dir, docs, tokenizer):
     return meta
 
 
-def write_json(obj, path):
-    """Atomic JSON write (temp file + rename): a reader never sees half a file."""
+def write_text(text, path):
+    """Atomic text write, like write_json."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + '.tmp', 'w') as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
     os.replace(path + '.tmp', path)
+
+
+def write_json(obj, path):
+    """Atomic JSON write (temp file + rename): a reader never sees half a file."""
+    write_text(json.dumps(obj, indent=2), path)
 
 
 def load_meta(data_dir):
@@ -64,7 +71,8 @@ def load_split(data_dir, split, meta=None):
     meta = meta or load_meta(data_dir)
     path = os.path.join(data_dir, f'{split}.bin')
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        raise ValueError(f"split file {path} is missing or empty: re-run the data's prepare.py")
+        raise ValueError(f"split file {path} is missing or empty (data prepared before the 'select' split "
+                         f"existed lack it): re-run the data's prepare.py")
     return np.memmap(path, dtype=meta['dtype'], mode='r')
 
 
@@ -82,16 +90,14 @@ def prepare(docs, out_dir, tokenizer_name, quiet=False):
 # -----------------------------------------------------------------------------
 # prefix + continuation windows: the unit of NCE training (x+), estimation and sampling
 
-def windows(data, eot_id, prefix_len, gen_len, stride=None, max_windows=None):
-    """Start offsets o such that data[o : o + prefix_len + gen_len] lies inside one document (no
-    end-of-text token), stepping by stride (default prefix_len + gen_len: no overlap) through
-    each document. With max_windows, an evenly spaced subset (deterministic)."""
+def windows(data, prefix_len, gen_len, stride=None, max_windows=None):
+    """Start offsets o of the windows data[o : o + prefix_len + gen_len], stepping by stride
+    (default prefix_len + gen_len: no overlap) through the split's token stream. As in the
+    paper, a window may cross a document end: the end-of-text token then appears in real text
+    as often as in LM samples (a window kept inside documents never shows it, and an energy
+    would spot every sample that emits it). With max_windows, an evenly spaced subset."""
     n = prefix_len + gen_len
-    stride = stride or n
-    eot = np.flatnonzero(np.asarray(data) == eot_id)
-    starts = np.concatenate([[0], eot + 1])
-    ends = np.concatenate([eot, [len(data)]])
-    offsets = np.concatenate([np.arange(s, e - n + 1, stride) for s, e in zip(starts, ends)] + [np.zeros(0, int)])
+    offsets = np.arange(0, len(data) - n + 1, stride or n)
     if max_windows and len(offsets) > max_windows:
         offsets = offsets[np.linspace(0, len(offsets) - 1, max_windows).round().astype(int)]
     return offsets.astype(np.int64)

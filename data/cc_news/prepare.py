@@ -40,16 +40,17 @@ def main(argv=None):
     parser.add_argument('--dataset', default='vblagoje/cc_news', help='hub name of the CC-News dataset')
     parser.add_argument('--tokenizer', default='gpt2', choices=['char', 'gpt2'])
     parser.add_argument('--max_docs', type=int, default=0, help='use only the first N articles (0: all)')
-    parser.add_argument('--eval_docs', type=int, default=1000, help='articles in each of val and test')
+    parser.add_argument('--eval_docs', type=int, default=1000, help='articles in each of select (carved from training), val and test')
     parser.add_argument('--seed', type=int, default=0, help='seeds the choice of val/test articles')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
     args = parser.parse_args(argv)
     docs = load_articles(args.dataset, args.max_docs)
-    if len(docs) < 2 * args.eval_docs + 1:
-        raise ValueError(f"only {len(docs)} articles for {args.eval_docs} val + {args.eval_docs} test: lower --eval_docs")
+    if len(docs) < 3 * args.eval_docs + 1:
+        raise ValueError(f"only {len(docs)} articles for {args.eval_docs} select + val + test each: lower --eval_docs")
     random.Random(args.seed).shuffle(docs)
     n = args.eval_docs
-    prepare(dict(train=docs[2 * n:], val=docs[:n], test=docs[n:2 * n]), args.out_dir, args.tokenizer, args.quiet)
+    prepare(dict(train=docs[3 * n:], select=docs[2 * n:3 * n], val=docs[:n], test=docs[n:2 * n]),
+            args.out_dir, args.tokenizer, args.quiet)
 
 
 if __name__ == '__main__':

