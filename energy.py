@@ -10,7 +10,7 @@ Two bodies, both the transformer of model.py:
 - UNIT: causal, initialised from the base LM itself (all transformer weights copied).
 Final hidden states are mean-pooled over real (non-padding) positions and projected to a scalar.
 Pooling over the continuation only is the default: the prefix is the same for x+ and x-, so
-pooling it in only dilutes the difference the energy has to see (measured: README, 'Pooling').
+pooling it in only dilutes the difference the energy has to see (measured: EXPERIMENTS.md, 'Pooling').
 """
 
 from dataclasses import asdict, replace

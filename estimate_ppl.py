@@ -263,7 +263,7 @@ def get_args(argv=None):
     a('--calib_samples', type=int, default=1024, help='LM samples per prefix of the calibration reference (n_ref)')
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=256, help='sequences per forward (bounds memory)')
-    a('--out', default='out/ppl.json', help='JSON results (plus a .png per figure if matplotlib is installed)')
+    a('--out', default='out/ppl.json', help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
@@ -385,37 +385,6 @@ def main(argv=None):
     if world_size > 1:
         dist.destroy_process_group()
     return out
-
-
-def plot(out, path):
-    """Fig. 1 (per-step PPL) and Fig. 2 left (bounds vs n) as PNGs, if matplotlib is installed."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    base = os.path.splitext(path)[0]
-    for split, res in out['splits'].items():
-        if 'per_step' in res:
-            ps = res['per_step']
-            plt.figure(figsize=(6, 4))
-            plt.plot(ps['position'], ps['base_ppl'], label='BASE LM')
-            plt.fill_between(ps['position'], ps['joint_ppl_low'], ps['joint_ppl_high'], alpha=0.5, label='JOINT (bounds)')
-            plt.scatter([ps['position'][-1]], [ps['last_step_exact_ppl']], color='k', zorder=3, label='JOINT exact (last step)')
-            plt.xlabel('position in continuation'), plt.ylabel('PPL'), plt.legend(), plt.title(f'per-step PPL ({split})')
-            plt.savefig(f'{base}_per_step_{split}.png', dpi=120, bbox_inches='tight')
-            plt.close()
-        if 'sweep' in res:
-            ns = sorted(res['sweep'], key=int)
-            plt.figure(figsize=(6, 4))
-            for k, row in enumerate(res['sweep'][ns[0]]):
-                plt.plot(ns, [res['sweep'][n][k]['ppl_low'] for n in ns], label=f"{row['model']} low")
-                plt.plot(ns, [res['sweep'][n][k]['ppl_high'] for n in ns], '--', label=f"{row['model']} high")
-            plt.axhline(res['base_ppl'], color='k', lw=0.8, label='BASE LM')
-            plt.xscale('log'), plt.xlabel('n samples'), plt.ylabel('PPL'), plt.legend(), plt.title(f'bounds vs n ({split})')
-            plt.savefig(f'{base}_sweep_{split}.png', dpi=120, bbox_inches='tight')
-            plt.close()
 
 
 if __name__ == '__main__':

@@ -18,6 +18,7 @@ timings.json.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -188,6 +189,11 @@ def main(argv=None):
     stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
                       '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                       '--out', path('samples.json')] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
+    if importlib.util.find_spec('matplotlib') is None:  # run.sh installs it; the core and CI do without
+        print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)")
+    else:  # the default run's figures are README's
+        pipe.run('figures', ['figures.py', '--out_dir', out] + ([] if args.quick else ['--copy_to', 'assets/figures']),
+                 path('fig3_lm_loglik.png'), ['estimate_ppl', 'samples'])
     report(out, pipe.timings)
 
 
@@ -220,7 +226,7 @@ def report(out, timings):
     print("\nTable 1 (Shakespeare; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
-    print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json")
+    print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json, figures {out}/fig*.png")
 
 
 if __name__ == '__main__':

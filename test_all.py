@@ -7,6 +7,7 @@ or a closed form). Run: python -m pytest -q test_all.py
 import collections
 import contextlib
 import copy
+import importlib.util
 import io
 import csv
 import itertools
@@ -2362,7 +2363,8 @@ def test_reproduce_quick_end_to_end(tmp_path):
     os.remove(out / 'bit' / 'results.json')  # as if killed after its last checkpoint
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
     ran = [line.split(']')[0][1:] for line in res.stdout.splitlines() if '] $ python' in line]
-    assert res.returncode == 0 and ran == ['bit', 'estimate_ppl', 'samples'], res.stdout  # and what depends on it
+    after = ['bit', 'estimate_ppl', 'samples'] + (['figures'] if importlib.util.find_spec('matplotlib') else [])
+    assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
     assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
 
 
@@ -2715,3 +2717,54 @@ def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
     assert neg['pos_logp'] is None and log_ratios(neg, np.arange(2), np.zeros((2, 1), int)) == (None, None)
     with pytest.raises(ValueError, match='regenerate them into a new --out_dir'):
         load_negatives(str(tmp_path / 'topk'))
+
+
+# ---- figures ----
+# figures.py draws the paper's figures from the main job's JSON; matplotlib is its own dependency.
+
+def fake_main_job_json(out_dir):
+    """A small ppl.json and samples.json with the fields estimate_ppl.py and sample.py write."""
+    row = lambda lo, hi: dict(model='JOINT BIT', ppl_low=lo, ppl_high=hi)
+    ppl = dict(splits={'test': dict(
+        num_prefixes=8, base_ppl=6.5,
+        sweep={'2': [row(6.30, 6.40)], '4': [row(6.34, 6.43)], '12': [row(6.37, 6.41)]},  # JSON keys are strings
+        per_step=dict(energy='BIT', num_prefixes=8, step_samples=8, position=[1, 2, 3], base_ppl=[7.0, 6.5, 6.6],
+                      joint_ppl_low=[6.8, 6.3, 6.0], joint_ppl_high=[6.9, 6.4, 6.1], last_step_exact_ppl=6.07))})
+    rng_ = np.random.default_rng(0)
+    recs = [dict(lm_logp=dict(gold=-120 + rng_.normal(), base=-100 + rng_.normal(), joint=-104 + rng_.normal()))
+            for _ in range(12)]
+    samples = dict(args=dict(gen_len=64), samples=recs,
+                   unique_ngrams=dict(gold=[90, 100, 100, 100], base=[89, 100, 100, None], joint=[84, 99, 100, 100]))
+    for name, obj in (('ppl.json', ppl), ('samples.json', samples)):
+        with open(os.path.join(out_dir, name), 'w') as f:
+            json.dump(obj, f)
+
+
+def test_figures_draws_the_four_pngs(tmp_path):
+    pytest.importorskip('matplotlib', reason='figures.py needs matplotlib (run.sh installs it; CI does not)')
+    fake_main_job_json(tmp_path)
+    res = run_script(['figures.py', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
+    assert res.returncode == 0, res.stderr
+    names = ['fig1_per_step.png', 'fig2_left_bounds.png', 'fig2_right_ngrams.png', 'fig3_lm_loglik.png']
+    for d in (tmp_path, tmp_path / 'copy'):
+        assert sorted(p.name for p in d.glob('*.png')) == names
+        for name in names:
+            with open(d / name, 'rb') as f:
+                assert f.read(8) == b'\x89PNG\r\n\x1a\n', name  # a real PNG, not an empty file
+    assert not list(tmp_path.glob('*.tmp'))  # written atomically
+
+
+@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json'])
+def test_figures_bad_input_is_one_line(tmp_path, case):
+    if case == 'no matplotlib':  # a matplotlib that cannot be imported, found before any installed one
+        fake = tmp_path / 'fake' / 'matplotlib'
+        fake.mkdir(parents=True)
+        (fake / '__init__.py').write_text("raise ImportError('no matplotlib here')\n")
+        fake_main_job_json(tmp_path)
+        res = run_script(['figures.py', '--out_dir', str(tmp_path)], env=dict(PYTHONPATH=str(fake.parent)))
+        assert_clean_error(res, 'matplotlib is not installed: pip install matplotlib')
+    else:
+        pytest.importorskip('matplotlib', reason='the check of ppl.json comes after the import of matplotlib')
+        res = run_script(['figures.py', '--out_dir', str(tmp_path)])
+        assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
+    assert not list(tmp_path.glob('*.png'))
