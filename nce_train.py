@@ -29,12 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import load_meta, load_negatives, load_split, log_ratios, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import save_checkpoint
-from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
+from runtime import DTYPES, all_mean, get_lr, optimizer_step, progress, precision, prepare_training, rng, rng_seed, run_main, setup, write_log
 
 
 def get_args(argv=None):
@@ -156,14 +155,47 @@ def load_pairs(args):
     return neg, held_neg, data, dict(meta, data_dir=data_dir)
 
 
-def build(args, meta):
-    """The energy to train and, with --resume, the checkpoint it continues."""
+def negatives_per_pair(args, neg, held_neg):
+    """M: 1 for binary NCE, --num_neg (default all K) for ranking; held-out pairs need M too."""
+    K, K_held = neg['meta']['num_samples'], held_neg['meta']['num_samples']
+    M = 1 if args.loss == 'binary' else (args.num_neg or K)
+    if not 1 <= M <= min(K, K_held):
+        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_held)} stored negatives per prefix "
+                         f"(train {K}, held-out {K_held})")
+    return M
+
+
+def build(args, meta, length):
+    """The energy to train and, with --resume, the checkpoint it continues; it must see
+    sequences of `length` tokens."""
     if args.resume:
         model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
-        return model.train(), ckpt
-    sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    return build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
-                        dropout=args.dropout), None
+        model.train()
+    else:
+        sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
+                                   dropout=args.dropout), None
+    if length > model.config.block_size:
+        raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
+                         f"{model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
+    return model, ckpt
+
+
+def report(results, log, out_dir):
+    log.close()
+    write_json(results, os.path.join(out_dir, 'results.json'))
+    print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {results['held_out_prefixes']} prefixes (chance 0.5), "
+          f"loss {results['held_out_loss']:.4f}; {results['train_time_s']:.0f}s; best loss {results['best_loss']:.4f} at "
+          f"iter {results['best_iter']} -> {os.path.join(out_dir, 'best.pt')}")
+
+
+def save(state, improved, optimizer, scaler, out_dir):
+    """ckpt.pt, the latest state (for --resume), and best.pt when the held-out loss improved: the
+    energy to use, since NCE overfits the finite negatives and the last one may be worse."""
+    if improved:
+        save_checkpoint(state, os.path.join(out_dir, 'best.pt'))
+    save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                         rng_state=torch.get_rng_state()), os.path.join(out_dir, 'ckpt.pt'))
 
 
 def main(argv=None):
@@ -175,34 +207,18 @@ def main(argv=None):
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
     neg, held_neg, data, meta = load_pairs(args)
-    (P, L, K), K_held = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), held_neg['meta']['num_samples']
+    (P, L, K), M = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
-    M = 1 if args.loss == 'binary' else (args.num_neg or K)
-    if not 1 <= M <= min(K, K_held):  # held-out pairs need M distinct negatives too
-        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_held)} stored negatives per prefix "
-                         f"(train {K}, held-out {K_held})")
-    ckpt_path, best_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'best.pt')
+    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
-    raw_model, ckpt = build(args, meta)
-    if P + L > raw_model.config.block_size:
-        raise ValueError(f"prefix_len + gen_len = {P + L} of the negatives exceeds the energy's block_size "
-                         f"{raw_model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
-    raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
-    scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
+    raw_model, ckpt = build(args, meta, P + L)
+    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)
     iter_num, best_loss, best_iter = (ckpt['iter_num'], ckpt['best_loss'], ckpt['best_iter']) if ckpt else (0, float('inf'), 0)
-    if ckpt:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        scaler.load_state_dict(ckpt['scaler'])
-        torch.set_rng_state(ckpt['rng_state'])
-    model = torch.compile(raw_model) if args.compile else raw_model
-    if world_size > 1:
-        model = DDP(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
 
     n_held, B = min(args.eval_prefixes, len(held_neg['offsets'])), args.batch_size
-    held_rows = np.arange(n_held)  # the first n_held held-out prefixes, each with fixed random negatives
-    held_idx = choose(n_held, K_held, n_held, M, args.seed, 'held_out', 0)[1]
+    held_pairs = (np.arange(n_held), choose(n_held, held_neg['meta']['num_samples'], n_held, M, args.seed, 'held_out', 0)[1])
+    held_eval = lambda: evaluate(model, held_out, held_neg, *held_pairs, B, args.loss, device, ctx, rank, world_size)
     tokens_per_iter = B * args.grad_accum * (1 + M) * (P + L)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -227,11 +243,7 @@ def main(argv=None):
             loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
             scaler.scale(loss / n_micro).backward()
             stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float('inf')).item()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip)
         iter_num += 1
         bar.update()
 
@@ -243,7 +255,7 @@ def main(argv=None):
             write_log(log, rec)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            last_eval = evaluate(model, held_out, held_neg, held_rows, held_idx, B, args.loss, device, ctx, rank, world_size)
+            last_eval = held_eval()
             improved = last_eval['held_out_loss'] < best_loss
             if improved:
                 best_loss, best_iter = last_eval['held_out_loss'], iter_num
@@ -253,22 +265,15 @@ def main(argv=None):
                           f"E+ {last_eval['held_out_e_pos']:.3f} E- {last_eval['held_out_e_neg']:.3f}" + (' (best)' if improved else ''))
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
                              best_loss=best_loss, best_iter=best_iter, negatives=args.negatives)
-                if improved:  # the energy to use: NCE overfits the finite negatives, so the last one may be worse
-                    save_checkpoint(state, best_path)
-                save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                                     rng_state=torch.get_rng_state()), ckpt_path)
+                save(state, improved, optimizer, scaler, args.out_dir)
     bar.close()
-    if not last_eval:  # resumed at max_iters: nothing was evaluated in this run
-        last_eval = evaluate(model, held_out, held_neg, held_rows, held_idx, B, args.loss, device, ctx, rank, world_size)
+    last_eval = last_eval or held_eval()  # resumed at max_iters: nothing was evaluated in this run
     train_time = time.time() - t_start
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
                    best_loss=best_loss, best_iter=best_iter, held_out_prefixes=n_held, **last_eval)
     if master:
-        log.close()
-        write_json(results, os.path.join(args.out_dir, 'results.json'))
-        print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {n_held} prefixes (chance 0.5), loss "
-              f"{results['held_out_loss']:.4f}; {train_time:.0f}s; best loss {best_loss:.4f} at iter {best_iter} -> {best_path}")
+        report(results, log, args.out_dir)
     if world_size > 1:
         dist.destroy_process_group()
     return results

@@ -68,15 +68,15 @@ QUICK = dict(
 # enumeration the big costs), not a result
 QUICK_GPT2 = dict(
     lm=dict(n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=8, max_iters=30, lr=3e-3,
-            warmup_iters=5, eval_interval=15, eval_iters=4),
+            warmup_iters=5, eval_interval=15, eval_iters=4, final_eval_windows=32, num_samples=0),
     residual=dict(n_layer=1, n_head=2, n_embd=32),
-    neg=dict(prefix_len=24, gen_len=8, num_samples=2, train_prefixes=64, select_prefixes=16),
+    neg=dict(prefix_len=24, gen_len=8, num_samples=2, train_prefixes=32, select_prefixes=8),
     mlm=dict(n_embd=32, max_iters=20, alibi=True),
     bit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
     unit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
-    ppl=dict(max_prefixes=8, num_samples=4, sweep='2,4', step_prefixes=1, step_samples=2,
+    ppl=dict(max_prefixes=4, num_samples=4, sweep='2,4', step_prefixes=1, step_samples=2,
              last_step_samples=16, calib_prefixes=2, calib_samples=32),
-    samples=dict(num_prefixes=2, n=8, table_prefixes=1, candidates=8, keep=4, table_k=3, m=2),
+    samples=dict(num_prefixes=1, n=4, table_prefixes=1, candidates=4, keep=2, table_k=2, m=2),
 )
 
 

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
@@ -177,6 +178,32 @@ def configure_optimizer(model, lr, weight_decay, betas, device):
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.startswith('cuda'))
+
+
+def prepare_training(raw_model, ckpt, args, device, dtype, world_size):
+    """The optimizer, the GradScaler (active for fp16 only) and the model to call (compiled,
+    wrapped in DDP); with a checkpoint, optimizer, scaler and RNG continue where it stopped."""
+    raw_model.to(device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
+    scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
+    if ckpt:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        torch.set_rng_state(ckpt['rng_state'])  # dropout draws continue too
+    model = torch.compile(raw_model) if args.compile else raw_model
+    if world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
+    return model, optimizer, scaler
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip):
+    """Clip the (unscaled) gradients, step, clear them; returns the gradient norm before clipping."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf')).item()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def get_lr(it, args):

@@ -1155,7 +1155,7 @@ def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
     assert max(ls.values()) - min(ls.values()) > 1e-3  # the energy trains: the curve is not flat
     with open(os.path.join(ddp, 'results.json')) as f:
         rd = json.load(f)
-    assert rd['val_prefixes'] == r1['val_prefixes'] == 10
+    assert rd['held_out_prefixes'] == r1['held_out_prefixes'] == 10
     for k in ('held_out_loss', 'held_out_acc', 'held_out_e_pos', 'held_out_e_neg'):
         assert abs(rd[k] - r1[k]) < 1e-4, k
     md, ms = (load_checkpoint(os.path.join(d, 'ckpt.pt'))['model'] for d in (ddp, single))

@@ -22,12 +22,11 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
-from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
+from runtime import DTYPES, all_mean, get_lr, optimizer_step, progress, precision, prepare_training, rng, rng_seed, run_main, setup, write_log
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -87,6 +86,7 @@ def get_args(argv=None):
     a('--eval_iters', type=int, default=20, help='selection-set batches per periodic evaluation')
     a('--log_interval', type=int, default=10)
     a('--final_eval', type=int, default=1, help='1: val/test PPL over the whole splits at the end')
+    a('--final_eval_windows', type=int, default=0, help='evenly spaced windows of each split for it (0: all)')
     a('--num_samples', type=int, default=2, help='samples printed at the end')
     # system
     a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
@@ -148,9 +148,13 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
     return (sums[0] / sums[1]).item()
 
 
-def full_split_offsets(data, block_size):
-    """Non-overlapping windows covering a whole split (for the final val/test PPL)."""
-    return torch.arange(0, len(data) - block_size - 1, block_size)
+def full_split_offsets(data, block_size, max_windows=0):
+    """Non-overlapping windows covering a whole split (for the final val/test PPL), or an evenly
+    spaced max_windows of them."""
+    offsets = torch.arange(0, len(data) - block_size - 1, block_size)
+    if max_windows and len(offsets) > max_windows:
+        offsets = offsets[torch.linspace(0, len(offsets) - 1, max_windows).round().long()]
+    return offsets
 
 
 # -----------------------------------------------------------------------------
@@ -220,17 +224,8 @@ def main(argv=None):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     raw_model, ckpt = build_model(args, meta)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
-    raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
-    scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
+    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)
     iter_num, best_loss = (ckpt['iter_num'], ckpt.get('best_select_loss', float('inf'))) if ckpt else (0, float('inf'))
-    if ckpt:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        scaler.load_state_dict(ckpt['scaler'])
-        torch.set_rng_state(ckpt['rng_state'])  # dropout draws continue too
-    model = torch.compile(raw_model) if args.compile else raw_model
-    if world_size > 1:
-        model = DDP(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
 
     B, V, train = args.batch_size, meta['vocab_size'], data['train']
     tokens_per_iter = B * args.grad_accum * args.block_size
@@ -257,11 +252,7 @@ def main(argv=None):
                 _, loss = model(x, y)
             scaler.scale(loss / n_micro).backward()
             train_loss += loss.item() / n_micro
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float('inf')).item()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip)
         iter_num += 1
         bar.update()
 
@@ -290,7 +281,7 @@ def main(argv=None):
     if args.final_eval:
         for split in ('val', 'test'):
             d = data[split]
-            loss = evaluate(model, d, split, full_split_offsets(d, args.block_size), args, V, device, ctx, rank, world_size)
+            loss = evaluate(model, d, split, full_split_offsets(d, args.block_size, args.final_eval_windows), args, V, device, ctx, rank, world_size)
             results[f'{split}_loss'], results[f'{split}_ppl'] = loss, math.exp(loss)
     if master:
         log.close()
