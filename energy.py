@@ -146,7 +146,10 @@ def load_energy(path, lm_path=None, device='cpu'):
 
 
 @torch.no_grad()
-def score(energy, x, prefix_len, ctx, max_rows=256):
-    """Energies of the rows of x (N, T), at most max_rows per forward, in float64."""
+def score(energy, x, prefix_len, ctx, max_rows=256, max_tokens=8192):
+    """Energies of the rows of x (N, T) in float64, at most max_rows and about max_tokens tokens
+    per forward: on a CPU, blocks whose activations stay in cache ran ~1.5x faster than 256 rows
+    of 192."""
+    rows = max(1, min(max_rows, max_tokens // x.size(1)))
     with ctx:
-        return torch.cat([energy(b, prefix_len) for b in x.split(max_rows)]).double()
+        return torch.cat([energy(b, prefix_len) for b in x.split(rows)]).double()

@@ -59,19 +59,19 @@ def logz_bounds(log_w):
 @torch.no_grad()
 def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
     """log w = -E(x) of n untruncated LM continuations of each prefix, for each energy:
-    (num_energies, B, n). Samples are drawn and scored in chunks and dropped, so memory holds
-    at most max_rows sequences whatever n is. prefix_len: where the energy's prefix ends (default
-    all of `prefixes`); Eq. 5 conditions on real continuation tokens too, but E(x) is the same
-    function of the whole sequence, its prefix the original one."""
+    (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
+    sequences at a time, and memory beyond that holds only the n sampled token ids. prefix_len: where
+    the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real continuation
+    tokens too, but E(x) is the same function of the whole sequence, its prefix the original one."""
     B, P = prefixes.shape
     prefix_len = P if prefix_len is None else prefix_len
+    with ctx:
+        tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator, max_rows=max_rows)
     per = max(1, max_rows // B)
     out = []
     for s in range(0, n, per):
         c = min(per, n - s)
-        with ctx:
-            tokens, _ = lm.generate(prefixes, gen_len, num_samples=c, generator=generator, max_rows=max_rows)
-        x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens], dim=2).flatten(0, 1)
+        x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens[:, s:s + c]], dim=2).flatten(0, 1)
         out.append(torch.stack([-score(e, x, prefix_len, ectx or ctx, max_rows).view(B, c) for e in energies]))
     return torch.cat(out, dim=2)
 

@@ -47,15 +47,21 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, cache=None, pos=0, mask=None):
         """x: (B, T, C). cache: (k, v) buffers (B, nh, T_max, hs) that keys/values of positions
-        pos..pos+T-1 are written into; attention then runs over positions 0..pos+T-1.
+        pos..pos+T-1 are written into; attention then runs over positions 0..pos+T-1. In decoding
+        with a shared prompt (GPT.generate) cache is (k, v, prompt_k, prompt_v): prompt_k/v
+        (B_p, nh, P, hs) hold positions 0..P-1 of B_p prompts, each shared by B // B_p consecutive
+        rows, and k, v hold positions P.. of each row.
         mask: optional boolean (B, 1, T, T_keys), True = may attend (overrides causality)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        prompt, start = (), 0  # positions before start live in the shared prompt K/V
         if cache is not None:
-            cache[0][:, :, pos:pos + T] = k
-            cache[1][:, :, pos:pos + T] = v
-            k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
+            k_buf, v_buf, *prompt = cache
+            start = prompt[0].size(2) if prompt else 0
+            k_buf[:, :, pos - start:pos - start + T] = k
+            v_buf[:, :, pos - start:pos - start + T] = v
+            k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]
         is_causal = False
         if mask is None and self.causal and T > 1:
             if pos == 0:
@@ -65,22 +71,43 @@ class SelfAttention(nn.Module):
         if self.alibi:
             if is_causal:
                 mask, is_causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), False
-            bias = alibi_bias(self.n_head, pos, T, k.size(2), q.dtype, x.device)
+            bias = alibi_bias(self.n_head, pos, T, start + k.size(2), q.dtype, x.device)
             mask = bias if mask is None else bias.masked_fill(~mask, float('-inf'))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if prompt:
+            y = shared_prompt_attention(q, k, v, *prompt, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                               dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
+def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
+    """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q, k, v (N, nh, T, hs) whose
+    rows come in B_p groups of n = N / B_p, group b reading prompt b of prompt_k/v (B_p, nh, P, hs).
+    The prompt part is one matmul per prompt over the queries of all its rows, with no per-row
+    copy of its K/V (that copy and reading it back cost more than the decoding step's matmuls);
+    one softmax over both parts keeps it exact. mask: boolean (True = may attend) or additive."""
+    (N, nh, T, hs), (Bp, P) = q.shape, prompt_k.shape[::2]
+    q = q * hs ** -0.5
+    s = torch.cat([torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs), prompt_k).reshape(N, nh, T, P),
+                   (k @ q.transpose(-1, -2)).transpose(-1, -2)], dim=-1)  # k is a strided view: as q k^T, 2-3x slower
+    if mask is not None:
+        s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
+    a = s.softmax(-1).to(v.dtype)
+    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v).reshape(N, nh, T, hs)
+    return y + a[..., P:] @ v
+
+
 def alibi_bias(n_head, pos, T, T_keys, dtype, device):
-    """(n_head, T, T_keys) ALiBi biases -m_h |i - j| for queries at pos..pos+T-1, with slopes
+    """(1, n_head, T, T_keys) ALiBi biases -m_h |i - j| for queries at pos..pos+T-1, with slopes
     m_h = 2^(-8(h+1)/n_head) (Press et al., 2022). A bidirectional body with learned absolute
     positions starts as a bag of tokens and can sit there for hundreds of steps (an MLM at the
     unigram loss); the distance penalty makes it look at its neighbours from the first step."""
     slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=device) / n_head)
     dist = (torch.arange(pos, pos + T, device=device)[:, None] - torch.arange(T_keys, device=device)[None]).abs()
-    return (-slopes[:, None, None] * dist).to(dtype)
+    # 4-D: with a 3-D mask, CPU scaled_dot_product_attention falls back to its 3x slower math path
+    return (-slopes[:, None, None] * dist).to(dtype)[None]
 
 
 class MLP(nn.Module):
@@ -164,11 +191,14 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_cache(self, batch_size, length):
+        """Empty K/V buffers for each layer, in the dtype attention computes in (under autocast,
+        a float32 cache would be cast at every decoding step)."""
         c = self.config
         shape = (batch_size, c.n_head, length, c.n_embd // c.n_head)
         p = self.lm_head.weight
-        return [(torch.empty(shape, dtype=p.dtype, device=p.device),
-                 torch.empty(shape, dtype=p.dtype, device=p.device)) for _ in range(c.n_layer)]
+        dtype = torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type) else p.dtype
+        return [(torch.empty(shape, dtype=dtype, device=p.device),
+                 torch.empty(shape, dtype=dtype, device=p.device)) for _ in range(c.n_layer)]
 
     def sequence_logprob(self, idx, start, per_token=False):
         """log P_LM(x_start..x_{T-1} | x_0..x_{start-1}) for each row of idx (B, T): the first
@@ -185,13 +215,15 @@ class GPT(nn.Module):
                  return_proposal=False, generator=None, max_rows=512):
         """Draw num_samples continuations of max_new_tokens for each of the B prompts idx (B, P).
 
-        The prompts go through the model once; their KV cache is then copied to the rows of each
-        chunk of samples (at most max_rows rows at a time, so memory stays bounded however many
-        samples are asked for). Returns (tokens, logprobs[, logq]), each (B, num_samples, L):
-        logprobs are log P_LM(token | past) of the untruncated LM at temperature 1 (what Eq. 2-5
-        need), logq those of the distribution actually sampled from (top-k/top-p/temperature),
-        which importance-corrected resampling needs. top_k=None, top_p=None, temperature=1 is exact
-        ancestral sampling from P_LM; temperature=0 is greedy.
+        The prompts go through the model once, and the LM head only at their last position. Their
+        K/V cache is then shared, not copied, by the rows of each chunk of samples (at most
+        max_rows rows at a time, so memory stays bounded however many samples are asked for):
+        a row's cache holds only its own tokens, and attention reads the prompt part from the
+        one copy of its prompt (shared_prompt_attention). Returns (tokens, logprobs[, logq]),
+        each (B, num_samples, L): logprobs are log P_LM(token | past) of the untruncated LM at
+        temperature 1 (what Eq. 2-5 need), logq those of the distribution actually sampled from
+        (top-k/top-p/temperature), which importance-corrected resampling needs. top_k=None,
+        top_p=None, temperature=1 is exact ancestral sampling from P_LM; temperature=0 is greedy.
         """
         B, P = idx.shape
         V = self.config.vocab_size
@@ -204,13 +236,13 @@ class GPT(nn.Module):
             raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no truncation)")
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0")
-        cache = self.new_cache(B, P + max_new_tokens)
-        logits = self(idx, cache=cache)[0][:, -1]
+        prompt_cache = self.new_cache(B, P)
+        logits = self.logits(idx, prompt_cache, first=P - 1)[:, -1]
         per_chunk = max(1, max_rows // B)
         chunks = []
         for s in range(0, num_samples, per_chunk):
             n = min(per_chunk, num_samples - s)
-            chunk_cache = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
+            chunk_cache = [(k, v, *prompt) for (k, v), prompt in zip(self.new_cache(B * n, max_new_tokens), prompt_cache)]
             out = self._decode(logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
                                top_k, top_p, temperature, generator)
             chunks.append([t.view(B, n, max_new_tokens) for t in out])

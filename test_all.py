@@ -2768,3 +2768,99 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         res = run_script(['figures.py', '--out_dir', str(tmp_path)])
         assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
     assert not list(tmp_path.glob('*.png'))
+
+
+# ---- shared-prompt decoding and the log Z fast path (speed) ----
+
+def copy_cache_decode(model, prompt, L, n, generator):
+    """The decoding of commit 68ace2e, the reference: the prompts' K/V cache copied to the rows of
+    each of their n samples, attention by scaled_dot_product_attention over the copies."""
+    B, P = prompt.shape
+    cache = model.new_cache(B, P + L)
+    logits = model(prompt, cache=cache)[0][:, -1]
+    rows = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
+    return model._decode(logits.repeat_interleave(n, 0), rows, P, L, None, None, 1.0, generator)
+
+
+def speed_models():
+    base = tiny_gpt(vocab_size=13, block_size=24, seed=4)
+    torch.manual_seed(5)
+    ralm = RALM(GPTConfig(block_size=24, vocab_size=13, n_layer=1, n_head=2, n_embd=16), base).eval()
+    with torch.no_grad():
+        for p in ralm.parameters():
+            p.normal_(0.0, 0.3)
+    return {'gpt': tiny_gpt(vocab_size=13, block_size=24, seed=1), 'alibi': tiny_gpt(vocab_size=13, block_size=24, seed=2, alibi=True),
+            'ralm': ralm}
+
+
+@pytest.mark.parametrize('kind', ['gpt', 'alibi', 'ralm'])
+def test_shared_prompt_decode_matches_copied_cache(kind):
+    """generate (one K/V copy per prompt, shared by its samples) against the copy-per-sample
+    decoding it replaced: same tokens from the same generator, same log-probs; and, teacher-forced
+    through the shared cache (one token and several at a time), the logits of a full forward."""
+    model = speed_models()[kind]
+    B, P, L, n = 3, 9, 7, 4
+    prompt = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        tokens, logp = model.generate(prompt, L, num_samples=n, generator=torch.Generator().manual_seed(7), max_rows=B * n)
+        ref_tokens, ref_logp, _ = copy_cache_decode(model, prompt, L, n, torch.Generator().manual_seed(7))
+        assert torch.equal(tokens.flatten(0, 1), ref_tokens)
+        assert (logp.flatten(0, 1) - ref_logp).abs().max().item() < 1e-5
+        seqs = torch.cat([prompt.repeat_interleave(n, 0), ref_tokens], 1)
+        full = model(seqs)[0]
+        prompt_cache = model.new_cache(B, P)
+        first = model.logits(prompt, prompt_cache, first=P - 1)[:, -1]
+        assert (first.repeat_interleave(n, 0) - full[:, P - 1]).abs().max().item() < 1e-5
+        cache = [(k, v, *p) for (k, v), p in zip(model.new_cache(B * n, L), prompt_cache)]
+        got = [model(seqs[:, P:P + 3], cache=cache, pos=P)[0]]  # 3 tokens at once: the causal mask over both parts
+        got += [model(seqs[:, t:t + 1], cache=cache, pos=t)[0] for t in range(P + 3, P + L)]
+        assert (torch.cat(got, 1) - full[:, P:]).abs().max().item() < 1e-5
+        assert (torch.cat(got, 1) - full[:, P - 1:-1]).abs().max().item() > 1e-2  # a shift would be seen
+
+
+def test_shared_prompt_attention_reference():
+    """shared_prompt_attention against float64 softmax(q K^T / sqrt(d) + mask) V written out, K and
+    V each row's prompt part (its group's) followed by its own part, with boolean and additive masks."""
+    from model import shared_prompt_attention
+    g = torch.Generator().manual_seed(0)
+    Bp, n, nh, T, P, S, hs = 2, 3, 2, 2, 5, 4, 8
+    q, k, v = (torch.randn(Bp * n, nh, T, hs, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)  # S = 4 own keys
+    pk, pv = (torch.randn(Bp, nh, P, hs, generator=g, dtype=torch.float64) for _ in range(2))
+    K = torch.cat([pk.repeat_interleave(n, 0), k], 2)
+    V = torch.cat([pv.repeat_interleave(n, 0), v], 2)
+    causal = torch.ones(T, P + S, dtype=torch.bool).tril(diagonal=P + S - T)
+    bias = torch.randn(1, nh, T, P + S, generator=g, dtype=torch.float64)
+    for mask in (None, causal, bias):
+        s = q @ K.transpose(-1, -2) / math.sqrt(hs)
+        if mask is not None:
+            s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
+        ref = s.softmax(-1) @ V
+        assert (shared_prompt_attention(q, k, v, pk, pv, mask) - ref).abs().max().item() < 1e-12
+    # rows read their own group's prompt: swapping the prompts changes the result
+    assert (shared_prompt_attention(q, k, v, pk.flip(0), pv.flip(0)) - shared_prompt_attention(q, k, v, pk, pv)).abs().max() > 1e-3
+
+
+def test_sample_log_weights_matches_per_chunk_reference():
+    """sample_log_weights (the prompts through the LM once, energies in blocks) against drawing
+    the samples with generate and scoring every sequence on its own: same log-weights from the same
+    generator, for several max_rows (chunks of samples) and a block that splits prefixes."""
+    lm = tiny_gpt(vocab_size=13, block_size=24, seed=1)
+    torch.manual_seed(3)
+    energy = Energy(GPTConfig(block_size=24, vocab_size=14, n_layer=1, n_head=2, n_embd=16, causal=False, alibi=True)).eval()
+    with torch.no_grad():
+        energy.head.weight.normal_(0, 1.0)
+    B, P, L, n = 3, 8, 5, 6
+    prefixes = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for max_rows in (6, 7, 1000):  # 2 samples per prefix per chunk, 2 again, all in one chunk
+            tokens, _ = lm.generate(prefixes, L, num_samples=n, generator=torch.Generator().manual_seed(9), max_rows=max_rows)
+            x = torch.cat([prefixes[:, None].expand(-1, n, -1), tokens], 2)
+            ref = torch.tensor([[-energy(x[b, i:i + 1], P).item() for i in range(n)] for b in range(B)], dtype=torch.float64)
+            got = estimate_ppl.sample_log_weights(lm, [energy, energy], prefixes, L, n, contextlib.nullcontext(),
+                                                  torch.Generator().manual_seed(9), max_rows=max_rows)
+            assert got.shape == (2, B, n)
+            assert (got - ref).abs().max().item() < 1e-5
+        blocks = score(energy, x.flatten(0, 1), P, contextlib.nullcontext(), max_tokens=2 * (P + L))
+        assert (-blocks.view(B, n) - ref).abs().max().item() < 1e-5
+        assert ref.std() > 0.1  # the energies differ, so a mix-up of rows would be seen
