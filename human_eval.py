@@ -13,15 +13,14 @@ Reports, for system 1 over system 2: the preference rate (strictly better), the 
 (better or equal), and the one-sided binomial p-value of wins against losses (ties dropped).
 """
 
-import argparse
 import csv
 import json
 import math
 import os
 import random
-import sys
 
-from data import write_json
+from data import read_json, write_json
+from runtime import ArgumentParser, at_least, check_writable, run_main
 
 
 def binomial_p_value(wins, losses):
@@ -85,7 +84,7 @@ def read_votes(path, key):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest='cmd', required=True)
     e = sub.add_parser('export', help='write items for raters and the key')
     e.add_argument('--samples', default='out/samples.json', help="sample.py's JSON output")
@@ -100,8 +99,12 @@ def main(argv=None):
     s.add_argument('--out', default=None, help='JSON report (default: beside the votes)')
     args = p.parse_args(argv)
     if args.cmd == 'export':
-        with open(args.samples) as f:
-            samples = json.load(f)['samples']
+        at_least(args, 0, 'checks')
+        check_writable(args.out_dir, '--out_dir')
+        samples = read_json(args.samples, "give sample.py's --out")
+        if not isinstance(samples, dict) or not isinstance(samples.get('samples'), list) or not samples['samples']:
+            raise ValueError(f"--samples {args.samples} holds no samples (a 'samples' list, as sample.py writes)")
+        samples = samples['samples']
         systems = args.systems.split(',')
         if len(systems) != 2 or any(sys_ not in samples[0] for sys_ in systems):
             raise ValueError(f"--systems must name two of {[k for k in ('base', 'joint', 'worst', 'gold') if k in samples[0]]}")
@@ -116,17 +119,24 @@ def main(argv=None):
         write_json(key, os.path.join(args.out_dir, 'key.json'))
         print(f"{len(items)} items ({args.checks} attention checks) -> {args.out_dir}/items.csv, items.jsonl; key.json is the key")
     else:
-        with open(args.key) as f:
-            key = json.load(f)
+        at_least(args, 0, 'max_failed_checks')
+        out = args.out or os.path.splitext(args.votes)[0] + '_report.json'
+        check_writable(out, '--out', folder=False)
+        key = read_json(args.key, "give the key.json that human_eval.py export wrote")
+        if not isinstance(key, dict) or not {'systems', 'items'} <= set(key):
+            raise ValueError(f"--key {args.key} is not a key.json of human_eval.py export (no systems/items)")
+        if not os.path.isfile(args.votes):
+            raise ValueError(f"--votes {args.votes} does not exist: give the raters' CSV (rater,item,choice)")
+        with open(args.votes, newline='') as f:
+            missing = {'rater', 'item', 'choice'} - set(next(csv.reader(f), []))
+        if missing:
+            raise ValueError(f"--votes {args.votes} lacks the column(s) {', '.join(sorted(missing))}: its header must be rater,item,choice")
         report = score(key, read_votes(args.votes, key), args.max_failed_checks)
-        write_json(report, args.out or os.path.splitext(args.votes)[0] + '_report.json')
+        write_json(report, out)
         print(f"{report['system']} vs {report['versus']}: preferred {100 * report['preferred']:.1f}%, "
               f"not worse {100 * report['not_worse']:.1f}% of {report['votes']} votes "
               f"(one-sided binomial p = {report['p_value']:.3g}); dropped raters: {report['dropped_raters'] or 'none'}")
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

@@ -12,6 +12,7 @@ what the method needs on top of a plain GPT:
 - self-describing checkpoints, written atomically and loaded with weights_only=True.
 """
 
+import errno
 import hashlib
 import math
 import os
@@ -317,8 +318,16 @@ def save_checkpoint(obj, path):
     """Write atomically: a kill mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:  # Ctrl-C too: no temp file is left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not isinstance(e, (OSError, RuntimeError)):  # a full disk is a RuntimeError inside torch.save
+            raise
+        raise OSError(getattr(e, 'errno', None) or errno.EIO, f"cannot write {path} ({getattr(e, 'strerror', None) or e})",
+                      path) from None
 
 
 def load_checkpoint(path, map_location='cpu'):

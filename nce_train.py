@@ -17,7 +17,7 @@ at the lowest held-out NCE loss: the one to use, since NCE on a finite set of ne
 log.jsonl and results.json; checkpoints are written atomically.
 """
 
-import argparse
+import math
 import os
 import time
 
@@ -29,12 +29,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import load_meta, load_negatives, load_split, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
-from model import save_checkpoint
-from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
+from model import load_checkpoint, save_checkpoint
+from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, configure_optimizer,
+                     get_lr, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
@@ -71,8 +72,23 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
+    check_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     return args
+
+
+def check_args(args):
+    """Every flag in range, before any work: one line naming the flag."""
+    at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'num_neg', 'batch_size', 'grad_accum', 'max_iters',
+             'lr_decay_iters', 'eval_interval', 'eval_prefixes', 'log_interval')
+    at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip')
+    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
+    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
+    for name in ('dropout', 'beta1', 'beta2'):
+        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
+    if args.n_embd and args.n_head:
+        check_heads(args.n_embd, args.n_head)
+    check_writable(args.out_dir, '--out_dir')
 
 
 def nce_loss(e_pos, e_neg, kind='binary'):
@@ -130,9 +146,18 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
 
 
 def load_pairs(args):
-    """The train and held-out negatives (checked to come from --lm and to agree), and the splits
-    their positives come from."""
+    """The train and held-out negatives (checked to come from --lm and to agree, and the held-out
+    ones not to be training prefixes), and the splits their positives come from."""
+    lm = load_checkpoint(args.lm)  # first: what --lm is decides which message is right
+    if lm['kind'] != 'lm':
+        raise ValueError(f"--lm {args.lm} holds a '{lm['kind']}' model, not a language model: pass the train_lm.py "
+                         f"checkpoint the negatives were sampled from")
     neg, val_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.val_negatives, lm_path=args.lm)
+    split, val_split = neg['meta']['split'], val_neg['meta']['split']
+    if val_split == 'train' or val_split == split:
+        raise ValueError(f"--val_negatives {args.val_negatives} holds prefixes of the {val_split} split, which "
+                         f"{'--negatives trains on' if val_split == split else 'is for training'}: held-out pairs must "
+                         f"not be training prefixes; make them with negatives.py --split val")
     for key in ('prefix_len', 'gen_len', 'data_dir'):
         if val_neg['meta'][key] != neg['meta'][key]:
             raise ValueError(f"train and val negatives differ in {key} ({neg['meta'][key]} vs {val_neg['meta'][key]}): regenerate one")
@@ -170,6 +195,8 @@ def main(argv=None):
     ckpt_path, best_path = os.path.join(args.out_dir, 'ckpt.pt'), os.path.join(args.out_dir, 'best.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
+    if not args.resume and os.path.exists(best_path):
+        raise ValueError(f"{best_path} exists (an energy kept by an earlier run): choose another --out_dir or delete it")
     raw_model, ckpt = build(args, meta)
     if P + L > raw_model.config.block_size:
         raise ValueError(f"prefix_len + gen_len = {P + L} of the negatives exceeds the energy's block_size "
@@ -253,12 +280,25 @@ def main(argv=None):
     if master:
         log.close()
         write_json(results, os.path.join(args.out_dir, 'results.json'))
+        best = f"best loss {best_val_loss:.4f} at iter {best_iter} -> {best_path}" if os.path.exists(best_path) else \
+            "the held-out loss was never finite (NaN): no best.pt was written"
         print(f"held-out NCE accuracy {results['val_acc']:.3f} on {n_val} prefixes (chance 0.5), loss "
-              f"{results['val_loss']:.4f}; {train_time:.0f}s; best loss {best_val_loss:.4f} at iter {best_iter} -> {best_path}")
+              f"{results['val_loss']:.4f}; {train_time:.0f}s; {best}")
     if world_size > 1:
         dist.destroy_process_group()
     return results
 
 
+def resume_hint(argv):
+    """Ctrl-C: what the checkpoint holds and the command that continues it (exactly)."""
+    args = get_args(argv)
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not os.path.exists(path):
+        return f"nothing was saved yet (the first checkpoint comes at iteration {args.eval_interval}); rerun: {rerun_command(argv)}"
+    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+    return (f"{path} holds iteration {it} of {args.max_iters} (saved every {args.eval_interval}; best.pt beside it); "
+            f"resume with: {rerun_command(argv, ['--resume'])}")
+
+
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

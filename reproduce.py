@@ -15,21 +15,21 @@ timings.json.
     python reproduce.py --quick        # a few minutes, tiny models: the CI smoke test
 """
 
-import argparse
-import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import torch
 
-from data import write_json
+from data import read_json, write_json
 from energy import Energy
 from model import GPTConfig
-from runtime import DTYPES
+from runtime import DTYPES, ArgumentParser, check_writable, pick_device, rerun_command, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+FIX = 'delete it to rerun its stage'
 
 # Sizes and budgets. DEFAULT takes ~40 minutes on this 2-core CPU (README has the stage timings).
 DEFAULT = dict(
@@ -63,7 +63,7 @@ def finished(path):
     """A stage's output exists (and a negatives dir's meta.json says it is complete)."""
     if not os.path.exists(path):
         return False
-    return not path.endswith('meta.json') or json.load(open(path)).get('complete', True)
+    return not path.endswith('meta.json') or read_json(path, FIX).get('complete', True)
 
 
 class Pipeline:
@@ -72,7 +72,10 @@ class Pipeline:
 
     def __init__(self, timings_path):
         self.timings_path, self.done = timings_path, {}
-        self.timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
+        self.timings = read_json(timings_path, 'delete it (it only records stage times) and rerun') \
+            if os.path.exists(timings_path) else {}
+        if not isinstance(self.timings, dict):
+            raise ValueError(f"{timings_path} is not a table of stage times: delete it and rerun")
 
     def run(self, name, cmd, done, deps=()):
         self.done[name] = done
@@ -81,7 +84,10 @@ class Pipeline:
             return
         print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        if subprocess.run([sys.executable] + cmd, cwd=HERE).returncode != 0:
+        rc = subprocess.run([sys.executable] + cmd, cwd=HERE).returncode
+        if rc in (130, -signal.SIGINT):  # Ctrl-C reaches the stage too, which said what it saved
+            raise KeyboardInterrupt
+        if rc != 0:
             sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: finished stages are skipped")
         self.timings[name] = round(time.time() - t0, 1)
         write_json(self.timings, self.timings_path)
@@ -101,7 +107,7 @@ def energy_params(lm, vocab_size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument('--quick', action='store_true', help='tiny models and budgets (a smoke test of every stage)')
     p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/ with --quick)')
     p.add_argument('--data_dir', default='data/shakespeare')
@@ -111,8 +117,12 @@ def main(argv=None):
     p.add_argument('--dtype', default='auto', choices=DTYPES,
                    help="passed to every stage ('auto': each stage measures what is fastest for its work)")
     args = p.parse_args(argv)
+    pick_device(args.device)  # every stage would fail on it
     cfg = QUICK if args.quick else DEFAULT
     out = args.out_dir or ('out-quick' if args.quick else 'out')
+    check_writable(os.path.join(HERE, out), '--out_dir')
+    if not os.path.exists(os.path.join(HERE, args.data_dir, 'meta.json')):
+        check_writable(os.path.join(HERE, args.data_dir), '--data_dir')
     path = lambda *a: os.path.join(out, *a)
     os.makedirs(out, exist_ok=True)
     pipe = Pipeline(path('timings.json'))
@@ -122,7 +132,7 @@ def main(argv=None):
     lm, neg = cfg['lm'], cfg['neg']
 
     pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir] + common, os.path.join(args.data_dir, 'meta.json'))
-    vocab = json.load(open(os.path.join(HERE, args.data_dir, 'meta.json')))['vocab_size']
+    vocab = read_json(os.path.join(HERE, args.data_dir, 'meta.json'), 'delete the data dir and rerun')['vocab_size']
     lm_ckpt = path('lm', 'ckpt.pt')
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
@@ -131,7 +141,7 @@ def main(argv=None):
               + flags(dict(lm, **changes)) + extra + resume, path(name, 'results.json'), deps)
 
     train('lm', [], ['prepare'])
-    lm_params = json.load(open(path('lm', 'results.json')))['params']
+    lm_params = read_json(path('lm', 'results.json'), FIX)['params']
     train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))], ['prepare'])
     train('ralm', ['--residual_of', lm_ckpt] + flags(cfg['residual']), ['lm'])
     for split, n in (('train', neg['train_prefixes']), ('val', neg['val_prefixes'])):
@@ -159,11 +169,11 @@ def main(argv=None):
 
 def report(out, timings):
     """results.json: the Table-1 rows (model, params, split, ppl or ppl_low/ppl_high/gain_se)."""
-    ppl = json.load(open(os.path.join(out, 'ppl.json')))
+    ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
     keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
-    lm = json.load(open(os.path.join(out, 'lm', 'results.json')))
-    nce = {k: json.load(open(os.path.join(out, k, 'results.json')))['val_acc'] for k in ('bit', 'unit')}
+    lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
+    nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX)['val_acc'] for k in ('bit', 'unit')}
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], nce_val_acc=nce, timings_s=timings,
                     num_samples=ppl['splits']['test']['num_samples'], num_prefixes=ppl['splits']['test']['num_prefixes']),
                os.path.join(out, 'results.json'))
@@ -181,5 +191,9 @@ def report(out, timings):
     print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json, figures {out}/ppl_*.png")
 
 
+def resume_hint(argv):
+    return f"finished stages are kept and a stopped one resumes; continue with: {rerun_command(argv)}"
+
+
 if __name__ == '__main__':
-    main()
+    run_main(main, resume_hint)

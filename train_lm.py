@@ -11,7 +11,6 @@ whatever the number of processes, and --resume continues exactly where the check
 Writes out_dir/ckpt.pt (atomically, at every eval), out_dir/log.jsonl and out_dir/results.json.
 """
 
-import argparse
 import json
 import math
 import os
@@ -26,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
-from runtime import DTYPES, all_mean, configure_optimizer, get_lr, progress, precision, rng, rng_seed, run_main, setup, write_log
+from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, configure_optimizer,
+                     get_lr, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -45,7 +45,7 @@ PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--data_dir', default='data/shakespeare', help='prepared data (data/<corpus>/prepare.py)')
     a('--out_dir', default='out/lm', help='checkpoint, log and results go here')
@@ -99,8 +99,24 @@ def get_args(argv=None):
     if preset:
         p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
     args = p.parse_args(argv)
+    check_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     return args
+
+
+def check_args(args):
+    """Every flag in range, before any work: one line naming the flag."""
+    at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'max_iters',
+             'lr_decay_iters', 'eval_interval', 'eval_iters', 'log_interval', 'match_params')
+    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip')
+    check(args, 'final_eval', lambda v: v in (0, 1), '0 or 1')
+    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
+    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
+    for name in ('dropout', 'beta1', 'beta2'):
+        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
+    if not args.match_params:  # else n_embd is chosen to fit
+        check_heads(args.n_embd, args.n_head)
+    check_writable(args.out_dir, '--out_dir')
 
 
 # -----------------------------------------------------------------------------
@@ -182,6 +198,9 @@ def init_weights(model, path, meta):
     """Copy a checkpoint's weights into a model of the same shape. Only the vocabulary may differ,
     by the extra [MASK] row of an MLM: that row keeps its fresh initialisation."""
     src = load_checkpoint(path)
+    if src['kind'] == 'energy':
+        raise ValueError(f"--init_from {path} is an energy (nce_train.py), not a train_lm.py checkpoint: "
+                         f"start from an LM or a masked LM")
     check_vocab(src, meta, path)
     state = model.state_dict()
     for k, v in state.items():
@@ -322,5 +341,16 @@ def print_samples(model, data, meta, num_samples, device):
         print(f"--- sample {i + 1}:\n{tok.decode(tokens[0, i].tolist())}")
 
 
+def resume_hint(argv):
+    """Ctrl-C: what the checkpoint holds and the command that continues it (exactly)."""
+    args = get_args(argv)
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not os.path.exists(path):
+        return f"nothing was saved yet (the first checkpoint comes at iteration {args.eval_interval}); rerun: {rerun_command(argv)}"
+    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+    return (f"{path} holds iteration {it} of {args.max_iters} (saved every {args.eval_interval}); "
+            f"resume with: {rerun_command(argv, ['--resume'])}")
+
+
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

@@ -9,13 +9,13 @@ contiguous pieces instead. Writes train/val/test.bin and meta.json (see data/__i
     python data/text/prepare.py corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
 """
 
-import argparse
 import os
 import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 from data import prepare  # noqa: E402
+from runtime import ArgumentParser, check, check_writable, run_main  # noqa: E402
 
 
 def read_documents(paths):
@@ -49,11 +49,14 @@ def split_documents(docs, val_frac, test_frac):
         return dict(train=docs[:-n_val - n_test], val=docs[-n_val - n_test:-n_test], test=docs[-n_test:])
     text = '\n'.join(docs)
     a, b = int(len(text) * (1 - val_frac - test_frac)), int(len(text) * (1 - test_frac))
+    for split, piece, flag in (('val', text[a:b], '--val_frac'), ('test', text[b:], '--test_frac')):
+        if not piece.strip():
+            raise ValueError(f"{flag} gives the {split} split no text (one document of {len(text)} characters): raise it")
     return dict(train=[text[:a]], val=[text[a:b]], test=[text[b:]])
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
     parser.add_argument('--out_dir', required=True, help='where to write the prepared data')
     parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
@@ -61,14 +64,17 @@ def main(argv=None):
     parser.add_argument('--test_frac', type=float, default=0.05, help='fraction of documents (or text) for test')
     parser.add_argument('--seed', type=int, default=0, help='shuffles documents before choosing val/test ones')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
+    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
+    for name in ('val_frac', 'test_frac'):
+        check(args, name, lambda v: 0 < v < 1, 'in (0, 1)')
+    if args.val_frac + args.test_frac >= 1:
+        raise ValueError(f"--val_frac {args.val_frac} + --test_frac {args.test_frac} leave no text for training: their sum must be below 1")
+    check_writable(args.out_dir, '--out_dir')
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
-    prepare(split_documents(docs, args.val_frac, args.test_frac), args.out_dir, args.tokenizer, args.quiet)
+    prepare(split_documents(docs, args.val_frac, args.test_frac), args.out_dir, args.tokenizer, args.quiet, args.force)
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)
