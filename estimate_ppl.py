@@ -27,7 +27,7 @@ from data import SPLITS, load_meta, load_split, window_tokens, windows, write_js
 from energy import load_energy, score
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
-from runtime import (DTYPES, ArgumentParser, at_least, check_writable, precision, progress, rng, run_main, sampling_probe,
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_writable, precision, progress, rng, run_main, sampling_probe,
                      scoring_probe, setup)
 
 
@@ -222,12 +222,12 @@ def get_args(argv=None):
     if not args.splits or any(s not in SPLITS for s in args.splits):
         raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of {', '.join(SPLITS)}")
     at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'chunk', 'max_rows')
-    at_least(args, 0, 'max_prefixes')
+    check(args, 'max_prefixes', lambda v: v == 0 or v >= 2, '0 (all) or at least 2 (the gain has a standard error)')
     at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
     if args.per_step is not None and not args.energy:
         raise ValueError("--per_step needs an energy: pass --energy NAME=CKPT")
     for spec in args.energy + args.extra_lm:
-        if '=' not in spec:
+        if not all(spec.partition('=')):
             raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/ckpt.pt")
     names = ['BASE LM'] + [s.split('=', 1)[0] for s in args.energy + args.extra_lm]
     if len(set(names)) != len(names):

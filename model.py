@@ -331,6 +331,8 @@ def save_checkpoint(obj, path):
 
 
 def load_checkpoint(path, map_location='cpu'):
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, not a checkpoint: give the file, e.g. {os.path.join(path, 'ckpt.pt')}")
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path} does not exist: train one first (train_lm.py / nce_train.py)")
     try:

@@ -31,7 +31,7 @@ from data import load_meta, load_negatives, load_split, window_tokens, write_jso
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
 from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, configure_optimizer,
-                     get_lr, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
+                     get_lr, pick_device, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
 
 
 def get_args(argv=None):
@@ -88,6 +88,9 @@ def check_args(args):
         check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     if args.n_embd and args.n_head:
         check_heads(args.n_embd, args.n_head)
+    if args.dtype == 'float16' and not pick_device(args.device).startswith('cuda'):
+        raise ValueError(f"--dtype float16 trains with a GradScaler, which needs CUDA: pass --device cuda, or "
+                         f"--dtype bfloat16 or float32")
     check_writable(args.out_dir, '--out_dir')
 
 
@@ -154,10 +157,12 @@ def load_pairs(args):
                          f"checkpoint the negatives were sampled from")
     neg, val_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.val_negatives, lm_path=args.lm)
     split, val_split = neg['meta']['split'], val_neg['meta']['split']
-    if val_split == 'train' or val_split == split:
-        raise ValueError(f"--val_negatives {args.val_negatives} holds prefixes of the {val_split} split, which "
-                         f"{'--negatives trains on' if val_split == split else 'is for training'}: held-out pairs must "
+    if val_split == 'train':
+        raise ValueError(f"--val_negatives {args.val_negatives} holds prefixes of the train split: held-out pairs must "
                          f"not be training prefixes; make them with negatives.py --split val")
+    if val_split == split:
+        raise ValueError(f"--val_negatives {args.val_negatives} holds prefixes of the {split} split, which --negatives "
+                         f"trains on: held-out pairs must not be training prefixes; give negatives of another split")
     for key in ('prefix_len', 'gen_len', 'data_dir'):
         if val_neg['meta'][key] != neg['meta'][key]:
             raise ValueError(f"train and val negatives differ in {key} ({neg['meta'][key]} vs {val_neg['meta'][key]}): regenerate one")

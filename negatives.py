@@ -51,7 +51,7 @@ def get_args(argv=None):
     # all checked before out_dir is created: a folder made with bad flags would refuse the fixed rerun
     at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')
     check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
-    check(args, 'temperature', lambda v: 0 <= v < float('inf'), '>= 0 (0: greedy)')
+    check(args, 'temperature', lambda v: 0 <= v < float('inf'), 'a finite number >= 0 (0: greedy)')
     check_writable(args.out_dir, '--out_dir')
     return args
 

@@ -84,9 +84,15 @@ class Pipeline:
             return
         print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        rc = subprocess.run([sys.executable] + cmd, cwd=HERE).returncode
-        if rc in (130, -signal.SIGINT):  # Ctrl-C reaches the stage too, which said what it saved
-            raise KeyboardInterrupt
+        # Ctrl-C is for this process alone: it kills the stage (safe: every write is atomic and every
+        # stage resumes) and says the one command that continues, rather than the stage's own
+        proc = subprocess.Popen([sys.executable] + cmd, cwd=HERE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+            raise
         if rc != 0:
             sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: finished stages are skipped")
         self.timings[name] = round(time.time() - t0, 1)
@@ -124,7 +130,6 @@ def main(argv=None):
     if not os.path.exists(os.path.join(HERE, args.data_dir, 'meta.json')):
         check_writable(os.path.join(HERE, args.data_dir), '--data_dir')
     path = lambda *a: os.path.join(out, *a)
-    os.makedirs(out, exist_ok=True)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
     system = ['--device', args.device, '--dtype', args.dtype]

@@ -95,6 +95,13 @@ def cli_artifacts(tmp_path_factory):
     A['other_text'] = str(root / 'other.txt')
     (root / 'other.txt').write_text("a different text with the same letters, of course.\n" * 40)
     A['missing'] = str(root / 'missing.pt')
+    A['votes_99'] = str(root / 'votes_99.csv')
+    (root / 'votes_99.csv').write_text('rater,item,choice\nr1,99,A\n')
+    A['repro_list'] = str(root / 'repro_list')
+    os.makedirs(A['repro_list'])
+    (root / 'repro_list' / 'timings.json').write_text('[1, 2]')
+    A['latin1'] = str(root / 'latin1.txt')
+    (root / 'latin1.txt').write_bytes('caf\xe9 cr\xe8me\n'.encode('latin-1'))
     return A
 
 
@@ -150,6 +157,11 @@ CLI_TABLE = [
     ('train-device-bogus', [*T, '--device', 'tpu'], '--device tpu'),
     ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
     ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
+    ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
+    ('train-init-from-folder', [*T, '--init_from', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('train-float16-on-cpu', [*T, '--dtype', 'float16'], '--dtype float16'),
+    ('train-match-params-unreachable', [*T, '--match_params', '100000000000'], '--match_params 100000000000'),
+    ('train-ralm-block-too-long', [*T, '--residual_of', '{ckpt}', '--block_size', '32'], '--block_size 32 exceeds'),
     # negatives.py: every flag checked before the output folder exists
     ('neg-top-k-0', [*N, '--top_k', '0'], '--top_k 0'),
     ('neg-top-k-above-vocab', [*N, '--top_k', '9999'], '--top_k 9999'),
@@ -171,6 +183,9 @@ CLI_TABLE = [
     ('neg-meta-malformed', [*N, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
     ('neg-other-settings', [*N, '--out_dir', '{neg_val}', '--gen_len', '3'], 'other settings (chunk, gen_len'),
     ('neg-device-cuda', [*N, '--device', 'cuda'], '--device cuda'),
+    ('neg-temperature-inf', [*N, '--temperature', 'inf'], '--temperature inf'),
+    ('neg-lm-is-folder', [*N, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('neg-data-dir-missing', [*N, '--data_dir', '{root}/nowhere'], 'nowhere'),
     # nce_train.py
     ('nce-max-iters-0', [*E, '--max_iters', '0'], '--max_iters 0'),
     ('nce-batch-size-0', [*E, '--batch_size', '0'], '--batch_size 0'),
@@ -191,6 +206,13 @@ CLI_TABLE = [
     ('nce-out-dir-unwritable', [*E, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('nce-energy-kind-bogus', [*E, '--energy', 'mlp'], '--energy'),
     ('nce-device-cuda', [*E, '--device', 'cuda'], '--device cuda'),
+    ('nce-float16-on-cpu', [*E, '--dtype', 'float16'], '--dtype float16'),
+    ('nce-lm-is-folder', [*E, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('nce-val-negatives-same-split', [*E, '--negatives', '{neg_val}'], 'which --negatives trains on'),
+    ('nce-negatives-is-a-data-dir', [*E, '--negatives', '{data}'], '{data} does not hold negatives'),
+    ('nce-bit-from-an-lm', [*E, '--init_from', '{ckpt}'], "ckpt.pt is a 'lm' checkpoint"),
+    ('nce-unit-from-an-energy', [*E, '--energy', 'unit', '--init_from', '{energy}'], "best.pt holds a 'energy' model"),
+    ('nce-num-neg-above-k', [*E, '--loss', 'ranking', '--num_neg', '9'], '--num_neg 9'),
     # estimate_ppl.py
     ('ppl-out-unwritable', [*P, '--out', f'{BAD}/p.json'], f'--out {BAD}/p.json'),
     ('ppl-out-is-a-folder', [*P, '--out', '{lm}'], 'is a folder'),
@@ -209,6 +231,12 @@ CLI_TABLE = [
     ('ppl-lm-is-energy', [*P, '--lm', '{energy}'], "holds a 'energy' model"),
     ('ppl-too-long', [*P, '--gen_len', '12'], 'exceeds'),
     ('ppl-meta-malformed', [*P, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
+    ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
+    ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
+    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], 'distinct'),
+    ('ppl-per-step-unknown', [*P, '--per_step', 'NOPE'], '--per_step NOPE'),
+    ('ppl-extra-lm-is-energy', [*P, '--extra_lm', 'X={energy}'], "holds a 'energy' model"),
+    ('ppl-out-under-a-file', [*P, '--out', '{file}/p.json'], 'file.txt is a file'),
     # sample.py
     ('sample-num-prefixes-0', [*S, '--num_prefixes', '0'], '--num_prefixes 0'),
     ('sample-out-unwritable', [*S, '--out', f'{BAD}/s.json'], f'--out {BAD}/s.json'),
@@ -222,6 +250,10 @@ CLI_TABLE = [
     ('sample-energy-is-lm', [*S, '--energy', '{ckpt}'], 'not an energy'),
     ('sample-energy-missing', [*S, '--energy', '{missing}'], 'missing.pt'),
     ('sample-prompt-unknown-char', [*S, '--prompt', 'QX#'], "character 'Q'"),
+    ('sample-prompt-empty', [*S, '--prompt', ''], '--prompt is empty'),
+    ('sample-prompt-too-long', [*S, '--prompt', 'the quick brown fox jumps'], "exceeds the LM's block_size 16"),
+    ('sample-table-k-above-vocab', [*S, '--table_k', '99'], '--table_k'),
+    ('sample-lm-is-folder', [*S, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
     # bench.py
     ('bench-out-unwritable', [*B, '--out', f'{BAD}/b.json'], f'--out {BAD}/b.json'),
     ('bench-repeats-0', [*B, '--repeats', '0'], '--repeats 0'),
@@ -231,6 +263,10 @@ CLI_TABLE = [
     ('bench-block-longer-than-data', [*B, '--block_size', '4000', '--prompt_len', '16'], '--block_size'),
     ('bench-data-dir-missing', [*B, '--data_dir', '{root}/nowhere'], 'nowhere'),
     ('bench-device-cuda', [*B, '--device', 'cuda'], '--device cuda'),
+    ('bench-threads-negative', [*B, '--threads', '-1'], '--threads -1'),
+    ('bench-warmup-negative', [*B, '--warmup', '-1'], '--warmup -1'),
+    ('bench-new-tokens-0', [*B, '--new_tokens', '0'], '--new_tokens 0'),
+    ('bench-out-is-a-folder', [*B, '--out', '{lm}'], 'is a folder'),
     # human_eval.py
     ('he-no-command', ['human_eval.py'], 'cmd'),
     ('he-export-samples-missing', [*HX, '--samples', '{missing}'], 'missing.pt does not exist'),
@@ -246,11 +282,15 @@ CLI_TABLE = [
     ('he-score-votes-bad-header', [*HS, '--votes', '{votes_bad}'], 'votes_bad.csv lacks the column(s) choice, item, rater'),
     ('he-score-max-failed-negative', [*HS, '--max_failed_checks', '-1'], '--max_failed_checks -1'),
     ('he-score-out-unwritable', [*HS, '--out', f'{BAD}/r.json'], f'--out {BAD}/r.json'),
+    ('he-score-vote-for-no-item', [*HS, '--votes', '{votes_99}'], 'bad vote (r1, 99, A)'),
     # reproduce.py
     ('repro-timings-empty', [*R, '--out_dir', '{repro}'], 'repro/timings.json is not valid JSON'),
     ('repro-device-cuda', [*R, '--device', 'cuda'], '--device cuda'),
     ('repro-out-dir-unwritable', [*R, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('repro-dtype-bogus', [*R, '--dtype', 'fp8'], '--dtype'),
+    ('repro-timings-not-a-table', [*R, '--out_dir', '{repro_list}'], 'timings.json is not a table'),
+    ('repro-data-meta-malformed', [*R, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json is not valid JSON'),
+    ('repro-data-dir-unwritable', [*R, '--data_dir', BAD], f'--data_dir {BAD}'),
     # data/*/prepare.py
     ('text-fractions-over-1', [*TX, '--val_frac', '0.6', '--test_frac', '0.6'], '--val_frac 0.6 + --test_frac 0.6'),
     ('text-test-frac-negative', [*TX, '--test_frac', '-0.1'], '--test_frac -0.1'),
@@ -261,6 +301,7 @@ CLI_TABLE = [
     ('text-out-dir-unwritable', [*TX, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('text-other-data-without-force', [*TX, '--out_dir', '{data}'], '--force'),
     ('text-tokenizer-bogus', [*TX, '--tokenizer', 'bpe'], '--tokenizer'),
+    ('text-input-not-utf8', ['data/text/prepare.py', '{latin1}', '--out_dir', '{new}'], 'latin1.txt is not UTF-8'),
     ('shakespeare-out-dir-unwritable', [*SH, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('shakespeare-out-dir-under-a-file', [*SH, '--out_dir', '{file}/sub'], '--out_dir'),
     ('shakespeare-tokenizer-bogus', [*SH, '--out_dir', '{new}', '--tokenizer', 'bpe'], '--tokenizer'),
@@ -406,6 +447,24 @@ def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
     assert 3 <= n_done < n_chunks
     assert lines[0] == (f"interrupted: {n_done} of {n_chunks} chunks of negatives are saved in {out}; "
                         f"rerun the same command to finish them: {shlex.join(['python', *argv])}"), lines[0]
+
+
+def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
+    """Ctrl-C at the terminal (SIGINT to the whole process group) during a stage: the stage is
+    stopped with the pipeline, and the one line is the pipeline's: rerun it."""
+    out = str(tmp_path / 'out')
+    argv = ['reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out, '--device', 'cpu']
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    wait_for(lambda: os.path.exists(os.path.join(out, 'lm', 'log.jsonl')), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == (
+        f"interrupted: finished stages are kept and a stopped one resumes; continue with: {shlex.join(['python', *argv])}"), err
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # the stage went with it
+        os.killpg(proc.pid, 0)
 
 
 def test_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
 from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, configure_optimizer,
-                     get_lr, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
+                     get_lr, pick_device, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -116,6 +116,9 @@ def check_args(args):
         check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     if not args.match_params:  # else n_embd is chosen to fit
         check_heads(args.n_embd, args.n_head)
+    if args.dtype == 'float16' and not pick_device(args.device).startswith('cuda'):
+        raise ValueError(f"--dtype float16 trains with a GradScaler, which needs CUDA: pass --device cuda, or "
+                         f"--dtype bfloat16 or float32")
     check_writable(args.out_dir, '--out_dir')
 
 
@@ -188,7 +191,17 @@ def build_model(args, meta):
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm,
                        alibi=args.alibi)
-    model = RALM(config, load_lm(args.residual_of, meta=meta)[0]) if args.residual_of else GPT(config)
+    with torch.device('meta'):  # counted before any memory is spent on it
+        n_params = GPT(config).num_params()
+    if args.match_params and not 0.5 < n_params / args.match_params < 2:
+        raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) gives {n_params:,} "
+                         f"parameters: change --n_layer to get near it")
+    if args.residual_of:
+        base = load_lm(args.residual_of, meta=meta)[0]
+        if args.block_size > base.config.block_size:
+            raise ValueError(f"--block_size {args.block_size} exceeds that of --residual_of {args.residual_of} "
+                             f"({base.config.block_size}): a RALM reads no further back than its base LM")
+    model = RALM(config, base) if args.residual_of else GPT(config)
     if args.init_from:
         init_weights(model, args.init_from, meta)
     return model, None

@@ -175,11 +175,11 @@ def read_negatives_meta(out_dir):
     if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
         raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
     path = os.path.join(out_dir, 'meta.json')
-    meta = read_json(path, f"delete {out_dir} and rerun negatives.py")
+    meta = read_json(path, f"if {out_dir} holds negatives, delete it and rerun negatives.py")
     missing = [k for k in NEGATIVES_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
-        raise ValueError(f"{path} lacks {', '.join(missing)}: it is not the meta.json of negatives.py; "
-                         f"delete {out_dir} and rerun negatives.py")
+        raise ValueError(f"{out_dir} does not hold negatives (its meta.json lacks {', '.join(missing[:3])}...): "
+                         f"give a folder that negatives.py wrote")
     return meta
 
 
