@@ -338,6 +338,9 @@ def load_checkpoint(path, map_location='cpu'):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
+        if 'Weights only load failed' in str(e):  # code in the pickle: never run
+            raise ValueError(f"{path} holds more than tensors and plain data, which weights_only=True refuses to load "
+                             f"(it could run code): it is not a rebm checkpoint") from None
         raise ValueError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}): "
                          f"retrain it or restore a copy") from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:

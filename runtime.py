@@ -205,8 +205,19 @@ def progress(iterable=None, quiet=False, **kw):
 def write_log(log, rec):
     """One JSON line of a log.jsonl (None: not rank 0, which alone writes the log)."""
     if log is not None:
-        log.write(json.dumps(rec) + '\n')
+        log.write(json.dumps(finite(rec)) + '\n')
         log.flush()
+
+
+def finite(obj):
+    """obj with every NaN or infinite float replaced by None: JSON has neither."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 # -----------------------------------------------------------------------------

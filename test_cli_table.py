@@ -48,6 +48,16 @@ CLI_NCE = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--batch_size', 
 UNWRITABLE = '/proc/rebm-nowhere'  # no one can create anything under /proc, root included
 
 
+class CliEvil:
+    """A pickle that writes a file when loaded."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, 'w')
+
+
 @pytest.fixture(scope='module')
 def cli_artifacts(tmp_path_factory):
     """Everything the rows point at, built once: {name: path}, all under A['root']."""
@@ -95,6 +105,8 @@ def cli_artifacts(tmp_path_factory):
     A['other_text'] = str(root / 'other.txt')
     (root / 'other.txt').write_text("a different text with the same letters, of course.\n" * 40)
     A['missing'] = str(root / 'missing.pt')
+    A['evil'] = str(root / 'evil.pt')  # unpickling it would create root/pwned: weights_only must refuse it
+    torch.save(dict(kind='lm', model=CliEvil(str(root / 'pwned'))), A['evil'])
     A['votes_99'] = str(root / 'votes_99.csv')
     (root / 'votes_99.csv').write_text('rater,item,choice\nr1,99,A\n')
     A['repro_list'] = str(root / 'repro_list')
@@ -158,6 +170,7 @@ CLI_TABLE = [
     ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
     ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
     ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
+    ('train-init-from-a-code-pickle', [*T, '--init_from', '{evil}'], 'evil.pt holds more than tensors'),
     ('train-init-from-folder', [*T, '--init_from', '{lm}'], 'lm is a folder, not a checkpoint'),
     ('train-float16-on-cpu', [*T, '--dtype', 'float16'], '--dtype float16'),
     ('train-match-params-unreachable', [*T, '--match_params', '100000000000'], '--match_params 100000000000'),
@@ -231,6 +244,7 @@ CLI_TABLE = [
     ('ppl-lm-is-energy', [*P, '--lm', '{energy}'], "holds a 'energy' model"),
     ('ppl-too-long', [*P, '--gen_len', '12'], 'exceeds'),
     ('ppl-meta-malformed', [*P, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
+    ('ppl-lm-is-a-code-pickle', [*P, '--lm', '{evil}'], 'evil.pt holds more than tensors'),
     ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
     ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
     ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], 'distinct'),

@@ -10,7 +10,6 @@ meta.json is written last, so a data dir that has one is complete.
 """
 
 import json
-import math
 import os
 import shlex
 
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from model import file_hash
+from runtime import finite
 from tokenizer import build_tokenizer, tokenizer_meta
 
 SPLITS = ('train', 'val', 'test')
@@ -70,17 +70,6 @@ def write_dataset(out_dir, docs, tokenizer, force=False):
         os.replace(path + '.tmp', path)
     write_json(meta, os.path.join(out_dir, 'meta.json'))
     return meta
-
-
-def finite(obj):
-    """obj with every NaN or infinite float replaced by None: JSON has neither."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
 
 
 def write_json(obj, path):
