@@ -30,8 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import load_meta, load_negatives, load_split, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
-from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, configure_optimizer,
-                     get_lr, pick_device, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
+from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
+                     configure_optimizer, get_lr, pick_device, progress, precision, rng, rng_seed, run_main, setup, write_log)
 
 
 def get_args(argv=None):
@@ -295,14 +295,8 @@ def main(argv=None):
 
 
 def resume_hint(argv):
-    """Ctrl-C: what the checkpoint holds and the command that continues it (exactly)."""
     args = get_args(argv)
-    path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not os.path.exists(path):
-        return f"nothing was saved yet (the first checkpoint comes at iteration {args.eval_interval}); rerun: {rerun_command(argv)}"
-    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
-    return (f"{path} holds iteration {it} of {args.max_iters} (saved every {args.eval_interval}; best.pt beside it); "
-            f"resume with: {rerun_command(argv, ['--resume'])}")
+    return checkpoint_hint(argv, os.path.join(args.out_dir, 'ckpt.pt'), args.max_iters, args.eval_interval)
 
 
 if __name__ == '__main__':

@@ -290,6 +290,15 @@ def rerun_command(argv, add=()):
     return shlex.join(['python', sys.argv[0], *argv, *[a for a in add if a not in argv]])
 
 
+def checkpoint_hint(argv, path, max_iters, every):
+    """A trainer's Ctrl-C line: the iteration its checkpoint holds and the command that continues it."""
+    if not os.path.exists(path):
+        return f"nothing was saved yet (the first checkpoint comes at iteration {every}); rerun: {rerun_command(argv)}"
+    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']  # mmap: no wait on a big one
+    return (f"{path} holds iteration {it} of {max_iters} (saved every {every}); "
+            f"resume with: {rerun_command(argv, ['--resume'])}")
+
+
 def os_error_text(e):
     text = str(e.strerror or e)
     if e.filename and str(e.filename) not in text:

@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
-from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, configure_optimizer,
-                     get_lr, pick_device, progress, precision, rerun_command, rng, rng_seed, run_main, setup, write_log)
+from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
+                     configure_optimizer, get_lr, pick_device, progress, precision, rng, rng_seed, run_main, setup, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -355,14 +355,8 @@ def print_samples(model, data, meta, num_samples, device):
 
 
 def resume_hint(argv):
-    """Ctrl-C: what the checkpoint holds and the command that continues it (exactly)."""
     args = get_args(argv)
-    path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not os.path.exists(path):
-        return f"nothing was saved yet (the first checkpoint comes at iteration {args.eval_interval}); rerun: {rerun_command(argv)}"
-    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
-    return (f"{path} holds iteration {it} of {args.max_iters} (saved every {args.eval_interval}); "
-            f"resume with: {rerun_command(argv, ['--resume'])}")
+    return checkpoint_hint(argv, os.path.join(args.out_dir, 'ckpt.pt'), args.max_iters, args.eval_interval)
 
 
 if __name__ == '__main__':

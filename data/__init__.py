@@ -81,9 +81,11 @@ def write_json(obj, path):
         with open(tmp, 'w') as f:
             json.dump(finite(obj), f, indent=2, allow_nan=False)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # Ctrl-C too: no temp file is left behind
         if os.path.exists(tmp):
             os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
         raise OSError(e.errno, f"cannot write {path} ({e.strerror})", path) from None
 
 
