@@ -26,7 +26,6 @@ processes hits them alike. Prints a table, then one JSON object with every figur
 line of stdout; the same JSON is written (atomically) to --out.
 """
 
-import argparse
 import json
 import resource
 import statistics
@@ -41,13 +40,13 @@ from energy import Energy
 from estimate_ppl import logz_bounds, sample_log_weights
 from model import GPT, GPTConfig, flops_per_token
 from nce_train import nce_loss
-from runtime import autocast, configure_optimizer, pick_device, run_main
+from runtime import ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer, pick_device, run_main
 from sample import joint_sample
 from train_lm import batch_offsets, get_batch
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
     a('--out', default='out/bench.json', help='the JSON of all figures is written here')
@@ -74,6 +73,13 @@ def get_args(argv=None):
     a('--num_samples', type=int, default=16, help='continuations per prompt (K)')
     a('--new_tokens', type=int, default=64, help='tokens per continuation')
     args = p.parse_args(argv)
+    at_least(args, 1, 'repeats', 'naive_repeats', 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
+             'sample_prompts', 'prompt_len', 'num_samples', 'new_tokens')
+    at_least(args, 0, 'threads', 'warmup', 'matmul_size')
+    check_heads(args.n_embd, args.n_head)
+    if args.prompt_len + args.new_tokens > args.block_size:
+        raise ValueError(f"--prompt_len {args.prompt_len} + --new_tokens {args.new_tokens} exceeds --block_size {args.block_size}")
+    check_writable(args.out, '--out', folder=False)
     if args.quick:
         args.warmup, args.repeats, args.sample_prompts = 1, 3, min(args.sample_prompts, 2)
     return args
@@ -282,6 +288,11 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     meta = load_meta(args.data_dir)
+    for split in ('train', 'val'):
+        n = len(load_split(args.data_dir, split, meta))
+        if n <= args.block_size + 1:
+            raise ValueError(f"the {split} split of {args.data_dir} has {n} tokens, not more than --block_size "
+                             f"{args.block_size} + 1: lower --block_size or use a larger corpus")
     results = dict(device=device, num_threads=torch.get_num_threads(), quick=args.quick)
     sections = []
     t_start = time.perf_counter()

@@ -16,7 +16,6 @@ enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep
     torchrun --standalone --nproc_per_node 2 estimate_ppl.py ...      # prefixes sharded over ranks
 """
 
-import argparse
 import math
 import os
 
@@ -24,11 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import load_meta, load_split, window_tokens, windows, write_json, write_text
+from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json, write_text
 from energy import load_energy, score
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
-from runtime import DTYPES, precision, progress, rng, run_main, sampling_probe, scoring_probe, setup
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_writable, precision, progress, rng, run_main, sampling_probe,
+                     scoring_probe, setup)
 
 
 def leave_one_out_lse(lw):
@@ -242,7 +242,7 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
 # -----------------------------------------------------------------------------
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='the base LM')
     a('--energy', nargs='*', default=[], metavar='NAME=CKPT', help='energies of the joint models, e.g. BIT=out/bit/ckpt.pt')
@@ -269,16 +269,27 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
-    args.sweep = [int(n) for n in args.sweep.split(',') if n]
+    try:
+        args.sweep = [int(n) for n in args.sweep.split(',') if n]
+    except ValueError:
+        raise ValueError(f"--sweep {args.sweep}: must be comma-separated integers, e.g. 2,4,16") from None
     args.splits = [s for s in args.splits.split(',') if s]
+    if not args.splits or any(s not in SPLITS for s in args.splits):
+        raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of {', '.join(SPLITS)}")
+    at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'chunk', 'max_rows')
+    check(args, 'max_prefixes', lambda v: v == 0 or v >= 2, '0 (all) or at least 2 (the gain has a standard error)')
+    at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
+    if args.per_step is not None and not args.energy:
+        raise ValueError("--per_step needs an energy: pass --energy NAME=CKPT")
     for spec in args.energy + args.extra_lm:
-        if '=' not in spec:
+        if not all(spec.partition('=')):
             raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/ckpt.pt")
     names = ['BASE LM'] + [s.split('=', 1)[0] for s in args.energy + args.extra_lm]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be distinct (and not 'BASE LM'): {names[1:]}")
     if min([args.num_samples] + args.sweep) < 2:
         raise ValueError("--num_samples and --sweep values must be at least 2 (the upper bound needs leave-one-out)")
+    check_writable(args.out, '--out', folder=False)
     return args
 
 

@@ -16,15 +16,14 @@ binomial p-value of items won against items lost (equal items dropped). --per_vo
 instead; export refuses to replace an existing key.json unless --force.
 """
 
-import argparse
 import csv
 import json
 import math
 import os
 import random
-import sys
 
 from data import write_json
+from runtime import ArgumentParser, at_least, check_writable, run_main
 
 
 def binomial_p_value(wins, losses):
@@ -157,7 +156,7 @@ def write_items(items, out_dir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest='cmd', required=True)
     e = sub.add_parser('export', help='write items for raters and the key')
     e.add_argument('--samples', default='out/samples.json', help="sample.py's JSON output")
@@ -174,10 +173,12 @@ def main(argv=None):
     s.add_argument('--out', default=None, help='JSON report (default: beside the votes)')
     args = p.parse_args(argv)
     if args.cmd == 'export':
+        at_least(args, 0, 'checks')
         key_path = os.path.join(args.out_dir, 'key.json')
         if os.path.exists(key_path) and not args.force:  # a new key would silently rescore votes collected on the old items
             raise ValueError(f"{key_path} exists: votes collected against it would score wrongly with a new key; "
                              f"choose another --out_dir, or pass --force to overwrite it")
+        check_writable(args.out_dir, '--out_dir')
         hint = "give sample.py's JSON output (python sample.py ... --out FILE)"
         samples = load_json(args.samples, '--samples', hint)
         if not isinstance(samples, dict) or not isinstance(samples.get('samples'), list) or not samples['samples']:
@@ -192,9 +193,12 @@ def main(argv=None):
         write_json(key, key_path)
         print(f"{len(items)} items ({args.checks} attention checks) -> {args.out_dir}/items.csv, items.jsonl; key.json is the key")
     else:
+        at_least(args, 0, 'max_failed_checks')
+        out = args.out or os.path.splitext(args.votes)[0] + '_report.json'
+        check_writable(out, '--out', folder=False)
         key = check_key(load_json(args.key, '--key', 'give the key.json that human_eval.py export wrote'), args.key)
         report = score(key, read_votes(args.votes, key), args.max_failed_checks, args.per_vote)
-        write_json(report, args.out or os.path.splitext(args.votes)[0] + '_report.json')
+        write_json(report, out)
         unit = (f"{report['n']} items (each decided by the majority of its raters; {report['votes']} votes)"
                 if report['unit'] == 'item' else f"{report['n']} votes (per vote: votes on one item are not independent)")
         print(f"{report['system']} vs {report['versus']}: preferred {100 * report['preferred']:.1f}%, "
@@ -203,7 +207,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

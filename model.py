@@ -12,6 +12,7 @@ what the method needs on top of a plain GPT:
 - self-describing checkpoints, written atomically and loaded with weights_only=True.
 """
 
+import errno
 import hashlib
 import math
 import os
@@ -349,16 +350,29 @@ def save_checkpoint(obj, path):
     """Write atomically: a kill mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:  # Ctrl-C too: no temp file is left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not isinstance(e, (OSError, RuntimeError)):  # a full disk is a RuntimeError inside torch.save
+            raise
+        raise OSError(getattr(e, 'errno', None) or errno.EIO, f"cannot write {path} ({getattr(e, 'strerror', None) or e})",
+                      path) from None
 
 
 def load_checkpoint(path, map_location='cpu'):
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, not a checkpoint: give the file, e.g. {os.path.join(path, 'ckpt.pt')}")
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path} does not exist: train one first (train_lm.py / nce_train.py)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
+        if 'Weights only load failed' in str(e):  # code in the pickle: never run
+            raise ValueError(f"{path} holds more than tensors and plain data, which weights_only=True refuses to load "
+                             f"(it could run code): it is not a rebm checkpoint") from None
         raise ValueError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}): "
                          f"retrain it or restore a copy") from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:

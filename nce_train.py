@@ -21,7 +21,7 @@ at the lowest held-out NCE loss: the one to use, since NCE on a finite set of ne
 log.jsonl and results.json; checkpoints are written atomically.
 """
 
-import argparse
+import math
 import os
 import time
 
@@ -32,12 +32,14 @@ import torch.nn.functional as F
 
 from data import load_meta, load_negatives, load_split, log_ratios, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
-from model import save_checkpoint
-from runtime import DTYPES, all_mean, get_lr, optimizer_step, progress, precision, prepare_training, rng, rng_seed, run_main, setup, write_log
+from model import load_checkpoint, save_checkpoint
+from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
+                     get_lr, optimizer_step, check_training_dtype, progress, precision, prepare_training, rng, rng_seed, run_main,
+                     setup, write_log)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
@@ -76,8 +78,24 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
+    check_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     return args
+
+
+def check_args(args):
+    """Every flag in range, before any work: one line naming the flag."""
+    at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'num_neg', 'batch_size', 'grad_accum', 'max_iters',
+             'lr_decay_iters', 'eval_interval', 'eval_prefixes', 'log_interval')
+    at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip')
+    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
+    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
+    for name in ('dropout', 'beta1', 'beta2'):
+        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
+    if args.n_embd and args.n_head:
+        check_heads(args.n_embd, args.n_head)
+    check_training_dtype(args)
+    check_writable(args.out_dir, '--out_dir')
 
 
 def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
@@ -140,9 +158,16 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
 
 
 def load_pairs(args):
-    """The train and held-out negatives (checked to come from --lm and to agree), and the splits
-    their positives come from."""
+    """The train and held-out negatives (checked to come from --lm and to agree, and the held-out
+    ones not to be training prefixes), and the splits their positives come from."""
+    lm = load_checkpoint(args.lm)  # first: what --lm is decides which message is right
+    if lm['kind'] != 'lm':
+        raise ValueError(f"--lm {args.lm} holds a '{lm['kind']}' model, not a language model: pass the train_lm.py "
+                         f"checkpoint the negatives were sampled from")
     neg, held_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.held_out_negatives, lm_path=args.lm)
+    if held_neg['meta']['split'] == neg['meta']['split']:
+        raise ValueError(f"--held_out_negatives {args.held_out_negatives} holds prefixes of the {neg['meta']['split']} split, "
+                         f"which --negatives trains on: held-out pairs must not be training prefixes (negatives.py --split select)")
     for key in ('prefix_len', 'gen_len', 'data_dir'):
         if held_neg['meta'][key] != neg['meta'][key]:
             raise ValueError(f"train and held-out negatives differ in {key} ({neg['meta'][key]} vs {held_neg['meta'][key]}): regenerate one")
@@ -171,6 +196,9 @@ def build(args, meta, length):
     if args.resume:
         model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
         model.train()
+    elif os.path.exists(os.path.join(args.out_dir, 'best.pt')):
+        raise ValueError(f"{os.path.join(args.out_dir, 'best.pt')} exists (an energy kept by an earlier run): "
+                         f"choose another --out_dir or delete it")
     else:
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
@@ -184,9 +212,11 @@ def build(args, meta, length):
 def report(results, log, out_dir):
     log.close()
     write_json(results, os.path.join(out_dir, 'results.json'))
+    best_path = os.path.join(out_dir, 'best.pt')
+    best = f"best loss {results['best_loss']:.4f} at iter {results['best_iter']} -> {best_path}" if os.path.exists(best_path) \
+        else "the held-out loss was never finite (NaN): no best.pt was written"
     print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {results['held_out_prefixes']} prefixes (chance 0.5), "
-          f"loss {results['held_out_loss']:.4f}; {results['train_time_s']:.0f}s; best loss {results['best_loss']:.4f} at "
-          f"iter {results['best_iter']} -> {os.path.join(out_dir, 'best.pt')}")
+          f"loss {results['held_out_loss']:.4f}; {results['train_time_s']:.0f}s; {best}")
 
 
 def save(state, improved, optimizer, scaler, out_dir):
@@ -279,5 +309,10 @@ def main(argv=None):
     return results
 
 
+def resume_hint(argv):
+    args = get_args(argv)
+    return checkpoint_hint(argv, os.path.join(args.out_dir, 'ckpt.pt'), args.max_iters, args.eval_interval)
+
+
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

@@ -18,7 +18,6 @@ seeded by (seed, split, chunk), so a killed run resumes where it stopped and end
 byte-identical files.
 """
 
-import argparse
 import os
 
 import numpy as np
@@ -26,9 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import SPLITS, load_meta, load_negatives, load_split, window_tokens, windows, write_json
+from data import SPLITS, load_meta, load_negatives, load_split, read_negatives_meta, window_tokens, windows, write_json
 from model import check_vocab, file_hash, load_lm, proposal_logprobs
-from runtime import DTYPES, progress, precision, rng, run_main, sampling_probe, setup
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress, precision,
+                     rerun_command, rng, run_main, sampling_probe, setup)
 
 
 @torch.no_grad()
@@ -56,7 +56,7 @@ def real_logprobs(lm, x, P, top_k=None, top_p=None, temperature=1.0):
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='base LM checkpoint (train_lm.py)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
@@ -75,15 +75,21 @@ def get_args(argv=None):
     a('--dtype', default='auto', choices=DTYPES)
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # all checked before out_dir is created: a folder made with bad flags would refuse the fixed rerun
+    at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')
+    check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
+    check(args, 'temperature', lambda v: 0 <= v < float('inf'), 'a finite number >= 0 (0: greedy)')
+    check_writable(args.out_dir, '--out_dir')
+    return args
 
 
 def main(argv=None):
     args = get_args(argv)
     rank, world_size, device = setup(args.device)
-    if args.num_samples < 1:
-        raise ValueError(f"--num_samples {args.num_samples} must be at least 1")
     lm, lm_ckpt = load_lm(args.lm, device)
+    if args.top_k is not None and args.top_k > lm.config.vocab_size:
+        raise ValueError(f"--top_k {args.top_k}: must be at most the vocabulary size {lm.config.vocab_size}")
     dtype, ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device), verbose=rank == 0)
     data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
     meta = load_meta(data_dir)
@@ -95,6 +101,8 @@ def main(argv=None):
     offsets = windows(data, P, L, args.stride, args.max_prefixes)
     if len(offsets) == 0:
         raise ValueError(f"the {args.split} split is shorter than {P + L} tokens: lower --prefix_len/--gen_len")
+    itemsize = np.dtype(meta['dtype']).itemsize
+    check_free_space(args.out_dir, len(offsets) * K * (L * itemsize + 8) + len(offsets) * 8, '--out_dir')
     N, n_chunks = len(offsets), (len(offsets) + args.chunk - 1) // args.chunk
     settings = dict(lm_path=args.lm, lm_hash=file_hash(args.lm), data_dir=data_dir, split=args.split,
                     prefix_len=P, gen_len=L, stride=args.stride, num_prefixes=N, num_samples=K,
@@ -129,18 +137,21 @@ def main(argv=None):
 
 
 def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
-    """Create the memmaps (rank 0), or reopen them to resume when their settings match."""
+    """Create the memmaps (rank 0), or reopen them to resume when their settings match. A folder
+    with no finished chunk holds nothing to lose: it is started again with these settings."""
     meta_path = os.path.join(out_dir, 'meta.json')
     N, K, L = settings['num_prefixes'], settings['num_samples'], settings['gen_len']
     if rank == 0:
-        if os.path.exists(meta_path):
-            old = load_meta(out_dir)
+        fresh = not os.path.exists(meta_path)
+        if not fresh:
+            old = read_negatives_meta(out_dir)
             old.pop('complete', None)
-            if old != settings:
+            if old != settings and chunks_done(out_dir):
                 diff = sorted(k for k in settings if old.get(k) != settings[k])
                 raise ValueError(f"{out_dir} holds negatives made with other settings ({', '.join(diff)}): "
                                  f"use another --out_dir or delete it")
-        else:
+            fresh = old != settings
+        if fresh:
             os.makedirs(out_dir, exist_ok=True)
             np.save(os.path.join(out_dir, 'offsets.npy'), offsets)
             shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'), logq=((N, K), 'float32'),
@@ -153,5 +164,22 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
     return load_negatives(out_dir, mode='r+')
 
 
+def chunks_done(out_dir):
+    path = os.path.join(out_dir, 'done.bin')
+    return int(np.fromfile(path, dtype=np.uint8).sum()) if os.path.exists(path) else 0
+
+
+def resume_hint(argv):
+    """Ctrl-C: the finished chunks are on disk; the same command finishes the rest."""
+    args = get_args(argv)
+    try:
+        meta = read_negatives_meta(args.out_dir)
+        n_chunks = (meta['num_prefixes'] + meta['chunk'] - 1) // meta['chunk']
+    except ValueError:
+        return f"nothing was saved yet; rerun: {rerun_command(argv)}"
+    return (f"{chunks_done(args.out_dir)} of {n_chunks} chunks of negatives are saved in {args.out_dir}; "
+            f"rerun the same command to finish them: {rerun_command(argv)}")
+
+
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

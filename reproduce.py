@@ -17,22 +17,22 @@ timings.json.
     python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
 
-import argparse
 import importlib.util
-import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import torch
 
-from data import write_json
+from data import read_json, write_json
 from energy import Energy
 from model import GPTConfig
-from runtime import DTYPES, run_main
+from runtime import DTYPES, ArgumentParser, check_writable, pick_device, rerun_command, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+FIX = 'delete it to rerun its stage'
 
 # Sizes and budgets (README has the stage timings). Everything that is tuned (the energy's
 # early stopping, and the recipe) looks at the selection split, never at val or test.
@@ -87,7 +87,7 @@ def finished(path):
         return False
     if not path.endswith('meta.json'):
         return True
-    meta = json.load(open(path))
+    meta = read_json(path, FIX)
     return meta.get('complete', True) and 'select' in meta.get('num_tokens', {'select': 0})
 
 
@@ -97,7 +97,10 @@ class Pipeline:
 
     def __init__(self, timings_path):
         self.timings_path, self.done = timings_path, {}
-        self.timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
+        self.timings = read_json(timings_path, 'delete it (it only records stage times) and rerun') \
+            if os.path.exists(timings_path) else {}
+        if not isinstance(self.timings, dict):
+            raise ValueError(f"{timings_path} is not a table of stage times: delete it and rerun")
 
     def run(self, name, cmd, done, deps=()):
         self.done[name] = done
@@ -106,7 +109,16 @@ class Pipeline:
             return
         print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        if subprocess.run([sys.executable] + cmd, cwd=HERE).returncode != 0:
+        # Ctrl-C is for this process alone: it kills the stage (safe: every write is atomic and every
+        # stage resumes) and says the one command that continues, rather than the stage's own
+        proc = subprocess.Popen([sys.executable] + cmd, cwd=HERE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+            raise
+        if rc != 0:
             sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: finished stages are skipped")
         self.timings[name] = round(time.time() - t0, 1)
         write_json(self.timings, self.timings_path)
@@ -126,7 +138,7 @@ def energy_params(lm, vocab_size):
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument('--quick', action='store_true', help='tiny models and budgets (a smoke test of every stage)')
     p.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'],
                    help="gpt2: the paper's BPE (with --quick: tiny models, a test of the path; data in data/shakespeare_gpt2)")
@@ -147,9 +159,12 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
+    pick_device(args.device)  # every stage would fail on it
     cfg, out = args.cfg, args.out_dir
+    check_writable(os.path.join(HERE, out), '--out_dir')
+    if not os.path.exists(os.path.join(HERE, args.data_dir, 'meta.json')):
+        check_writable(os.path.join(HERE, args.data_dir), '--data_dir')
     path = lambda *a: os.path.join(out, *a)
-    os.makedirs(out, exist_ok=True)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
     stage = lambda name, cmd, done, deps=(): pipe.run(name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps)
@@ -157,7 +172,7 @@ def main(argv=None):
 
     pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir, '--tokenizer', args.tokenizer] + common,
              os.path.join(args.data_dir, 'meta.json'))
-    vocab = json.load(open(os.path.join(HERE, args.data_dir, 'meta.json')))['vocab_size']
+    vocab = read_json(os.path.join(HERE, args.data_dir, 'meta.json'), 'delete the data dir and rerun')['vocab_size']
     lm_ckpt = path('lm', 'ckpt.pt')
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
@@ -167,7 +182,7 @@ def main(argv=None):
 
     train('lm', [], ['prepare'])
     print_estimate(pipe.timings, cfg is DEFAULT)
-    lm_params = json.load(open(path('lm', 'results.json')))['params']
+    lm_params = read_json(path('lm', 'results.json'), FIX)['params']
     train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))], ['prepare'])
     train('ralm', ['--residual_of', lm_ckpt] + flags(cfg['residual']), ['lm'])
     for split in ('train', 'select'):  # held-out pairs from the selection split choose best.pt
@@ -214,11 +229,11 @@ def print_estimate(timings, default):
 def report(out, timings):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the held-out NCE
     accuracies and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
-    ppl = json.load(open(os.path.join(out, 'ppl.json')))
+    ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
     keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
-    lm = json.load(open(os.path.join(out, 'lm', 'results.json')))
-    nce = {k: json.load(open(os.path.join(out, k, 'results.json')))['held_out_acc'] for k in ('bit', 'unit')}
+    lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
+    nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX)['held_out_acc'] for k in ('bit', 'unit')}
     test = ppl['splits']['test']
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_nce_acc=nce, timings_s=timings,
                     calibration=test.get('calibration'), num_samples=test['num_samples'], num_prefixes=test['num_prefixes']),
@@ -229,5 +244,9 @@ def report(out, timings):
     print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json, figures {out}/fig*.png")
 
 
+def resume_hint(argv):
+    return f"finished stages are kept and a stopped one resumes; continue with: {rerun_command(argv)}"
+
+
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

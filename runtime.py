@@ -4,10 +4,15 @@ measuring this machine), DDP from torchrun's environment, random streams, the op
 schedule, progress bars, and the one-line error exit. Nothing here is specific to the paper.
 """
 
+import argparse
+import errno
 import json
 import math
 import os
+import shlex
+import shutil
 import sys
+import tempfile
 import time
 import zlib
 from contextlib import nullcontext
@@ -114,6 +119,13 @@ def scoring_probe(energy, device, length):
     def probe():
         energy(x, length // 2)
     return probe
+
+
+def check_training_dtype(args):
+    """fp16 training needs a GradScaler, which needs CUDA."""
+    if args.dtype == 'float16' and not pick_device(args.device).startswith('cuda'):
+        raise ValueError("--dtype float16 trains with a GradScaler, which needs CUDA: pass --device cuda, or "
+                         "--dtype bfloat16 or float32")
 
 
 def precision(device, dtype, work='train', probe=None, verbose=True):
@@ -226,13 +238,126 @@ def progress(iterable=None, quiet=False, **kw):
 def write_log(log, rec):
     """One JSON line of a log.jsonl (None: not rank 0, which alone writes the log)."""
     if log is not None:
-        log.write(json.dumps(rec) + '\n')
+        log.write(json.dumps(finite(rec)) + '\n')
         log.flush()
 
 
-def run_main(main):
-    """A script's entry point: bad input exits with one `error:` line, not a traceback."""
+def finite(obj):
+    """obj with every NaN or infinite float replaced by None: JSON has neither."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+# -----------------------------------------------------------------------------
+# bad input: one line naming the flag or file, found before any work or write
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, 'abc' for an int) are one `error:` line through
+    run_main, like every other bad input, instead of the usage text and exit status 2."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+    def error(self, message):
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
+def check(args, name, ok, must):
+    """--name's value (None: not given) must pass ok; written so that NaN fails every rule."""
+    v = getattr(args, name)
+    if v is not None and not ok(v):
+        raise ValueError(f"--{name} {v}: must be {must}")
+
+
+def at_least(args, minimum, *names):
+    for name in names:
+        check(args, name, lambda v: v >= minimum, f"at least {minimum}")
+
+
+def check_heads(n_embd, n_head):
+    if n_embd % n_head:
+        raise ValueError(f"--n_embd {n_embd} is not a multiple of --n_head {n_head}: each head gets n_embd/n_head dims")
+
+
+def check_writable(path, flag, folder=True):
+    """Fail now rather than after the work: the path (a folder, or a file with folder=False) must
+    be creatable, which is tried with a temporary file in its nearest existing folder. Nothing
+    is created."""
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
+    if not folder and os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder: give a file path")
+    d = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise ValueError(f"{flag} {path}: {d} is a file, not a folder: choose another path")
     try:
-        main()
+        fd, tmp = tempfile.mkstemp(dir=d, prefix='.rebm-write-test-')
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in {d} ({e.strerror}): choose a writable path") from None
+
+
+def check_free_space(path, nbytes, flag):
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    free = shutil.disk_usage(d).free
+    if free < nbytes:
+        raise ValueError(f"{flag} {path}: needs {nbytes / 2**20:.1f} MiB but {d} has {free / 2**20:.1f} MiB free: "
+                         f"free some space or choose another path")
+
+
+# -----------------------------------------------------------------------------
+# the entry point
+
+def rerun_command(argv, add=()):
+    """The command that reruns this script with the same flags, plus those of `add` it lacks."""
+    return shlex.join(['python', sys.argv[0], *argv, *[a for a in add if a not in argv]])
+
+
+def checkpoint_hint(argv, path, max_iters, every):
+    """A trainer's Ctrl-C line: the iteration its checkpoint holds and the command that continues it."""
+    if not os.path.exists(path):
+        return f"nothing was saved yet (the first checkpoint comes at iteration {every}); rerun: {rerun_command(argv)}"
+    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']  # mmap: no wait on a big one
+    return (f"{path} holds iteration {it} of {max_iters} (saved every {every}); "
+            f"resume with: {rerun_command(argv, ['--resume'])}")
+
+
+def os_error_text(e):
+    text = str(e.strerror or e)
+    if e.filename and str(e.filename) not in text:
+        text = f"{text}: {e.filename}"
+    if e.errno == errno.ENOSPC:
+        return text + ": free some space and rerun (what was written before is intact)"
+    return text + ": check the path and its permissions"
+
+
+def run_main(main, resume_hint=None):
+    """A script's entry point: bad input, and a file that cannot be read or written, exit with one
+    `error:` line, not a traceback. Ctrl-C exits with one `interrupted:` line that says what was
+    saved and the command that resumes: resume_hint(argv) (default: nothing was saved, rerun)."""
+    argv = sys.argv[1:]
+    try:
+        main(argv)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: {os_error_text(e)}")
+    except torch.OutOfMemoryError:
+        sys.exit("error: out of GPU memory: lower the batch size (--batch_size, --chunk or --max_rows)")
+    except KeyboardInterrupt:
+        try:
+            hint = resume_hint(argv) if resume_hint else None
+        except Exception:  # e.g. flags that do not parse: the rerun hint below is still right
+            hint = None
+        print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -18,18 +18,18 @@ Prints BASE LM / JOINT / WORST / GOLD continuations per prefix (the paper's Tabl
 uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint text; JSON too.
 """
 
-import argparse
 import math
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from data import load_meta, load_split, window_tokens, windows, write_json
+from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json
 from energy import load_energy, score
 from estimate_ppl import sample_log_weights
 from model import check_vocab, load_lm
-from runtime import DTYPES, precision, progress, rng, run_main, sampling_probe, scoring_probe, setup
+from runtime import (DTYPES, ArgumentParser, at_least, check_writable, precision, progress, rng, run_main, sampling_probe,
+                     scoring_probe, setup)
 from tokenizer import load_tokenizer
 
 
@@ -142,12 +142,13 @@ def unique_ngrams(texts, n):
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt')
     a('--energy', default='out/bit/ckpt.pt')
     a('--prompt', default=None, help='a text prompt (else prefixes of --split)')
-    a('--split', default='test', choices=['train', 'val', 'test'])
+    a('--data_dir', default=None, help="prepared data (default: the LM's)")
+    a('--split', default='test', choices=SPLITS)
     a('--num_prefixes', type=int, default=4)
     a('--prefix_len', type=int, default=128)
     a('--gen_len', type=int, default=64)
@@ -166,14 +167,20 @@ def get_args(argv=None):
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n')
+    at_least(args, 0, 'top_k', 'table_k')
+    at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
+    check_writable(args.out, '--out', folder=False)
+    return args
 
 
 def main(argv=None):
     args = get_args(argv)
     device = setup(args.device)[2]
     lm, lm_ckpt = load_lm(args.lm, device)
-    meta = load_meta(lm_ckpt['meta']['data_dir'])
+    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
+    meta = load_meta(data_dir)
     check_vocab(lm_ckpt, meta, args.lm)
     energy, _ = load_energy(args.energy, args.lm, device)
     ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device))[1]
@@ -186,20 +193,22 @@ def main(argv=None):
     if (args.autoregressive or args.table_k) and not (0 <= args.table_k <= args.keep <= min(args.candidates, V) and args.m >= 1):
         raise ValueError(f"need 0 <= --table_k ({args.table_k}) <= --keep ({args.keep}) <= --candidates ({args.candidates}) "
                          f"and the vocabulary size ({V}), and --m ({args.m}) >= 1")
-    if args.n < 1:
-        raise ValueError(f"--n {args.n} must be at least 1")
     if args.prompt is not None:
         ids = tok.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt is empty")
         prefixes, gold = torch.tensor([ids]), [None]
     else:
-        data = load_split(lm_ckpt['meta']['data_dir'], args.split, meta)
+        data = load_split(data_dir, args.split, meta)
         offsets = windows(data, args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
         if len(offsets) == 0:
             raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens in the {args.split} split")
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
         prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
+    for name, model in (('LM', lm), ('energy', energy)):
+        if prefixes.size(1) + args.gen_len > model.config.block_size:
+            raise ValueError(f"a prefix of {prefixes.size(1)} tokens + --gen_len {args.gen_len} exceeds the {name}'s "
+                             f"block_size {model.config.block_size}: shorten them")
     g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
     results = []

@@ -13,7 +13,6 @@ val and test are evaluated once, at the end, and only reported. Writes out_dir/c
 (atomically, at every evaluation), out_dir/log.jsonl and out_dir/results.json.
 """
 
-import argparse
 import math
 import os
 import time
@@ -26,7 +25,9 @@ import torch.distributed as dist
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
-from runtime import DTYPES, all_mean, get_lr, optimizer_step, progress, precision, prepare_training, rng, rng_seed, run_main, setup, write_log
+from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
+                     get_lr, optimizer_step, check_training_dtype, progress, precision, prepare_training, rng, rng_seed, run_main,
+                     setup, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -45,7 +46,7 @@ PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--data_dir', default='data/shakespeare', help='prepared data (data/<corpus>/prepare.py)')
     a('--out_dir', default='out/lm', help='checkpoint, log and results go here')
@@ -100,8 +101,25 @@ def get_args(argv=None):
     if preset:
         p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
     args = p.parse_args(argv)
+    check_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     return args
+
+
+def check_args(args):
+    """Every flag in range, before any work: one line naming the flag."""
+    at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'max_iters',
+             'lr_decay_iters', 'eval_interval', 'eval_iters', 'log_interval', 'match_params')
+    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip')
+    check(args, 'final_eval', lambda v: v in (0, 1), '0 or 1')
+    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
+    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
+    for name in ('dropout', 'beta1', 'beta2'):
+        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
+    if not args.match_params:  # else n_embd is chosen to fit
+        check_heads(args.n_embd, args.n_head)
+    check_training_dtype(args)
+    check_writable(args.out_dir, '--out_dir')
 
 
 # -----------------------------------------------------------------------------
@@ -177,7 +195,17 @@ def build_model(args, meta):
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm,
                        alibi=args.alibi)
-    model = RALM(config, load_lm(args.residual_of, meta=meta)[0]) if args.residual_of else GPT(config)
+    with torch.device('meta'):  # counted before any memory is spent on it
+        n_params = GPT(config).num_params()
+    if args.match_params and not 0.5 < n_params / args.match_params < 2:
+        raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) gives {n_params:,} "
+                         f"parameters: change --n_layer to get near it")
+    if args.residual_of:
+        base = load_lm(args.residual_of, meta=meta)[0]
+        if args.block_size > base.config.block_size:
+            raise ValueError(f"--block_size {args.block_size} exceeds that of --residual_of {args.residual_of} "
+                             f"({base.config.block_size}): a RALM reads no further back than its base LM")
+    model = RALM(config, base) if args.residual_of else GPT(config)
     if args.init_from:
         init_weights(model, args.init_from, meta)
     return model, None
@@ -187,6 +215,9 @@ def init_weights(model, path, meta):
     """Copy a checkpoint's weights into a model of the same shape. Only the vocabulary may differ,
     by the extra [MASK] row of an MLM: that row keeps its fresh initialisation."""
     src = load_checkpoint(path)
+    if src['kind'] == 'energy':
+        raise ValueError(f"--init_from {path} is an energy (nce_train.py), not a train_lm.py checkpoint: "
+                         f"start from an LM or a masked LM")
     check_vocab(src, meta, path)
     state = model.state_dict()
     for k, v in state.items():
@@ -314,5 +345,10 @@ def print_samples(model, data, meta, num_samples, device):
         print(f"--- sample {i + 1}:\n{tok.decode(tokens[0, i].tolist())}")
 
 
+def resume_hint(argv):
+    args = get_args(argv)
+    return checkpoint_hint(argv, os.path.join(args.out_dir, 'ckpt.pt'), args.max_iters, args.eval_interval)
+
+
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

@@ -11,11 +11,13 @@ meta.json is written last, so a data dir that has one is complete.
 
 import json
 import os
+import shlex
 
 import numpy as np
 import torch
 
 from model import file_hash
+from runtime import finite
 from tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
@@ -23,38 +25,86 @@ from tokenizer import build_tokenizer, tokenizer_meta
 SPLITS = ('train', 'select', 'val', 'test')
 
 
-def write_dataset(out_dir, docs, tokenizer):
-    """docs: {split: [document text, ...]} for train/val/test; tokenizer from tokenizer.py."""
+def encode_dataset(docs, tokenizer):
+    """docs: {split: [document text, ...]} -> ({split: token ids}, meta), each document followed
+    by the end-of-text id."""
     for split in SPLITS:
         if not docs.get(split):
             raise ValueError(f"split '{split}' has no documents: give it some text")
-    os.makedirs(out_dir, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32
     meta = dict(tokenizer_meta(tokenizer), dtype=np.dtype(dtype).name, num_tokens={}, num_docs={})
+    arrays = {}
     for split in SPLITS:
         ids = []
         for doc in docs[split]:
             ids.extend(tokenizer.encode(doc))
             ids.append(tokenizer.eot_id)
-        path = os.path.join(out_dir, f'{split}.bin')
-        np.array(ids, dtype=dtype).tofile(path + '.tmp')
-        os.replace(path + '.tmp', path)
+        arrays[split] = np.array(ids, dtype=dtype)
         meta['num_tokens'][split], meta['num_docs'][split] = len(ids), len(docs[split])
+    return arrays, meta
+
+
+def same_dataset(out_dir, arrays, meta):
+    """out_dir already holds exactly this data (then nothing is rewritten: models trained on it,
+    and reproduce.py's make-like timestamps, see the same files)."""
+    try:
+        if read_json(os.path.join(out_dir, 'meta.json')) != meta:
+            return False
+        return all(np.array_equal(np.fromfile(os.path.join(out_dir, f'{s}.bin'), dtype=a.dtype), a) for s, a in arrays.items())
+    except (OSError, ValueError):
+        return False
+
+
+def write_dataset(out_dir, docs, tokenizer, force=False):
+    """docs: {split: [document text, ...]} for train/val/test; tokenizer from tokenizer.py. Prepared
+    data that differs is replaced only with force: models trained on it depend on it."""
+    arrays, meta = encode_dataset(docs, tokenizer)
+    if os.path.exists(os.path.join(out_dir, 'meta.json')):
+        if same_dataset(out_dir, arrays, meta):
+            return meta
+        if not force:
+            raise ValueError(f"{out_dir} already holds other prepared data (models trained on it depend on it): "
+                             f"pass --force to replace it, or choose another --out_dir")
+    os.makedirs(out_dir, exist_ok=True)
+    for split, ids in arrays.items():
+        path = os.path.join(out_dir, f'{split}.bin')
+        ids.tofile(path + '.tmp')
+        os.replace(path + '.tmp', path)
     write_json(meta, os.path.join(out_dir, 'meta.json'))
     return meta
 
 
 def write_text(text, path):
-    """Atomic text write, like write_json."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + '.tmp', 'w') as f:
-        f.write(text)
-    os.replace(path + '.tmp', path)
+    """Atomic write (temp file + rename): a reader never sees half a file, and a failed write
+    (full disk, Ctrl-C) leaves the previous file as it was and no temp file behind."""
+    tmp = path + '.tmp'
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, 'w') as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
+        raise OSError(e.errno, f"cannot write {path} ({e.strerror})", path) from None
+
+
+def read_json(path, fix='restore or regenerate it'):
+    """A JSON file, or one error line naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist: {fix}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}; empty or truncated?): {fix}") from None
 
 
 def write_json(obj, path):
-    """Atomic JSON write (temp file + rename): a reader never sees half a file."""
-    write_text(json.dumps(obj, indent=2), path)
+    """Atomic JSON write, like write_text; NaN and infinities are written as null (JSON has neither)."""
+    write_text(json.dumps(finite(obj), indent=2, allow_nan=False), path)
 
 
 def load_meta(data_dir):
@@ -62,8 +112,11 @@ def load_meta(data_dir):
     if not os.path.isfile(path):
         raise ValueError(f"no prepared data in '{data_dir}' (missing meta.json): "
                          f"run data/shakespeare/prepare.py or data/text/prepare.py first")
-    with open(path) as f:
-        return json.load(f)
+    meta = read_json(path, "re-run the data's prepare.py")
+    missing = [k for k in ('tokenizer', 'vocab_size', 'eot_id', 'dtype') if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: it is not a prepared data dir's meta.json; re-run prepare.py")
+    return meta
 
 
 def load_split(data_dir, split, meta=None):
@@ -76,10 +129,10 @@ def load_split(data_dir, split, meta=None):
     return np.memmap(path, dtype=meta['dtype'], mode='r')
 
 
-def prepare(docs, out_dir, tokenizer_name, quiet=False):
+def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False):
     """Shared by every data/<corpus>/prepare.py: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
     tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
-    meta = write_dataset(out_dir, docs, tok)
+    meta = write_dataset(out_dir, docs, tok, force)
     if not quiet:
         print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
               ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
@@ -116,21 +169,45 @@ def untruncated(meta):
     return (meta['top_k'], meta['top_p'], meta['temperature']) == (None, None, 1.0)
 
 
+NEGATIVES_KEYS = ('lm_path', 'lm_hash', 'data_dir', 'split', 'prefix_len', 'gen_len', 'num_prefixes', 'num_samples',
+                  'chunk', 'seed', 'dtype')
+
+
+def read_negatives_meta(out_dir):
+    if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
+        raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
+    path = os.path.join(out_dir, 'meta.json')
+    meta = read_json(path, f"if {out_dir} holds negatives, delete it and rerun negatives.py")
+    missing = [k for k in NEGATIVES_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{out_dir} does not hold negatives (its meta.json lacks {', '.join(missing[:3])}...): "
+                         f"give a folder that negatives.py wrote")
+    return meta
+
+
+def negatives_command(meta, out_dir):
+    """The negatives.py command that makes (or finishes) the negatives meta describes."""
+    flags = dict(lm=meta['lm_path'], data_dir=meta['data_dir'], split=meta['split'], out_dir=out_dir,
+                 prefix_len=meta['prefix_len'], gen_len=meta['gen_len'], stride=meta.get('stride'),
+                 max_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
+                 top_p=meta.get('top_p'), temperature=meta.get('temperature'), chunk=meta['chunk'], seed=meta['seed'])
+    return shlex.join(['python', 'negatives.py'] + [a for k, v in flags.items() if v is not None for a in (f'--{k}', str(v))])
+
+
 def load_negatives(out_dir, mode='r', lm_path=None):
     """A negatives dir as a dict: meta, offsets (N,), and memmaps tokens (N,K,L), logp (N,K),
     logq (N,K), pos_logp (N,), pos_logq (N,), done; with lm_path, checked to come from that LM.
     Reading needs a complete run. Dirs written before pos_logp/pos_logq existed still read when
     untruncated (d = 0: the positives' scores are not needed), with those two set to None."""
-    if not os.path.isfile(os.path.join(out_dir, 'meta.json')):
-        raise ValueError(f"no negatives in '{out_dir}' (missing meta.json): run negatives.py first")
-    meta = load_meta(out_dir)
+    meta = read_negatives_meta(out_dir)
+    N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
+    n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
     if mode == 'r' and not meta.get('complete'):
-        raise ValueError(f"negatives in {out_dir} are incomplete: rerun negatives.py with the same flags to finish them")
+        raise ValueError(f"negatives in {out_dir} are incomplete: rerun negatives.py with the same flags to finish them: "
+                         f"{negatives_command(meta, out_dir)}")
     if lm_path is not None and meta['lm_hash'] != file_hash(lm_path):
         raise ValueError(f"negatives in {out_dir} were sampled from another LM ({meta['lm_path']}) "
                          f"than {lm_path}: regenerate them with negatives.py --lm {lm_path}")
-    N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
-    n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
     mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
     has_pos = os.path.isfile(os.path.join(out_dir, 'pos_logq.bin'))
     if not has_pos and (mode != 'r' or not untruncated(meta)):
@@ -138,10 +215,13 @@ def load_negatives(out_dir, mode='r', lm_path=None):
                          f"{'NCE with truncated negatives needs' if mode == 'r' else 'a resumed run writes'}: "
                          f"regenerate them into a new --out_dir")
     pos = lambda name: mm(name, 'float32', (N,)) if has_pos else None
-    return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
-                tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
-                logq=mm('logq', 'float32', (N, K)), pos_logp=pos('pos_logp'), pos_logq=pos('pos_logq'),
-                done=mm('done', 'uint8', (n_chunks,)))
+    try:
+        return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
+                    tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
+                    logq=mm('logq', 'float32', (N, K)), pos_logp=pos('pos_logp'), pos_logq=pos('pos_logq'),
+                    done=mm('done', 'uint8', (n_chunks,)))
+    except (OSError, ValueError) as e:  # a missing or truncated file: np.memmap says so without naming it
+        raise ValueError(f"negatives in {out_dir} are damaged ({e}): delete the folder and rerun negatives.py") from None
 
 
 def log_ratios(neg, rows, neg_idx, device='cpu'):

@@ -9,7 +9,6 @@ The paper uses GPT-2-sized BPE, so gpt2 is the default tokenizer here.
     python data/cc_news/prepare.py --max_docs 100000          # a 100k-article subset
 """
 
-import argparse
 import os
 import random
 import sys
@@ -17,6 +16,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 from data import prepare  # noqa: E402
+from runtime import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
 
 
 def load_articles(name, max_docs):
@@ -35,7 +35,7 @@ def load_articles(name, max_docs):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument('--out_dir', default=HERE)
     parser.add_argument('--dataset', default='vblagoje/cc_news', help='hub name of the CC-News dataset')
     parser.add_argument('--tokenizer', default='gpt2', choices=['char', 'gpt2'])
@@ -43,18 +43,19 @@ def main(argv=None):
     parser.add_argument('--eval_docs', type=int, default=1000, help='articles in each of select (carved from training), val and test')
     parser.add_argument('--seed', type=int, default=0, help='seeds the choice of val/test articles')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
+    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
+    at_least(args, 0, 'max_docs')
+    at_least(args, 1, 'eval_docs')
+    check_writable(args.out_dir, '--out_dir')  # before the download
     docs = load_articles(args.dataset, args.max_docs)
     if len(docs) < 3 * args.eval_docs + 1:
         raise ValueError(f"only {len(docs)} articles for {args.eval_docs} select + val + test each: lower --eval_docs")
     random.Random(args.seed).shuffle(docs)
     n = args.eval_docs
     prepare(dict(train=docs[3 * n:], select=docs[2 * n:3 * n], val=docs[:n], test=docs[n:2 * n]),
-            args.out_dir, args.tokenizer, args.quiet)
+            args.out_dir, args.tokenizer, args.quiet, args.force)
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

