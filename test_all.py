@@ -2,22 +2,31 @@
 The rebm test suite. CPU only, tiny models and tiny synthetic corpora in pytest's tmp_path.
 Every numeric check is against an independent reference (float64 brute force, exact enumeration
 or a closed form). Run: python -m pytest -q test_all.py
+
+One section per concept, in this order, each opening with a '# ====' banner that says what it
+guards (grep '^# ====' for the map): data/tokenizer, model, energy, negatives, NCE, estimation,
+sampling, baselines/pipeline, CLI (bad input), layout. Helpers and fixtures that several sections
+use come first; the others open the section that uses them.
 """
 
+import ast
 import collections
 import contextlib
 import copy
+import csv
 import importlib.util
 import io
-import csv
 import itertools
 import json
 import math
 import os
 import random
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import types
 from dataclasses import asdict
 from fractions import Fraction
@@ -34,30 +43,47 @@ import estimate_ppl  # noqa: E402
 import human_eval  # noqa: E402
 import nce_train  # noqa: E402
 import negatives  # noqa: E402
+import runtime  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
-from data import load_meta, load_negatives, load_split, log_ratios, untruncated, window_tokens, windows  # noqa: E402
+from data import load_meta, load_negatives, load_split, log_ratios, untruncated, window_tokens, windows, write_json  # noqa: E402
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 from energy import Energy, build_energy, energy_state, load_energy, mlm_mask, score  # noqa: E402
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, leave_one_out_lse, logz_bounds,  # noqa: E402
                           per_step, per_step_report, sample_log_weights, summarize)
-from runtime import rng  # noqa: E402
-from model import GPT, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm, proposal_logprobs, save_checkpoint  # noqa: E402
+from model import (GPT, RALM, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm,  # noqa: E402
+                   proposal_logprobs, save_checkpoint, width_for_params)
+from runtime import rng, rng_seed  # noqa: E402
 from sample import joint_sample, next_token_table, topk_autoregressive, unique_ngrams  # noqa: E402
 from tokenizer import EOT, build_tokenizer, load_tokenizer, tokenizer_meta  # noqa: E402
+from train_lm import PAPER_PRESETS  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads, and a busy machine makes them spin
 
 
 # -----------------------------------------------------------------------------
-# shared helpers
+# shared helpers and fixtures (used by more than one section)
+
+# running the scripts
 
 def run_script(args, timeout=300, env=None):
     """Run a python script/module of the repo as a subprocess from the repo root."""
     env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def run_scripts(arg_lists, timeout=300):
+    """run_script for several independent commands at once (they are mostly python start-up)."""
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for a in arg_lists]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return out
 
 
 def assert_clean_error(res, *fragments):
@@ -68,6 +94,71 @@ def assert_clean_error(res, *fragments):
     for f in fragments:
         assert f in lines[0], lines[0]
 
+
+# run_ddp_and_single runs each trainer under this wrapper: as the process group closes it saves the
+# rank's parameters, so that the test sees whether DDP left every rank with the same weights
+DDP_RECORDER = '''
+import os, runpy, sys
+import torch
+import torch.distributed as dist
+import torch.nn.parallel
+
+wrapped = []
+
+
+class RecordingDDP(torch.nn.parallel.DistributedDataParallel):
+    def __init__(self, module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        wrapped.append(module)
+
+
+def save_then_destroy(*args, destroy=dist.destroy_process_group, **kwargs):
+    flat = torch.cat([p.detach().double().flatten() for p in wrapped[0].parameters()])
+    torch.save(flat, os.path.join(os.environ['PARAMS_DIR'], f'rank{dist.get_rank()}.pt'))
+    destroy(*args, **kwargs)
+
+
+torch.nn.parallel.DistributedDataParallel = RecordingDDP  # what the trainer imports as DDP
+dist.destroy_process_group = save_then_destroy  # the trainer's last DDP call
+sys.path.insert(0, os.getcwd())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def run_ddp_and_single(script, main, flags, tmp_path):
+    """Run a trainer with 2 gloo processes and in-process alone (6 iterations, evals at 3 and 6);
+    assert their per-iteration train and val losses agree, and that DDP left both ranks with the
+    same parameters (DDP_RECORDER saves each rank's). Returns (ddp dir, single dir, the single
+    run's results, its train losses)."""
+    ddp, single, params = str(tmp_path / 'ddp'), str(tmp_path / 'single'), tmp_path / 'params'
+    params.mkdir()
+    (tmp_path / 'ddp_recorder.py').write_text(DDP_RECORDER)
+    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                      str(tmp_path / 'ddp_recorder.py'), script, '--out_dir', ddp, *flags], env=dict(PARAMS_DIR=str(params)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '2 process(es)' in res.stdout
+    p0, p1 = (torch.load(params / f'rank{r}.pt', weights_only=True) for r in (0, 1))
+    assert p0.numel() > 0 and torch.equal(p0, p1)  # every rank ends with the same weights
+    r1 = main(['--out_dir', single, *flags])
+    (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
+    assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
+    for it in ls:
+        assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
+    for it in vs:
+        assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
+    return ddp, single, r1, ls
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        recs = [json.loads(l) for l in f]
+    losses = {r['iter']: r['loss'] for r in recs if 'loss' in r}
+    vals = {r['iter']: r.get('select_loss', r.get('held_out_loss')) for r in recs if 'select_loss' in r or 'held_out_loss' in r}
+    return losses, vals
+
+
+# tiny models and exact references
 
 def tiny_gpt(vocab_size=11, block_size=32, std=0.3, seed=0, n_layer=2, n_head=2, n_embd=32, **config):
     """A tiny random GPT in eval mode. Weights are drawn wider than GPT-2's init (std 0.02) so
@@ -108,13 +199,68 @@ def brute_proposal64(logits, top_k=None, top_p=None, temperature=1.0):
     return out
 
 
-def read_log(out_dir):
-    with open(os.path.join(out_dir, 'log.jsonl')) as f:
-        recs = [json.loads(l) for l in f]
-    losses = {r['iter']: r['loss'] for r in recs if 'loss' in r}
-    vals = {r['iter']: r.get('select_loss', r.get('held_out_loss')) for r in recs if 'select_loss' in r or 'held_out_loss' in r}
-    return losses, vals
+def enumerate_continuations(model, prompt, n_new, V, top_k=None, top_p=None, temperature=1.0):
+    """All V**n_new continuations, their exact float64 per-token log-probs under the LM and
+    their exact probabilities under the proposal (top-k/top-p/temperature)."""
+    conts = torch.tensor(list(itertools.product(range(V), repeat=n_new)))
+    seqs = torch.cat([prompt.expand(len(conts), -1), conts], dim=1)
+    P = prompt.size(1)
+    logp = logprobs64(model, seqs)[:, P - 1:-1]  # positions predicting the new tokens
+    tok_lp = logp.gather(-1, conts[..., None]).squeeze(-1)
+    logq = torch.from_numpy(brute_proposal64(logp.numpy(), top_k, top_p, temperature)).view_as(logp) \
+        if (top_k, top_p, temperature) != (None, None, 1.0) else logp
+    q_seq = logq.gather(-1, conts[..., None]).squeeze(-1).sum(1).exp()
+    return tok_lp, q_seq
 
+
+def rand_energy(V, seed=2, head_std=2.0, block_size=8, pool='continuation', causal=False):
+    """A tiny Energy with random weights everywhere, the head included (it starts at zero, which
+    is E = 0). With V = 4 and seed 2 the weights w = exp(-E) of 3-token continuations have a
+    relative variance of 0.1-5 depending on the prefix, and the joint model is far from P_LM."""
+    torch.manual_seed(seed)
+    e = Energy(GPTConfig(block_size=block_size, vocab_size=V, n_layer=1, n_head=2, n_embd=16, causal=causal), pool)
+    with torch.no_grad():
+        for p in e.body.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)
+        e.head.weight.normal_(0.0, head_std)
+        e.head.bias.fill_(0.3)
+    return e.eval()
+
+
+def energies(energy, seqs, prefix_len):
+    with torch.no_grad():
+        return energy(seqs, prefix_len).double()
+
+
+def enumerate_joint(lm, energy, fixed, n_rest, V, P):
+    """Exact enumeration over the V**n_rest completions r of the token row `fixed` (whose first P
+    tokens are the prefix): continuation tokens r, log P_LM(r | fixed) (float64), E(fixed, r) with
+    the energy's prefix length P, and log Z(fixed) = log sum_r P_LM(r | fixed) exp(-E(fixed, r))."""
+    fixed = torch.as_tensor(fixed).view(1, -1)
+    if n_rest == 0:
+        E = energies(energy, fixed, P)
+        return torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.float64), E, -E[0]
+    conts = torch.tensor(list(itertools.product(range(V), repeat=n_rest)))
+    seqs = torch.cat([fixed.expand(len(conts), -1), conts], 1)
+    F = fixed.size(1)
+    lp = logprobs64(lm, seqs)[:, F - 1:-1].gather(-1, conts[..., None]).squeeze(-1).sum(1)
+    E = energies(energy, seqs, P)
+    return conts, lp, E, torch.logsumexp(lp - E, 0)
+
+
+def toy_lm(V=4):
+    return tiny_gpt(vocab_size=V, block_size=8, std=0.5, seed=3)
+
+
+def tv(p, q):
+    return 0.5 * float((torch.as_tensor(p, dtype=torch.float64) - torch.as_tensor(q, dtype=torch.float64)).abs().sum())
+
+
+NULL = contextlib.nullcontext()
+
+
+# corpora and checkpoints
 
 def prepare_corpus(dir_, files, tokenizer='char', extra=()):
     """Write {name: text} into dir_/raw and prepare it into dir_/data with data/text/prepare.py."""
@@ -131,6 +277,11 @@ TRAIN_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_siz
                '--batch_size', '4', '--eval_iters', '2', '--warmup_iters', '2', '--quiet',
                '--num_samples', '0', '--device', 'cpu', '--dtype', 'float32']
 CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 60
+CPU = ['--quiet', '--device', 'cpu', '--dtype', 'float32']
+NEG_FLAGS = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CPU]
+NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size', '4', '--warmup_iters', '2',
+             '--eval_prefixes', '10', *CPU]
+EVAL_P, EVAL_L = 8, 4  # the prefix and continuation lengths of the command-line tests
 
 
 @pytest.fixture(scope='module')
@@ -149,12 +300,60 @@ def lm_ckpt(lm_corpus, tmp_path_factory):
     return os.path.join(out, 'ckpt.pt')
 
 
-# ---- foundation: tokenizers, data, GPT, training ----
+@pytest.fixture(scope='module')
+def mlm_ckpt(lm_corpus, tmp_path_factory):
+    """A bidirectional masked-LM pretraining (block_size 8) on lm_corpus: a BIT's init_from."""
+    out = str(tmp_path_factory.mktemp('mlm_ckpt'))
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'mlm', '--max_iters', '2',
+                   '--eval_interval', '2', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
+    return os.path.join(out, 'ckpt.pt')
 
-# tokenizers
 
-def test_char_tokenizer_roundtrip_and_unknown():
-    text = "Hello, wörld!\nNaïve café — ünïcödé ✓\n\n\ttabs and  spaces\n"
+@pytest.fixture(scope='module')
+def fox_negatives(lm_ckpt, tmp_path_factory):
+    """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and all 27 val prefixes."""
+    out = tmp_path_factory.mktemp('fox_neg')
+    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('val', ['--chunk', '8'])):
+        negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
+    return dict(train=str(out / 'train'), val=str(out / 'val'))
+
+
+@pytest.fixture(scope='module')
+def eval_ckpts(lm_corpus, lm_ckpt, tmp_path_factory):
+    """An energy for lm_ckpt with a random head, one with the zero head (E = 0), and a second
+    LM (lm_ckpt with one weight changed: another file hash)."""
+    d = tmp_path_factory.mktemp('eval_ckpts')
+    meta = dict(load_meta(lm_corpus), data_dir=lm_corpus)
+    paths = {}
+    for name, head_std in (('bit', 0.5), ('zero', None)):
+        torch.manual_seed(0)
+        energy = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+        if head_std:
+            with torch.no_grad():
+                energy.head.weight.normal_(0.0, head_std)
+        paths[name] = str(d / f'{name}.pt')
+        save_checkpoint(energy_state(energy, lm_ckpt, meta), paths[name])
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v + 0.01 if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
+    paths['lm2'] = str(d / 'lm2.pt')
+    save_checkpoint(ck, paths['lm2'])
+    return paths
+
+
+def ppl_argv(lm, energy, out, *extra):
+    return ['--lm', lm, '--energy', f'BIT={energy}', '--splits', 'val,test', '--prefix_len', str(EVAL_P),
+            '--gen_len', str(EVAL_L), '--max_prefixes', '5', '--num_samples', '8', '--chunk', '2',
+            '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out), *extra]
+
+
+# =============================================================================
+# ==== data/tokenizer: tokens round-trip, each document prepared once (train/select/val/test), windows across documents, one seeding rule ====
+
+CHAR_TEXT = "Hello, wörld!\nNaïve café — ünïcödé ✓\n\n\ttabs and  spaces\n"
+
+
+def test_char_tokenizer_roundtrip():
+    text = CHAR_TEXT
     tok = build_tokenizer('char', [text])
     assert tok.vocab_size == len(set(text)) + 1 and tok.eot_id == 0
     ids = tok.encode(text)
@@ -163,8 +362,15 @@ def test_char_tokenizer_roundtrip_and_unknown():
     assert tok.decode(ids + [tok.eot_id] + ids) == text + EOT + text
     again = load_tokenizer(tokenizer_meta(tok))  # rebuilt from meta.json
     assert again.encode(text) == ids and again.decode(ids) == text
+
+
+def test_char_tokenizer_unknown_character():
+    tok = build_tokenizer('char', [CHAR_TEXT])
     with pytest.raises(ValueError, match=r"character 'Z' is not in this corpus's character table"):
         tok.encode("HelloZ")
+
+
+def test_unknown_tokenizer():
     with pytest.raises(ValueError, match="unknown tokenizer 'bpe'"):
         build_tokenizer('bpe')
 
@@ -182,8 +388,6 @@ def test_gpt2_tokenizer_offline_ids():
     assert 50256 not in tok.encode(EOT)  # an EOT inside a document's text is text, never a separator
     assert load_tokenizer(tokenizer_meta(tok)).encode(mixed) == ids
 
-
-# data
 
 DOCS = {
     'a.txt': "First document.\nIt has two lines.\n",
@@ -236,16 +440,6 @@ def test_prepare_single_file_contiguous(tmp_path):
     assert parts == [text[:int(n * 0.65)], text[int(n * 0.65):int(n * 0.7)], text[int(n * 0.7):int(n * 0.8)], text[int(n * 0.8):]]
 
 
-def test_prepare_bad_input(tmp_path):
-    script = os.path.join('data', 'text', 'prepare.py')
-    res = run_script([script, str(tmp_path / 'nope.txt'), '--out_dir', str(tmp_path / 'out')])
-    assert_clean_error(res, 'does not exist')
-    (tmp_path / 'empty').mkdir()
-    res = run_script([script, str(tmp_path / 'empty'), '--out_dir', str(tmp_path / 'out')])
-    assert_clean_error(res, 'no non-empty text')
-    assert not (tmp_path / 'out').exists()
-
-
 def test_shakespeare_strip_markup():
     md = (
         "# Macbeth\n"
@@ -289,40 +483,194 @@ def test_shakespeare_strip_markup():
     )
 
 
-# GPT: cached decoding, log-probs, sampling
+def windows_brute(data, P, L, stride=None):
+    n, stride = P + L, stride or P + L
+    return [o for o in range(len(data)) if o % stride == 0 and o + n <= len(data)]
 
+
+@pytest.mark.parametrize('P,L,stride', [(4, 6, None), (2, 1, None), (3, 3, 1), (5, 5, 4), (1, 1, 7), (30, 10, None)])
+def test_windows_brute_force(P, L, stride):
+    rng_ = np.random.default_rng(0)
+    eot = 0
+    docs = [rng_.integers(1, 9, size=k).tolist() for k in (0, 1, 3, 9, 10, 11, 25, 0, 0, 17, 40, 2, 10)]
+    data = np.array(sum((d + [eot] for d in docs), []), dtype=np.uint16)
+    got = windows(data, P, L, stride)
+    ref = windows_brute(data.tolist(), P, L, stride)
+    assert got.dtype == np.int64 and got.tolist() == ref
+    assert any(eot in data[o:o + P + L].tolist() for o in got)  # windows cross document ends
+    toks = window_tokens(data, got, P + L)
+    assert toks.dtype == torch.int64 and toks.tolist() == [data[o:o + P + L].tolist() for o in ref]
+    for m in (1, 2, 3, 7, len(ref) - 1, len(ref), len(ref) + 5):
+        sub = windows(data, P, L, stride, max_windows=m).tolist()
+        if m >= len(ref):
+            assert sub == ref
+            continue
+        idx = [ref.index(o) for o in sub]  # a subset, in order, of m distinct windows
+        assert len(sub) == m and idx == sorted(set(idx)) and idx[0] == 0
+        if m > 1:  # evenly spaced from the first to the last window
+            gaps = np.diff(idx)
+            assert idx[-1] == len(ref) - 1 and gaps.max() - gaps.min() <= 1, (m, idx)
+
+
+def test_windows_none_fit():
+    assert len(windows(np.array([1, 2, 0, 3], dtype=np.uint16), 3, 2)) == 0
+
+
+def test_end_of_text_cannot_separate_real_from_sampled():
+    """With an exact LM (here the Markov chain that wrote the corpus), the end-of-text token is as
+    frequent in real continuations x+ as in LM samples x-, so no energy can separate them by it.
+    Windows kept inside documents (rebm's old rule) never showed it in x+: a free give-away."""
+    V, eot, P, L = 5, 0, 3, 6
+    g = torch.Generator().manual_seed(0)
+    T = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    T[:, eot] = 0.08
+    T /= T.sum(1, keepdim=True)
+    stream = [1]
+    for u in torch.rand(60000, generator=g).tolist():
+        stream.append(int(np.searchsorted(np.cumsum(T[stream[-1]].numpy()), u * 0.999999)))
+    data = np.array(stream, dtype=np.uint16)
+    x = window_tokens(data, windows(data, P, L), P + L)
+    real = x[:, P:]
+    prev, fake = x[:, P - 1], []
+    for _ in range(L):
+        prev = torch.multinomial(T[prev], 1, generator=g).squeeze(1)
+        fake.append(prev)
+    fake = torch.stack(fake, 1)
+    has_real, has_fake = (real == eot).any(1).double(), (fake == eot).any(1).double()
+    se = math.sqrt((has_real.var() + has_fake.var()) / len(has_real))
+    assert has_real.mean() > 0.2 and abs(has_real.mean() - has_fake.mean()) < 4 * se
+
+
+def test_rng_seeds_are_distinct():
+    """One seeding rule: every (seed, purpose, split, index) gets its own stream."""
+    seeds = [rng_seed(1337, p, s, c) for p in ('negatives', 'log_z') for s in ('train', 'val', 'test') for c in range(300)]
+    assert len(set(seeds)) == len(seeds)
+    assert rng_seed(1337, 'log_z', 'val', 3) == rng_seed(1337, 'log_z', 'val', 3) != rng_seed(7, 'log_z', 'val', 3)
+    assert 0 <= rng_seed(-5, 'negatives', 'test', 0) < 2**32
+
+
+# =============================================================================
+# ==== model: the GPT LM (model.py, train_lm.py): attention, KV cache, shared-prompt decoding, log-probs, sampling and q, training, resume ====
+
+def decoding_case(alibi):
+    """A tiny GPT with block_size 32 and 3 random rows that fill its block."""
+    return tiny_gpt(block_size=32, alibi=alibi), torch.randint(11, (3, 32), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize('p', [1, 2, 5, 17, 31])  # ragged prompt lengths up to block_size - 1
 @pytest.mark.parametrize('alibi', [False, True])
-def test_cached_decoding_matches_full_forward(alibi):
-    model = tiny_gpt(block_size=32, alibi=alibi)
-    B, T = 3, 32
-    idx = torch.randint(11, (B, T), generator=torch.Generator().manual_seed(1))
+def test_cached_decoding_matches_full_forward(alibi, p):
+    model, idx = decoding_case(alibi)
+    B, T = idx.shape
     with torch.no_grad():
         full = model(idx)[0]
-        for p in (1, 2, 5, 17, 31):  # ragged prompt lengths up to block_size - 1
-            cache = model.new_cache(B, T)
-            got = [model(idx[:, :p], cache=cache, pos=0)[0]]
-            pos = p
-            if pos + 4 <= T:  # a multi-token chunk at pos > 0: the explicit-mask branch
-                got.append(model(idx[:, pos:pos + 4], cache=cache, pos=pos)[0])
-                pos += 4
-            for t in range(pos, T):  # then one token at a time
-                got.append(model(idx[:, t:t + 1], cache=cache, pos=t)[0])
-            got = torch.cat(got, dim=1)
-            assert got.shape == full.shape
-            assert (got - full).abs().max().item() < 1e-5, p
-        # the same in float64, where the only difference is summation order
+        cache = model.new_cache(B, T)
+        got = [model(idx[:, :p], cache=cache, pos=0)[0]]
+        pos = p
+        if pos + 4 <= T:  # a multi-token chunk at pos > 0: the explicit-mask branch
+            got.append(model(idx[:, pos:pos + 4], cache=cache, pos=pos)[0])
+            pos += 4
+        for t in range(pos, T):  # then one token at a time
+            got.append(model(idx[:, t:t + 1], cache=cache, pos=t)[0])
+        got = torch.cat(got, dim=1)
+    assert got.shape == full.shape
+    assert (got - full).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize('alibi', [False, True])
+def test_cached_decoding_float64(alibi):
+    """The same in float64, where the only difference is summation order."""
+    model, idx = decoding_case(alibi)
+    B, T = idx.shape
+    with torch.no_grad():
         m64 = copy.deepcopy(model).double()
         full64 = m64(idx)[0]
         cache = m64.new_cache(B, T)
         got = torch.cat([m64(idx[:, :7], cache=cache, pos=0)[0], m64(idx[:, 7:20], cache=cache, pos=7)[0],
                          *[m64(idx[:, t:t + 1], cache=cache, pos=t)[0] for t in range(20, T)]], dim=1)
-        assert (got - full64).abs().max().item() < 1e-12
-        with pytest.raises(ValueError, match='longer than the model.s block_size 32'):
-            model(idx[:, :2], cache=model.new_cache(B, T + 2), pos=31)
+    assert (got - full64).abs().max().item() < 1e-12
 
 
-@pytest.mark.parametrize('causal', [True, False])
-def test_alibi_attention_reference(causal):
+@pytest.mark.parametrize('alibi', [False, True])
+def test_cached_decoding_past_block_size(alibi):
+    model, idx = decoding_case(alibi)
+    B, T = idx.shape
+    with torch.no_grad(), pytest.raises(ValueError, match='longer than the model.s block_size 32'):
+        model(idx[:, :2], cache=model.new_cache(B, T + 2), pos=31)
+
+
+def copy_cache_decode(model, prompt, L, n, generator):
+    """The decoding of commit 68ace2e, the reference: the prompts' K/V cache copied to the rows of
+    each of their n samples, attention by scaled_dot_product_attention over the copies."""
+    B, P = prompt.shape
+    cache = model.new_cache(B, P + L)
+    logits = model(prompt, cache=cache)[0][:, -1]
+    rows = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
+    return model._decode(logits.repeat_interleave(n, 0), rows, P, L, None, None, 1.0, generator)
+
+
+def speed_models():
+    base = tiny_gpt(vocab_size=13, block_size=24, seed=4)
+    torch.manual_seed(5)
+    ralm = RALM(GPTConfig(block_size=24, vocab_size=13, n_layer=1, n_head=2, n_embd=16), base).eval()
+    with torch.no_grad():
+        for p in ralm.parameters():
+            p.normal_(0.0, 0.3)
+    return {'gpt': tiny_gpt(vocab_size=13, block_size=24, seed=1), 'alibi': tiny_gpt(vocab_size=13, block_size=24, seed=2, alibi=True),
+            'ralm': ralm}
+
+
+@pytest.mark.parametrize('kind', ['gpt', 'alibi', 'ralm'])
+def test_shared_prompt_decode_matches_copied_cache(kind):
+    """generate (one K/V copy per prompt, shared by its samples) against the copy-per-sample
+    decoding it replaced: same tokens from the same generator, same log-probs; and, teacher-forced
+    through the shared cache (one token and several at a time), the logits of a full forward."""
+    model = speed_models()[kind]
+    B, P, L, n = 3, 9, 7, 4
+    prompt = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        tokens, logp = model.generate(prompt, L, num_samples=n, generator=torch.Generator().manual_seed(7), max_rows=B * n)
+        ref_tokens, ref_logp, _ = copy_cache_decode(model, prompt, L, n, torch.Generator().manual_seed(7))
+        assert torch.equal(tokens.flatten(0, 1), ref_tokens)
+        assert (logp.flatten(0, 1) - ref_logp).abs().max().item() < 1e-5
+        seqs = torch.cat([prompt.repeat_interleave(n, 0), ref_tokens], 1)
+        full = model(seqs)[0]
+        prompt_cache = model.new_cache(B, P)
+        first = model.logits(prompt, prompt_cache, first=P - 1)[:, -1]
+        assert (first.repeat_interleave(n, 0) - full[:, P - 1]).abs().max().item() < 1e-5
+        cache = [(k, v, *p) for (k, v), p in zip(model.new_cache(B * n, L), prompt_cache)]
+        got = [model(seqs[:, P:P + 3], cache=cache, pos=P)[0]]  # 3 tokens at once: the causal mask over both parts
+        got += [model(seqs[:, t:t + 1], cache=cache, pos=t)[0] for t in range(P + 3, P + L)]
+        assert (torch.cat(got, 1) - full[:, P:]).abs().max().item() < 1e-5
+        assert (torch.cat(got, 1) - full[:, P - 1:-1]).abs().max().item() > 1e-2  # a shift would be seen
+
+
+def test_shared_prompt_attention_reference():
+    """shared_prompt_attention against float64 softmax(q K^T / sqrt(d) + mask) V written out, K and
+    V each row's prompt part (its group's) followed by its own part, with boolean and additive masks."""
+    from model import shared_prompt_attention
+    g = torch.Generator().manual_seed(0)
+    Bp, n, nh, T, P, S, hs = 2, 3, 2, 2, 5, 4, 8
+    q, k, v = (torch.randn(Bp * n, nh, T, hs, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)  # S = 4 own keys
+    pk, pv = (torch.randn(Bp, nh, P, hs, generator=g, dtype=torch.float64) for _ in range(2))
+    K = torch.cat([pk.repeat_interleave(n, 0), k], 2)
+    V = torch.cat([pv.repeat_interleave(n, 0), v], 2)
+    causal = torch.ones(T, P + S, dtype=torch.bool).tril(diagonal=P + S - T)
+    bias = torch.randn(1, nh, T, P + S, generator=g, dtype=torch.float64)
+    for mask in (None, causal, bias):
+        s = q @ K.transpose(-1, -2) / math.sqrt(hs)
+        if mask is not None:
+            s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
+        ref = s.softmax(-1) @ V
+        assert (shared_prompt_attention(q, k, v, pk, pv, mask) - ref).abs().max().item() < 1e-12
+    # rows read their own group's prompt: swapping the prompts changes the result
+    assert (shared_prompt_attention(q, k, v, pk.flip(0), pv.flip(0)) - shared_prompt_attention(q, k, v, pk, pv)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize('padded', [False, True], ids=['no_mask', 'padding_mask'])
+@pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
+def test_alibi_attention_reference(causal, padded):
     """Attention with ALiBi against float64 softmax(q k^T / sqrt(d) - m_h |i - j|) v written out,
     slopes 2^(-8h/H) in closed form, with and without a padding mask."""
     torch.manual_seed(0)
@@ -340,49 +688,39 @@ def test_alibi_attention_reference(causal):
     slopes = torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256], dtype=torch.float64)
     dist = (torch.arange(T)[:, None] - torch.arange(T)[None]).abs()
     scores = q @ k.transpose(-1, -2) / math.sqrt(C // H) - slopes[:, None, None] * dist
+    m = mask if padded else None
     with torch.no_grad():
-        for m in (None, mask):
-            allowed = (torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)) if m is None else m
-            ref = attn.c_proj((scores.masked_fill(~allowed, float('-inf')).softmax(-1) @ v).transpose(1, 2).reshape(2, T, C))
-            got = attn(x, mask=m)
-            assert (got - ref).abs().max().item() < 1e-12
-            attn.alibi = False  # the reference can see the missing penalty
-            assert (attn(x, mask=m) - ref).abs().max().item() > 1e-3
-            attn.alibi = True
+        allowed = (torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)) if m is None else m
+        ref = attn.c_proj((scores.masked_fill(~allowed, float('-inf')).softmax(-1) @ v).transpose(1, 2).reshape(2, T, C))
+        got = attn(x, mask=m)
+        assert (got - ref).abs().max().item() < 1e-12
+        attn.alibi = False  # the reference can see the missing penalty
+        assert (attn(x, mask=m) - ref).abs().max().item() > 1e-3
 
 
-def test_sequence_logprob_brute_force():
+@pytest.mark.parametrize('start', [1, 7, 19])
+def test_sequence_logprob_brute_force(start):
     model = tiny_gpt(vocab_size=13, block_size=24)
     idx = torch.randint(13, (4, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         logits = model(idx)[0].double()
-        for start in (1, 7, 19):
-            total, per_tok = model.sequence_logprob(idx, start, per_token=True)
-            assert total.shape == (4,) and per_tok.shape == (4, 20 - start)
-            ref = torch.zeros(4, 20 - start, dtype=torch.float64)
-            for b in range(4):
-                for t in range(start, 20):
-                    ref[b, t - start] = F.log_softmax(logits[b, t - 1], dim=-1)[idx[b, t]]
-            assert (per_tok.double() - ref).abs().max().item() < 1e-5
-            assert (total.double() - ref.sum(1)).abs().max().item() < 1e-4
-            assert torch.equal(model.sequence_logprob(idx, start), total)
-    for bad in (0, 20):
-        with pytest.raises(ValueError, match=f'start={bad} must be in'):
-            model.sequence_logprob(idx, bad)
+        total, per_tok = model.sequence_logprob(idx, start, per_token=True)
+        assert total.shape == (4,) and per_tok.shape == (4, 20 - start)
+        ref = torch.zeros(4, 20 - start, dtype=torch.float64)
+        for b in range(4):
+            for t in range(start, 20):
+                ref[b, t - start] = F.log_softmax(logits[b, t - 1], dim=-1)[idx[b, t]]
+        assert (per_tok.double() - ref).abs().max().item() < 1e-5
+        assert (total.double() - ref.sum(1)).abs().max().item() < 1e-4
+        assert torch.equal(model.sequence_logprob(idx, start), total)
 
 
-def enumerate_continuations(model, prompt, n_new, V, top_k=None, top_p=None, temperature=1.0):
-    """All V**n_new continuations, their exact float64 per-token log-probs under the LM and
-    their exact probabilities under the proposal (top-k/top-p/temperature)."""
-    conts = torch.tensor(list(itertools.product(range(V), repeat=n_new)))
-    seqs = torch.cat([prompt.expand(len(conts), -1), conts], dim=1)
-    P = prompt.size(1)
-    logp = logprobs64(model, seqs)[:, P - 1:-1]  # positions predicting the new tokens
-    tok_lp = logp.gather(-1, conts[..., None]).squeeze(-1)
-    logq = torch.from_numpy(brute_proposal64(logp.numpy(), top_k, top_p, temperature)).view_as(logp) \
-        if (top_k, top_p, temperature) != (None, None, 1.0) else logp
-    q_seq = logq.gather(-1, conts[..., None]).squeeze(-1).sum(1).exp()
-    return tok_lp, q_seq
+@pytest.mark.parametrize('bad', [0, 20])
+def test_sequence_logprob_bad_start(bad):
+    model = tiny_gpt(vocab_size=13, block_size=24)
+    idx = torch.randint(13, (4, 20), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=f'start={bad} must be in'):
+        model.sequence_logprob(idx, bad)
 
 
 @pytest.mark.parametrize('top_k,top_p,temperature', [(None, None, 1.0), (3, None, 0.7), (None, 0.8, 1.5)])
@@ -413,7 +751,7 @@ def test_generate_distribution_exact(top_k, top_p, temperature):
     assert (logq[0].double() - ref_q).abs().max().item() < 1e-5
 
 
-def test_generate_seed_and_greedy():
+def test_generate_same_seed_same_samples():
     model = tiny_gpt(vocab_size=11, block_size=16, seed=4)
     prompt = torch.randint(11, (2, 3), generator=torch.Generator().manual_seed(5))
     a = model.generate(prompt, 6, num_samples=4, top_k=5, generator=torch.Generator().manual_seed(7))
@@ -421,7 +759,12 @@ def test_generate_seed_and_greedy():
     c = model.generate(prompt, 6, num_samples=4, top_k=5, generator=torch.Generator().manual_seed(8))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0])
-    # temperature 0: the argmax path of the full forward, the same for every sample
+
+
+def test_generate_greedy():
+    """Temperature 0: the argmax path of the full forward, the same for every sample."""
+    model = tiny_gpt(vocab_size=11, block_size=16, seed=4)
+    prompt = torch.randint(11, (2, 3), generator=torch.Generator().manual_seed(5))
     tokens, logp, logq = model.generate(prompt, 6, num_samples=3, temperature=0, return_proposal=True)
     seq = prompt.clone()
     ref_lp = []
@@ -455,44 +798,50 @@ def test_generate_truncation_support(top_k, top_p):
         assert torch.equal(tokens, model.generate(prompt, L, num_samples=50, temperature=0)[0])
 
 
-def test_proposal_logprobs_brute_force():
-    g = torch.Generator().manual_seed(9)
-    logits = torch.randn(300, 20, generator=g) * 2.5
-    for top_k, top_p, temperature in [(None, None, 1.0), (5, None, 1.0), (20, None, 1.0), (1, None, 1.0),
-                                      (None, 0.9, 1.0), (None, 0.5, 1.0), (None, 1e-3, 1.0), (None, 0.999, 1.0),
-                                      (None, 1.0, 1.0), (None, 0.7, 0.5), (None, 0.7, 2.0), (6, 0.8, 1.3),
-                                      (3, None, 0.4)]:
-        got = proposal_logprobs(logits, top_k, top_p, temperature).double().numpy()
-        ref = brute_proposal64(logits.numpy(), top_k, top_p, temperature)
-        assert (np.isfinite(got) == np.isfinite(ref)).all(), (top_k, top_p, temperature)
-        fin = np.isfinite(ref)
-        assert np.abs(got[fin] - ref[fin]).max() < 1e-5, (top_k, top_p, temperature)
-        if top_p is not None and top_k is None:  # the smallest set reaching mass top_p:
-            base = F.softmax(logits.double() / temperature, -1).numpy()
-            mass = np.where(fin, base, 0).sum(1)
-            least = np.where(fin, base, np.inf).min(1)
-            assert (mass >= top_p - 1e-12).all() and (mass - least < top_p).all()  # without its least likely token it falls short
+@pytest.mark.parametrize('top_k,top_p,temperature', [
+    (None, None, 1.0), (5, None, 1.0), (20, None, 1.0), (1, None, 1.0), (None, 0.9, 1.0), (None, 0.5, 1.0),
+    (None, 1e-3, 1.0), (None, 0.999, 1.0), (None, 1.0, 1.0), (None, 0.7, 0.5), (None, 0.7, 2.0), (6, 0.8, 1.3),
+    (3, None, 0.4)])
+def test_proposal_logprobs_brute_force(top_k, top_p, temperature):
+    logits = torch.randn(300, 20, generator=torch.Generator().manual_seed(9)) * 2.5
+    got = proposal_logprobs(logits, top_k, top_p, temperature).double().numpy()
+    ref = brute_proposal64(logits.numpy(), top_k, top_p, temperature)
+    assert (np.isfinite(got) == np.isfinite(ref)).all()
+    fin = np.isfinite(ref)
+    assert np.abs(got[fin] - ref[fin]).max() < 1e-5
+    if top_p is not None and top_k is None:  # the smallest set reaching mass top_p:
+        base = F.softmax(logits.double() / temperature, -1).numpy()
+        mass = np.where(fin, base, 0).sum(1)
+        least = np.where(fin, base, np.inf).min(1)
+        assert (mass >= top_p - 1e-12).all() and (mass - least < top_p).all()  # without its least likely token it falls short
 
 
-def test_generate_shapes_chunking_and_prompt_rows():
+@pytest.mark.parametrize('max_rows,kw', [(512, {}), (2, {}), (4, dict(top_k=4, temperature=0.8)), (7, dict(top_p=0.9))],
+                         ids=['one_chunk', 'rows2', 'rows4_top_k4_t0.8', 'rows7_top_p0.9'])
+def test_generate_shapes_chunking_and_prompt_rows(max_rows, kw):
     V, P, L = 11, 4, 5
     model = tiny_gpt(vocab_size=V, block_size=16, seed=6)
     prompt = torch.randint(V, (3, P), generator=torch.Generator().manual_seed(2))
-    for max_rows, kw in [(512, {}), (2, {}), (4, dict(top_k=4, temperature=0.8)), (7, dict(top_p=0.9))]:
-        tokens, logp, logq = model.generate(prompt, L, num_samples=5, max_rows=max_rows, return_proposal=True,
-                                            generator=torch.Generator().manual_seed(0), **kw)
-        assert tokens.shape == logp.shape == logq.shape == (3, 5, L)
-        assert tokens.dtype == torch.long and 0 <= tokens.min() and tokens.max() < V
-        assert (logq <= 1e-6).all() and torch.isfinite(logq).all()
-        # each row continues its own prompt: generate's log-probs are those of cat(prompt_b, sample)
-        seqs = torch.cat([prompt.repeat_interleave(5, 0), tokens.view(15, L)], dim=1)
-        total, per_tok = model.sequence_logprob(seqs, P, per_token=True)
-        assert (logp.view(15, L) - per_tok).abs().max().item() < 1e-4
-        assert (logp.sum(-1).view(15) - total).abs().max().item() < 1e-4
-        wrong = model.sequence_logprob(torch.cat([prompt.roll(1, 0).repeat_interleave(5, 0), tokens.view(15, L)], 1), P)
-        assert (logp.sum(-1).view(15) - wrong).abs().max().item() > 1e-2  # the check can see a mixed-up prompt
-    # heavily chunked (80 chunks of 100 samples per prompt): each prompt's first token still
-    # follows that prompt's exact next-token distribution
+    tokens, logp, logq = model.generate(prompt, L, num_samples=5, max_rows=max_rows, return_proposal=True,
+                                        generator=torch.Generator().manual_seed(0), **kw)
+    assert tokens.shape == logp.shape == logq.shape == (3, 5, L)
+    assert tokens.dtype == torch.long and 0 <= tokens.min() and tokens.max() < V
+    assert (logq <= 1e-6).all() and torch.isfinite(logq).all()
+    # each row continues its own prompt: generate's log-probs are those of cat(prompt_b, sample)
+    seqs = torch.cat([prompt.repeat_interleave(5, 0), tokens.view(15, L)], dim=1)
+    total, per_tok = model.sequence_logprob(seqs, P, per_token=True)
+    assert (logp.view(15, L) - per_tok).abs().max().item() < 1e-4
+    assert (logp.sum(-1).view(15) - total).abs().max().item() < 1e-4
+    wrong = model.sequence_logprob(torch.cat([prompt.roll(1, 0).repeat_interleave(5, 0), tokens.view(15, L)], 1), P)
+    assert (logp.sum(-1).view(15) - wrong).abs().max().item() > 1e-2  # the check can see a mixed-up prompt
+
+
+def test_generate_heavily_chunked_prompt_rows():
+    """80 chunks of 100 samples per prompt: each prompt's first token still follows that prompt's
+    exact next-token distribution."""
+    V, P = 11, 4
+    model = tiny_gpt(vocab_size=V, block_size=16, seed=6)
+    prompt = torch.randint(V, (3, P), generator=torch.Generator().manual_seed(2))
     tokens = model.generate(prompt, 1, num_samples=8000, max_rows=300, generator=torch.Generator().manual_seed(3))[0]
     exact = logprobs64(model, prompt)[:, -1].exp()
     for b in range(3):
@@ -501,24 +850,18 @@ def test_generate_shapes_chunking_and_prompt_rows():
     assert 0.5 * (exact[0] - exact[1]).abs().sum().item() > 0.1  # prompts with distinct distributions
 
 
-def test_generate_bad_arguments():
+@pytest.mark.parametrize('prompt_len,max_new,kw,match', [
+    (17, 1, {}, 'exceeds the model.s block_size 16'),
+    (10, 7, {}, '10 tokens \\+ 7 new tokens exceeds'),
+    *[(10, 2, dict(top_k=k), f'top_k={k} must be between 1 and the vocabulary size 11') for k in (0, -1, 12)],
+    *[(10, 2, dict(top_p=p), f'top_p={p} must be in') for p in (0.0, 1.5)],
+    (10, 2, dict(temperature=-1), 'temperature=-1 must be >= 0'),
+], ids=['prompt_too_long', 'too_many_new_tokens', 'top_k0', 'top_k-1', 'top_k12', 'top_p0', 'top_p1.5', 'temperature-1'])
+def test_generate_bad_arguments(prompt_len, max_new, kw, match):
     model = tiny_gpt(vocab_size=11, block_size=16)
-    prompt = torch.zeros(1, 10, dtype=torch.long)
-    with pytest.raises(ValueError, match='exceeds the model.s block_size 16'):
-        model.generate(torch.zeros(1, 17, dtype=torch.long), 1)
-    with pytest.raises(ValueError, match='10 tokens \\+ 7 new tokens exceeds'):
-        model.generate(prompt, 7)
-    for k in (0, -1, 12):
-        with pytest.raises(ValueError, match=f'top_k={k} must be between 1 and the vocabulary size 11'):
-            model.generate(prompt, 2, top_k=k)
-    for p in (0.0, 1.5):
-        with pytest.raises(ValueError, match=f'top_p={p} must be in'):
-            model.generate(prompt, 2, top_p=p)
-    with pytest.raises(ValueError, match='temperature=-1 must be >= 0'):
-        model.generate(prompt, 2, temperature=-1)
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.zeros(1, prompt_len, dtype=torch.long), max_new, **kw)
 
-
-# training
 
 def test_training_lowers_loss(lm_corpus, tmp_path, capsys):
     out = str(tmp_path / 'out')
@@ -561,25 +904,6 @@ def test_resume_is_exact(lm_corpus, tmp_path):
         assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
 
 
-def run_ddp_and_single(script, main, flags, tmp_path):
-    """Run a trainer with 2 gloo processes and in-process alone (6 iterations, evals at 3 and 6);
-    assert their per-iteration train and val losses agree. Returns (ddp dir, single dir, the single
-    run's results, its train losses)."""
-    ddp, single = str(tmp_path / 'ddp'), str(tmp_path / 'single')
-    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', script,
-                      '--out_dir', ddp, *flags])
-    assert res.returncode == 0, res.stdout + res.stderr  # the trainers check the ranks' parameters agree
-    assert '2 process(es)' in res.stdout
-    r1 = main(['--out_dir', single, *flags])
-    (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
-    assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
-    for it in ls:
-        assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
-    for it in vs:
-        assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
-    return ddp, single, r1, ls
-
-
 def test_ddp_matches_single_process(lm_corpus, tmp_path):
     flags = ['--data_dir', lm_corpus, '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1',
              '--grad_accum', '2', *TRAIN_FLAGS]
@@ -593,75 +917,8 @@ def test_ddp_matches_single_process(lm_corpus, tmp_path):
         assert (md[k] - ms[k]).abs().max().item() < 1e-4, k
 
 
-# bad input: one clear 'error:' line, no traceback
-
-def test_train_lm_bad_input(lm_corpus, lm_ckpt, tmp_path):
-    def train(data_dir, out_dir, *extra):
-        return run_script(['train_lm.py', '--data_dir', str(data_dir), '--out_dir', str(out_dir),
-                           '--max_iters', '2', *TRAIN_FLAGS, *extra])
-
-    assert_clean_error(train(tmp_path / 'missing', tmp_path / 'o1'), 'no prepared data')
-    (tmp_path / 'empty').mkdir()
-    assert_clean_error(train(tmp_path / 'empty', tmp_path / 'o2'), 'no prepared data')
-
-    # an existing checkpoint without --resume: refused, and left untouched
-    out = tmp_path / 'existing'
-    out.mkdir()
-    ckpt = out / 'ckpt.pt'
-    ckpt.write_bytes(open(lm_ckpt, 'rb').read())
-    before = (ckpt.read_bytes(), ckpt.stat().st_mtime_ns)
-    assert_clean_error(train(lm_corpus, out), 'exists: pass --resume')
-    assert (ckpt.read_bytes(), ckpt.stat().st_mtime_ns) == before
-
-    # --resume with no checkpoint, with a truncated one, with one of another vocabulary
-    assert_clean_error(train(lm_corpus, tmp_path / 'none', '--resume'), 'does not exist')
-    bad = tmp_path / 'corrupt'
-    bad.mkdir()
-    (bad / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read()[:1000])
-    assert_clean_error(train(lm_corpus, bad, '--resume'), 'corrupt or truncated')
-    other = prepare_corpus(tmp_path / 'other', {'x.txt': "XYZ xyz 0123456789 ~~~\n" * 40})
-    assert_clean_error(train(other, out, '--resume'), 'another vocabulary')
-    assert (ckpt.read_bytes(), ckpt.stat().st_mtime_ns) == before
-
-    # a test split too short for one window: refused before training, not a NaN perplexity
-    short = prepare_corpus(tmp_path / 'short', {'s.txt': CORPUS[:400]}, extra=['--val_frac', '0.1', '--test_frac', '0.02'])
-    assert_clean_error(train(short, tmp_path / 'o3'), 'test split has')
-
-
-# ---- energy, negatives, NCE (issue 3) ----
-
-CPU = ['--quiet', '--device', 'cpu', '--dtype', 'float32']
-NEG_FLAGS = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CPU]
-NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size', '4', '--warmup_iters', '2',
-             '--eval_prefixes', '10', *CPU]
-
-
-def run_scripts(arg_lists, timeout=300):
-    """run_script for several independent commands at once (they are mostly python start-up)."""
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for a in arg_lists]
-    out = []
-    for p in procs:
-        o, e = p.communicate(timeout=timeout)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
-    return out
-
-
-def dir_snapshot(d):
-    """{file: (bytes, mtime)} of everything under d: 'nothing was overwritten' is equality."""
-    snap = {}
-    for root, _, files in os.walk(d):
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, 'rb') as fh:
-                snap[os.path.relpath(p, d)] = (fh.read(), os.stat(p).st_mtime_ns)
-    return snap
-
-
-def softplus64(x):
-    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
-
+# =============================================================================
+# ==== energy: E(x) (energy.py): padding, pooling, context, UNIT/BIT bodies, MLM masks, checkpoints tied to their LM ====
 
 def random_energy(kind, pool, vocab_size=12, block_size=16, seed=0, alibi=False):
     """A tiny Energy with wide random weights, head included (a fresh head is zero: E = 0)."""
@@ -682,56 +939,6 @@ def energy_ref64(e, seq, P):
     h = h[P:] if e.pool == 'continuation' else h
     return (h.mean(0) @ e.head.weight.double()[0] + e.head.bias.double()[0]).item()
 
-
-@pytest.fixture(scope='module')
-def fox_negatives(lm_ckpt, tmp_path_factory):
-    """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and all 27 val prefixes."""
-    out = tmp_path_factory.mktemp('fox_neg')
-    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('val', ['--chunk', '8'])):
-        negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
-    return dict(train=str(out / 'train'), val=str(out / 'val'))
-
-
-@pytest.fixture(scope='module')
-def mlm_ckpt(lm_corpus, tmp_path_factory):
-    """A bidirectional masked-LM pretraining (block_size 8) on lm_corpus: a BIT's init_from."""
-    out = str(tmp_path_factory.mktemp('mlm_ckpt'))
-    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'mlm', '--max_iters', '2',
-                   '--eval_interval', '2', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
-    return os.path.join(out, 'ckpt.pt')
-
-
-# NCE losses
-
-def test_nce_loss_brute_force():
-    g = torch.Generator().manual_seed(0)
-    for B, M in ((1, 1), (7, 1), (5, 4)):
-        e_pos = torch.randn(B, generator=g, dtype=torch.float64) * 6
-        e_neg = torch.randn(B, M, generator=g, dtype=torch.float64) * 6
-        e_neg[0, 0] = e_pos[0]  # a tie counts as a mistake: accuracy is E+ < E- strictly
-        e_pos[-1] = 40.0  # far in the tails: no overflow
-        p, n = e_pos.tolist(), e_neg.tolist()
-        ref_bin = sum(softplus64(p[b]) + sum(softplus64(-x) for x in n[b]) / M for b in range(B)) / B
-        ref_rank = 0.0
-        for b in range(B):
-            s = [-p[b]] + [-x for x in n[b]]
-            m = max(s)
-            ref_rank += -(s[0] - (m + math.log(sum(math.exp(v - m) for v in s)))) / B
-        ref_acc = sum(p[b] < x for b in range(B) for x in n[b]) / (B * M)
-        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-            for kind, ref in (('binary', ref_bin), ('ranking', ref_rank)):
-                loss, acc = nce_train.nce_loss(e_pos.to(dtype), e_neg.to(dtype), kind)
-                assert abs(loss.item() - ref) <= tol * max(1.0, abs(ref)), (B, M, kind, dtype)
-                assert abs(acc.item() - ref_acc) < 1e-6  # accuracy is a float32 mean
-        if M == 1:  # with one negative, the ranking loss is the binary loss of E+ - E- (softmax of two)
-            ref_pair = sum(softplus64(p[b] - n[b][0]) for b in range(B)) / B
-            assert abs(nce_train.nce_loss(e_pos, e_neg, 'ranking')[0].item() - ref_pair) < 1e-12
-    assert 0 < ref_acc < 1
-    with pytest.raises(ValueError, match="unknown NCE loss 'hinge'"):
-        nce_train.nce_loss(e_pos, e_neg, 'hinge')
-
-
-# the energy
 
 @pytest.mark.parametrize('kind', ['bit', 'unit'])
 @pytest.mark.parametrize('pool,alibi', [('continuation', False), ('all', False), ('continuation', True)])
@@ -768,8 +975,23 @@ def test_energy_padding_invariance(kind, pool, alibi):
         assert ((other.eval()(batches[0], P, lengths) - alone).abs() > 1e-3).all()
     fresh = Energy(e.config, pool)  # a new energy is 0: the joint model starts as P_LM
     assert torch.equal(fresh(batches[0], P, lengths), torch.zeros(len(seqs)))
+
+
+def test_energy_unknown_pool():
     with pytest.raises(ValueError, match="pool 'max' must be one of"):
-        Energy(e.config, 'max')
+        Energy(random_energy('bit', 'continuation').config, 'max')
+
+
+def test_score_in_chunks():
+    """energy.score: the energies of many rows, max_rows at a time, in float64: the float64
+    reference of each row."""
+    P = 5
+    e = random_energy('bit', 'continuation')
+    x = torch.randint(12, (10, 16), generator=torch.Generator().manual_seed(2))
+    got = score(e, x, P, NULL, max_rows=3)  # chunks of 3, 3, 3, 1
+    ref = torch.tensor([energy_ref64(e, s, P) for s in x], dtype=torch.float64)
+    assert got.dtype == torch.float64 and got.shape == (10,)
+    assert (got - ref).abs().max().item() < 1e-5 and (ref.max() - ref.min()).item() > 0.1
 
 
 @pytest.mark.parametrize('kind', ['bit', 'unit'])
@@ -795,24 +1017,37 @@ def test_energy_context_sees_the_last_prefix_tokens(kind):
         whole = Energy(e.config, 'continuation', context=P)  # a context as long as the prefix cuts nothing
         whole.load_state_dict(e.state_dict())
         assert torch.equal(whole.eval()(x, P, lengths), e(x, P, lengths))
+
+
+def test_energy_negative_context():
     with pytest.raises(ValueError, match='context -1 must be >= 0'):
-        Energy(e.config, 'continuation', context=-1)
+        Energy(random_energy('bit', 'continuation').config, 'continuation', context=-1)
 
 
-def test_unit_starts_as_the_lm(lm_corpus, lm_ckpt, tmp_path):
+@pytest.mark.parametrize('sizes', [None, dict(n_layer=2, n_head=None)], ids=['sizes_unset', 'sizes_of_the_lm'])
+def test_unit_starts_as_the_lm(lm_corpus, lm_ckpt, sizes):
+    """Flags equal to the LM's (or unset) are fine: the UNIT's body is the LM's, its energy 0."""
     meta = load_meta(lm_corpus)
     lm, _ = load_lm(lm_ckpt)
     x = torch.randint(meta['vocab_size'], (3, 16), generator=torch.Generator().manual_seed(0))
-    for sizes in (None, dict(n_layer=2, n_head=None)):  # flags equal to the LM's (or unset) are fine
-        e = build_energy('unit', lm_ckpt, meta, sizes=sizes)
-        assert e.kind == 'unit' and e.config == lm.config and e.config.causal
-        with torch.no_grad():
-            assert torch.equal(e.body.hidden(x), lm.hidden(x))
-            assert torch.equal(e(x, 4), torch.zeros(3))
-    for sizes, what in ((dict(n_layer=3), 'n_layer=2'), (dict(n_embd=64), 'n_embd=32'), (dict(n_head=4), 'n_head=2')):
-        with pytest.raises(ValueError, match=f'UNIT energy has the shape of the LM it starts from .*{what}'):
-            build_energy('unit', lm_ckpt, meta, sizes=sizes)
-    # the paper's UNIT may be another (e.g. larger) LM of the same data: init_from copies that one
+    e = build_energy('unit', lm_ckpt, meta, sizes=sizes)
+    assert e.kind == 'unit' and e.config == lm.config and e.config.causal
+    with torch.no_grad():
+        assert torch.equal(e.body.hidden(x), lm.hidden(x))
+        assert torch.equal(e(x, 4), torch.zeros(3))
+
+
+@pytest.mark.parametrize('sizes,what', [(dict(n_layer=3), 'n_layer=2'), (dict(n_embd=64), 'n_embd=32'),
+                                        (dict(n_head=4), 'n_head=2')], ids=['n_layer', 'n_embd', 'n_head'])
+def test_unit_refuses_another_shape(lm_corpus, lm_ckpt, sizes, what):
+    with pytest.raises(ValueError, match=f'UNIT energy has the shape of the LM it starts from .*{what}'):
+        build_energy('unit', lm_ckpt, load_meta(lm_corpus), sizes=sizes)
+
+
+def test_unit_from_another_lm(lm_corpus, lm_ckpt, tmp_path):
+    """The paper's UNIT may be another (e.g. larger) LM of the same data: init_from copies that one."""
+    meta = load_meta(lm_corpus)
+    x = torch.randint(meta['vocab_size'], (3, 16), generator=torch.Generator().manual_seed(0))
     out = str(tmp_path / 'lm1')
     train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--max_iters', '1', '--eval_interval', '1',
                    '--final_eval', '0', *TRAIN_FLAGS, '--n_layer', '1'])
@@ -821,11 +1056,14 @@ def test_unit_starts_as_the_lm(lm_corpus, lm_ckpt, tmp_path):
     assert e.config.n_layer == 1
     with torch.no_grad():
         assert torch.equal(e.body.hidden(x), lm1.hidden(x))
+
+
+def test_build_energy_unknown_kind(lm_corpus, lm_ckpt):
     with pytest.raises(ValueError, match="unknown energy kind 'mlp'"):
-        build_energy('mlp', lm_ckpt, meta)
+        build_energy('mlp', lm_ckpt, load_meta(lm_corpus))
 
 
-def test_bit_from_mlm_and_from_scratch(lm_corpus, lm_ckpt, mlm_ckpt, tmp_path):
+def test_bit_from_mlm(lm_corpus, lm_ckpt, mlm_ckpt):
     meta = load_meta(lm_corpus)
     V = meta['vocab_size']
     mlm = load_checkpoint(mlm_ckpt)
@@ -845,16 +1083,28 @@ def test_bit_from_mlm_and_from_scratch(lm_corpus, lm_ckpt, mlm_ckpt, tmp_path):
         y = x.clone()
         y[:, -1] = (y[:, -1] + 1) % V
         assert (e.body.hidden(x)[:, 0] - e.body.hidden(y)[:, 0]).abs().max().item() > 1e-4
+
+
+def test_bit_refuses_an_lm_to_start_from(lm_corpus, lm_ckpt):
     with pytest.raises(ValueError, match="is a 'lm' checkpoint: a BIT starts from a masked-LM one"):
-        build_energy('bit', lm_ckpt, meta, init_from=lm_ckpt)
-    # from scratch: the LM's sizes and block unless told, one extra token ([MASK]), no causal mask
+        build_energy('bit', lm_ckpt, load_meta(lm_corpus), init_from=lm_ckpt)
+
+
+def test_bit_from_scratch(lm_corpus, lm_ckpt):
+    """The LM's sizes and block unless told, one extra token ([MASK]), no causal mask."""
+    meta = load_meta(lm_corpus)
+    V = meta['vocab_size']
     e = build_energy('bit', lm_ckpt, meta)
     assert (e.config.vocab_size, e.config.block_size, e.config.n_layer, e.config.causal) == (V + 1, 16, 2, False)
     e = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_embd=16, n_head=None), block_size=12)
     assert (e.config.n_layer, e.config.n_embd, e.config.n_head, e.config.block_size) == (1, 16, 2, 12)
-    # an MLM of another corpus whose vocabulary happens to have the same size is still refused
+
+
+def test_bit_refuses_an_mlm_of_another_vocabulary(lm_corpus, lm_ckpt, tmp_path):
+    """An MLM of another corpus whose vocabulary happens to have the same size is still refused."""
+    meta = load_meta(lm_corpus)
     other = prepare_corpus(tmp_path / 'upper', {'u.txt': CORPUS.upper()}, extra=['--val_frac', '0.1', '--test_frac', '0.1'])
-    assert load_meta(other)['vocab_size'] == V and load_meta(other)['chars'] != meta['chars']
+    assert load_meta(other)['vocab_size'] == meta['vocab_size'] and load_meta(other)['chars'] != meta['chars']
     out = str(tmp_path / 'mlm_upper')
     train_lm.main(['--data_dir', other, '--out_dir', out, '--objective', 'mlm', '--max_iters', '1',
                    '--eval_interval', '1', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
@@ -899,73 +1149,65 @@ def test_mlm_mask_proportions(V):
     assert not torch.equal(other[1], targets)
 
 
-# windows and negatives
-
-def windows_brute(data, P, L, stride=None):
-    n, stride = P + L, stride or P + L
-    return [o for o in range(len(data)) if o % stride == 0 and o + n <= len(data)]
-
-
-def test_windows_brute_force():
-    rng_ = np.random.default_rng(0)
-    eot = 0
-    docs = [rng_.integers(1, 9, size=k).tolist() for k in (0, 1, 3, 9, 10, 11, 25, 0, 0, 17, 40, 2, 10)]
-    data = np.array(sum((d + [eot] for d in docs), []), dtype=np.uint16)
-    for P, L, stride in ((4, 6, None), (2, 1, None), (3, 3, 1), (5, 5, 4), (1, 1, 7), (30, 10, None)):
-        got = windows(data, P, L, stride)
-        ref = windows_brute(data.tolist(), P, L, stride)
-        assert got.dtype == np.int64 and got.tolist() == ref, (P, L, stride)
-        assert any(eot in data[o:o + P + L].tolist() for o in got)  # windows cross document ends
-        toks = window_tokens(data, got, P + L)
-        assert toks.dtype == torch.int64 and toks.tolist() == [data[o:o + P + L].tolist() for o in ref]
-        for m in (1, 2, 3, 7, len(ref) - 1, len(ref), len(ref) + 5):
-            sub = windows(data, P, L, stride, max_windows=m).tolist()
-            if m >= len(ref):
-                assert sub == ref
-                continue
-            idx = [ref.index(o) for o in sub]  # a subset, in order, of m distinct windows
-            assert len(sub) == m and idx == sorted(set(idx)) and idx[0] == 0
-            if m > 1:  # evenly spaced from the first to the last window
-                gaps = np.diff(idx)
-                assert idx[-1] == len(ref) - 1 and gaps.max() - gaps.min() <= 1, (m, idx)
-    assert len(windows(np.array([1, 2, 0, 3], dtype=np.uint16), 3, 2)) == 0
+def test_energy_checkpoints(lm_ckpt, eval_ckpts):
+    """The checkpoints the command-line tests use: load_energy rebuilds the saved energy exactly
+    (the zero head is E = 0, the random head is not), tied to its LM by hash."""
+    x = torch.randint(1, 30, (5, EVAL_P + EVAL_L), generator=torch.Generator().manual_seed(0))
+    zero, ck = load_energy(eval_ckpts['zero'], lm_ckpt)
+    assert ck['lm_hash'] == file_hash(lm_ckpt) and not zero.training
+    assert torch.equal(energies(zero, x, EVAL_P), torch.zeros(5, dtype=torch.float64))
+    bit, ck = load_energy(eval_ckpts['bit'])
+    assert ck['pool'] == 'continuation' and ck['energy_kind'] == 'bit' and not bit.config.causal
+    E = energies(bit, x, EVAL_P)
+    assert E.std() > 0.05 and (E - energies(bit, x, EVAL_P + 1)).abs().max() > 1e-3  # pooling starts at the prefix
+    ref = Energy(GPTConfig(**ck['config']), ck['pool'])
+    ref.load_state_dict(torch.load(eval_ckpts['bit'], weights_only=True)['model'])
+    assert torch.equal(energies(ref.eval(), x, EVAL_P), E)
 
 
-def test_end_of_text_cannot_separate_real_from_sampled():
-    """With an exact LM (here the Markov chain that wrote the corpus), the end-of-text token is as
-    frequent in real continuations x+ as in LM samples x-, so no energy can separate them by it.
-    Windows kept inside documents (rebm's old rule) never showed it in x+: a free give-away."""
-    V, eot, P, L = 5, 0, 3, 6
-    g = torch.Generator().manual_seed(0)
-    T = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
-    T[:, eot] = 0.08
-    T /= T.sum(1, keepdim=True)
-    stream = [1]
-    for u in torch.rand(60000, generator=g).tolist():
-        stream.append(int(np.searchsorted(np.cumsum(T[stream[-1]].numpy()), u * 0.999999)))
-    data = np.array(stream, dtype=np.uint16)
-    x = window_tokens(data, windows(data, P, L), P + L)
-    real = x[:, P:]
-    prev, fake = x[:, P - 1], []
-    for _ in range(L):
-        prev = torch.multinomial(T[prev], 1, generator=g).squeeze(1)
-        fake.append(prev)
-    fake = torch.stack(fake, 1)
-    has_real, has_fake = (real == eot).any(1).double(), (fake == eot).any(1).double()
-    se = math.sqrt((has_real.var() + has_fake.var()) / len(has_real))
-    assert has_real.mean() > 0.2 and abs(has_real.mean() - has_fake.mean()) < 4 * se
+def test_energy_checkpoint_keeps_the_context(lm_ckpt, eval_ckpts, tmp_path):
+    x = torch.randint(1, 30, (5, EVAL_P + EVAL_L), generator=torch.Generator().manual_seed(0))
+    bit, ck = load_energy(eval_ckpts['bit'])
+    cut = Energy(bit.config, ck['pool'], context=2)  # the context is saved and restored
+    cut.load_state_dict(bit.state_dict())
+    save_checkpoint(energy_state(cut, lm_ckpt, ck['meta']), str(tmp_path / 'cut.pt'))
+    back, _ = load_energy(str(tmp_path / 'cut.pt'))
+    assert back.context == 2 and torch.equal(energies(back, x, EVAL_P), energies(cut.eval(), x, EVAL_P))
+    assert (energies(back, x, EVAL_P) - energies(bit, x, EVAL_P)).abs().max() > 1e-3
 
+
+def test_load_energy_of_an_lm(lm_ckpt):
+    with pytest.raises(ValueError, match='not an energy'):
+        load_energy(lm_ckpt)
+
+
+def test_load_energy_of_another_lm(eval_ckpts):
+    with pytest.raises(ValueError, match='residual of another LM'):
+        load_energy(eval_ckpts['bit'], eval_ckpts['lm2'])
+
+
+# =============================================================================
+# ==== negatives: the LM's samples with log P_LM and log q, the real continuation's too (negatives.py); a killed run resumes byte-identical ====
 
 def neg_files(d):
     names = ('tokens.bin', 'logp.bin', 'logq.bin', 'pos_logp.bin', 'pos_logq.bin', 'done.bin', 'offsets.npy', 'meta.json')
     return {f: open(os.path.join(d, f), 'rb').read() for f in names}
 
 
-def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypatch):
-    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+@pytest.fixture(scope='module')
+def train_negatives(lm_ckpt, tmp_path_factory):
+    """negatives.py in one go: lm_ckpt's samples for 23 train prefixes in 5 chunks. Returns (its
+    dir, its flags)."""
+    a = str(tmp_path_factory.mktemp('train_negatives') / 'a')
     flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
     res = run_script(['negatives.py', '--out_dir', a, *flags])
     assert res.returncode == 0, res.stdout + res.stderr
+    return a, flags
+
+
+def test_negatives_resume_byte_identical(train_negatives, tmp_path, monkeypatch):
+    a, flags = train_negatives
+    b = str(tmp_path / 'b')
     # b: killed while sampling its third chunk (of 5), after a partial write of that chunk's rows
     orig, calls = GPT.generate, []
 
@@ -997,7 +1239,10 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     res = run_script(['negatives.py', '--out_dir', b, *flags])  # complete: nothing left to do
     assert res.returncode == 0 and neg_files(b) == fa
 
-    # what the files hold: the LM's own samples and their log-probs
+
+def test_negatives_hold_the_lms_samples(lm_corpus, lm_ckpt, train_negatives):
+    """What the files hold: the LM's own samples and their log-probs."""
+    a, _ = train_negatives
     meta = load_meta(lm_corpus)
     neg = load_negatives(a, lm_path=lm_ckpt)
     data = load_split(lm_corpus, 'train', meta)
@@ -1015,11 +1260,19 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     assert (logp - ref).abs().max().item() < 1e-4
     assert (logp - wrong).abs().max().item() > 1e-2  # the check can see a prefix/sample mix-up
     assert np.array_equal(neg['logq'], neg['logp'])  # untruncated: q is P_LM itself
-    # truncated sampling: logq is the renormalised top-k proposal, logp still the untruncated LM
+
+
+def test_negatives_top_k_proposal(lm_corpus, lm_ckpt, train_negatives, tmp_path):
+    """Truncated sampling: logq is the renormalised top-k proposal, logp still the untruncated LM."""
+    _, flags = train_negatives
     c = str(tmp_path / 'topk')
     negatives.main(['--out_dir', c, *flags, '--top_k', '3'])
     neg = load_negatives(c)
     assert neg['meta']['top_k'] == 3
+    N, K, L = 23, 3, 4
+    data = load_split(lm_corpus, 'train', load_meta(lm_corpus))
+    prefix = window_tokens(data, neg['offsets'], 6).repeat_interleave(K, 0)
+    lm, _ = load_lm(lm_ckpt)
     tokens = torch.from_numpy(neg['tokens'].astype(np.int64)).view(N * K, L)
     with torch.no_grad():
         total, per_tok = lm.sequence_logprob(torch.cat([prefix, tokens], 1), 6, per_token=True)
@@ -1030,1527 +1283,96 @@ def test_negatives_resume_byte_identical(lm_corpus, lm_ckpt, tmp_path, monkeypat
     assert (logq >= np.array(neg['logp']) - 1e-6).all() and (logq > np.array(neg['logp']) + 1e-3).mean() > 0.9
 
 
-# NCE training
-
-def unigram_lm(data_dir, path):
-    """Save an LM checkpoint that ignores its context: every next-token distribution is the
-    unigram distribution of the train split (blocks are identities, the final LayerNorm outputs
-    a constant that the tied head maps to the unigram log-probs). Returns those log-probs."""
-    meta = load_meta(data_dir)
-    V = meta['vocab_size']
-    counts = np.bincount(np.asarray(load_split(data_dir, 'train', meta)), minlength=V)
-    logp = torch.from_numpy(np.log(counts / counts.sum())).float()
-    cfg = GPTConfig(block_size=16, vocab_size=V, n_layer=1, n_head=1, n_embd=8, bias=True)
-    torch.manual_seed(0)
-    lm = GPT(cfg)
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if 'c_proj' in name:
-                p.zero_()
-        lm.transformer.ln_f.weight.zero_()
-        lm.transformer.ln_f.bias.zero_()
-        lm.transformer.ln_f.bias[0] = 1.0
-        lm.transformer.wte.weight[:, 0] = logp
-    save_checkpoint(dict(kind='lm', model=lm.state_dict(), config=asdict(cfg), meta=dict(meta, data_dir=data_dir)), path)
-    return logp
-
-
-def test_nce_learns_what_the_lm_cannot_see(tmp_path):
-    """Every 8-character window is a random 4-letter word followed by a copy of it. The base LM is
-    the exact unigram model, so real continuations and its samples look the same to it; the energy
-    must learn the copy. 800 iterations of a tiny BIT: ~5 s."""
-    rng = random.Random(0)
-    words = lambda n: ''.join(w + w for w in (''.join(rng.choice('abcdefgh') for _ in range(4)) for _ in range(n)))
-    # 199 characters + end-of-text: every document is 200 tokens, so 8-token windows stay aligned
-    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25)[:-1] for i in range(120)},
-                              extra=['--val_frac', '0.1', '--test_frac', '0.1'])
-    lm_path = str(tmp_path / 'unigram.pt')
-    logp_uni = unigram_lm(data_dir, lm_path)
-    lm, _ = load_lm(lm_path)
-    V = len(logp_uni)
-    x = torch.randint(V, (4, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (F.log_softmax(lm(x)[0], -1) - logp_uni).abs().max().item() < 1e-5
-    for split in ('train', 'select', 'val'):
-        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '4',
-                        '--gen_len', '4', '--num_samples', '4', '--chunk', '256', *CPU])
-    meta = load_meta(data_dir)
-    val = load_split(data_dir, 'val', meta)
-    neg = load_negatives(str(tmp_path / 'val'))
-    pos = window_tokens(val, neg['offsets'], 8)
-    whole = (pos != meta['eot_id']).all(1)  # windows aligned with the words, but the last of each document
-    assert len(pos) == 300 and whole.sum() == 288 and torch.equal(pos[whole, :4], pos[whole, 4:])
-    samples = torch.from_numpy(neg['tokens'].astype(np.int64))
-    assert (samples == pos[:, None, :4]).all(-1).float().mean().item() < 0.01
-    # to the LM, a real continuation is as likely as its own samples
-    assert abs(logp_uni[pos[:, 4:]].sum(1).mean().item() - np.array(neg['logp']).mean()) < 0.2
-    out = str(tmp_path / 'bit')
-    res = nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives',
-                          str(tmp_path / 'select'), '--out_dir', out, '--energy', 'bit', '--n_layer', '2',
-                          '--n_head', '2', '--n_embd', '32', '--batch_size', '32', '--max_iters', '800',
-                          '--eval_interval', '800', '--log_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
-                          '--warmup_iters', '20', *CPU])
-    assert res['held_out_prefixes'] == 150 and res['held_out_acc'] > 0.9, res
-    assert res['held_out_e_pos'] < res['held_out_e_neg']
-    # independently, with the saved energy: every (positive, stored negative) pair of the val split
-    energy, ckpt = load_energy(os.path.join(out, 'ckpt.pt'), lm_path=lm_path)
-    assert ckpt['iter_num'] == 800 and energy.kind == 'bit'
-    with torch.no_grad():
-        e_pos = energy(pos, 4)
-        e_neg = energy(torch.cat([pos[:, None, :4].expand(-1, 4, -1), samples], 2).flatten(0, 1), 4).view(-1, 4)
-    assert (e_pos[:, None] < e_neg).float().mean().item() > 0.9
-    with pytest.raises(ValueError, match='residual of another LM'):
-        load_energy(os.path.join(out, 'ckpt.pt'), lm_path=os.path.join(out, 'results.json'))
-
-
-def test_joint_ppl_end_to_end_on_the_copy_task(tmp_path):
-    """The whole chain where the answer is known. Real text is random 2-letter words each followed
-    by its copy; the base LM is the exact unigram model; NCE (early-stopped on the selection
-    split) trains an energy that learns the copy; estimate_ppl.py's joint PPL range, from LM
-    samples, contains the exact joint PPL (log Z by summing P_LM exp(-E) over all V^2
-    continuations) and lies far below the base LM's."""
-    rng_ = random.Random(1)
-    words = lambda n: ''.join(w + w for w in (''.join(rng_.choice('abcd') for _ in range(2)) for _ in range(n)))
-    # 99 characters + end-of-text: every document is 100 tokens, so 4-token windows stay aligned
-    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25)[:-1] for i in range(60)},
-                              extra=['--val_frac', '0.1', '--test_frac', '0.1'])
-    lm_path = str(tmp_path / 'unigram.pt')
-    logp_uni = unigram_lm(data_dir, lm_path).double()
-    for split in ('train', 'select'):
-        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '2',
-                        '--gen_len', '2', '--num_samples', '4', '--chunk', '256', *CPU])
-    nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives', str(tmp_path / 'select'),
-                    '--out_dir', str(tmp_path / 'bit'), '--energy', 'bit', '--n_layer', '2', '--n_head', '2', '--n_embd', '32',
-                    '--batch_size', '32', '--max_iters', '300', '--eval_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
-                    '--warmup_iters', '20', *CPU])
-    best = str(tmp_path / 'bit' / 'best.pt')
-    out = estimate_ppl.main(['--lm', lm_path, '--energy', f'BIT={best}', '--splits', 'test', '--prefix_len', '2',
-                             '--gen_len', '2', '--max_prefixes', '0', '--num_samples', '1024', '--calib_prefixes', '0',
-                             '--out', str(tmp_path / 'ppl.json'), *CPU])
-    rows = {r['model']: r for r in out['rows']}
-    meta = load_meta(data_dir)
-    test = load_split(data_dir, 'test', meta)
-    x = window_tokens(test, windows(test, 2, 2), 4)
-    V = meta['vocab_size']
-    energy, _ = load_energy(best, lm_path)
-    cont = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # all V^2 continuations
-    with torch.no_grad():
-        e_all = energy(torch.cat([x[:, None, :2].expand(-1, V * V, -1), cont.expand(len(x), -1, -1)], 2).flatten(0, 1), 2)
-        e_real = energy(x, 2).double()
-    log_z = torch.logsumexp(logp_uni[cont].sum(1) - e_all.double().view(len(x), -1), 1)
-    lp_real = logp_uni[x[:, 2:]].sum(1)
-    exact_ppl = math.exp(-(lp_real - e_real - log_z).sum().item() / x[:, 2:].numel())
-    base_ppl = math.exp(-lp_real.sum().item() / x[:, 2:].numel())
-    assert abs(rows['BASE LM']['ppl'] - base_ppl) < 1e-4 * base_ppl
-    joint = rows['JOINT BIT']
-    assert joint['ppl_low'] * 0.99 <= exact_ppl <= joint['ppl_high'] * 1.01, (joint, exact_ppl)
-    assert exact_ppl < 0.7 * base_ppl and joint['ppl_high'] < 0.7 * base_ppl, (exact_ppl, base_ppl)
-
-
-def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
-    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
-             '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1', '--grad_accum', '2', *NCE_FLAGS,
-             '--lr', '1e-2']
-    ddp, single, r1, ls = run_ddp_and_single('nce_train.py', nce_train.main, flags, tmp_path)
-    assert max(ls.values()) - min(ls.values()) > 1e-3  # the energy trains: the curve is not flat
-    with open(os.path.join(ddp, 'results.json')) as f:
-        rd = json.load(f)
-    assert rd['held_out_prefixes'] == r1['held_out_prefixes'] == 10
-    for k in ('held_out_loss', 'held_out_acc', 'held_out_e_pos', 'held_out_e_neg'):
-        assert abs(rd[k] - r1[k]) < 1e-4, k
-    md, ms = (load_checkpoint(os.path.join(d, 'ckpt.pt'))['model'] for d in (ddp, single))
-    assert md.keys() == ms.keys()
-    for k in ms:
-        assert (md[k] - ms[k]).abs().max().item() < 1e-4, k
-
-
-def test_nce_resume_is_exact(lm_corpus, tmp_path):
-    """A UNIT from an LM with dropout 0.1, ranking NCE over 2 of 3 negatives: the resumed run
-    continues the dropout draws too."""
-    lm_dir = str(tmp_path / 'lm')
-    train_lm.main(['--data_dir', lm_corpus, '--out_dir', lm_dir, '--max_iters', '2', '--eval_interval', '2',
-                   '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
-    lm_path = os.path.join(lm_dir, 'ckpt.pt')
-    for split in ('train', 'val'):
-        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split),
-                        '--max_prefixes', '24', *NEG_FLAGS])
-    flags = ['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--val_negatives', str(tmp_path / 'val'),
-             '--energy', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4', '--log_interval', '1',
-             '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
-    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    nce_train.main(['--out_dir', a, '--max_iters', '8', *flags])
-    nce_train.main(['--out_dir', b, '--max_iters', '4', *flags])
-    cb = load_checkpoint(os.path.join(b, 'ckpt.pt'))
-    assert cb['iter_num'] == 4 and cb['energy_kind'] == 'unit' and cb['config']['dropout'] == 0.1
-    torch.manual_seed(123)
-    nce_train.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
-    (la, va), (lb, vb) = read_log(a), read_log(b)
-    assert sorted(la) == sorted(lb) == list(range(1, 9)) and sorted(va) == sorted(vb) == [4, 8]
-    for it in range(1, 9):
-        assert abs(la[it] - lb[it]) <= 1e-6, (it, la[it], lb[it])
-    assert abs(va[8] - vb[8]) <= 1e-6
-    assert abs(la[1] - math.log(3)) < 1e-6  # E = 0 at the start: ranking among 3 is ln 3
-    ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
-    assert ca['iter_num'] == cb['iter_num'] == 8
-    for k in ca['model']:
-        assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
-
-
-def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
-    """best.pt holds the energy at the lowest held-out NCE loss: the same weights as a run
-    stopped at that iteration (training is a function of the seed), with the --dropout given."""
-    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
-             '--eval_interval', '2', '--log_interval', '1', '--lr', '3e-2', '--lr_decay_iters', '12',
-             '--dropout', '0.05', *NCE_FLAGS]
-    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    res = nce_train.main(['--out_dir', a, '--max_iters', '12', *flags])
-    _, vals = read_log(a)
-    best_iter = min(vals, key=vals.get)
-    assert sorted(vals) == list(range(2, 13, 2)) and res['best_iter'] == best_iter and res['best_loss'] == vals[best_iter]
-    assert best_iter < 12  # so best.pt is not just the last energy
-    best = load_checkpoint(os.path.join(a, 'best.pt'))
-    assert best['iter_num'] == best_iter and 'optimizer' not in best and best['config']['dropout'] == 0.05
-    nce_train.main(['--out_dir', b, '--max_iters', str(best_iter), *flags])
-    stopped = load_checkpoint(os.path.join(b, 'ckpt.pt'))['model']
-    for k in stopped:
-        assert (best['model'][k] - stopped[k]).abs().max().item() <= 1e-6, k
-    energy, _ = load_energy(os.path.join(a, 'best.pt'), lm_path=lm_ckpt)
-    assert not energy.training and energy.kind == 'bit'
-
-
-def test_rng_seeds_are_distinct():
-    """One seeding rule: every (seed, purpose, split, index) gets its own stream."""
-    from runtime import rng_seed
-    seeds = [rng_seed(1337, p, s, c) for p in ('negatives', 'log_z') for s in ('train', 'val', 'test') for c in range(300)]
-    assert len(set(seeds)) == len(seeds)
-    assert rng_seed(1337, 'log_z', 'val', 3) == rng_seed(1337, 'log_z', 'val', 3) != rng_seed(7, 'log_z', 'val', 3)
-    assert 0 <= rng_seed(-5, 'negatives', 'test', 0) < 2**32
-
-
-def test_negatives_and_nce_bad_input(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path):
-    # another LM: the fox LM with its weights nudged
-    other_lm = str(tmp_path / 'other_lm.pt')
-    ck = load_checkpoint(lm_ckpt)
-    ck['model'] = {k: v + 0.01 for k, v in ck['model'].items()}
-    save_checkpoint(ck, other_lm)
-    # a corpus with the LM's characters whose documents are all shorter than prefix + continuation
-    sentence = CORPUS[:45]
-    short = prepare_corpus(tmp_path / 'short', {f'{i}.txt': sentence[9 * i:9 * i + 9] for i in range(5)})
-    # a complete negatives dir, rerun with other settings
-    rerun = str(tmp_path / 'rerun')
-    shutil.copytree(fox_negatives['val'], rerun)
-    before = dir_snapshot(rerun)
-    existing = tmp_path / 'existing'
-    existing.mkdir()
-    (existing / 'ckpt.pt').write_bytes(b'an older energy')
-    before_existing = dir_snapshot(existing)
-    # --resume of a checkpoint that is an LM, or the energy of another LM
-    lm_dir, other_energy = tmp_path / 'lm_dir', tmp_path / 'other_energy'
-    lm_dir.mkdir()
-    (lm_dir / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
-    meta = load_meta(load_checkpoint(lm_ckpt)['meta']['data_dir'])
-    save_checkpoint(dict(energy_state(build_energy('bit', other_lm, meta), other_lm, meta), iter_num=1),
-                    str(other_energy / 'ckpt.pt'))
-    before_resume = dir_snapshot(lm_dir), dir_snapshot(other_energy)
-    # val negatives with fewer samples than the ranking loss compares
-    val_k1 = str(tmp_path / 'val_k1')
-    negatives.main(['--lm', lm_ckpt, '--split', 'val', '--out_dir', val_k1, *NEG_FLAGS, '--num_samples', '1'])
-    out = lambda name: str(tmp_path / name)
-    neg = ['negatives.py', '--lm', lm_ckpt, *NEG_FLAGS]
-    nce = ['nce_train.py', '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
-           '--max_iters', '2', *NCE_FLAGS]
-    cases = [
-        ([*neg, '--out_dir', out('n1'), '--num_samples', '0'], '--num_samples 0 must be at least 1'),
-        ([*neg, '--out_dir', out('n2'), '--data_dir', short, '--split', 'val'], 'val split has no document of 10 tokens'),
-        ([*neg, '--out_dir', out('n3'), '--prefix_len', '12', '--gen_len', '8'], "exceeds the LM's block_size 16"),
-        ([*neg, '--out_dir', rerun, '--split', 'val', '--chunk', '8', '--gen_len', '3', '--seed', '7'],
-         'other settings (gen_len, num_prefixes, seed)'),
-        ([*nce, '--lm', other_lm, '--out_dir', out('e1')], 'sampled from another LM'),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e2'), '--init_from', mlm_ckpt], "exceeds the energy's block_size 8"),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e3'), '--energy', 'unit', '--n_layer', '3'],
-         'a UNIT energy has the shape of the LM'),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e4'), '--init_from', lm_ckpt], "is a 'lm' checkpoint"),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', str(existing)], 'exists: pass --resume'),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e5'), '--loss', 'ranking', '--num_neg', '4'],
-         '--num_neg 4 must be between 1 and the 3'),
-        (['nce_train.py', '--negatives', out('nowhere'), '--val_negatives', fox_negatives['val'], '--lm', lm_ckpt,
-          '--out_dir', out('e6')], 'no negatives in'),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', str(lm_dir), '--resume'], "holds a 'lm' model, not an energy"),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', str(other_energy), '--resume'], 'is the residual of another LM'),
-        ([*nce, '--lm', lm_ckpt, '--out_dir', out('e7'), '--loss', 'ranking', '--val_negatives', val_k1],
-         '--num_neg 3 must be between 1 and the 1 stored negatives per prefix (train 3, val 1)'),
-    ]
-    for res, (args, msg) in zip(run_scripts([a for a, _ in cases]), cases):
-        assert_clean_error(res, msg)
-    for name in ('n1', 'n2', 'n3', 'e1', 'e2', 'e3', 'e4', 'e5', 'e6', 'e7'):
-        assert not os.path.exists(out(name)), name
-    assert dir_snapshot(rerun) == before and dir_snapshot(existing) == before_existing
-    assert (dir_snapshot(lm_dir), dir_snapshot(other_energy)) == before_resume
-
-
-NULL = contextlib.nullcontext()
-CHI2_999 = {9: 27.877}  # chi-square critical value at p = 0.001, by degrees of freedom
-
-
-# ---- evaluation: log Z bounds, joint PPL, per-step PPL (issue 4) ----
-
-def rand_energy(V, seed=2, head_std=2.0, block_size=8, pool='continuation', causal=False):
-    """A tiny Energy with random weights everywhere, the head included (it starts at zero, which
-    is E = 0). With V = 4 and seed 2 the weights w = exp(-E) of 3-token continuations have a
-    relative variance of 0.1-5 depending on the prefix, and the joint model is far from P_LM."""
-    torch.manual_seed(seed)
-    e = Energy(GPTConfig(block_size=block_size, vocab_size=V, n_layer=1, n_head=2, n_embd=16, causal=causal), pool)
-    with torch.no_grad():
-        for p in e.body.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.5)
-        e.head.weight.normal_(0.0, head_std)
-        e.head.bias.fill_(0.3)
-    return e.eval()
-
-
-def energies(energy, seqs, prefix_len):
-    with torch.no_grad():
-        return energy(seqs, prefix_len).double()
-
-
-def enumerate_joint(lm, energy, fixed, n_rest, V, P):
-    """Exact enumeration over the V**n_rest completions r of the token row `fixed` (whose first P
-    tokens are the prefix): continuation tokens r, log P_LM(r | fixed) (float64), E(fixed, r) with
-    the energy's prefix length P, and log Z(fixed) = log sum_r P_LM(r | fixed) exp(-E(fixed, r))."""
-    fixed = torch.as_tensor(fixed).view(1, -1)
-    if n_rest == 0:
-        E = energies(energy, fixed, P)
-        return torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.float64), E, -E[0]
-    conts = torch.tensor(list(itertools.product(range(V), repeat=n_rest)))
-    seqs = torch.cat([fixed.expand(len(conts), -1), conts], 1)
-    F = fixed.size(1)
-    lp = logprobs64(lm, seqs)[:, F - 1:-1].gather(-1, conts[..., None]).squeeze(-1).sum(1)
-    E = energies(energy, seqs, P)
-    return conts, lp, E, torch.logsumexp(lp - E, 0)
-
-
-def lme(a):
-    """log mean exp of a float64 numpy vector, shifted by its max (no log(S - w_i) anywhere)."""
-    a = np.asarray(a, dtype=np.float64)
-    m = a.max()
-    return m + math.log(np.mean(np.exp(a - m)))
-
-
-def ref_bounds(lw):
-    """Eq. 4 in float64 numpy loops: T_n and (2n-1) T_n - 2(n-1) mean_i T_{n-1}(x without x_i)."""
-    lw = np.asarray(lw, dtype=np.float64)
-    n = len(lw)
-    T = lme(lw)
-    T_loo = np.mean([lme(np.delete(lw, i)) for i in range(n)])
-    return T, (2 * n - 1) * T - 2 * (n - 1) * T_loo
-
-
-def tv(p, q):
-    return 0.5 * float((torch.as_tensor(p, dtype=torch.float64) - torch.as_tensor(q, dtype=torch.float64)).abs().sum())
-
-
-def test_leave_one_out_lse_brute_force():
-    g = torch.Generator().manual_seed(0)
-    for n in (2, 3, 9):
-        lw = torch.randn(3, 5, n, generator=g, dtype=torch.float64) * 4
-        got = leave_one_out_lse(lw)
-        assert got.shape == lw.shape
-        for idx in itertools.product(range(3), range(5)):
-            a = lw[idx].numpy()
-            ref = [lme(np.delete(a, i)) + math.log(n - 1) for i in range(n)]
-            assert np.abs(got[idx].numpy() - ref).max() < 1e-12
-    # one weight dominating by e^50 (and by e^10000): what is left after removing it is exact
-    got = leave_one_out_lse(torch.tensor([50.0, 0.0, 0.0, 0.0], dtype=torch.float64))
-    assert abs(got[0].item() - math.log(3)) < 1e-12 and abs(got[1].item() - (50 + math.log1p(2 * math.exp(-50)))) < 1e-12
-    got = leave_one_out_lse(torch.tensor([0.0, -1e4, -1e4], dtype=torch.float64))
-    assert abs(got[0].item() - (-1e4 + math.log(2))) < 1e-9 and got[1].item() == got[2].item() == 0.0
-
-
-def test_logz_bounds_brute_force():
-    g = torch.Generator().manual_seed(1)
-    for n in (2, 3, 10, 64):
-        lw = (torch.randn(2, 3, n, generator=g) * 3).float()  # float32 in, float64 out
-        lo, hi = logz_bounds(lw)
-        assert lo.shape == hi.shape == (2, 3) and lo.dtype == hi.dtype == torch.float64
-        for i, j in itertools.product(range(2), range(3)):
-            ref_lo, ref_hi = ref_bounds(lw[i, j].double().numpy())
-            assert abs(lo[i, j].item() - ref_lo) < 1e-12 and abs(hi[i, j].item() - ref_hi) < 1e-9, (n, i, j)
-        assert (hi - lo >= -1e-12).all()  # Jensen: T_n >= mean_i T_{n-1}^(-i), so lower <= upper always
-        # shift invariance at |E| ~ 1e4: bounds(log w + c) = bounds(log w) + c, finite
-        lo_s, hi_s = logz_bounds(lw.double() - 1e4)
-        assert torch.isfinite(lo_s).all() and torch.isfinite(hi_s).all()
-        assert (lo_s - (lo - 1e4)).abs().max() < 1e-9 and (hi_s - (hi - 1e4)).abs().max() < 1e-8
-        ref = ref_bounds(lw[0, 0].double().numpy() - 1e4)
-        assert abs(lo_s[0, 0].item() - ref[0]) < 1e-9 and abs(hi_s[0, 0].item() - ref[1]) < 1e-8
-    # n = 2 in closed form: T_1 without x_i is log w_j, so upper = 3 T_2 - 2 mean(log w)
-    lw = torch.tensor([[0.3, -1.2], [5.0, 5.0]], dtype=torch.float64)
-    lo, hi = logz_bounds(lw)
-    T2 = torch.log((lw.exp()).mean(1))
-    assert (lo - T2).abs().max() < 1e-14 and (hi - (3 * T2 - 2 * lw.mean(1))).abs().max() < 1e-13
-    # equal weights: both bounds are exact
-    lo, hi = logz_bounds(torch.full((7,), 3.25))
-    assert abs(lo.item() - 3.25) < 1e-12 and abs(hi.item() - 3.25) < 1e-12
-    # one dominant weight, where log(S - w_i) cancels catastrophically
-    for lw in ([50.0, 0.0, 0.0, 0.0], [0.0] + [-1e4] * 4, [1e4, 0.0, -3.0, 2.0, 1.0]):
-        lo, hi = logz_bounds(torch.tensor(lw, dtype=torch.float64))
-        ref_lo, ref_hi = ref_bounds(lw)
-        assert math.isfinite(lo.item()) and math.isfinite(hi.item())
-        assert abs(lo.item() - ref_lo) < 1e-9 * max(1, abs(ref_lo)) and abs(hi.item() - ref_hi) < 1e-9 * max(1, abs(ref_hi)), lw
-        with np.errstate(divide='ignore', over='ignore', invalid='ignore'):  # the naive formula would be wrong here
-            w = np.exp(np.array(lw))
-            naive_loo = np.log(w.sum() - w) - math.log(len(lw) - 1)
-        assert not np.isfinite(naive_loo[0]) or abs(naive_loo[0] - lme(np.delete(lw, 0))) > 1
-    for n in (0, 1):
-        with pytest.raises(ValueError, match='at least 2 samples'):
-            logz_bounds(torch.zeros(3, n))
-
-
-def test_logz_bounds_bias_lognormal():
-    """w = exp(sigma z), z ~ N(0, 1): log E[w] = sigma^2 / 2. T_n is biased low and the upper
-    estimator high, both by about Var(w) / (2 n E[w]^2) = (e^{sigma^2} - 1) / (2n), and both
-    converge to the truth (Theorem 2). Tolerances are Monte Carlo standard errors."""
-    sigma, R = 1.0, 20000
-    truth = sigma ** 2 / 2
-    c = (math.exp(sigma ** 2) - 1) / 2
-    g = torch.Generator().manual_seed(0)
-    bias = {}
-    for n in (4, 16, 64):
-        lo, hi = logz_bounds(sigma * torch.randn(R, n, generator=g, dtype=torch.float64))
-        (m_lo, m_hi), (se_lo, se_hi) = (lo.mean().item(), hi.mean().item()), (lo.std().item() / R ** .5, hi.std().item() / R ** .5)
-        assert m_lo + 4 * se_lo < truth < m_hi - 4 * se_hi, (n, m_lo, truth, m_hi)
-        bias[n] = (truth - m_lo, m_hi - truth, se_lo, se_hi)
-        if n >= 16:  # first-order theory: both biases ~ c / n
-            assert abs((truth - m_lo) - c / n) < 4 * se_lo + 0.25 * c / n, (n, truth - m_lo, c / n)
-            assert abs((m_hi - truth) - c / n) < 4 * se_hi + 0.25 * c / n, (n, m_hi - truth, c / n)
-    for a, b in ((4, 16), (16, 64)):  # both gaps shrink as n grows
-        for k in (0, 1):
-            assert bias[b][k] + 4 * bias[b][k + 2] < bias[a][k] - 4 * bias[a][k + 2], (a, b, k, bias)
-
-
-def toy_lm(V=4):
-    return tiny_gpt(vocab_size=V, block_size=8, std=0.5, seed=3)
-
-
-def test_calibrate_matches_exact_bias():
-    """calibrate() measures the bias of the n-sample bounds from many samples; on weights with
-    three possible values the exact expectation of each bound is a finite sum over the
-    multinomial counts of n draws, and the two agree (as does the fraction of bracketing ranges)."""
-    log_vals, p, n, L = torch.tensor([0.0, -1.5, 2.5], dtype=torch.float64), torch.tensor([0.6, 0.3, 0.1]), 4, 2
-    log_z = torch.logsumexp(log_vals + p.double().log(), 0).item()
-    exact = dict(lo=0.0, hi=0.0, bracketed=0.0)
-    for c in itertools.product(range(n + 1), repeat=3):
-        if sum(c) != n:
-            continue
-        prob = math.factorial(n) / math.prod(math.factorial(k) for k in c) * math.prod(float(q) ** k for q, k in zip(p, c))
-        lo, hi = (t.item() for t in logz_bounds(log_vals.repeat_interleave(torch.tensor(c))))
-        exact['lo'] += prob * lo
-        exact['hi'] += prob * hi
-        exact['bracketed'] += prob * (lo <= log_z <= hi)
-    B, N = 2, 200_000
-    draws = torch.multinomial(p, B * N, replacement=True, generator=torch.Generator().manual_seed(0))
-    c = calibrate(log_vals[draws].view(1, B, N), n, L)
-    assert exact['lo'] - log_z < -0.1 and abs(exact['hi'] - log_z) > 0.05  # both biased at this small n
-    assert abs(c['bias_lower'][0] - (exact['lo'] - log_z) / L) < 0.005
-    assert abs(c['bias_upper'][0] - (exact['hi'] - log_z) / L) < 0.005
-    assert abs(c['bracketed'][0] - exact['bracketed']) < 0.01 and c['reference_width'][0] < 0.01
-
-
-def test_logz_bounds_exact_enumeration():
-    """log Z(prefix) of a random tiny LM and energy, exactly over all 4^3 continuations; the
-    weights from sample_log_weights are unbiased for Z, and the bounds bracket log Z on average
-    over independent groups of n samples and close in on it as n grows."""
-    V, L, P = 4, 3, 2
-    lm, e = toy_lm(V), rand_energy(V)
-    prefixes = torch.tensor([[0, 0], [1, 2], [3, 1]])
-    exact = torch.stack([enumerate_joint(lm, e, p, L, V, P)[3] for p in prefixes])
-    N = 16384
-    lw2 = sample_log_weights(lm, [e, rand_energy(V, seed=5)], prefixes, L, N, NULL, torch.Generator().manual_seed(0), max_rows=8192)
-    assert lw2.shape == (2, 3, N) and lw2.dtype == torch.float64
-    lw = lw2[0]
-    w = (lw - exact[:, None]).exp()  # w / Z: mean 1 if the samples are exact draws of the untruncated LM
-    se = w.std(1) / N ** .5
-    assert ((w.mean(1) - 1).abs() < 5 * se).all(), (w.mean(1), se)
-    # the second energy's weights are its own: the exact Z of energy 2 matches too
-    e2_exact = torch.stack([enumerate_joint(lm, rand_energy(V, seed=5), p, L, V, P)[3] for p in prefixes])
-    w2 = (lw2[1] - e2_exact[:, None]).exp()
-    assert ((w2.mean(1) - 1).abs() < 5 * w2.std(1) / N ** .5).all()
-    gaps = {}
-    for n in (4, 16, 256):
-        lo, hi = logz_bounds(lw.view(3, N // n, n))
-        d_lo, d_hi = (lo - exact[:, None]).flatten(), (hi - exact[:, None]).flatten()
-        m_lo, m_hi = d_lo.mean().item(), d_hi.mean().item()
-        se_lo, se_hi = d_lo.std().item() / d_lo.numel() ** .5, d_hi.std().item() / d_hi.numel() ** .5
-        gaps[n] = (m_lo, m_hi)
-        if n <= 16:
-            assert m_lo + 4 * se_lo < 0 < m_hi - 4 * se_hi, (n, m_lo, m_hi, se_lo, se_hi)
-        else:
-            assert abs(m_lo) < 4 * se_lo + 0.01 and abs(m_hi) < 4 * se_hi + 0.01, (n, m_lo, m_hi)
-    assert -gaps[4][0] > 0.1 and gaps[4][1] > 0.05  # a visible bias at n = 4 that large n removes
-    assert -gaps[16][0] < 0.5 * -gaps[4][0] and gaps[16][1] < 0.6 * gaps[4][1]
-    # one large n per prefix: both bounds within a few standard deviations of log Z
-    lo, hi = logz_bounds(lw)
-    sd = (w.var(1) / N).sqrt()  # delta method: sd(T_N) ~ sd(w / Z) / sqrt(N)
-    assert ((lo - exact).abs() < 4 * sd + 0.002).all() and ((hi - exact).abs() < 4 * sd + 0.002).all()
-
-
-def toy_split(V, P, L, n_windows, seed=0):
-    """A token stream of n_windows back-to-back windows with no end-of-text token (id V)."""
-    data = torch.randint(V, (n_windows * (P + L),), generator=torch.Generator().manual_seed(seed)).numpy().astype(np.uint16)
-    offsets = windows(data, P, L)
-    assert len(offsets) == n_windows
-    return data, offsets
-
-
-def test_summarize_closed_form_and_exact_joint_ppl():
-    V, L, P = 4, 3, 2
-    lm, e = toy_lm(V), rand_energy(V)
-    data, offsets = toy_split(V, P, L, 5)
-    x = window_tokens(data, offsets, P + L)
-    recs, exact_joint_lp, lp_ref, e_ref = [], [], [], []
-    for b in range(len(x)):
-        conts, lp, E, logz = enumerate_joint(lm, e, x[b, :P], L, V, P)
-        i = int((conts == x[b, P:]).all(1).nonzero())
-        joint = lp - E
-        joint_lp = joint[i] - torch.logsumexp(joint, 0)  # log of the normalised joint table at x_b
-        assert abs((joint - torch.logsumexp(joint, 0)).exp().sum().item() - 1) < 1e-12
-        exact_joint_lp.append(joint_lp.item())
-        lp_ref.append(lp[i].item())
-        e_ref.append(E[i].item())
-        recs.append(dict(index=b, lm_logp=lp[i].item(), extra_logp=[lp[i].item() - 0.25], energy=[E[i].item()],
-                         logz={7: [[logz.item(), logz.item()]], 9: [[logz.item() - 0.1 * b, logz.item() + 0.2]]}))
-    N = len(x) * L
-    exact_ppl = math.exp(-sum(exact_joint_lp) / N)
-    rows = summarize(recs, ['E'], ['LM2'], N, 7)
-    assert [r['model'] for r in rows] == ['BASE LM', 'LM2', 'JOINT E']
-    assert abs(rows[0]['ppl'] - math.exp(-sum(lp_ref) / N)) < 1e-12 * rows[0]['ppl']
-    assert abs(rows[1]['ppl'] - math.exp(-(sum(lp_ref) - 0.25 * len(x)) / N)) < 1e-12 * rows[1]['ppl']
-    assert abs(rows[2]['ppl_low'] - exact_ppl) < 1e-9 * exact_ppl and abs(rows[2]['ppl_high'] - exact_ppl) < 1e-9 * exact_ppl
-    assert np.abs(np.array(exact_joint_lp) - np.array(lp_ref)).max() > 0.3  # the joint model is not the LM here
-    # the range: the low end of the PPL comes from the low end of log Z
-    rows = summarize(recs, ['E'], [], N, 9, num_chars=40)
-    lo_shift, hi_shift = sum(-0.1 * b for b in range(len(x))), 0.2 * len(x)
-    assert abs(math.log(rows[1]['ppl_low']) - (-(sum(exact_joint_lp) - lo_shift) / N)) < 1e-9
-    assert abs(math.log(rows[1]['ppl_high']) - (-(sum(exact_joint_lp) - hi_shift) / N)) < 1e-9
-    assert abs(math.log(rows[1]['ppl_char_high']) - (-(sum(exact_joint_lp) - hi_shift) / 40)) < 1e-9
-    assert abs(math.log(rows[0]['ppl_char']) - (-sum(lp_ref) / 40)) < 1e-9
-    gain = (np.array(exact_joint_lp) - 0.2 - np.array(lp_ref)) / L  # per prefix, at the upper log Z
-    assert abs(rows[1]['gain_nats_per_token'] - gain.mean()) < 1e-9
-    assert abs(rows[1]['gain_se'] - gain.std(ddof=1) / math.sqrt(len(gain))) < 1e-9
-
-
-def test_evaluate_prefixes_exact():
-    """Per-prefix records of evaluate_prefixes against enumeration; their joint PPL is within
-    Monte Carlo error of the exact one, and the range is ordered."""
-    V, L, P = 4, 3, 2
-    lm, e, lm2 = toy_lm(V), rand_energy(V), tiny_gpt(vocab_size=V, block_size=8, std=0.5, seed=7)
-    data, offsets = toy_split(V, P, L, 5, seed=1)
-    x = window_tokens(data, offsets, P + L)
-    args = types.SimpleNamespace(prefix_len=P, gen_len=L, sweep=[4], num_samples=4096, chunk=2, seed=3,
-                                 max_rows=8192, quiet=True)
-    recs = evaluate_prefixes(lm, [e], [lm2], data, offsets, args, NULL, NULL, 'cpu', 0, 1, 'test')
-    assert [r['index'] for r in recs] == list(range(5))
-    lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
-    lp2_ref = logprobs64(lm2, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
-    E_ref = energies(e, x, P)
-    exact = torch.stack([enumerate_joint(lm, e, x[b, :P], L, V, P)[3] for b in range(5)])
-    for b, r in enumerate(recs):
-        assert abs(r['lm_logp'] - lp_ref[b].item()) < 1e-4 and abs(r['extra_logp'][0] - lp2_ref[b].item()) < 1e-4
-        assert abs(r['energy'][0] - E_ref[b].item()) < 1e-6 * max(1, abs(E_ref[b].item()))  # float32 energies
-        assert sorted(r['logz']) == [4, 4096]
-        for n in (4, 4096):
-            lo, hi = r['logz'][n][0]
-            assert lo <= hi + 1e-12
-        lo, hi = r['logz'][4096][0]
-        assert abs(lo - exact[b].item()) < 0.15 and abs(hi - exact[b].item()) < 0.15
-    exact_lp = lp_ref - E_ref - exact
-    N = 5 * L
-    exact_ppl = math.exp(-exact_lp.sum().item() / N)
-    row = summarize(recs, ['E'], ['LM2'], N, 4096)[2]
-    assert row['ppl_low'] <= row['ppl_high']
-    for k in ('ppl_low', 'ppl_high'):
-        assert abs(math.log(row[k]) - math.log(exact_ppl)) < 0.03, (k, row[k], exact_ppl)
-
-
-def test_last_step_logz_exact():
-    V, P, L = 4, 2, 3
-    lm = toy_lm(V)
-    x = torch.randint(V, (4, P + L), generator=torch.Generator().manual_seed(4))
-    for pool in ('continuation', 'all'):
-        e = rand_energy(V, pool=pool)
-        got = last_step_logz(lm, e, x, P, NULL)
-        assert got.shape == (4,) and got.dtype == torch.float64
-        for b in range(4):
-            _, lp, E, logz = enumerate_joint(lm, e, x[b, :-1], 1, V, P)
-            assert abs(got[b].item() - logz.item()) < 1e-5
-            # the exact last-step distribution P(v | x_<T) = P_LM(v | x_<T) exp(-E(x_<T, v)) / Z sums to 1
-            assert abs((lp - E - got[b]).exp().sum().item() - 1) < 1e-5
-    # where the energy's pooling starts matters: a last-step Z with another prefix length is another Z
-    e = rand_energy(V)
-    assert (energies(e, x, P) - energies(e, x, P + L - 1)).abs().max() > 0.1
-
-
-def exact_step_logz(lm, e, x, P, V):
-    """Exact log Z(x_<=t) for k = 0..L fixed continuation tokens of each row of x: (B, L+1)."""
-    L = x.size(1) - P
-    return torch.tensor([[enumerate_joint(lm, e, x[b, :P + k], L - k, V, P)[3].item() for k in range(L + 1)]
-                         for b in range(x.size(0))], dtype=torch.float64)
-
-
-def test_per_step_exact():
-    V, P, L = 4, 2, 3
-    lm, e = toy_lm(V), rand_energy(V)
-    x = torch.tensor([[0, 0, 1, 3, 2], [3, 1, 0, 0, 1]])
-    Z = exact_step_logz(lm, e, x, P, V)
-    lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
-    E = energies(e, x, P)
-    # Eq. 5 with exact Z: each step's distribution sums to 1 over the vocabulary, and the steps
-    # telescope to the sequence-level joint log-prob log P_LM(x) - E(x) - log Z(prefix)
-    for b in range(2):
-        for k in range(L):
-            step_lp = logprobs64(lm, x[b:b + 1, :P + k])[0, -1]
-            z_next = torch.tensor([enumerate_joint(lm, e, torch.cat([x[b, :P + k], torch.tensor([v])]), L - k - 1, V, P)[3].item()
-                                   for v in range(V)], dtype=torch.float64)
-            assert abs((step_lp + z_next - Z[b, k]).exp().sum().item() - 1) < 1e-5  # float32 energies
-        steps = lp_ref[b] + Z[b, 1:] - Z[b, :-1]
-        assert abs(steps.sum().item() - (lp_ref[b].sum() - E[b] - Z[b, 0]).item()) < 1e-9
-    assert torch.allclose(Z[:, L], -E)
-    # per_step with many samples: bounds close to the exact Z, the last column exactly -E(x)
-    lp, lo, hi = per_step(lm, e, x, P, 4000, NULL, torch.Generator().manual_seed(0), max_rows=8192)
-    assert lp.shape == (2, L) and lo.shape == hi.shape == (2, L + 1)
-    assert (lp - lp_ref).abs().max() < 1e-5
-    assert (lo[:, L] - (-E)).abs().max() < 1e-6 and torch.equal(lo[:, L], hi[:, L])
-    assert (hi >= lo - 1e-12).all()
-    assert (lo - Z).abs().max() < 0.1 and (hi - Z).abs().max() < 0.1, (lo - Z, hi - Z)
-    # the sum of the per-step log-probs at exact Z is the sequence-level joint log-prob, and the
-    # per_step estimates of it are close
-    joint_steps = lp + lo[:, 1:] - hi[:, :-1]
-    assert ((joint_steps.sum(1) - (lp_ref.sum(1) - E - Z[:, 0])).abs() < 0.2).all()
-
-
-def test_per_step_report_exact():
-    V, P, L = 4, 2, 3
-    lm, e = toy_lm(V), rand_energy(V)
-    data, offsets = toy_split(V, P, L, 4, seed=2)
-    args = types.SimpleNamespace(prefix_len=P, gen_len=L, step_prefixes=3, step_samples=4000, seed=1, max_rows=8192,
-                                 last_step_samples=20000)
-    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
-    x = window_tokens(data, offsets[:3], P + L)
-    Z = exact_step_logz(lm, e, x, P, V)
-    lp = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
-    exact_step = lp + Z[:, 1:] - Z[:, :-1]  # (3, L) exact log P(x_t | x_<t) of the joint model
-    assert rep['num_prefixes'] == 3 and rep['position'] == [1, 2, 3] and rep['step_samples'] == 4000
-    assert np.allclose(rep['base_ppl'], torch.exp(-lp.mean(0)).numpy(), rtol=1e-5)
-    assert abs(rep['last_step_base_ppl'] - math.exp(-lp[:, -1].mean().item())) < 1e-5 * rep['last_step_base_ppl']
-    assert abs(rep['last_step_exact_ppl'] - math.exp(-exact_step[:, -1].mean().item())) < 1e-5 * rep['last_step_exact_ppl']
-    # the last step estimated again from many samples brackets the exact value, closely
-    assert rep['last_step_ppl_low'] <= rep['last_step_exact_ppl'] * (1 + 1e-3) and \
-        rep['last_step_exact_ppl'] <= rep['last_step_ppl_high'] * (1 + 1e-3)
-    assert abs(math.log(rep['last_step_ppl_high'] / rep['last_step_ppl_low'])) < 0.01
-    exact_ppl = torch.exp(-exact_step.mean(0)).numpy()
-    assert abs(exact_ppl[-1] - rep['base_ppl'][-1]) > 0.05  # the joint model differs from the LM at the last step
-    for t in range(L):
-        assert rep['joint_ppl_low'][t] <= rep['joint_ppl_high'][t]
-        for k in ('joint_ppl_low', 'joint_ppl_high'):
-            assert abs(math.log(rep[k][t]) - math.log(exact_ppl[t])) < 0.15, (k, t, rep[k][t], exact_ppl[t])
-    # with few samples the range is wide; its ends combine the bounds of Z as Eq. 5 needs: the
-    # low end of log P(x_t | x_<t) is the low numerator Z(x_<=t) over the high denominator Z(x_<t)
-    args.step_samples = 4
-    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
-    lp, lo, hi = per_step(lm, e, x, P, 4, NULL, rng(args.seed, 'per_step', 'test', 0), args.max_rows)
-    assert (hi - lo).max() > 0.1  # the two bounds differ: mixing them up would show
-    assert np.allclose(rep['joint_ppl_high'], torch.exp(-(lp + lo[:, 1:] - hi[:, :-1]).mean(0)).numpy(), rtol=1e-12)
-    assert np.allclose(rep['joint_ppl_low'], torch.exp(-(lp + hi[:, 1:] - lo[:, :-1]).mean(0)).numpy(), rtol=1e-12)
-
-
-# the command line, on a tiny trained LM and a random energy
-
-EVAL_P, EVAL_L = 8, 4
-
-
-@pytest.fixture(scope='module')
-def eval_ckpts(lm_corpus, lm_ckpt, tmp_path_factory):
-    """An energy for lm_ckpt with a random head, one with the zero head (E = 0), and a second
-    LM (lm_ckpt with one weight changed: another file hash)."""
-    d = tmp_path_factory.mktemp('eval_ckpts')
-    meta = dict(load_meta(lm_corpus), data_dir=lm_corpus)
-    paths = {}
-    for name, head_std in (('bit', 0.5), ('zero', None)):
-        torch.manual_seed(0)
-        energy = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
-        if head_std:
-            with torch.no_grad():
-                energy.head.weight.normal_(0.0, head_std)
-        paths[name] = str(d / f'{name}.pt')
-        save_checkpoint(energy_state(energy, lm_ckpt, meta), paths[name])
-    ck = load_checkpoint(lm_ckpt)
-    ck['model'] = {k: v + 0.01 if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
-    paths['lm2'] = str(d / 'lm2.pt')
-    save_checkpoint(ck, paths['lm2'])
-    return paths
-
-
-def test_energy_checkpoints(lm_ckpt, eval_ckpts, tmp_path):
-    """The checkpoints the command-line tests use: load_energy rebuilds the saved energy exactly
-    (the zero head is E = 0, the random head is not), tied to its LM by hash."""
-    x = torch.randint(1, 30, (5, EVAL_P + EVAL_L), generator=torch.Generator().manual_seed(0))
-    zero, ck = load_energy(eval_ckpts['zero'], lm_ckpt)
-    assert ck['lm_hash'] == file_hash(lm_ckpt) and not zero.training
-    assert torch.equal(energies(zero, x, EVAL_P), torch.zeros(5, dtype=torch.float64))
-    bit, ck = load_energy(eval_ckpts['bit'])
-    assert ck['pool'] == 'continuation' and ck['energy_kind'] == 'bit' and not bit.config.causal
-    E = energies(bit, x, EVAL_P)
-    assert E.std() > 0.05 and (E - energies(bit, x, EVAL_P + 1)).abs().max() > 1e-3  # pooling starts at the prefix
-    ref = Energy(GPTConfig(**ck['config']), ck['pool'])
-    ref.load_state_dict(torch.load(eval_ckpts['bit'], weights_only=True)['model'])
-    assert torch.equal(energies(ref.eval(), x, EVAL_P), E)
-    cut = Energy(bit.config, ck['pool'], context=2)  # the context is saved and restored
-    cut.load_state_dict(bit.state_dict())
-    save_checkpoint(energy_state(cut, lm_ckpt, ck['meta']), str(tmp_path / 'cut.pt'))
-    back, _ = load_energy(str(tmp_path / 'cut.pt'))
-    assert back.context == 2 and torch.equal(energies(back, x, EVAL_P), energies(cut.eval(), x, EVAL_P))
-    assert (energies(back, x, EVAL_P) - E).abs().max() > 1e-3
-    with pytest.raises(ValueError, match='not an energy'):
-        load_energy(lm_ckpt)
-    with pytest.raises(ValueError, match='residual of another LM'):
-        load_energy(eval_ckpts['bit'], eval_ckpts['lm2'])
-
-
-def ppl_argv(lm, energy, out, *extra):
-    return ['--lm', lm, '--energy', f'BIT={energy}', '--splits', 'val,test', '--prefix_len', str(EVAL_P),
-            '--gen_len', str(EVAL_L), '--max_prefixes', '5', '--num_samples', '8', '--chunk', '2',
-            '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out), *extra]
-
-
-def test_estimate_ppl_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
-    extra = ['--per_step', '--step_prefixes', '2', '--step_samples', '4', '--sweep', '2,4,16',
-             '--extra_lm', f"LM2={eval_ckpts['lm2']}"]
-    out = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'a.json', *extra))
-    estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'b.json', *extra))
-    text = (tmp_path / 'a.json').read_text()
-    assert text == (tmp_path / 'b.json').read_text()  # deterministic
-    res = json.loads(text)
-    assert res['hashes'] == {'BASE LM': file_hash(lm_ckpt), 'BIT': file_hash(eval_ckpts['bit']), 'LM2': file_hash(eval_ckpts['lm2'])}
+def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
+    """pos_logp / pos_logq of negatives.py vs float64 brute force on the tiny LM: log P_LM of the
+    real continuation, and its log q under the proposal the negatives came from (-inf for a real
+    token outside top-k/top-p, the argmax at temperature 0); untruncated, pos_logq == pos_logp.
+    log_ratios hands nce_loss d = log P_LM - log q (None untruncated, +inf off the support)."""
     meta = load_meta(lm_corpus)
-    lm, lm2 = load_lm(lm_ckpt)[0], load_lm(eval_ckpts['lm2'])[0]
-    energy = load_energy(eval_ckpts['bit'], lm_ckpt)[0]
-    for split in ('val', 'test'):
-        s = res['splits'][split]
-        data = load_split(lm_corpus, split, meta)
-        offsets = windows(data, EVAL_P, EVAL_L, max_windows=5)
-        x = window_tokens(data, offsets, EVAL_P + EVAL_L)
-        assert (s['split'], s['num_samples'], s['num_prefixes'], s['num_tokens']) == (split, 8, 5, 5 * EVAL_L)
-        lp = logprobs64(lm, x)[:, EVAL_P - 1:-1].gather(-1, x[:, EVAL_P:, None]).squeeze(-1).sum(1)
-        assert abs(s['base_ppl'] - math.exp(-lp.sum().item() / (5 * EVAL_L))) < 1e-5 * s['base_ppl']
-        lp2 = logprobs64(lm2, x)[:, EVAL_P - 1:-1].gather(-1, x[:, EVAL_P:, None]).squeeze(-1).sum(1)
-        row = {r['model']: r for r in s['rows']}
-        assert abs(row['LM2']['ppl'] - math.exp(-lp2.sum().item() / (5 * EVAL_L))) < 1e-5 * row['LM2']['ppl']
-        assert s['joint_ppl_low'] <= s['joint_ppl_high']
-        assert (row['JOINT BIT']['ppl_low'], row['JOINT BIT']['ppl_high']) == (s['joint_ppl_low'], s['joint_ppl_high'])
-        assert abs(s['joint_ppl_low'] - s['base_ppl']) > 1e-3 * s['base_ppl']  # a non-zero energy moves it
-        assert sorted(s['sweep'], key=int) == ['2', '4', '16'] and all(len(v) == 1 for v in s['sweep'].values())
-        for n in s['sweep']:
-            assert s['sweep'][n][0]['model'] == 'JOINT BIT' and s['sweep'][n][0]['ppl_low'] <= s['sweep'][n][0]['ppl_high']
-        assert len({s['sweep'][n][0]['ppl_low'] for n in s['sweep']} | {s['joint_ppl_low']}) == 4
-        if split == 'val':  # per-step PPL is computed on the last split only
-            assert 'per_step' not in s
+    data = load_split(lm_corpus, 'train', meta)
+    lm, _ = load_lm(lm_ckpt)
+    P, L, N = 6, 4, 23
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', str(N), '--chunk', '5', *NEG_FLAGS]
+    real = None
+    # the LM is nearly uniform over 30 tokens: wide truncations, so that some real continuations fit
+    for name, extra, proposal in (('full', [], {}), ('topk', ['--top_k', '20'], dict(top_k=20)),
+                                  ('topp', ['--top_p', '0.8', '--temperature', '0.7'], dict(top_p=0.8, temperature=0.7)),
+                                  ('greedy', ['--temperature', '0'], 'greedy')):
+        out = str(tmp_path / name)
+        negatives.main(['--out_dir', out, *flags, *extra])
+        neg = load_negatives(out, lm_path=lm_ckpt)
+        if real is None:
+            real = window_tokens(data, neg['offsets'], P + L)
+            lp64 = logprobs64(lm, real)[:, P - 1:-1]  # (N, L, V)
+            tok = real[:, P:, None]
+            ref_logp = lp64.gather(-1, tok).squeeze(-1).sum(1)
+        pos_logp, pos_logq = torch.from_numpy(np.array(neg['pos_logp'])), torch.from_numpy(np.array(neg['pos_logq']))
+        assert pos_logp.shape == pos_logq.shape == (N,) and pos_logp.dtype == torch.float32
+        assert (pos_logp.double() - ref_logp).abs().max() < 1e-4
+        if proposal == {}:
+            assert torch.equal(pos_logq, pos_logp)
+            assert log_ratios(neg, np.arange(3), np.zeros((3, 2), int)) == (None, None)
             continue
-        ps = s['per_step']
-        assert ps['position'] == list(range(1, EVAL_L + 1)) and ps['num_prefixes'] == 2
-        lp_t = logprobs64(lm, x[:2])[:, EVAL_P - 1:-1].gather(-1, x[:2, EVAL_P:, None]).squeeze(-1)
-        assert np.allclose(ps['base_ppl'], torch.exp(-lp_t.mean(0)).numpy(), rtol=1e-5)
-        last = [enumerate_joint(lm, energy, x[b, :-1], 1, meta['vocab_size'], EVAL_P) for b in range(2)]
-        exact_last = [lp_t[b, -1].item() - last[b][2][x[b, -1]].item() - last[b][3].item() for b in range(2)]
-        assert abs(ps['last_step_exact_ppl'] - math.exp(-np.mean(exact_last))) < 1e-4 * ps['last_step_exact_ppl']
-        assert all(a <= b for a, b in zip(ps['joint_ppl_low'], ps['joint_ppl_high']))
-    assert {(r['model'], r['split']) for r in out['rows']} == {(m, s) for m in ('BASE LM', 'LM2', 'JOINT BIT') for s in ('val', 'test')}
-    # another seed: other samples, other bounds
-    estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'c.json', '--seed', '7'))
-    other = json.loads((tmp_path / 'c.json').read_text())['splits']['test']
-    assert other['base_ppl'] == res['splits']['test']['base_ppl'] and other['joint_ppl_low'] != res['splits']['test']['joint_ppl_low']
-    # E = 0: the joint model is the LM, both ends of the range included
-    zero = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['zero'], tmp_path / 'z.json', '--per_step', '--step_samples', '4'))
-    for split, s in zero['splits'].items():
-        for k in ('joint_ppl_low', 'joint_ppl_high'):
-            assert abs(s[k] - s['base_ppl']) <= 1e-12 * s['base_ppl'], (split, k, s[k], s['base_ppl'])
-        if split == 'val':
-            continue
-        ps = s['per_step']
-        for k in ('joint_ppl_low', 'joint_ppl_high'):
-            assert np.allclose(ps[k], ps['base_ppl'], rtol=1e-12, atol=0)
-        assert abs(ps['last_step_exact_ppl'] - ps['last_step_base_ppl']) < 1e-9 * ps['last_step_base_ppl']
-
-
-def test_estimate_ppl_ddp_matches_single_process(lm_ckpt, eval_ckpts, tmp_path):
-    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'ddp.json', '--sweep', '4', '--per_step', '--step_samples', '4')
-    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'estimate_ppl.py', *argv])
-    assert res.returncode == 0, res.stdout + res.stderr
-    single = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'one.json', '--sweep', '4', '--per_step',
-                                        '--step_samples', '4'))
-    ddp = json.loads((tmp_path / 'ddp.json').read_text())
-    single = json.loads((tmp_path / 'one.json').read_text())
-
-    def same(a, b, where=''):
-        if isinstance(a, dict):
-            assert a.keys() == b.keys(), where
-            for k in a:
-                same(a[k], b[k], f'{where}/{k}')
-        elif isinstance(a, list):
-            assert len(a) == len(b), where
-            for i, (u, v) in enumerate(zip(a, b)):
-                same(u, v, f'{where}[{i}]')
-        elif isinstance(a, float):
-            assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (where, a, b)
+        if proposal == 'greedy':
+            ref_q = torch.where(lp64.argmax(-1, keepdim=True) == tok, 0.0, float('-inf')).squeeze(-1).sum(1)
         else:
-            assert a == b, (where, a, b)
-
-    same(ddp, single)
-
-
-def test_estimate_ppl_bad_input(lm_ckpt, eval_ckpts, tmp_path):
-    out = tmp_path / 'x.json'
-    assert_clean_error(run_script(['estimate_ppl.py', *ppl_argv(lm_ckpt, eval_ckpts['bit'], out, '--num_samples', '1')]),
-                       'at least 2')
-    assert_clean_error(run_script(['estimate_ppl.py', *ppl_argv(lm_ckpt, eval_ckpts['bit'], out, '--sweep', '1,4')]),
-                       'at least 2')
-    # an energy that is the residual of another LM
-    assert_clean_error(run_script(['estimate_ppl.py', *ppl_argv(eval_ckpts['lm2'], eval_ckpts['bit'], out)]),
-                       'residual of another LM')
-    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], out)
-    argv[argv.index('--energy') + 1] = eval_ckpts['bit']  # no NAME=
-    assert_clean_error(run_script(['estimate_ppl.py', *argv]), 'must be NAME=CHECKPOINT')
-    assert_clean_error(run_script(['estimate_ppl.py', *ppl_argv(lm_ckpt, eval_ckpts['bit'], out, '--gen_len', '12')]),
-                       'exceeds')
-    assert not out.exists()
+            ref_q = torch.from_numpy(brute_proposal64(lp64.numpy(), **proposal)).view(N, L, -1).gather(-1, tok).squeeze(-1).sum(1)
+        off = torch.isinf(ref_q)
+        assert 0 < off.sum() < N or proposal == 'greedy' and off.sum() > 0, (name, off.sum())  # both cases occur
+        assert torch.equal(torch.isinf(pos_logq), off) and (pos_logq[off] == float('-inf')).all()
+        assert ((pos_logq[~off].double() - ref_q[~off]).abs() < 1e-4).all()
+        rows, idx = np.array([0, 4, 7]), np.array([[2, 0], [1, 1], [0, 2]])
+        d_pos, d_neg = log_ratios(neg, rows, idx)
+        assert torch.equal(d_pos, pos_logp[rows] - pos_logq[rows]) and torch.isinf(d_pos).tolist() == off[rows].tolist()
+        assert torch.equal(d_neg, torch.from_numpy(np.array(neg['logp'])[rows[:, None], idx] - np.array(neg['logq'])[rows[:, None], idx]))
+        assert torch.isfinite(d_neg).all()
+    # a dir from before these files: still read untruncated (d = 0), refused truncated
+    for name in ('full', 'topk'):
+        for f in ('pos_logp.bin', 'pos_logq.bin'):
+            os.remove(tmp_path / name / f)
+    neg = load_negatives(str(tmp_path / 'full'))
+    assert neg['pos_logp'] is None and log_ratios(neg, np.arange(2), np.zeros((2, 1), int)) == (None, None)
+    with pytest.raises(ValueError, match='regenerate them into a new --out_dir'):
+        load_negatives(str(tmp_path / 'topk'))
 
 
-# ---- generation: joint sampling, analyses, human evaluation (issue 5) ----
+# =============================================================================
+# ==== NCE: training the energy (nce_train.py, Eq. 3): the losses, truncated noise, what the LM cannot see, DDP, resume, best on select ====
 
-class ListLM:
-    """A stand-in LM whose generate() hands out one-token candidates 0, 1, 2, ... in order, the same
-    for every prompt row, with given log P_LM and log q per candidate: the candidate set of
-    joint_sample is then fixed and known."""
-
-    def __init__(self, logp, logq):
-        self.logp, self.logq, self.next = torch.as_tensor(logp).float(), torch.as_tensor(logq).float(), 0
-
-    def generate(self, prefix, gen_len, num_samples=1, top_k=None, return_proposal=False, generator=None, max_rows=None):
-        assert gen_len == 1
-        ids = torch.arange(self.next, self.next + num_samples)
-        self.next += num_samples
-        B = prefix.size(0)
-        out = (ids.view(1, -1, 1).expand(B, -1, 1).clone(), self.logp[ids].view(1, -1, 1).expand(B, -1, 1),
-               self.logq[ids].view(1, -1, 1).expand(B, -1, 1))
-        return out if return_proposal else out[:2]
+def softplus64(x):
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
 
 
-class TableEnergy:
-    """A stand-in energy: E(x) = table[last token of x], in float32 as Energy returns it."""
-
-    def __init__(self, table):
-        self.table = torch.as_tensor(table).float()
-
-    def __call__(self, idx, prefix_len):
-        return self.table[idx[:, -1]]
-
-
-def chi_square(counts, p):
-    counts, p = np.asarray(counts, dtype=np.float64), np.asarray(p, dtype=np.float64)
-    expected = counts.sum() * p
-    return float(((counts - expected) ** 2 / expected).sum())
-
-
-@pytest.mark.parametrize('correct_proposal', [False, True])
-def test_joint_sample_resampling_frequencies(correct_proposal):
-    """Algorithm 1 on a fixed set of K = 10 candidates, each of the B rows resampling one: the
-    chosen candidates follow softmax(log w) (chi-square, p = 0.001), log w = -E, or -E + log P_LM
-    - log q with the proposal correction. 10 candidates in chunks of 3, 3, 3, 1 exercise the
-    running Gumbel-max."""
-    K, B = 10, 20000
+@pytest.mark.parametrize('B,M', [(1, 1), (7, 1), (5, 4)])
+def test_nce_loss_brute_force(B, M):
     g = torch.Generator().manual_seed(0)
-    E = torch.randn(K, generator=g, dtype=torch.float64).float().double()
-    logp, logq = torch.randn(K, generator=g) - 2, torch.randn(K, generator=g) - 2
-    lm = ListLM(logp, logq)
-    out = joint_sample(lm, TableEnergy(E), torch.zeros(B, 2, dtype=torch.long), K, 1, top_k=3,
-                       correct_proposal=correct_proposal, generator=torch.Generator().manual_seed(1), max_rows=3 * B)
-    assert lm.next == K  # all K candidates drawn, in chunks
-    log_w = -E + (logp.double() - logq.double() if correct_proposal else 0)
-    p = torch.softmax(log_w, 0).numpy()
-    counts = np.bincount(out['joint'][:, 0].numpy(), minlength=K)
-    stat = chi_square(counts, p)
-    assert stat < CHI2_999[K - 1], (stat, counts, p * B)
-    for wrong in (torch.softmax(-log_w, 0), torch.full((K,), 1.0 / K), torch.softmax(-E if correct_proposal else log_w + logp.double(), 0)):
-        assert chi_square(counts, wrong.numpy()) > 10 * CHI2_999[K - 1]  # the test sees a wrong target
-    assert (out['joint_energy'].double() - E[out['joint'][:, 0]]).abs().max() < 1e-6
-    assert torch.equal(out['worst'][:, 0], torch.full((B,), int(E.argmax())))
-    assert (out['worst_energy'].double() - E.max()).abs().max() < 1e-6
-    assert torch.equal(out['base'][:, 0], torch.zeros(B, dtype=torch.long))  # the first LM sample
-    assert (out['base_energy'].double() - E[0]).abs().max() < 1e-6
-    w = np.exp(log_w.numpy() - log_w.numpy().max())
-    assert (out['ess'] - w.sum() ** 2 / (w ** 2).sum()).abs().max() < 1e-6
-    assert out['joint'].shape == out['worst'].shape == out['base'].shape == (B, 1) and out['ess'].shape == (B,)
-
-
-def test_joint_sample_ess_extremes():
-    # equal energies (the zero-head energy): every weight the same, ESS = n exactly
-    V = 6
-    lm = tiny_gpt(vocab_size=V, block_size=16, seed=2)
-    torch.manual_seed(0)
-    e0 = Energy(GPTConfig(block_size=16, vocab_size=V, n_layer=1, n_head=2, n_embd=16, causal=False)).eval()
-    prefix = torch.randint(V, (3, 4), generator=torch.Generator().manual_seed(0))
-    out = joint_sample(lm, e0, prefix, 10, 5, top_k=4, generator=torch.Generator().manual_seed(0), max_rows=9)
-    assert (out['ess'] - 10).abs().max() < 1e-9 and (out['joint_energy'] == 0).all()
-    assert out['joint'].shape == (3, 5) and out['base'].shape == (3, 5)
-    # one energy far below the others: ESS 1, and that sample is always the one chosen
-    table = torch.zeros(12)
-    table[7] = -40.0
-    out = joint_sample(ListLM(torch.zeros(12), torch.zeros(12)), TableEnergy(table), torch.zeros(500, 2, dtype=torch.long), 12, 1,
-                       generator=torch.Generator().manual_seed(0), max_rows=2500)
-    assert (out['ess'] - 1).abs().max() < 1e-12
-    assert (out['joint'][:, 0] == 7).all() and (out['joint_energy'] == -40).all()
-    # two of them: ESS 2, each chosen half the time
-    table[3] = -40.0
-    out = joint_sample(ListLM(torch.zeros(12), torch.zeros(12)), TableEnergy(table), torch.zeros(4000, 2, dtype=torch.long), 12, 1,
-                       generator=torch.Generator().manual_seed(0), max_rows=20000)
-    assert (out['ess'] - 2).abs().max() < 1e-9
-    assert set(out['joint'][:, 0].tolist()) == {3, 7} and abs((out['joint'][:, 0] == 3).double().mean().item() - 0.5) < 0.04
-
-
-def joint_tables(lm, e, prefix, L, V, top_k):
-    """Exact distributions over the V**L continuations of prefix: the joint model P_LM exp(-E)/Z,
-    the same restricted to the support of the top-k proposal q, the joint model of the top-k
-    LM q exp(-E)/Z_q, and P_LM itself."""
-    conts, lp, E, _ = enumerate_joint(lm, e, prefix, L, V, prefix.numel())
-    _, q = enumerate_continuations(lm, prefix.view(1, -1), L, V, top_k=top_k)
-    joint = torch.softmax(lp - E, 0)
-    in_q = q > 0
-    restricted = torch.softmax(torch.where(in_q, lp - E, torch.tensor(float('-inf'), dtype=torch.float64)), 0)
-    truncated = torch.softmax(q.log() - E, 0)
-    return conts, joint, restricted, truncated, lp.exp()
-
-
-def empirical(tokens, V):
-    L = tokens.size(1)
-    code = (tokens * (V ** torch.arange(L - 1, -1, -1))).sum(1)
-    return torch.bincount(code, minlength=V ** L).double() / tokens.size(0)
-
-
-def bigram_gpt(table, block_size=8):
-    """A GPT that is exactly the bigram model P(v | ..., a) = softmax(table[a])_v: blocks that add
-    nothing (zero output projections), no position embedding, one-hot token embeddings and an
-    untied head whose columns sum to zero, so that ln_f's centring cancels: logits = table[a]."""
-    table = torch.as_tensor(table, dtype=torch.float32)
-    V = table.size(0)
-    C = V + 1
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=V, n_layer=1, n_head=1, n_embd=C))
-    s = math.sqrt((1 / C) * (1 - 1 / C) + model.transformer.ln_f.eps)  # ln_f's scale for a one-hot row
-    W = torch.zeros(V, C)
-    W[:, :V] = table.t() * s
-    W[:, V] = -W[:, :V].sum(1)
-    with torch.no_grad():
-        for blk in model.transformer.h:
-            blk.attn.c_proj.weight.zero_()
-            blk.mlp.c_proj.weight.zero_()
-        model.transformer.wpe.weight.zero_()
-        model.transformer.wte.weight = torch.nn.Parameter(torch.eye(V, C))
-        model.lm_head.weight = torch.nn.Parameter(W)
-    return model.eval()
-
-
-# peaked after token 0, flat after tokens 1 and 3: the top-2 mass depends on the previous token
-BIGRAM = [[3.0, 2.0, -2.0, -3.0], [0.3, 0.0, 0.2, 0.1], [-1.0, 0.5, 1.5, 0.2], [0.25, 0.2, -0.1, 0.3]]
-
-
-def test_joint_sample_distribution_exact():
-    """On an enumerable toy (4 tokens, 2 steps) the output of joint_sample converges to the
-    exact joint distribution as n grows (untruncated proposal); with a top-2 proposal, to the
-    joint model of the top-2 LM, or with the proposal correction to the untruncated joint model
-    on the proposal's support (all the correction can reach: top-k never proposes the rest)."""
-    V, L = 4, 2
-    lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
-    prefix = torch.tensor([1, 2])
-    conts, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
-    assert (conts == torch.tensor(list(itertools.product(range(V), repeat=L)))).all()
-    assert tv(p_lm, joint) > 0.3  # the target is far from the proposal: the test has power
-    B = 6000
-    rows = prefix.expand(B, -1).contiguous()
-    dist = {}
-    for n in (1, 4, 32):
-        out = joint_sample(lm, e, rows, n, L, top_k=None, generator=torch.Generator().manual_seed(n), max_rows=64000)
-        dist[n] = tv(empirical(out['joint'], V), joint)
-    # n = 1 is P_LM itself; then the distance to the joint model shrinks
-    assert abs(dist[1] - tv(p_lm, joint)) < 0.04 and dist[1] > dist[4] + 0.1 > dist[32] + 0.15 and dist[32] < 0.05, dist
-    # top-2 proposals from an exact bigram GPT whose top-2 mass at step 2 depends on step 1
-    lm, e, prefix = bigram_gpt(BIGRAM), rand_energy(V, seed=6, head_std=0.7), torch.tensor([0, 3])
-    with torch.no_grad():
-        assert (lm(prefix[None])[0][0] - torch.tensor(BIGRAM)[prefix]).abs().max() < 1e-5
-    _, joint, restricted, truncated, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
-    assert tv(truncated, restricted) > 0.12 and tv(p_lm, joint) > 0.2
-    rows = prefix.expand(B, -1).contiguous()
-    for correct, target, other in ((False, truncated, restricted), (True, restricted, truncated)):
-        out = joint_sample(lm, e, rows, 32, L, top_k=2, correct_proposal=correct, generator=torch.Generator().manual_seed(5),
-                           max_rows=64000)
-        emp = empirical(out['joint'], V)
-        assert emp[~(restricted > 0)].sum() == 0  # never outside the top-2 support
-        assert tv(emp, target) < 0.04 and tv(emp, other) > 0.09, (correct, tv(emp, target), tv(emp, other))
-
-
-def rel_var(lp, E):
-    """Var(w) / E[w]^2 of w = exp(-E) under the (enumerated) LM probabilities exp(lp): m samples
-    give log Z to about sqrt(rel_var / m) (delta method); 0 when nothing is left to sample."""
-    p, w = lp.exp(), (-E).exp()
-    mu = (p * w).sum()
-    return ((p * (w - mu) ** 2).sum() / mu ** 2).item()
-
-
-def test_next_token_table_exact():
-    """Table 3's next-token probabilities under the joint model, P_LM(v|x) Z(x, v) / Z(x) over the
-    LM's top 3, renormalised (Appendix A.1 with 3 candidates, all 3 kept), vs exact enumeration;
-    tolerances from the delta-method standard error of the estimated log Z(x, v)."""
-    V, P, m = 4, 2, 6000
-    lm, e = toy_lm(V), rand_energy(V)
-    prefix = torch.tensor([[2, 3], [3, 1], [0, 3]])
-    for gen_len in (1, 2):
-        top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, 3, m, NULL, torch.Generator().manual_seed(0),
-                                                max_rows=8192)
-        assert top_v.shape == p_lm.shape == p_joint.shape == (3, 3)
-        assert (p_joint.sum(1) - 1).abs().max() < 1e-12 and (p_joint[:, :-1] >= p_joint[:, 1:]).all()
-        for b in range(3):
-            lp = logprobs64(lm, prefix[b:b + 1])[0, -1]
-            assert sorted(top_v[b].tolist()) == sorted(lp.topk(3).indices.tolist())
-            assert (p_lm[b] - lp.exp()[top_v[b]]).abs().max() < 1e-6
-            logz, rv = [], []
-            for v in top_v[b]:
-                _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix[b], v.view(1)]), gen_len - 1, V, P)
-                logz.append(logz_c)
-                rv.append(rel_var(lp_c, E_c))
-            exact = torch.softmax(lp[top_v[b]] + torch.stack(logz), 0)
-            for j in range(3):  # Var log p_j <~ (rv_j + sum_u p_u^2 rv_u) / m
-                se = math.sqrt((rv[j] + sum(exact[u].item() ** 2 * rv[u] for u in range(3))) / m)
-                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
-            if b < 2:  # the joint next-token distribution is far from the LM's here
-                assert tv(exact, torch.softmax(lp[top_v[b]], 0)) > 0.1
-
-
-def test_topk_autoregressive_distribution():
-    """With all V candidates kept (no truncation) Appendix A.1's token-by-token sampler approaches
-    the exact joint model; with 2 candidates it stays inside the LM's top-2 at every step."""
-    V, L = 4, 2
-    lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
-    prefix = torch.tensor([1, 2])
-    _, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
-    B = 3000
-    rows = prefix.expand(B, -1).contiguous()
-    toks = topk_autoregressive(lm, e, rows, L, V, V, 48, NULL, torch.Generator().manual_seed(0), max_rows=200000)
-    assert toks.shape == (B, L)
-    d = tv(empirical(toks, V), joint)
-    assert d < 0.05 and tv(p_lm, joint) > 0.3, d
-    toks = topk_autoregressive(lm, e, rows[:200], L, 2, 2, 8, NULL, torch.Generator().manual_seed(1), max_rows=200000)
-    seqs = torch.cat([rows[:200], toks], 1)
-    lp = logprobs64(lm, seqs)[:, 1:-1]
-    rank = (lp > lp.gather(-1, toks[..., None])).sum(-1)
-    assert rank.max() < 2
-
-
-def test_unique_ngrams_and_analyses():
-    texts = ["a b a b", "a b c"]
-    assert unique_ngrams(texts, 1) == 100 * 3 / 7  # a b a b a b c: 3 distinct of 7
-    assert unique_ngrams(texts, 2) == 100 * 3 / 5  # ab ba ab | ab bc
-    assert unique_ngrams(texts, 3) == 100 * 3 / 3  # aba bab | abc
-    assert unique_ngrams(texts, 4) == 100.0 and unique_ngrams(texts, 5) is None
-    assert unique_ngrams(["x y", "z w"], 2) == 100.0  # no n-gram across texts
-    assert unique_ngrams(["  the the\nthe  "], 1) == 100 / 3  # whitespace-split words
-    results = [dict(gold="a b c d", base="a a a a", joint="a b a b", lm_logp=dict(gold=-4.0, base=-1.0, joint=-2.5)),
-               dict(gold="e f", base="a a", joint="c d", lm_logp=dict(gold=-6.0, base=-2.0, joint=-3.5))]
-    rep = sample.analyses(results)
-    assert rep['unique_ngrams']['gold'] == [100.0, 100.0, 100.0, 100.0]
-    assert rep['unique_ngrams']['base'][:3] == [100 / 6, 100 / 4, 100 / 2] and rep['unique_ngrams']['base'][3] == 100.0
-    assert rep['unique_ngrams']['joint'][:3] == [100 * 4 / 6, 100 * 3 / 4, 100.0]  # ab ba ab | cd
-    assert rep['mean_lm_logp'] == dict(gold=-5.0, base=-1.5, joint=-3.0)
-    assert rep['mean_lm_logp_diff'] == {'base-gold': 3.5, 'joint-gold': 2.0}
-
-
-def binom_tail_exact(wins, losses):
-    """P(X >= wins), X ~ Binomial(wins + losses, 1/2), as an exact fraction from Pascal's triangle."""
-    row = [1]
-    for _ in range(wins + losses):
-        row = [a + b for a, b in zip([0] + row, row + [0])]
-    return Fraction(sum(row[wins:]), 2 ** (wins + losses))
-
-
-def test_binomial_p_value():
-    assert human_eval.binomial_p_value(9, 1) == 11 / 1024
-    assert human_eval.binomial_p_value(10, 0) == 1 / 1024 and human_eval.binomial_p_value(0, 10) == 1.0
-    assert human_eval.binomial_p_value(0, 0) == 1.0 and human_eval.binomial_p_value(1, 0) == 0.5
-    for w, l in [(5, 5), (3, 7), (20, 13), (60, 40), (7, 0), (1, 1)]:
-        p = human_eval.binomial_p_value(w, l)
-        assert abs(p - float(binom_tail_exact(w, l))) < 1e-15
-        # complement: P(X >= w) + P(X >= l + 1) = 1 for X ~ Binomial(w + l, 1/2)
-        assert abs(p + human_eval.binomial_p_value(l + 1, w - 1) - 1) < 1e-12
-
-
-HE_SAMPLES = [dict(prefix=f'prefix {i}', base=f'base {i}', joint=f'joint {i}', worst=f'worst {i}', gold=f'gold {i}')
-              for i in range(8)]
-
-
-def simulate_votes(items, rater_prefs):
-    """Raters read the texts: rater_prefs[rater](i, sides) -> the system name they pick or 'equal'."""
-    votes = []
-    for rater, pref in rater_prefs.items():
-        for it in items:
-            sides = {it['A'].split()[0]: 'A', it['B'].split()[0]: 'B'}
-            pick = pref(int(it['prefix'].split()[1]), sides)
-            votes.append((rater, str(it['item']), 'equal' if pick == 'equal' else sides[pick]))
-    return votes
-
-
-def prefs_good(i, sides):  # joint on prefixes 0-4, equal on 5, base on 6-7; the real text on checks
-    if 'gold' in sides:
-        return 'gold'
-    return 'joint' if i < 5 else 'equal' if i == 5 else 'base'
-
-
-def prefs_bad(i, sides):  # always the joint model, even over real text: fails the attention checks
-    return 'joint'
-
-
-def prefs_half(i, sides):  # the real text on checks; else joint on even prefixes, base on odd ones
-    return 'gold' if 'gold' in sides else 'joint' if i % 2 == 0 else 'base'
-
-
-def test_human_eval_roundtrip():
-    items, key = human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0)
-    assert len(items) == 11 and [it['item'] for it in items] == list(range(11))
-    assert key['systems'] == ['joint', 'base'] and sorted(key['items']) == sorted(str(i) for i in range(11))
-    checks = [it for it in items if key['items'][str(it['item'])]['check']]
-    assert len(checks) == 3
-    for it in items:
-        k = key['items'][str(it['item'])]
-        i = int(it['prefix'].split()[1])
-        assert it['A'] == f"{k['A']} {i}" and it['B'] == f"{k['B']} {i}"  # the key unblinds A/B
-        assert {k['A'], k['B']} == ({'joint', 'gold'} if k['check'] else {'joint', 'base'})
-    assert {key['items'][str(it['item'])]['A'] for it in items} >= {'joint', 'base'}  # both orders occur
-    regular = [it for it in items if not key['items'][str(it['item'])]['check']]
-    assert sorted(int(it['prefix'].split()[1]) for it in regular) == list(range(8))
-    votes = simulate_votes(items, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
-    rep = human_eval.score(key, votes)
-    # r2 dropped; per prefix (r1, r3): 0 JJ, 1 JB, 2 JJ, 3 JB, 4 JJ, 5 =B, 6 BJ, 7 BB -> items 3 won,
-    # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
-    assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
-    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
-    assert rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8 and rep['p_value'] == 5 / 16
-    rep = human_eval.score(key, votes, per_vote=True)
-    assert rep['unit'] == 'vote' and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1)
-    assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
-    assert rep['p_value'] == float(binom_tail_exact(9, 6))
-    # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
-    rep = human_eval.score(key, votes, max_failed_checks=3)
-    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
-    rep = human_eval.score(key, votes, max_failed_checks=3, per_vote=True)
-    assert (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
-    rep = human_eval.score(key, votes, max_failed_checks=2)
-    assert rep['dropped_raters'] == ['r2']
-    # the same items with the systems swapped: wins and losses swap (one rater: items = votes)
-    items2, key2 = human_eval.export(HE_SAMPLES, ['base', 'joint'], 0, seed=0)
-    rep = human_eval.score(key2, simulate_votes(items2, dict(r1=prefs_good)))
-    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes'], rep['n']) == (2, 5, 1, 8, 8)
-    assert human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0) == (items, key)  # seeded
-
-
-def write_samples(path, samples=HE_SAMPLES):
-    path.write_text(json.dumps(dict(samples=samples)))
-    return str(path)
-
-
-def test_human_eval_cli(tmp_path):
-    samples = write_samples(tmp_path / 'samples.json')
-    out_dir = tmp_path / 'he'
-    res = run_script(['human_eval.py', 'export', '--samples', samples, '--systems', 'joint,base', '--checks', '3',
-                      '--out_dir', str(out_dir)])
-    assert res.returncode == 0, res.stderr
-    with open(out_dir / 'items.csv', newline='') as f:
-        items = list(csv.DictReader(f))
-    jsonl = [json.loads(l) for l in (out_dir / 'items.jsonl').read_text().splitlines()]
-    assert len(items) == len(jsonl) == 11 and [it['A'] for it in items] == [it['A'] for it in jsonl]
-    key = json.loads((out_dir / 'key.json').read_text())
-    assert 'joint' not in (out_dir / 'items.csv').read_text().split('\n')[0]  # raters do not see system names
-    for it in jsonl:
-        it['item'] = int(it['item'])
-    votes = simulate_votes(jsonl, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
-    with open(tmp_path / 'votes.csv', 'w', newline='') as f:
-        w = csv.writer(f)
-        w.writerow(['rater', 'item', 'choice'])
-        w.writerows(votes)
-    res = run_script(['human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes', str(tmp_path / 'votes.csv')])
-    assert res.returncode == 0, res.stderr
-    rep = json.loads((tmp_path / 'votes_report.json').read_text())
-    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 3
-    assert 'preferred 37.5%' in res.stdout and 'of 8 items' in res.stdout
-    # votes naming an item the key does not have, or a bad choice: one clear error
-    for bad in (['r1', '99', 'A'], ['r1', '0', 'C']):
-        with open(tmp_path / 'bad.csv', 'w', newline='') as f:
-            w = csv.writer(f)
-            w.writerow(['rater', 'item', 'choice'])
-            w.writerows(votes[:3] + [bad])
-        assert_clean_error(run_script(['human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes',
-                                       str(tmp_path / 'bad.csv')]), 'bad vote')
-    assert_clean_error(run_script(['human_eval.py', 'export', '--samples', samples, '--systems', 'joint,nope',
-                                   '--out_dir', str(tmp_path / 'x')]), '--systems')
-    no_gold = write_samples(tmp_path / 'nogold.json', [{k: v for k, v in s.items() if k != 'gold'} for s in HE_SAMPLES])
-    assert_clean_error(run_script(['human_eval.py', 'export', '--samples', no_gold, '--out_dir', str(tmp_path / 'y')]),
-                       'attention checks need real continuations')
-
-
-def char_ids(tok, text):
-    """Ids of a decoded char-tokenizer text, end-of-text tokens included (they decode to EOT)."""
-    ids = []
-    for i, piece in enumerate(text.split(EOT)):
-        ids += ([tok.eot_id] if i else []) + tok.encode(piece)
-    return ids
-
-
-def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
-    out = tmp_path / 's.json'
-    argv = ['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--split', 'test', '--num_prefixes', '3',
-            '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
-            '--candidates', '6', '--keep', '4', '--table_k', '3', '--autoregressive', '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
-    rep = sample.main(argv)
-    assert json.dumps(json.loads(out.read_text())) == json.dumps(rep)
-    meta = load_meta(lm_corpus)
-    tok = load_tokenizer(meta)
-    lm = load_lm(lm_ckpt)[0]
-    energy = load_energy(eval_ckpts['bit'], lm_ckpt)[0]
-    data = load_split(lm_corpus, 'test', meta)
-    x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
-    assert len(rep['samples']) == 3
-    for b, r in enumerate(rep['samples']):
-        assert r['prefix'] == tok.decode(x[b, :EVAL_P].tolist()) and r['gold'] == tok.decode(x[b, EVAL_P:].tolist())
-        assert r['n'] == 6 and 1 - 1e-9 <= r['ess'] <= 6 + 1e-9
-        seqs = {k: torch.tensor([x[b, :EVAL_P].tolist() + char_ids(tok, r[k])])
-                for k in ('base', 'joint', 'worst', 'gold', 'autoregressive')}
-        assert all(s.shape == (1, EVAL_P + EVAL_L) for s in seqs.values())
-        for k in ('base', 'joint', 'worst', 'gold'):
-            ref = energies(energy, seqs[k], EVAL_P).item()
-            assert abs(r[f'{k}_energy'] - ref) < 1e-5 * max(1, abs(ref))
-        assert r['worst_energy'] >= max(r['base_energy'], r['joint_energy'])  # the worst of n includes both
-        for k in ('base', 'joint', 'gold', 'autoregressive'):
-            s = seqs[k]
-            ref = logprobs64(lm, s)[0, EVAL_P - 1:-1].gather(-1, s[0, EVAL_P:, None]).sum().item()
-            assert abs(r['lm_logp'][k] - ref) < 1e-4
-        assert len(r['next_tokens']) == 3  # the first 3 of the 4 kept of the LM's top 6, by joint probability
-        lp = logprobs64(lm, x[b:b + 1, :EVAL_P])[0, -1]
-        top6 = {tok.decode([v]): p for v, p in zip(lp.topk(6).indices.tolist(), lp.exp().topk(6).values.tolist())}
-        assert all(t['token'] in top6 and abs(t['p_lm'] - top6[t['token']]) < 1e-6 for t in r['next_tokens'])
-        p_joint = [t['p_joint'] for t in r['next_tokens']]
-        assert p_joint == sorted(p_joint, reverse=True) and sum(p_joint) < 1 <= sum(p_joint) + p_joint[-1] + 1e-6  # the 4th is at most the 3rd
-    assert json.dumps(rep['unique_ngrams']) == json.dumps(sample.analyses(rep['samples'])['unique_ngrams'])  # NaN-aware
-    assert sorted(rep['unique_ngrams']) == ['autoregressive', 'base', 'gold', 'joint']
-    assert rep['mean_lm_logp']['gold'] == np.mean([r['lm_logp']['gold'] for r in rep['samples']])
-    # a prompt instead of data prefixes: no gold
-    rep = sample.main(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--prompt', 'the quick', '--gen_len', '4',
-                       '--n', '4', '--table_k', '0', '--quiet', '--device', 'cpu', '--out', str(tmp_path / 'p.json')])
-    r = rep['samples'][0]
-    assert r['prefix'] == 'the quick' and 'gold' not in r and 'next_tokens' not in r
-    assert len(char_ids(tok, r['joint'])) == len(char_ids(tok, r['base'])) == 4
-    # then human_eval on sample.py's output
-    res = run_script(['human_eval.py', 'export', '--samples', str(out), '--checks', '1', '--out_dir', str(tmp_path / 'he')])
-    assert res.returncode == 0, res.stderr
-    assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
-    # bad input
-    assert_clean_error(run_script(['sample.py', *argv[:-1], str(tmp_path / 'bad.json'), '--n', '0']), 'at least 1')
-    assert_clean_error(run_script(['sample.py', *argv[:-1], str(tmp_path / 'bad.json'), '--keep', '2']), '--table_k (3) <= --keep (2)')
-    assert_clean_error(run_script(['sample.py', '--lm', eval_ckpts['lm2'], '--energy', eval_ckpts['bit'], '--n', '2',
-                                   '--out', str(tmp_path / 'bad.json')]), 'residual of another LM')
-
-
-# ---- baselines, presets and the main job (issue 6) ----
-
-from model import RALM, width_for_params  # noqa: E402
-from train_lm import PAPER_PRESETS  # noqa: E402
-
-
-def test_ralm_normalised_and_zero_residual_is_base():
-    torch.manual_seed(0)
-    base = tiny_gpt(vocab_size=7, block_size=16, seed=3)
-    ralm = RALM(GPTConfig(block_size=16, vocab_size=7, n_layer=1, n_head=2, n_embd=16), base).eval()
-    x = torch.randint(7, (3, 12))
-    with torch.no_grad():
-        # a zero-initialised residual is the base LM exactly, cached generation included
-        ralm.lm_head.weight.zero_()
-        assert torch.equal(ralm.logits(x), base.logits(x))
-        g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-        a, b = ralm.generate(x[:, :4], 6, num_samples=3, generator=g1), base.generate(x[:, :4], 6, num_samples=3, generator=g2)
-        assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1])
-        # a non-zero residual: Eq. 6 is log_softmax(base logits + phi logits), each step sums to 1
-        ralm.lm_head.weight.normal_(0, 0.5)
-        lp = torch.log_softmax(ralm.logits(x).double(), -1)
-        ref = torch.log_softmax(torch.log_softmax(base.logits(x).double(), -1)
-                                + torch.log_softmax(GPT.logits(ralm, x).double(), -1), -1)
-        assert torch.allclose(lp, ref, atol=1e-5)
-        assert torch.allclose(lp.exp().sum(-1), torch.ones(3, 12, dtype=torch.float64), atol=1e-9)
-        total = ralm.sequence_logprob(x, 4).double()
-        assert torch.allclose(total, ref[:, 3:-1].gather(-1, x[:, 4:, None]).squeeze(-1).sum(1), atol=1e-4)
-        # the KV cache covers both models
-        tokens, logp = ralm.generate(x[:, :4], 8, num_samples=2, generator=torch.Generator().manual_seed(1))
-        seq = torch.cat([x[:, :4, None].expand(-1, -1, 2).transpose(1, 2), tokens], 2).flatten(0, 1)
-        assert torch.allclose(logp.flatten(0, 1).sum(1), ralm.sequence_logprob(seq, 4), atol=1e-4)
-
-
-def test_ralm_training_and_checkpoint(lm_corpus, lm_ckpt, tmp_path):
-    out = tmp_path / 'ralm'
-    res = run_script(['train_lm.py', '--data_dir', str(lm_corpus), '--out_dir', str(out), '--residual_of', str(lm_ckpt),
-                      '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '4',
-                      '--max_iters', '3', '--eval_interval', '3', '--num_samples', '0', '--quiet'])
-    assert res.returncode == 0, res.stderr
-    ralm, ckpt = load_lm(str(out / 'ckpt.pt'))
-    base, _ = load_lm(str(lm_ckpt))
-    assert isinstance(ralm, RALM) and ckpt['residual_of'][0] == str(lm_ckpt)
-    assert not any(k.startswith('base.') for k in ckpt['model'])  # the frozen base is not copied
-    for (k, v), (_, w) in zip(ralm.base.state_dict().items(), base.state_dict().items()):
-        assert torch.equal(v, w), k  # and stayed frozen
-
-
-def test_balm_width_matches_params():
-    V, block = 78, 256
-    count = lambda c: GPT(GPTConfig(block_size=block, vocab_size=V, n_layer=4, n_head=4, n_embd=c)).num_params()
-    target = 2 * count(256) + 257  # base LM + a same-shape energy, roughly
-    c = width_for_params(target, 4, 4, V, block)
-    assert c % 4 == 0
-    best = min(range(4, 1025, 4), key=lambda w: abs(count(w) - target))  # brute force over every width
-    assert c == best and abs(count(c) - target) / target < 0.01
-
-
-@pytest.mark.parametrize('name,paper', [('base_lm', 203e6), ('bit_base', 125e6), ('bit_large', 355e6), ('balm', 433.7e6)])
-def test_paper_presets_param_counts(name, paper):
-    """The presets built on the meta device have the paper's counts (BALM: what its stated shape
-    gives with tied embeddings; the paper lists 408M)."""
-    p = PAPER_PRESETS[name]
-    bit = name.startswith('bit')
-    with torch.device('meta'):
-        cfg = GPTConfig(block_size=512, vocab_size=50257 + bit, n_layer=p['n_layer'], n_head=p['n_head'],
-                        n_embd=p['n_embd'], bias=p.get('bias', False), causal=not bit)
-        n = (Energy(cfg) if bit else GPT(cfg)).num_params()
-    assert abs(n - paper) / paper < 0.02, n
-
-
-def test_preset_flag_sets_defaults():
-    args = train_lm.get_args(['--preset', 'bit_base', '--lr', '1e-3'])
-    assert (args.n_layer, args.n_embd, args.n_head, args.batch_size, args.block_size, args.lr) == (12, 768, 12, 60, 512, 1e-3)
-
-
-def test_reproduce_quick_end_to_end(tmp_path):
-    """The main job with tiny models: the CI smoke test of every stage (the slowest test, ~2 min on
-    2 cores: the whole pipeline end to end). Every row is there with ordered bounds. (No gain is asserted:
-    at this size the BIT's gain is within noise, see README.) Then a rerun skips every finished
-    stage, and a stage whose outputs are removed runs again with what depends on it."""
-    out, data = tmp_path / 'out', tmp_path / 'data'
-    cmd = [sys.executable, 'reproduce.py', '--quick', '--quiet', '--out_dir', str(out), '--data_dir', str(data)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()))
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = {(r['model'], r['split']): r for r in json.load(open(out / 'results.json'))['rows']}
-    assert {m for m, _ in rows} == {'BASE LM', 'RALM', 'BALM', 'JOINT UNIT', 'JOINT BIT'}
-    base, bit = rows['BASE LM', 'test'], rows['JOINT BIT', 'test']
-    assert bit['ppl_low'] <= bit['ppl_high'] and math.isfinite(bit['gain_se']) and base['ppl'] > 1
-    assert rows['JOINT BIT', 'test']['params'] == rows['BASE LM', 'test']['params'] + json.load(open(out / 'bit' / 'results.json'))['params']
-    assert (out / 'samples.json').exists() and (out / 'ppl.json').exists()
-    best = str(out / 'bit' / 'best.pt')
-    assert load_checkpoint(best)['config']['alibi']  # the MLM's ALiBi body, carried into the energy
-    assert json.load(open(out / 'ppl.json'))['hashes']['BIT'] == file_hash(best)  # the best energy is evaluated
-
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and '$ python' not in res.stdout, res.stdout
-    os.remove(out / 'bit' / 'results.json')  # as if killed after its last checkpoint
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
-    ran = [line.split(']')[0][1:] for line in res.stdout.splitlines() if '] $ python' in line]
-    after = ['bit', 'estimate_ppl', 'samples'] + (['figures'] if importlib.util.find_spec('matplotlib') else [])
-    assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
-    assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
-
-
-def test_bench_quick_runs(lm_corpus, tmp_path):
-    """bench.py is measured, not tested for speed: this only checks that every section runs and
-    that the last line of stdout is the JSON of all figures (also written to --out)."""
-    out = tmp_path / 'bench.json'
-    res = run_script(['bench.py', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out), '--n_layer', '1',
-                      '--n_embd', '32', '--n_head', '2', '--block_size', '64', '--batch_size', '2', '--prompt_len', '16',
-                      '--num_samples', '2', '--new_tokens', '8', '--matmul_size', '128'])
-    assert res.returncode == 0, res.stderr
-    figures = json.loads(res.stdout.strip().splitlines()[-1])
-    assert figures == json.load(open(out))
-    for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup', 'energy_forward_seqs_per_s',
-                'nce_train_tokens_per_s', 'logz_samples_per_s_n1000', 'joint_samples_per_s_n1000'):
-        assert figures[key] > 0, key
-
-
-# ---- paper fidelity: human eval over items (A.4), A.1 top-k sampler, NCE with truncated noise ----
-
-HAND_KEY = dict(systems=['joint', 'base'], items={
-    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
-        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'),
-         ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base')])},
-    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
-# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
-HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
-              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
-
-
-def hand_votes():
-    votes = []
-    for item, s in HAND_VOTES.items():
-        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
-            if c != '_':
-                votes.append((rater, item, 'equal' if c == '=' else c))
-    return votes
-
-
-def binom_tail(w, l):
-    return sum(math.comb(w + l, k) for k in range(w, w + l + 1)) / 2 ** (w + l)
-
-
-def test_human_eval_items_by_majority():
-    """Per item (r4 dropped), in system terms J (joint), B (base), = (equal):
-    0 JJJ W | 1 JJB W | 2 J=J W | 3 JB= equal (no strict plurality) | 4 J== equal ('equal' majority)
-    5 === equal | 6 BBJ L | 7 BBB L | 8 JJ W | 9 J= equal (tie with 'equal') | 10 only r4: unvoted | 11 JJB W.
-    Items: 5 won, 2 lost, 4 equal of 11. Votes: J 15, B 8, = 8 of 31."""
-    votes = hand_votes()
-    assert len(votes) == 31 + 3 + 6 + 2  # counted, r4's on items, the checks of r1-r3, r4's checks
-    rep = human_eval.score(HAND_KEY, votes)
-    assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
-    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (11, 31, 5, 2, 4, 1)
-    assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
-    assert rep['p_value'] == 29 / 128 == binom_tail(5, 2)  # (C(7,5) + C(7,6) + C(7,7)) / 2^7
-    per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
-    assert per_vote['unit'] == 'vote'
-    assert (per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties']) == (31, 31, 15, 8, 8)
-    assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
-    assert per_vote['p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
-    assert per_vote['p_value'] < rep['p_value'] / 2  # counting correlated votes as independent overstates significance
-    # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
-    rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
-    assert rep['dropped_raters'] == [] and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0)
-    assert rep['p_value'] == 93 / 256
-    # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
-    assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
-    assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
-    assert human_eval.plurality({'joint': 0, 'base': 1, 'equal': 0}) == 'base'
-    with pytest.raises(ValueError, match='rater r1 voted more than once on item 3'):
-        human_eval.score(HAND_KEY, votes + [('r1', '3', 'B')])
-
-
-def test_human_eval_cli_units_overwrite_and_bad_files(tmp_path):
-    key_path, votes_path = tmp_path / 'key.json', tmp_path / 'votes.csv'
-    key_path.write_text(json.dumps(HAND_KEY))
-    with open(votes_path, 'w', newline='') as f:
-        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
-    for extra, unit in (([], 'item'), (['--per_vote'], 'vote')):
-        out = tmp_path / f'{unit}.json'
-        with contextlib.redirect_stdout(io.StringIO()) as s:
-            human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path), '--out', str(out), *extra])
-        rep = json.loads(out.read_text())
-        assert rep == json.loads(json.dumps(human_eval.score(HAND_KEY, hand_votes(), per_vote=bool(extra))))
-        assert rep['unit'] == unit
-        assert (f'of 11 items' if unit == 'item' else 'of 31 votes (per vote') in s.getvalue()
-        assert f"over {unit}s" in s.getvalue()
-    # export refuses to replace a key that votes may have been collected against, unless --force
-    samples = write_samples(tmp_path / 'samples.json')
-    out_dir = tmp_path / 'he'
-    export = ['human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
-    assert run_script(export).returncode == 0
-    before = dir_snapshot(out_dir)
-    bad = tmp_path / 'bad.json'
-    bad.write_text('{"samples": [')
-    notsamples = tmp_path / 'notsamples.json'
-    notsamples.write_text('[1, 2]')
-    badcsv = tmp_path / 'bad.csv'
-    badcsv.write_text('who,what\nr1,0\n')
-    missing = str(tmp_path / 'missing')
-    res = run_scripts([export + ['--seed', '7'],
-                       ['human_eval.py', 'export', '--samples', missing, '--out_dir', str(tmp_path / 'x1')],
-                       ['human_eval.py', 'export', '--samples', str(bad), '--out_dir', str(tmp_path / 'x2')],
-                       ['human_eval.py', 'export', '--samples', str(notsamples), '--out_dir', str(tmp_path / 'x3')],
-                       ['human_eval.py', 'score', '--key', missing, '--votes', str(votes_path)],
-                       ['human_eval.py', 'score', '--key', str(bad), '--votes', str(votes_path)],
-                       ['human_eval.py', 'score', '--key', str(notsamples), '--votes', str(votes_path)],
-                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', missing],
-                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', str(badcsv)],
-                       ['human_eval.py', 'score', '--key', str(key_path), '--votes', str(bad)]])
-    assert_clean_error(res[0], str(out_dir / 'key.json'), 'exists', '--force')
-    assert dir_snapshot(out_dir) == before  # nothing was overwritten, items included
-    assert_clean_error(res[1], '--samples', missing, 'does not exist')
-    assert_clean_error(res[2], '--samples', str(bad), 'not valid JSON')
-    assert_clean_error(res[3], '--samples', "no 'samples' list")
-    assert_clean_error(res[4], '--key', missing, 'does not exist')
-    assert_clean_error(res[5], '--key', str(bad), 'not valid JSON')
-    assert_clean_error(res[6], '--key', 'not a key written by human_eval.py export')
-    assert_clean_error(res[7], '--votes', missing, 'does not exist')
-    assert_clean_error(res[8], '--votes', 'rater,item,choice')
-    assert_clean_error(res[9], '--votes', 'rater,item,choice')
-    res = run_script(export + ['--seed', '7', '--force'])
-    assert res.returncode == 0, res.stderr
-    after = dir_snapshot(out_dir)
-    assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
-    assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
-
-
-def exact_next_token(lm, e, prefix, gen_len, V):
-    """Exact log P_LM(v|x) and log P_LM(v|x) Z(x, v) (float64, all V tokens), and the relative
-    variance of the weights behind each Z(x, v), by enumerating every continuation."""
-    lp = logprobs64(lm, prefix[None])[0, -1]
-    score, rv = [], []
-    for v in range(V):
-        _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix, torch.tensor([v])]), gen_len - 1, V, prefix.numel())
-        score.append(lp[v] + logz_c)
-        rv.append(rel_var(lp_c, E_c))
-    return lp, torch.stack(score), torch.tensor(rv, dtype=torch.float64)
-
-
-def test_next_token_table_a1_exact():
-    """Appendix A.1 on an enumerable toy (V = 6): the LM's top 4 candidates, Z of each from m
-    completions, the top 3 kept and renormalised. The kept tokens are the exact top 3 of
-    P_LM(v|x) Z(x, v) among the candidates (a token outside them is never kept, even where the
-    exact joint model ranks it in its top 3), their probabilities sum to 1 and match the exact
-    joint next-token probabilities restricted to them within 4 delta-method SE + 0.5% (exact to
-    float32 rounding when Z is exp(-E), gen_len 1), and memory stays within max_rows."""
-    V, C, K, m = 6, 4, 3, 4000
-    lm, e = toy_lm(V), rand_energy(V, seed=2, head_std=1.5)
-    prefix = torch.tensor([[2, 1], [0, 3], [5, 5]])
-    outside_kept = 0
-    for gen_len in (1, 2, 3):
-        v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, C, K, m, NULL, torch.Generator().manual_seed(gen_len),
-                                            max_rows=512)
-        assert v.shape == p_lm.shape == p_joint.shape == (3, K)
-        assert (p_joint.sum(1) - 1).abs().max() < 1e-12
-        for b in range(3):
-            lp, score, rv = exact_next_token(lm, e, prefix[b], gen_len, V)
-            cand = lp.topk(C).indices
-            ranked = cand[score[cand].argsort(descending=True)]
-            s = score[ranked]
-            se_boundary = math.sqrt((rv[ranked[K - 1]] + rv[ranked[K]]).item() / m)
-            assert s[K - 1] - s[K] > 6 * se_boundary + 0.05  # the kept set is well determined: no flaky test
-            assert v[b].tolist() == ranked[:K].tolist()
-            outside_kept += len(set(score.topk(K).indices.tolist()) - set(cand.tolist()))
-            exact = torch.softmax(score[v[b]], 0)  # the joint P(v|x) restricted to the kept tokens
-            assert (p_lm[b] - lp[v[b]].exp()).abs().max() < 1e-6
-            if gen_len == 1:
-                assert (p_joint[b] - exact).abs().max() < 1e-6
-            for j in range(K):
-                se = math.sqrt((rv[v[b, j]] + (exact ** 2 * rv[v[b]]).sum()).item() / m)
-                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
-            assert tv(exact, torch.softmax(lp[v[b]], 0)) > 0.05 or b > 0  # the test sees the energy
-    assert outside_kept >= 2  # the exact top 3 of the joint model reaches outside the LM's top 4 here
-    # bounded memory: no generate call holds more than max_rows sequences
-    rows, orig = [], lm.generate
-
-    def recorded(idx, n_new, num_samples=1, **kw):
-        rows.append(idx.size(0) * num_samples)
-        return orig(idx, n_new, num_samples=num_samples, **kw)
-
-    lm.generate = recorded
-    next_token_table(lm, e, prefix, 3, C, K, 40, NULL, torch.Generator().manual_seed(0), max_rows=16)
-    assert max(rows) <= 16 and sum(rows) == 3 * C * 40
-    with pytest.raises(ValueError, match='keep'):
-        next_token_table(lm, e, prefix, 3, 2, 3, 4, NULL, torch.Generator())
+    e_pos = torch.randn(B, generator=g, dtype=torch.float64) * 6
+    e_neg = torch.randn(B, M, generator=g, dtype=torch.float64) * 6
+    e_neg[0, 0] = e_pos[0]  # a tie counts as a mistake: accuracy is E+ < E- strictly
+    e_pos[-1] = 40.0  # far in the tails: no overflow
+    p, n = e_pos.tolist(), e_neg.tolist()
+    ref_bin = sum(softplus64(p[b]) + sum(softplus64(-x) for x in n[b]) / M for b in range(B)) / B
+    ref_rank = 0.0
+    for b in range(B):
+        s = [-p[b]] + [-x for x in n[b]]
+        m = max(s)
+        ref_rank += -(s[0] - (m + math.log(sum(math.exp(v - m) for v in s)))) / B
+    ref_acc = sum(p[b] < x for b in range(B) for x in n[b]) / (B * M)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        for kind, ref in (('binary', ref_bin), ('ranking', ref_rank)):
+            loss, acc = nce_train.nce_loss(e_pos.to(dtype), e_neg.to(dtype), kind)
+            assert abs(loss.item() - ref) <= tol * max(1.0, abs(ref)), (kind, dtype)
+            assert abs(acc.item() - ref_acc) < 1e-6  # accuracy is a float32 mean
+    if M == 1:  # with one negative, the ranking loss is the binary loss of E+ - E- (softmax of two)
+        ref_pair = sum(softplus64(p[b] - n[b][0]) for b in range(B)) / B
+        assert abs(nce_train.nce_loss(e_pos, e_neg, 'ranking')[0].item() - ref_pair) < 1e-12
+    else:
+        assert 0 < ref_acc < 1  # the accuracy check can see a wrong count
+
+
+def test_nce_loss_unknown_kind():
+    with pytest.raises(ValueError, match="unknown NCE loss 'hinge'"):
+        nce_train.nce_loss(torch.zeros(2), torch.zeros(2, 3), 'hinge')
 
 
 def test_nce_loss_with_log_ratios():
@@ -2666,60 +1488,1481 @@ def test_nce_with_truncated_noise_recovers_the_energy():
         assert tv(wrong.exp(), log_data[sup].exp()) > 0.05, kind
 
 
-def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
-    """pos_logp / pos_logq of negatives.py vs float64 brute force on the tiny LM: log P_LM of the
-    real continuation, and its log q under the proposal the negatives came from (-inf for a real
-    token outside top-k/top-p, the argmax at temperature 0); untruncated, pos_logq == pos_logp.
-    log_ratios hands nce_loss d = log P_LM - log q (None untruncated, +inf off the support)."""
-    meta = load_meta(lm_corpus)
-    data = load_split(lm_corpus, 'train', meta)
-    lm, _ = load_lm(lm_ckpt)
-    P, L, N = 6, 4, 23
-    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', str(N), '--chunk', '5', *NEG_FLAGS]
-    real = None
-    # the LM is nearly uniform over 30 tokens: wide truncations, so that some real continuations fit
-    for name, extra, proposal in (('full', [], {}), ('topk', ['--top_k', '20'], dict(top_k=20)),
-                                  ('topp', ['--top_p', '0.8', '--temperature', '0.7'], dict(top_p=0.8, temperature=0.7)),
-                                  ('greedy', ['--temperature', '0'], 'greedy')):
-        out = str(tmp_path / name)
-        negatives.main(['--out_dir', out, *flags, *extra])
-        neg = load_negatives(out, lm_path=lm_ckpt)
-        if real is None:
-            real = window_tokens(data, neg['offsets'], P + L)
-            lp64 = logprobs64(lm, real)[:, P - 1:-1]  # (N, L, V)
-            tok = real[:, P:, None]
-            ref_logp = lp64.gather(-1, tok).squeeze(-1).sum(1)
-        pos_logp, pos_logq = torch.from_numpy(np.array(neg['pos_logp'])), torch.from_numpy(np.array(neg['pos_logq']))
-        assert pos_logp.shape == pos_logq.shape == (N,) and pos_logp.dtype == torch.float32
-        assert (pos_logp.double() - ref_logp).abs().max() < 1e-4
-        if proposal == {}:
-            assert torch.equal(pos_logq, pos_logp)
-            assert log_ratios(neg, np.arange(3), np.zeros((3, 2), int)) == (None, None)
+def unigram_lm(data_dir, path):
+    """Save an LM checkpoint that ignores its context: every next-token distribution is the
+    unigram distribution of the train split (blocks are identities, the final LayerNorm outputs
+    a constant that the tied head maps to the unigram log-probs). Returns those log-probs."""
+    meta = load_meta(data_dir)
+    V = meta['vocab_size']
+    counts = np.bincount(np.asarray(load_split(data_dir, 'train', meta)), minlength=V)
+    logp = torch.from_numpy(np.log(counts / counts.sum())).float()
+    cfg = GPTConfig(block_size=16, vocab_size=V, n_layer=1, n_head=1, n_embd=8, bias=True)
+    torch.manual_seed(0)
+    lm = GPT(cfg)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if 'c_proj' in name:
+                p.zero_()
+        lm.transformer.ln_f.weight.zero_()
+        lm.transformer.ln_f.bias.zero_()
+        lm.transformer.ln_f.bias[0] = 1.0
+        lm.transformer.wte.weight[:, 0] = logp
+    save_checkpoint(dict(kind='lm', model=lm.state_dict(), config=asdict(cfg), meta=dict(meta, data_dir=data_dir)), path)
+    return logp
+
+
+def test_nce_learns_what_the_lm_cannot_see(tmp_path):
+    """Every 8-character window is a random 4-letter word followed by a copy of it. The base LM is
+    the exact unigram model, so real continuations and its samples look the same to it; the energy
+    must learn the copy. 800 iterations of a tiny BIT: ~5 s."""
+    rng = random.Random(0)
+    words = lambda n: ''.join(w + w for w in (''.join(rng.choice('abcdefgh') for _ in range(4)) for _ in range(n)))
+    # 199 characters + end-of-text: every document is 200 tokens, so 8-token windows stay aligned
+    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25)[:-1] for i in range(120)},
+                              extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+    lm_path = str(tmp_path / 'unigram.pt')
+    logp_uni = unigram_lm(data_dir, lm_path)
+    lm, _ = load_lm(lm_path)
+    V = len(logp_uni)
+    x = torch.randint(V, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (F.log_softmax(lm(x)[0], -1) - logp_uni).abs().max().item() < 1e-5
+    for split in ('train', 'select', 'val'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '4',
+                        '--gen_len', '4', '--num_samples', '4', '--chunk', '256', *CPU])
+    meta = load_meta(data_dir)
+    val = load_split(data_dir, 'val', meta)
+    neg = load_negatives(str(tmp_path / 'val'))
+    pos = window_tokens(val, neg['offsets'], 8)
+    whole = (pos != meta['eot_id']).all(1)  # windows aligned with the words, but the last of each document
+    assert len(pos) == 300 and whole.sum() == 288 and torch.equal(pos[whole, :4], pos[whole, 4:])
+    samples = torch.from_numpy(neg['tokens'].astype(np.int64))
+    assert (samples == pos[:, None, :4]).all(-1).float().mean().item() < 0.01
+    # to the LM, a real continuation is as likely as its own samples
+    assert abs(logp_uni[pos[:, 4:]].sum(1).mean().item() - np.array(neg['logp']).mean()) < 0.2
+    out = str(tmp_path / 'bit')
+    res = nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives',
+                          str(tmp_path / 'select'), '--out_dir', out, '--energy', 'bit', '--n_layer', '2',
+                          '--n_head', '2', '--n_embd', '32', '--batch_size', '32', '--max_iters', '800',
+                          '--eval_interval', '800', '--log_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
+                          '--warmup_iters', '20', *CPU])
+    assert res['held_out_prefixes'] == 150 and res['held_out_acc'] > 0.9, res
+    assert res['held_out_e_pos'] < res['held_out_e_neg']
+    # independently, with the saved energy: every (positive, stored negative) pair of the val split
+    energy, ckpt = load_energy(os.path.join(out, 'ckpt.pt'), lm_path=lm_path)
+    assert ckpt['iter_num'] == 800 and energy.kind == 'bit'
+    with torch.no_grad():
+        e_pos = energy(pos, 4)
+        e_neg = energy(torch.cat([pos[:, None, :4].expand(-1, 4, -1), samples], 2).flatten(0, 1), 4).view(-1, 4)
+    assert (e_pos[:, None] < e_neg).float().mean().item() > 0.9
+    with pytest.raises(ValueError, match='residual of another LM'):
+        load_energy(os.path.join(out, 'ckpt.pt'), lm_path=os.path.join(out, 'results.json'))
+
+
+def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
+    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
+             '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1', '--grad_accum', '2', *NCE_FLAGS,
+             '--lr', '1e-2']
+    ddp, single, r1, ls = run_ddp_and_single('nce_train.py', nce_train.main, flags, tmp_path)
+    assert max(ls.values()) - min(ls.values()) > 1e-3  # the energy trains: the curve is not flat
+    with open(os.path.join(ddp, 'results.json')) as f:
+        rd = json.load(f)
+    assert rd['held_out_prefixes'] == r1['held_out_prefixes'] == 10
+    for k in ('held_out_loss', 'held_out_acc', 'held_out_e_pos', 'held_out_e_neg'):
+        assert abs(rd[k] - r1[k]) < 1e-4, k
+    md, ms = (load_checkpoint(os.path.join(d, 'ckpt.pt'))['model'] for d in (ddp, single))
+    assert md.keys() == ms.keys()
+    for k in ms:
+        assert (md[k] - ms[k]).abs().max().item() < 1e-4, k
+
+
+def test_nce_resume_is_exact(lm_corpus, tmp_path):
+    """A UNIT from an LM with dropout 0.1, ranking NCE over 2 of 3 negatives: the resumed run
+    continues the dropout draws too."""
+    lm_dir = str(tmp_path / 'lm')
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', lm_dir, '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
+    lm_path = os.path.join(lm_dir, 'ckpt.pt')
+    for split in ('train', 'val'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split),
+                        '--max_prefixes', '24', *NEG_FLAGS])
+    flags = ['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--val_negatives', str(tmp_path / 'val'),
+             '--energy', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4', '--log_interval', '1',
+             '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    nce_train.main(['--out_dir', a, '--max_iters', '8', *flags])
+    nce_train.main(['--out_dir', b, '--max_iters', '4', *flags])
+    cb = load_checkpoint(os.path.join(b, 'ckpt.pt'))
+    assert cb['iter_num'] == 4 and cb['energy_kind'] == 'unit' and cb['config']['dropout'] == 0.1
+    torch.manual_seed(123)
+    nce_train.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
+    (la, va), (lb, vb) = read_log(a), read_log(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 9)) and sorted(va) == sorted(vb) == [4, 8]
+    for it in range(1, 9):
+        assert abs(la[it] - lb[it]) <= 1e-6, (it, la[it], lb[it])
+    assert abs(va[8] - vb[8]) <= 1e-6
+    assert abs(la[1] - math.log(3)) < 1e-6  # E = 0 at the start: ranking among 3 is ln 3
+    ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
+    assert ca['iter_num'] == cb['iter_num'] == 8
+    for k in ca['model']:
+        assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
+
+
+def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
+    """best.pt holds the energy at the lowest held-out NCE loss: the same weights as a run
+    stopped at that iteration (training is a function of the seed), with the --dropout given."""
+    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
+             '--eval_interval', '2', '--log_interval', '1', '--lr', '3e-2', '--lr_decay_iters', '12',
+             '--dropout', '0.05', *NCE_FLAGS]
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    res = nce_train.main(['--out_dir', a, '--max_iters', '12', *flags])
+    _, vals = read_log(a)
+    best_iter = min(vals, key=vals.get)
+    assert sorted(vals) == list(range(2, 13, 2)) and res['best_iter'] == best_iter and res['best_loss'] == vals[best_iter]
+    assert best_iter < 12  # so best.pt is not just the last energy
+    best = load_checkpoint(os.path.join(a, 'best.pt'))
+    assert best['iter_num'] == best_iter and 'optimizer' not in best and best['config']['dropout'] == 0.05
+    nce_train.main(['--out_dir', b, '--max_iters', str(best_iter), *flags])
+    stopped = load_checkpoint(os.path.join(b, 'ckpt.pt'))['model']
+    for k in stopped:
+        assert (best['model'][k] - stopped[k]).abs().max().item() <= 1e-6, k
+    energy, _ = load_energy(os.path.join(a, 'best.pt'), lm_path=lm_ckpt)
+    assert not energy.training and energy.kind == 'bit'
+
+
+# =============================================================================
+# ==== estimation: log Z bounds (Eq. 4) and their calibration, joint and per-step PPL (Eq. 5) vs exact enumeration; estimate_ppl.py; the copy task end to end ====
+
+def lme(a):
+    """log mean exp of a float64 numpy vector, shifted by its max (no log(S - w_i) anywhere)."""
+    a = np.asarray(a, dtype=np.float64)
+    m = a.max()
+    return m + math.log(np.mean(np.exp(a - m)))
+
+
+def ref_bounds(lw):
+    """Eq. 4 in float64 numpy loops: T_n and (2n-1) T_n - 2(n-1) mean_i T_{n-1}(x without x_i)."""
+    lw = np.asarray(lw, dtype=np.float64)
+    n = len(lw)
+    T = lme(lw)
+    T_loo = np.mean([lme(np.delete(lw, i)) for i in range(n)])
+    return T, (2 * n - 1) * T - 2 * (n - 1) * T_loo
+
+
+@pytest.mark.parametrize('n', [2, 3, 9])
+def test_leave_one_out_lse_brute_force(n):
+    lw = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
+    got = leave_one_out_lse(lw)
+    assert got.shape == lw.shape
+    for idx in itertools.product(range(3), range(5)):
+        a = lw[idx].numpy()
+        ref = [lme(np.delete(a, i)) + math.log(n - 1) for i in range(n)]
+        assert np.abs(got[idx].numpy() - ref).max() < 1e-12
+
+
+def test_leave_one_out_lse_dominant_weight_e50():
+    """One weight dominating by e^50 (and by e^10000, below): what is left after removing it is exact."""
+    got = leave_one_out_lse(torch.tensor([50.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+    assert abs(got[0].item() - math.log(3)) < 1e-12 and abs(got[1].item() - (50 + math.log1p(2 * math.exp(-50)))) < 1e-12
+
+
+def test_leave_one_out_lse_dominant_weight_e10000():
+    got = leave_one_out_lse(torch.tensor([0.0, -1e4, -1e4], dtype=torch.float64))
+    assert abs(got[0].item() - (-1e4 + math.log(2))) < 1e-9 and got[1].item() == got[2].item() == 0.0
+
+
+@pytest.mark.parametrize('n', [2, 3, 10, 64])
+def test_logz_bounds_brute_force(n):
+    lw = (torch.randn(2, 3, n, generator=torch.Generator().manual_seed(1)) * 3).float()  # float32 in, float64 out
+    lo, hi = logz_bounds(lw)
+    assert lo.shape == hi.shape == (2, 3) and lo.dtype == hi.dtype == torch.float64
+    for i, j in itertools.product(range(2), range(3)):
+        ref_lo, ref_hi = ref_bounds(lw[i, j].double().numpy())
+        assert abs(lo[i, j].item() - ref_lo) < 1e-12 and abs(hi[i, j].item() - ref_hi) < 1e-9, (i, j)
+    assert (hi - lo >= -1e-12).all()  # Jensen: T_n >= mean_i T_{n-1}^(-i), so lower <= upper always
+    # shift invariance at |E| ~ 1e4: bounds(log w + c) = bounds(log w) + c, finite
+    lo_s, hi_s = logz_bounds(lw.double() - 1e4)
+    assert torch.isfinite(lo_s).all() and torch.isfinite(hi_s).all()
+    assert (lo_s - (lo - 1e4)).abs().max() < 1e-9 and (hi_s - (hi - 1e4)).abs().max() < 1e-8
+    ref = ref_bounds(lw[0, 0].double().numpy() - 1e4)
+    assert abs(lo_s[0, 0].item() - ref[0]) < 1e-9 and abs(hi_s[0, 0].item() - ref[1]) < 1e-8
+
+
+def test_logz_bounds_closed_form_n2():
+    """n = 2: T_1 without x_i is log w_j, so upper = 3 T_2 - 2 mean(log w)."""
+    lw = torch.tensor([[0.3, -1.2], [5.0, 5.0]], dtype=torch.float64)
+    lo, hi = logz_bounds(lw)
+    T2 = torch.log((lw.exp()).mean(1))
+    assert (lo - T2).abs().max() < 1e-14 and (hi - (3 * T2 - 2 * lw.mean(1))).abs().max() < 1e-13
+
+
+def test_logz_bounds_equal_weights():
+    """Equal weights: both bounds are exact."""
+    lo, hi = logz_bounds(torch.full((7,), 3.25))
+    assert abs(lo.item() - 3.25) < 1e-12 and abs(hi.item() - 3.25) < 1e-12
+
+
+@pytest.mark.parametrize('lw', [[50.0, 0.0, 0.0, 0.0], [0.0] + [-1e4] * 4, [1e4, 0.0, -3.0, 2.0, 1.0]],
+                         ids=['e50', 'e10000_below', 'e10000_above'])
+def test_logz_bounds_dominant_weight(lw):
+    """One dominant weight, where log(S - w_i) cancels catastrophically."""
+    lo, hi = logz_bounds(torch.tensor(lw, dtype=torch.float64))
+    ref_lo, ref_hi = ref_bounds(lw)
+    assert math.isfinite(lo.item()) and math.isfinite(hi.item())
+    assert abs(lo.item() - ref_lo) < 1e-9 * max(1, abs(ref_lo)) and abs(hi.item() - ref_hi) < 1e-9 * max(1, abs(ref_hi))
+    with np.errstate(divide='ignore', over='ignore', invalid='ignore'):  # the naive formula would be wrong here
+        w = np.exp(np.array(lw))
+        naive_loo = np.log(w.sum() - w) - math.log(len(lw) - 1)
+    assert not np.isfinite(naive_loo[0]) or abs(naive_loo[0] - lme(np.delete(lw, 0))) > 1
+
+
+@pytest.mark.parametrize('n', [0, 1])
+def test_logz_bounds_too_few_samples(n):
+    with pytest.raises(ValueError, match='at least 2 samples'):
+        logz_bounds(torch.zeros(3, n))
+
+
+def test_logz_bounds_bias_lognormal():
+    """w = exp(sigma z), z ~ N(0, 1): log E[w] = sigma^2 / 2. T_n is biased low and the upper
+    estimator high, both by about Var(w) / (2 n E[w]^2) = (e^{sigma^2} - 1) / (2n), and both
+    converge to the truth (Theorem 2). Tolerances are Monte Carlo standard errors."""
+    sigma, R = 1.0, 20000
+    truth = sigma ** 2 / 2
+    c = (math.exp(sigma ** 2) - 1) / 2
+    g = torch.Generator().manual_seed(0)
+    bias = {}
+    for n in (4, 16, 64):
+        lo, hi = logz_bounds(sigma * torch.randn(R, n, generator=g, dtype=torch.float64))
+        (m_lo, m_hi), (se_lo, se_hi) = (lo.mean().item(), hi.mean().item()), (lo.std().item() / R ** .5, hi.std().item() / R ** .5)
+        assert m_lo + 4 * se_lo < truth < m_hi - 4 * se_hi, (n, m_lo, truth, m_hi)
+        bias[n] = (truth - m_lo, m_hi - truth, se_lo, se_hi)
+        if n >= 16:  # first-order theory: both biases ~ c / n
+            assert abs((truth - m_lo) - c / n) < 4 * se_lo + 0.25 * c / n, (n, truth - m_lo, c / n)
+            assert abs((m_hi - truth) - c / n) < 4 * se_hi + 0.25 * c / n, (n, m_hi - truth, c / n)
+    for a, b in ((4, 16), (16, 64)):  # both gaps shrink as n grows
+        for k in (0, 1):
+            assert bias[b][k] + 4 * bias[b][k + 2] < bias[a][k] - 4 * bias[a][k + 2], (a, b, k, bias)
+
+
+def test_calibrate_matches_exact_bias():
+    """calibrate() measures the bias of the n-sample bounds from many samples; on weights with
+    three possible values the exact expectation of each bound is a finite sum over the
+    multinomial counts of n draws, and the two agree (as does the fraction of bracketing ranges)."""
+    log_vals, p, n, L = torch.tensor([0.0, -1.5, 2.5], dtype=torch.float64), torch.tensor([0.6, 0.3, 0.1]), 4, 2
+    log_z = torch.logsumexp(log_vals + p.double().log(), 0).item()
+    exact = dict(lo=0.0, hi=0.0, bracketed=0.0)
+    for c in itertools.product(range(n + 1), repeat=3):
+        if sum(c) != n:
             continue
-        if proposal == 'greedy':
-            ref_q = torch.where(lp64.argmax(-1, keepdim=True) == tok, 0.0, float('-inf')).squeeze(-1).sum(1)
+        prob = math.factorial(n) / math.prod(math.factorial(k) for k in c) * math.prod(float(q) ** k for q, k in zip(p, c))
+        lo, hi = (t.item() for t in logz_bounds(log_vals.repeat_interleave(torch.tensor(c))))
+        exact['lo'] += prob * lo
+        exact['hi'] += prob * hi
+        exact['bracketed'] += prob * (lo <= log_z <= hi)
+    B, N = 2, 200_000
+    draws = torch.multinomial(p, B * N, replacement=True, generator=torch.Generator().manual_seed(0))
+    c = calibrate(log_vals[draws].view(1, B, N), n, L)
+    assert exact['lo'] - log_z < -0.1 and abs(exact['hi'] - log_z) > 0.05  # both biased at this small n
+    assert abs(c['bias_lower'][0] - (exact['lo'] - log_z) / L) < 0.005
+    assert abs(c['bias_upper'][0] - (exact['hi'] - log_z) / L) < 0.005
+    assert abs(c['bracketed'][0] - exact['bracketed']) < 0.01 and c['reference_width'][0] < 0.01
+
+
+def test_logz_bounds_exact_enumeration():
+    """log Z(prefix) of a random tiny LM and energy, exactly over all 4^3 continuations; the
+    weights from sample_log_weights are unbiased for Z, and the bounds bracket log Z on average
+    over independent groups of n samples and close in on it as n grows."""
+    V, L, P = 4, 3, 2
+    lm, e = toy_lm(V), rand_energy(V)
+    prefixes = torch.tensor([[0, 0], [1, 2], [3, 1]])
+    exact = torch.stack([enumerate_joint(lm, e, p, L, V, P)[3] for p in prefixes])
+    N = 16384
+    lw2 = sample_log_weights(lm, [e, rand_energy(V, seed=5)], prefixes, L, N, NULL, torch.Generator().manual_seed(0), max_rows=8192)
+    assert lw2.shape == (2, 3, N) and lw2.dtype == torch.float64
+    lw = lw2[0]
+    w = (lw - exact[:, None]).exp()  # w / Z: mean 1 if the samples are exact draws of the untruncated LM
+    se = w.std(1) / N ** .5
+    assert ((w.mean(1) - 1).abs() < 5 * se).all(), (w.mean(1), se)
+    # the second energy's weights are its own: the exact Z of energy 2 matches too
+    e2_exact = torch.stack([enumerate_joint(lm, rand_energy(V, seed=5), p, L, V, P)[3] for p in prefixes])
+    w2 = (lw2[1] - e2_exact[:, None]).exp()
+    assert ((w2.mean(1) - 1).abs() < 5 * w2.std(1) / N ** .5).all()
+    gaps = {}
+    for n in (4, 16, 256):
+        lo, hi = logz_bounds(lw.view(3, N // n, n))
+        d_lo, d_hi = (lo - exact[:, None]).flatten(), (hi - exact[:, None]).flatten()
+        m_lo, m_hi = d_lo.mean().item(), d_hi.mean().item()
+        se_lo, se_hi = d_lo.std().item() / d_lo.numel() ** .5, d_hi.std().item() / d_hi.numel() ** .5
+        gaps[n] = (m_lo, m_hi)
+        if n <= 16:
+            assert m_lo + 4 * se_lo < 0 < m_hi - 4 * se_hi, (n, m_lo, m_hi, se_lo, se_hi)
         else:
-            ref_q = torch.from_numpy(brute_proposal64(lp64.numpy(), **proposal)).view(N, L, -1).gather(-1, tok).squeeze(-1).sum(1)
-        off = torch.isinf(ref_q)
-        assert 0 < off.sum() < N or proposal == 'greedy' and off.sum() > 0, (name, off.sum())  # both cases occur
-        assert torch.equal(torch.isinf(pos_logq), off) and (pos_logq[off] == float('-inf')).all()
-        assert ((pos_logq[~off].double() - ref_q[~off]).abs() < 1e-4).all()
-        rows, idx = np.array([0, 4, 7]), np.array([[2, 0], [1, 1], [0, 2]])
-        d_pos, d_neg = log_ratios(neg, rows, idx)
-        assert torch.equal(d_pos, pos_logp[rows] - pos_logq[rows]) and torch.isinf(d_pos).tolist() == off[rows].tolist()
-        assert torch.equal(d_neg, torch.from_numpy(np.array(neg['logp'])[rows[:, None], idx] - np.array(neg['logq'])[rows[:, None], idx]))
-        assert torch.isfinite(d_neg).all()
-    # a dir from before these files: still read untruncated (d = 0), refused truncated
-    for name in ('full', 'topk'):
-        for f in ('pos_logp.bin', 'pos_logq.bin'):
-            os.remove(tmp_path / name / f)
-    neg = load_negatives(str(tmp_path / 'full'))
-    assert neg['pos_logp'] is None and log_ratios(neg, np.arange(2), np.zeros((2, 1), int)) == (None, None)
-    with pytest.raises(ValueError, match='regenerate them into a new --out_dir'):
-        load_negatives(str(tmp_path / 'topk'))
+            assert abs(m_lo) < 4 * se_lo + 0.01 and abs(m_hi) < 4 * se_hi + 0.01, (n, m_lo, m_hi)
+    assert -gaps[4][0] > 0.1 and gaps[4][1] > 0.05  # a visible bias at n = 4 that large n removes
+    assert -gaps[16][0] < 0.5 * -gaps[4][0] and gaps[16][1] < 0.6 * gaps[4][1]
+    # one large n per prefix: both bounds within a few standard deviations of log Z
+    lo, hi = logz_bounds(lw)
+    sd = (w.var(1) / N).sqrt()  # delta method: sd(T_N) ~ sd(w / Z) / sqrt(N)
+    assert ((lo - exact).abs() < 4 * sd + 0.002).all() and ((hi - exact).abs() < 4 * sd + 0.002).all()
 
 
-# ---- figures ----
+def test_sample_log_weights_matches_per_chunk_reference():
+    """sample_log_weights (the prompts through the LM once, energies in blocks) against drawing
+    the samples with generate and scoring every sequence on its own: same log-weights from the same
+    generator, for several max_rows (chunks of samples) and a block that splits prefixes."""
+    lm = tiny_gpt(vocab_size=13, block_size=24, seed=1)
+    torch.manual_seed(3)
+    energy = Energy(GPTConfig(block_size=24, vocab_size=14, n_layer=1, n_head=2, n_embd=16, causal=False, alibi=True)).eval()
+    with torch.no_grad():
+        energy.head.weight.normal_(0, 1.0)
+    B, P, L, n = 3, 8, 5, 6
+    prefixes = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for max_rows in (6, 7, 1000):  # 2 samples per prefix per chunk, 2 again, all in one chunk
+            tokens, _ = lm.generate(prefixes, L, num_samples=n, generator=torch.Generator().manual_seed(9), max_rows=max_rows)
+            x = torch.cat([prefixes[:, None].expand(-1, n, -1), tokens], 2)
+            ref = torch.tensor([[-energy(x[b, i:i + 1], P).item() for i in range(n)] for b in range(B)], dtype=torch.float64)
+            got = estimate_ppl.sample_log_weights(lm, [energy, energy], prefixes, L, n, contextlib.nullcontext(),
+                                                  torch.Generator().manual_seed(9), max_rows=max_rows)
+            assert got.shape == (2, B, n)
+            assert (got - ref).abs().max().item() < 1e-5
+        blocks = score(energy, x.flatten(0, 1), P, contextlib.nullcontext(), max_tokens=2 * (P + L))
+        assert (-blocks.view(B, n) - ref).abs().max().item() < 1e-5
+        assert ref.std() > 0.1  # the energies differ, so a mix-up of rows would be seen
+
+
+def toy_split(V, P, L, n_windows, seed=0):
+    """A token stream of n_windows back-to-back windows with no end-of-text token (id V)."""
+    data = torch.randint(V, (n_windows * (P + L),), generator=torch.Generator().manual_seed(seed)).numpy().astype(np.uint16)
+    offsets = windows(data, P, L)
+    assert len(offsets) == n_windows
+    return data, offsets
+
+
+def test_summarize_closed_form_and_exact_joint_ppl():
+    V, L, P = 4, 3, 2
+    lm, e = toy_lm(V), rand_energy(V)
+    data, offsets = toy_split(V, P, L, 5)
+    x = window_tokens(data, offsets, P + L)
+    recs, exact_joint_lp, lp_ref, e_ref = [], [], [], []
+    for b in range(len(x)):
+        conts, lp, E, logz = enumerate_joint(lm, e, x[b, :P], L, V, P)
+        i = int((conts == x[b, P:]).all(1).nonzero())
+        joint = lp - E
+        joint_lp = joint[i] - torch.logsumexp(joint, 0)  # log of the normalised joint table at x_b
+        assert abs((joint - torch.logsumexp(joint, 0)).exp().sum().item() - 1) < 1e-12
+        exact_joint_lp.append(joint_lp.item())
+        lp_ref.append(lp[i].item())
+        e_ref.append(E[i].item())
+        recs.append(dict(index=b, lm_logp=lp[i].item(), extra_logp=[lp[i].item() - 0.25], energy=[E[i].item()],
+                         logz={7: [[logz.item(), logz.item()]], 9: [[logz.item() - 0.1 * b, logz.item() + 0.2]]}))
+    N = len(x) * L
+    exact_ppl = math.exp(-sum(exact_joint_lp) / N)
+    rows = summarize(recs, ['E'], ['LM2'], N, 7)
+    assert [r['model'] for r in rows] == ['BASE LM', 'LM2', 'JOINT E']
+    assert abs(rows[0]['ppl'] - math.exp(-sum(lp_ref) / N)) < 1e-12 * rows[0]['ppl']
+    assert abs(rows[1]['ppl'] - math.exp(-(sum(lp_ref) - 0.25 * len(x)) / N)) < 1e-12 * rows[1]['ppl']
+    assert abs(rows[2]['ppl_low'] - exact_ppl) < 1e-9 * exact_ppl and abs(rows[2]['ppl_high'] - exact_ppl) < 1e-9 * exact_ppl
+    assert np.abs(np.array(exact_joint_lp) - np.array(lp_ref)).max() > 0.3  # the joint model is not the LM here
+    # the range: the low end of the PPL comes from the low end of log Z
+    rows = summarize(recs, ['E'], [], N, 9, num_chars=40)
+    lo_shift, hi_shift = sum(-0.1 * b for b in range(len(x))), 0.2 * len(x)
+    assert abs(math.log(rows[1]['ppl_low']) - (-(sum(exact_joint_lp) - lo_shift) / N)) < 1e-9
+    assert abs(math.log(rows[1]['ppl_high']) - (-(sum(exact_joint_lp) - hi_shift) / N)) < 1e-9
+    assert abs(math.log(rows[1]['ppl_char_high']) - (-(sum(exact_joint_lp) - hi_shift) / 40)) < 1e-9
+    assert abs(math.log(rows[0]['ppl_char']) - (-sum(lp_ref) / 40)) < 1e-9
+    gain = (np.array(exact_joint_lp) - 0.2 - np.array(lp_ref)) / L  # per prefix, at the upper log Z
+    assert abs(rows[1]['gain_nats_per_token'] - gain.mean()) < 1e-9
+    assert abs(rows[1]['gain_se'] - gain.std(ddof=1) / math.sqrt(len(gain))) < 1e-9
+
+
+def test_evaluate_prefixes_exact():
+    """Per-prefix records of evaluate_prefixes against enumeration; their joint PPL is within
+    Monte Carlo error of the exact one, and the range is ordered."""
+    V, L, P = 4, 3, 2
+    lm, e, lm2 = toy_lm(V), rand_energy(V), tiny_gpt(vocab_size=V, block_size=8, std=0.5, seed=7)
+    data, offsets = toy_split(V, P, L, 5, seed=1)
+    x = window_tokens(data, offsets, P + L)
+    args = types.SimpleNamespace(prefix_len=P, gen_len=L, sweep=[4], num_samples=4096, chunk=2, seed=3,
+                                 max_rows=8192, quiet=True)
+    recs = evaluate_prefixes(lm, [e], [lm2], data, offsets, args, NULL, NULL, 'cpu', 0, 1, 'test')
+    assert [r['index'] for r in recs] == list(range(5))
+    lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
+    lp2_ref = logprobs64(lm2, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
+    E_ref = energies(e, x, P)
+    exact = torch.stack([enumerate_joint(lm, e, x[b, :P], L, V, P)[3] for b in range(5)])
+    for b, r in enumerate(recs):
+        assert abs(r['lm_logp'] - lp_ref[b].item()) < 1e-4 and abs(r['extra_logp'][0] - lp2_ref[b].item()) < 1e-4
+        assert abs(r['energy'][0] - E_ref[b].item()) < 1e-6 * max(1, abs(E_ref[b].item()))  # float32 energies
+        assert sorted(r['logz']) == [4, 4096]
+        for n in (4, 4096):
+            lo, hi = r['logz'][n][0]
+            assert lo <= hi + 1e-12
+        lo, hi = r['logz'][4096][0]
+        assert abs(lo - exact[b].item()) < 0.15 and abs(hi - exact[b].item()) < 0.15
+    exact_lp = lp_ref - E_ref - exact
+    N = 5 * L
+    exact_ppl = math.exp(-exact_lp.sum().item() / N)
+    row = summarize(recs, ['E'], ['LM2'], N, 4096)[2]
+    assert row['ppl_low'] <= row['ppl_high']
+    for k in ('ppl_low', 'ppl_high'):
+        assert abs(math.log(row[k]) - math.log(exact_ppl)) < 0.03, (k, row[k], exact_ppl)
+
+
+@pytest.mark.parametrize('pool', ['continuation', 'all'])
+def test_last_step_logz_exact(pool):
+    V, P, L = 4, 2, 3
+    lm = toy_lm(V)
+    x = torch.randint(V, (4, P + L), generator=torch.Generator().manual_seed(4))
+    e = rand_energy(V, pool=pool)
+    got = last_step_logz(lm, e, x, P, NULL)
+    assert got.shape == (4,) and got.dtype == torch.float64
+    for b in range(4):
+        _, lp, E, logz = enumerate_joint(lm, e, x[b, :-1], 1, V, P)
+        assert abs(got[b].item() - logz.item()) < 1e-5
+        # the exact last-step distribution P(v | x_<T) = P_LM(v | x_<T) exp(-E(x_<T, v)) / Z sums to 1
+        assert abs((lp - E - got[b]).exp().sum().item() - 1) < 1e-5
+    # where the energy's pooling starts matters: a last-step Z with another prefix length is another Z
+    e = rand_energy(V)
+    assert (energies(e, x, P) - energies(e, x, P + L - 1)).abs().max() > 0.1
+
+
+def exact_step_logz(lm, e, x, P, V):
+    """Exact log Z(x_<=t) for k = 0..L fixed continuation tokens of each row of x: (B, L+1)."""
+    L = x.size(1) - P
+    return torch.tensor([[enumerate_joint(lm, e, x[b, :P + k], L - k, V, P)[3].item() for k in range(L + 1)]
+                         for b in range(x.size(0))], dtype=torch.float64)
+
+
+def test_exact_step_logz_reference():
+    """The reference itself (no rebm code but the LM and the energy): Eq. 5 with exact Z, each
+    step's distribution sums to 1 over the vocabulary, and the steps telescope to the
+    sequence-level joint log-prob log P_LM(x) - E(x) - log Z(prefix)."""
+    V, P, L = 4, 2, 3
+    lm, e = toy_lm(V), rand_energy(V)
+    x = torch.tensor([[0, 0, 1, 3, 2], [3, 1, 0, 0, 1]])
+    Z = exact_step_logz(lm, e, x, P, V)
+    lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
+    E = energies(e, x, P)
+    for b in range(2):
+        for k in range(L):
+            step_lp = logprobs64(lm, x[b:b + 1, :P + k])[0, -1]
+            z_next = torch.tensor([enumerate_joint(lm, e, torch.cat([x[b, :P + k], torch.tensor([v])]), L - k - 1, V, P)[3].item()
+                                   for v in range(V)], dtype=torch.float64)
+            assert abs((step_lp + z_next - Z[b, k]).exp().sum().item() - 1) < 1e-5  # float32 energies
+        steps = lp_ref[b] + Z[b, 1:] - Z[b, :-1]
+        assert abs(steps.sum().item() - (lp_ref[b].sum() - E[b] - Z[b, 0]).item()) < 1e-9
+    assert torch.allclose(Z[:, L], -E)
+
+
+def test_per_step_exact():
+    """per_step with many samples: bounds close to the exact Z, the last column exactly -E(x); the
+    sum of the per-step log-probs at exact Z is the sequence-level joint log-prob, and the per_step
+    estimates of it are close."""
+    V, P, L = 4, 2, 3
+    lm, e = toy_lm(V), rand_energy(V)
+    x = torch.tensor([[0, 0, 1, 3, 2], [3, 1, 0, 0, 1]])
+    Z = exact_step_logz(lm, e, x, P, V)
+    lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
+    E = energies(e, x, P)
+    lp, lo, hi = per_step(lm, e, x, P, 4000, NULL, torch.Generator().manual_seed(0), max_rows=8192)
+    assert lp.shape == (2, L) and lo.shape == hi.shape == (2, L + 1)
+    assert (lp - lp_ref).abs().max() < 1e-5
+    assert (lo[:, L] - (-E)).abs().max() < 1e-6 and torch.equal(lo[:, L], hi[:, L])
+    assert (hi >= lo - 1e-12).all()
+    assert (lo - Z).abs().max() < 0.1 and (hi - Z).abs().max() < 0.1, (lo - Z, hi - Z)
+    joint_steps = lp + lo[:, 1:] - hi[:, :-1]
+    assert ((joint_steps.sum(1) - (lp_ref.sum(1) - E - Z[:, 0])).abs() < 0.2).all()
+
+
+def per_step_case():
+    """A toy LM and energy, 4 windows of a random split and per_step_report's arguments."""
+    V, P, L = 4, 2, 3
+    data, offsets = toy_split(V, P, L, 4, seed=2)
+    args = types.SimpleNamespace(prefix_len=P, gen_len=L, step_prefixes=3, step_samples=4000, seed=1, max_rows=8192,
+                                 last_step_samples=20000)
+    return toy_lm(V), rand_energy(V), data, offsets, args
+
+
+def test_per_step_report_exact():
+    V, P, L = 4, 2, 3
+    lm, e, data, offsets, args = per_step_case()
+    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
+    x = window_tokens(data, offsets[:3], P + L)
+    Z = exact_step_logz(lm, e, x, P, V)
+    lp = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
+    exact_step = lp + Z[:, 1:] - Z[:, :-1]  # (3, L) exact log P(x_t | x_<t) of the joint model
+    assert rep['num_prefixes'] == 3 and rep['position'] == [1, 2, 3] and rep['step_samples'] == 4000
+    assert np.allclose(rep['base_ppl'], torch.exp(-lp.mean(0)).numpy(), rtol=1e-5)
+    assert abs(rep['last_step_base_ppl'] - math.exp(-lp[:, -1].mean().item())) < 1e-5 * rep['last_step_base_ppl']
+    assert abs(rep['last_step_exact_ppl'] - math.exp(-exact_step[:, -1].mean().item())) < 1e-5 * rep['last_step_exact_ppl']
+    # the last step estimated again from many samples brackets the exact value, closely
+    assert rep['last_step_ppl_low'] <= rep['last_step_exact_ppl'] * (1 + 1e-3) and \
+        rep['last_step_exact_ppl'] <= rep['last_step_ppl_high'] * (1 + 1e-3)
+    assert abs(math.log(rep['last_step_ppl_high'] / rep['last_step_ppl_low'])) < 0.01
+    exact_ppl = torch.exp(-exact_step.mean(0)).numpy()
+    assert abs(exact_ppl[-1] - rep['base_ppl'][-1]) > 0.05  # the joint model differs from the LM at the last step
+    for t in range(L):
+        assert rep['joint_ppl_low'][t] <= rep['joint_ppl_high'][t]
+        for k in ('joint_ppl_low', 'joint_ppl_high'):
+            assert abs(math.log(rep[k][t]) - math.log(exact_ppl[t])) < 0.15, (k, t, rep[k][t], exact_ppl[t])
+
+
+def test_per_step_report_combines_the_bounds():
+    """With few samples the range is wide; its ends combine the bounds of Z as Eq. 5 needs: the
+    low end of log P(x_t | x_<t) is the low numerator Z(x_<=t) over the high denominator Z(x_<t)."""
+    P, L = 2, 3
+    lm, e, data, offsets, args = per_step_case()
+    x = window_tokens(data, offsets[:3], P + L)
+    args.step_samples = 4
+    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
+    lp, lo, hi = per_step(lm, e, x, P, 4, NULL, rng(args.seed, 'per_step', 'test', 0), args.max_rows)
+    assert (hi - lo).max() > 0.1  # the two bounds differ: mixing them up would show
+    assert np.allclose(rep['joint_ppl_high'], torch.exp(-(lp + lo[:, 1:] - hi[:, :-1]).mean(0)).numpy(), rtol=1e-12)
+    assert np.allclose(rep['joint_ppl_low'], torch.exp(-(lp + hi[:, 1:] - lo[:, :-1]).mean(0)).numpy(), rtol=1e-12)
+
+
+# estimate_ppl.py's command line, on a tiny trained LM and a random energy
+
+PPL_EXTRA = ['--per_step', '--step_prefixes', '2', '--step_samples', '4', '--sweep', '2,4,16']
+
+
+@pytest.fixture(scope='module')
+def ppl_run(lm_ckpt, eval_ckpts, tmp_path_factory):
+    """estimate_ppl.main on val and test with per-step PPL, a sweep of n and a second LM: (its
+    argv without --out, what it returned, the JSON it wrote)."""
+    out = tmp_path_factory.mktemp('ppl_run') / 'a.json'
+    extra = [*PPL_EXTRA, '--extra_lm', f"LM2={eval_ckpts['lm2']}"]
+    returned = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], out, *extra))
+    return extra, returned, out.read_text()
+
+
+def test_estimate_ppl_cli_is_deterministic(lm_ckpt, eval_ckpts, ppl_run, tmp_path):
+    extra, _, text = ppl_run
+    estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'b.json', *extra))
+    assert text == (tmp_path / 'b.json').read_text()
+
+
+def test_estimate_ppl_cli_hashes_and_rows(lm_ckpt, eval_ckpts, ppl_run):
+    _, out, text = ppl_run
+    res = json.loads(text)
+    assert res['hashes'] == {'BASE LM': file_hash(lm_ckpt), 'BIT': file_hash(eval_ckpts['bit']), 'LM2': file_hash(eval_ckpts['lm2'])}
+    assert {(r['model'], r['split']) for r in out['rows']} == {(m, s) for m in ('BASE LM', 'LM2', 'JOINT BIT') for s in ('val', 'test')}
+
+
+@pytest.mark.parametrize('split', ['val', 'test'])
+def test_estimate_ppl_cli_split(lm_corpus, lm_ckpt, eval_ckpts, ppl_run, split):
+    s = json.loads(ppl_run[2])['splits'][split]
+    meta = load_meta(lm_corpus)
+    lm, lm2 = load_lm(lm_ckpt)[0], load_lm(eval_ckpts['lm2'])[0]
+    energy = load_energy(eval_ckpts['bit'], lm_ckpt)[0]
+    data = load_split(lm_corpus, split, meta)
+    offsets = windows(data, EVAL_P, EVAL_L, max_windows=5)
+    x = window_tokens(data, offsets, EVAL_P + EVAL_L)
+    assert (s['split'], s['num_samples'], s['num_prefixes'], s['num_tokens']) == (split, 8, 5, 5 * EVAL_L)
+    lp = logprobs64(lm, x)[:, EVAL_P - 1:-1].gather(-1, x[:, EVAL_P:, None]).squeeze(-1).sum(1)
+    assert abs(s['base_ppl'] - math.exp(-lp.sum().item() / (5 * EVAL_L))) < 1e-5 * s['base_ppl']
+    lp2 = logprobs64(lm2, x)[:, EVAL_P - 1:-1].gather(-1, x[:, EVAL_P:, None]).squeeze(-1).sum(1)
+    row = {r['model']: r for r in s['rows']}
+    assert abs(row['LM2']['ppl'] - math.exp(-lp2.sum().item() / (5 * EVAL_L))) < 1e-5 * row['LM2']['ppl']
+    assert s['joint_ppl_low'] <= s['joint_ppl_high']
+    assert (row['JOINT BIT']['ppl_low'], row['JOINT BIT']['ppl_high']) == (s['joint_ppl_low'], s['joint_ppl_high'])
+    assert abs(s['joint_ppl_low'] - s['base_ppl']) > 1e-3 * s['base_ppl']  # a non-zero energy moves it
+    assert sorted(s['sweep'], key=int) == ['2', '4', '16'] and all(len(v) == 1 for v in s['sweep'].values())
+    for n in s['sweep']:
+        assert s['sweep'][n][0]['model'] == 'JOINT BIT' and s['sweep'][n][0]['ppl_low'] <= s['sweep'][n][0]['ppl_high']
+    assert len({s['sweep'][n][0]['ppl_low'] for n in s['sweep']} | {s['joint_ppl_low']}) == 4
+    if split == 'val':  # per-step PPL is computed on the last split only
+        assert 'per_step' not in s
+        return
+    ps = s['per_step']
+    assert ps['position'] == list(range(1, EVAL_L + 1)) and ps['num_prefixes'] == 2
+    lp_t = logprobs64(lm, x[:2])[:, EVAL_P - 1:-1].gather(-1, x[:2, EVAL_P:, None]).squeeze(-1)
+    assert np.allclose(ps['base_ppl'], torch.exp(-lp_t.mean(0)).numpy(), rtol=1e-5)
+    last = [enumerate_joint(lm, energy, x[b, :-1], 1, meta['vocab_size'], EVAL_P) for b in range(2)]
+    exact_last = [lp_t[b, -1].item() - last[b][2][x[b, -1]].item() - last[b][3].item() for b in range(2)]
+    assert abs(ps['last_step_exact_ppl'] - math.exp(-np.mean(exact_last))) < 1e-4 * ps['last_step_exact_ppl']
+    assert all(a <= b for a, b in zip(ps['joint_ppl_low'], ps['joint_ppl_high']))
+
+
+def test_estimate_ppl_cli_seed(lm_ckpt, eval_ckpts, ppl_run, tmp_path):
+    """Another seed: other samples, other bounds."""
+    res = json.loads(ppl_run[2])
+    estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'c.json', '--seed', '7'))
+    other = json.loads((tmp_path / 'c.json').read_text())['splits']['test']
+    assert other['base_ppl'] == res['splits']['test']['base_ppl'] and other['joint_ppl_low'] != res['splits']['test']['joint_ppl_low']
+
+
+def test_estimate_ppl_cli_zero_energy(lm_ckpt, eval_ckpts, tmp_path):
+    """E = 0: the joint model is the LM, both ends of the range included."""
+    zero = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['zero'], tmp_path / 'z.json', '--per_step', '--step_samples', '4'))
+    for split, s in zero['splits'].items():
+        for k in ('joint_ppl_low', 'joint_ppl_high'):
+            assert abs(s[k] - s['base_ppl']) <= 1e-12 * s['base_ppl'], (split, k, s[k], s['base_ppl'])
+        if split == 'val':
+            continue
+        ps = s['per_step']
+        for k in ('joint_ppl_low', 'joint_ppl_high'):
+            assert np.allclose(ps[k], ps['base_ppl'], rtol=1e-12, atol=0)
+        assert abs(ps['last_step_exact_ppl'] - ps['last_step_base_ppl']) < 1e-9 * ps['last_step_base_ppl']
+
+
+def test_estimate_ppl_ddp_matches_single_process(lm_ckpt, eval_ckpts, tmp_path):
+    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'ddp.json', '--sweep', '4', '--per_step', '--step_samples', '4')
+    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'estimate_ppl.py', *argv])
+    assert res.returncode == 0, res.stdout + res.stderr
+    single = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'one.json', '--sweep', '4', '--per_step',
+                                        '--step_samples', '4'))
+    ddp = json.loads((tmp_path / 'ddp.json').read_text())
+    single = json.loads((tmp_path / 'one.json').read_text())
+
+    def same(a, b, where=''):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys(), where
+            for k in a:
+                same(a[k], b[k], f'{where}/{k}')
+        elif isinstance(a, list):
+            assert len(a) == len(b), where
+            for i, (u, v) in enumerate(zip(a, b)):
+                same(u, v, f'{where}[{i}]')
+        elif isinstance(a, float):
+            assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (where, a, b)
+        else:
+            assert a == b, (where, a, b)
+
+    same(ddp, single)
+
+
+def test_joint_ppl_end_to_end_on_the_copy_task(tmp_path):
+    """The whole chain where the answer is known. Real text is random 2-letter words each followed
+    by its copy; the base LM is the exact unigram model; NCE (early-stopped on the selection
+    split) trains an energy that learns the copy; estimate_ppl.py's joint PPL range, from LM
+    samples, contains the exact joint PPL (log Z by summing P_LM exp(-E) over all V^2
+    continuations) and lies far below the base LM's."""
+    rng_ = random.Random(1)
+    words = lambda n: ''.join(w + w for w in (''.join(rng_.choice('abcd') for _ in range(2)) for _ in range(n)))
+    # 99 characters + end-of-text: every document is 100 tokens, so 4-token windows stay aligned
+    data_dir = prepare_corpus(tmp_path, {f'doc{i:03d}.txt': words(25)[:-1] for i in range(60)},
+                              extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+    lm_path = str(tmp_path / 'unigram.pt')
+    logp_uni = unigram_lm(data_dir, lm_path).double()
+    for split in ('train', 'select'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split), '--prefix_len', '2',
+                        '--gen_len', '2', '--num_samples', '4', '--chunk', '256', *CPU])
+    nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives', str(tmp_path / 'select'),
+                    '--out_dir', str(tmp_path / 'bit'), '--energy', 'bit', '--n_layer', '2', '--n_head', '2', '--n_embd', '32',
+                    '--batch_size', '32', '--max_iters', '300', '--eval_interval', '100', '--lr', '3e-3', '--min_lr', '3e-4',
+                    '--warmup_iters', '20', *CPU])
+    best = str(tmp_path / 'bit' / 'best.pt')
+    out = estimate_ppl.main(['--lm', lm_path, '--energy', f'BIT={best}', '--splits', 'test', '--prefix_len', '2',
+                             '--gen_len', '2', '--max_prefixes', '0', '--num_samples', '1024', '--calib_prefixes', '0',
+                             '--out', str(tmp_path / 'ppl.json'), *CPU])
+    rows = {r['model']: r for r in out['rows']}
+    meta = load_meta(data_dir)
+    test = load_split(data_dir, 'test', meta)
+    x = window_tokens(test, windows(test, 2, 2), 4)
+    V = meta['vocab_size']
+    energy, _ = load_energy(best, lm_path)
+    cont = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # all V^2 continuations
+    with torch.no_grad():
+        e_all = energy(torch.cat([x[:, None, :2].expand(-1, V * V, -1), cont.expand(len(x), -1, -1)], 2).flatten(0, 1), 2)
+        e_real = energy(x, 2).double()
+    log_z = torch.logsumexp(logp_uni[cont].sum(1) - e_all.double().view(len(x), -1), 1)
+    lp_real = logp_uni[x[:, 2:]].sum(1)
+    exact_ppl = math.exp(-(lp_real - e_real - log_z).sum().item() / x[:, 2:].numel())
+    base_ppl = math.exp(-lp_real.sum().item() / x[:, 2:].numel())
+    assert abs(rows['BASE LM']['ppl'] - base_ppl) < 1e-4 * base_ppl
+    joint = rows['JOINT BIT']
+    assert joint['ppl_low'] * 0.99 <= exact_ppl <= joint['ppl_high'] * 1.01, (joint, exact_ppl)
+    assert exact_ppl < 0.7 * base_ppl and joint['ppl_high'] < 0.7 * base_ppl, (exact_ppl, base_ppl)
+
+
+# =============================================================================
+# ==== sampling: Algorithm 1, Table 3, top-k auto-regressive, analyses (sample.py) and human eval (human_eval.py) ====
+
+class ListLM:
+    """A stand-in LM whose generate() hands out one-token candidates 0, 1, 2, ... in order, the same
+    for every prompt row, with given log P_LM and log q per candidate: the candidate set of
+    joint_sample is then fixed and known."""
+
+    def __init__(self, logp, logq):
+        self.logp, self.logq, self.next = torch.as_tensor(logp).float(), torch.as_tensor(logq).float(), 0
+
+    def generate(self, prefix, gen_len, num_samples=1, top_k=None, return_proposal=False, generator=None, max_rows=None):
+        assert gen_len == 1
+        ids = torch.arange(self.next, self.next + num_samples)
+        self.next += num_samples
+        B = prefix.size(0)
+        out = (ids.view(1, -1, 1).expand(B, -1, 1).clone(), self.logp[ids].view(1, -1, 1).expand(B, -1, 1),
+               self.logq[ids].view(1, -1, 1).expand(B, -1, 1))
+        return out if return_proposal else out[:2]
+
+
+class TableEnergy:
+    """A stand-in energy: E(x) = table[last token of x], in float32 as Energy returns it."""
+
+    def __init__(self, table):
+        self.table = torch.as_tensor(table).float()
+
+    def __call__(self, idx, prefix_len):
+        return self.table[idx[:, -1]]
+
+
+def chi_square(counts, p):
+    counts, p = np.asarray(counts, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    expected = counts.sum() * p
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+CHI2_999 = {9: 27.877}  # chi-square critical value at p = 0.001, by degrees of freedom
+
+
+@pytest.mark.parametrize('correct_proposal', [False, True])
+def test_joint_sample_resampling_frequencies(correct_proposal):
+    """Algorithm 1 on a fixed set of K = 10 candidates, each of the B rows resampling one: the
+    chosen candidates follow softmax(log w) (chi-square, p = 0.001), log w = -E, or -E + log P_LM
+    - log q with the proposal correction. 10 candidates in chunks of 3, 3, 3, 1 exercise the
+    running Gumbel-max."""
+    K, B = 10, 20000
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(K, generator=g, dtype=torch.float64).float().double()
+    logp, logq = torch.randn(K, generator=g) - 2, torch.randn(K, generator=g) - 2
+    lm = ListLM(logp, logq)
+    out = joint_sample(lm, TableEnergy(E), torch.zeros(B, 2, dtype=torch.long), K, 1, top_k=3,
+                       correct_proposal=correct_proposal, generator=torch.Generator().manual_seed(1), max_rows=3 * B)
+    assert lm.next == K  # all K candidates drawn, in chunks
+    log_w = -E + (logp.double() - logq.double() if correct_proposal else 0)
+    p = torch.softmax(log_w, 0).numpy()
+    counts = np.bincount(out['joint'][:, 0].numpy(), minlength=K)
+    stat = chi_square(counts, p)
+    assert stat < CHI2_999[K - 1], (stat, counts, p * B)
+    for wrong in (torch.softmax(-log_w, 0), torch.full((K,), 1.0 / K), torch.softmax(-E if correct_proposal else log_w + logp.double(), 0)):
+        assert chi_square(counts, wrong.numpy()) > 10 * CHI2_999[K - 1]  # the test sees a wrong target
+    assert (out['joint_energy'].double() - E[out['joint'][:, 0]]).abs().max() < 1e-6
+    assert torch.equal(out['worst'][:, 0], torch.full((B,), int(E.argmax())))
+    assert (out['worst_energy'].double() - E.max()).abs().max() < 1e-6
+    assert torch.equal(out['base'][:, 0], torch.zeros(B, dtype=torch.long))  # the first LM sample
+    assert (out['base_energy'].double() - E[0]).abs().max() < 1e-6
+    w = np.exp(log_w.numpy() - log_w.numpy().max())
+    assert (out['ess'] - w.sum() ** 2 / (w ** 2).sum()).abs().max() < 1e-6
+    assert out['joint'].shape == out['worst'].shape == out['base'].shape == (B, 1) and out['ess'].shape == (B,)
+
+
+def test_joint_sample_ess_equal_energies():
+    """Equal energies (the zero-head energy): every weight the same, ESS = n exactly."""
+    V = 6
+    lm = tiny_gpt(vocab_size=V, block_size=16, seed=2)
+    torch.manual_seed(0)
+    e0 = Energy(GPTConfig(block_size=16, vocab_size=V, n_layer=1, n_head=2, n_embd=16, causal=False)).eval()
+    prefix = torch.randint(V, (3, 4), generator=torch.Generator().manual_seed(0))
+    out = joint_sample(lm, e0, prefix, 10, 5, top_k=4, generator=torch.Generator().manual_seed(0), max_rows=9)
+    assert (out['ess'] - 10).abs().max() < 1e-9 and (out['joint_energy'] == 0).all()
+    assert out['joint'].shape == (3, 5) and out['base'].shape == (3, 5)
+
+
+def test_joint_sample_ess_one_dominant_energy():
+    """One energy far below the others: ESS 1, and that sample is always the one chosen."""
+    table = torch.zeros(12)
+    table[7] = -40.0
+    out = joint_sample(ListLM(torch.zeros(12), torch.zeros(12)), TableEnergy(table), torch.zeros(500, 2, dtype=torch.long), 12, 1,
+                       generator=torch.Generator().manual_seed(0), max_rows=2500)
+    assert (out['ess'] - 1).abs().max() < 1e-12
+    assert (out['joint'][:, 0] == 7).all() and (out['joint_energy'] == -40).all()
+
+
+def test_joint_sample_ess_two_dominant_energies():
+    """Two of them: ESS 2, each chosen half the time."""
+    table = torch.zeros(12)
+    table[7] = table[3] = -40.0
+    out = joint_sample(ListLM(torch.zeros(12), torch.zeros(12)), TableEnergy(table), torch.zeros(4000, 2, dtype=torch.long), 12, 1,
+                       generator=torch.Generator().manual_seed(0), max_rows=20000)
+    assert (out['ess'] - 2).abs().max() < 1e-9
+    assert set(out['joint'][:, 0].tolist()) == {3, 7} and abs((out['joint'][:, 0] == 3).double().mean().item() - 0.5) < 0.04
+
+
+def joint_tables(lm, e, prefix, L, V, top_k):
+    """Exact distributions over the V**L continuations of prefix: the joint model P_LM exp(-E)/Z,
+    the same restricted to the support of the top-k proposal q, the joint model of the top-k
+    LM q exp(-E)/Z_q, and P_LM itself."""
+    conts, lp, E, _ = enumerate_joint(lm, e, prefix, L, V, prefix.numel())
+    _, q = enumerate_continuations(lm, prefix.view(1, -1), L, V, top_k=top_k)
+    joint = torch.softmax(lp - E, 0)
+    in_q = q > 0
+    restricted = torch.softmax(torch.where(in_q, lp - E, torch.tensor(float('-inf'), dtype=torch.float64)), 0)
+    truncated = torch.softmax(q.log() - E, 0)
+    return conts, joint, restricted, truncated, lp.exp()
+
+
+def empirical(tokens, V):
+    L = tokens.size(1)
+    code = (tokens * (V ** torch.arange(L - 1, -1, -1))).sum(1)
+    return torch.bincount(code, minlength=V ** L).double() / tokens.size(0)
+
+
+def bigram_gpt(table, block_size=8):
+    """A GPT that is exactly the bigram model P(v | ..., a) = softmax(table[a])_v: blocks that add
+    nothing (zero output projections), no position embedding, one-hot token embeddings and an
+    untied head whose columns sum to zero, so that ln_f's centring cancels: logits = table[a]."""
+    table = torch.as_tensor(table, dtype=torch.float32)
+    V = table.size(0)
+    C = V + 1
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=V, n_layer=1, n_head=1, n_embd=C))
+    s = math.sqrt((1 / C) * (1 - 1 / C) + model.transformer.ln_f.eps)  # ln_f's scale for a one-hot row
+    W = torch.zeros(V, C)
+    W[:, :V] = table.t() * s
+    W[:, V] = -W[:, :V].sum(1)
+    with torch.no_grad():
+        for blk in model.transformer.h:
+            blk.attn.c_proj.weight.zero_()
+            blk.mlp.c_proj.weight.zero_()
+        model.transformer.wpe.weight.zero_()
+        model.transformer.wte.weight = torch.nn.Parameter(torch.eye(V, C))
+        model.lm_head.weight = torch.nn.Parameter(W)
+    return model.eval()
+
+
+# peaked after token 0, flat after tokens 1 and 3: the top-2 mass depends on the previous token
+BIGRAM = [[3.0, 2.0, -2.0, -3.0], [0.3, 0.0, 0.2, 0.1], [-1.0, 0.5, 1.5, 0.2], [0.25, 0.2, -0.1, 0.3]]
+
+
+def test_joint_sample_distribution_exact():
+    """On an enumerable toy (4 tokens, 2 steps) the output of joint_sample converges to the
+    exact joint distribution as n grows (untruncated proposal)."""
+    V, L = 4, 2
+    lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
+    prefix = torch.tensor([1, 2])
+    conts, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
+    assert (conts == torch.tensor(list(itertools.product(range(V), repeat=L)))).all()
+    assert tv(p_lm, joint) > 0.3  # the target is far from the proposal: the test has power
+    B = 6000
+    rows = prefix.expand(B, -1).contiguous()
+    dist = {}
+    for n in (1, 4, 32):
+        out = joint_sample(lm, e, rows, n, L, top_k=None, generator=torch.Generator().manual_seed(n), max_rows=64000)
+        dist[n] = tv(empirical(out['joint'], V), joint)
+    # n = 1 is P_LM itself; then the distance to the joint model shrinks
+    assert abs(dist[1] - tv(p_lm, joint)) < 0.04 and dist[1] > dist[4] + 0.1 > dist[32] + 0.15 and dist[32] < 0.05, dist
+
+
+@pytest.mark.parametrize('correct', [False, True], ids=['top_k_joint', 'proposal_corrected'])
+def test_joint_sample_top_k_distribution(correct):
+    """Top-2 proposals from an exact bigram GPT whose top-2 mass at step 2 depends on step 1: the
+    output follows the joint model of the top-2 LM, or with the proposal correction the untruncated
+    joint model on the proposal's support (all the correction can reach: top-k never proposes the rest)."""
+    V, L, B = 4, 2, 6000
+    lm, e, prefix = bigram_gpt(BIGRAM), rand_energy(V, seed=6, head_std=0.7), torch.tensor([0, 3])
+    with torch.no_grad():
+        assert (lm(prefix[None])[0][0] - torch.tensor(BIGRAM)[prefix]).abs().max() < 1e-5
+    _, joint, restricted, truncated, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
+    assert tv(truncated, restricted) > 0.12 and tv(p_lm, joint) > 0.2
+    rows = prefix.expand(B, -1).contiguous()
+    target, other = (restricted, truncated) if correct else (truncated, restricted)
+    out = joint_sample(lm, e, rows, 32, L, top_k=2, correct_proposal=correct, generator=torch.Generator().manual_seed(5),
+                       max_rows=64000)
+    emp = empirical(out['joint'], V)
+    assert emp[~(restricted > 0)].sum() == 0  # never outside the top-2 support
+    assert tv(emp, target) < 0.04 and tv(emp, other) > 0.09, (tv(emp, target), tv(emp, other))
+
+
+def test_algorithm_1_and_joint_sample_agree():
+    """sample.algorithm_1 (the paper's Algorithm 1, one prefix at a time) and joint_sample (rows
+    and candidates in chunks, a running Gumbel-max) draw from the same distribution: n = 8
+    candidates of 2 tokens over V = 3 from the untruncated LM (top_k = V), the 9 outcomes'
+    empirical frequencies within TV 0.06; both far from P_LM (n = 1), so the check has power."""
+    V, L, n = 3, 2, 8
+    lm, e = tiny_gpt(vocab_size=V, block_size=8, n_layer=1, std=0.5, seed=3), rand_energy(V, head_std=3.0)
+    prefix = torch.tensor([[1, 0, 2]])
+    g = torch.Generator().manual_seed(0)
+    a1 = torch.stack([sample.algorithm_1(lm, e, prefix, n, L, top_k=V, generator=g) for _ in range(1500)])
+    rows = prefix.expand(6000, -1).contiguous()
+    js = joint_sample(lm, e, rows, n, L, top_k=None, generator=torch.Generator().manual_seed(1))['joint']
+    assert a1.shape == (1500, L) and js.shape == (6000, L)
+    p_a1, p_js = empirical(a1, V), empirical(js, V)
+    _, p_lm = enumerate_continuations(lm, prefix, L, V)
+    assert tv(p_a1, p_js) < 0.06, (p_a1, p_js)
+    assert tv(p_a1, p_lm) > 0.15 and tv(p_js, p_lm) > 0.15, (tv(p_a1, p_lm), tv(p_js, p_lm))
+
+
+def rel_var(lp, E):
+    """Var(w) / E[w]^2 of w = exp(-E) under the (enumerated) LM probabilities exp(lp): m samples
+    give log Z to about sqrt(rel_var / m) (delta method); 0 when nothing is left to sample."""
+    p, w = lp.exp(), (-E).exp()
+    mu = (p * w).sum()
+    return ((p * (w - mu) ** 2).sum() / mu ** 2).item()
+
+
+@pytest.mark.parametrize('gen_len', [1, 2])
+def test_next_token_table_exact(gen_len):
+    """Table 3's next-token probabilities under the joint model, P_LM(v|x) Z(x, v) / Z(x) over the
+    LM's top 3, renormalised (Appendix A.1 with 3 candidates, all 3 kept), vs exact enumeration;
+    tolerances from the delta-method standard error of the estimated log Z(x, v)."""
+    V, P, m = 4, 2, 6000
+    lm, e = toy_lm(V), rand_energy(V)
+    prefix = torch.tensor([[2, 3], [3, 1], [0, 3]])
+    top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, 3, m, NULL, torch.Generator().manual_seed(0),
+                                            max_rows=8192)
+    assert top_v.shape == p_lm.shape == p_joint.shape == (3, 3)
+    assert (p_joint.sum(1) - 1).abs().max() < 1e-12 and (p_joint[:, :-1] >= p_joint[:, 1:]).all()
+    for b in range(3):
+        lp = logprobs64(lm, prefix[b:b + 1])[0, -1]
+        assert sorted(top_v[b].tolist()) == sorted(lp.topk(3).indices.tolist())
+        assert (p_lm[b] - lp.exp()[top_v[b]]).abs().max() < 1e-6
+        logz, rv = [], []
+        for v in top_v[b]:
+            _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix[b], v.view(1)]), gen_len - 1, V, P)
+            logz.append(logz_c)
+            rv.append(rel_var(lp_c, E_c))
+        exact = torch.softmax(lp[top_v[b]] + torch.stack(logz), 0)
+        for j in range(3):  # Var log p_j <~ (rv_j + sum_u p_u^2 rv_u) / m
+            se = math.sqrt((rv[j] + sum(exact[u].item() ** 2 * rv[u] for u in range(3))) / m)
+            assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (b, j, p_joint[b, j].item(), exact[j].item(), se)
+        if b < 2:  # the joint next-token distribution is far from the LM's here
+            assert tv(exact, torch.softmax(lp[top_v[b]], 0)) > 0.1
+
+
+def exact_next_token(lm, e, prefix, gen_len, V):
+    """Exact log P_LM(v|x) and log P_LM(v|x) Z(x, v) (float64, all V tokens), and the relative
+    variance of the weights behind each Z(x, v), by enumerating every continuation."""
+    lp = logprobs64(lm, prefix[None])[0, -1]
+    score, rv = [], []
+    for v in range(V):
+        _, lp_c, E_c, logz_c = enumerate_joint(lm, e, torch.cat([prefix, torch.tensor([v])]), gen_len - 1, V, prefix.numel())
+        score.append(lp[v] + logz_c)
+        rv.append(rel_var(lp_c, E_c))
+    return lp, torch.stack(score), torch.tensor(rv, dtype=torch.float64)
+
+
+def test_next_token_table_a1_exact():
+    """Appendix A.1 on an enumerable toy (V = 6): the LM's top 4 candidates, Z of each from m
+    completions, the top 3 kept and renormalised. The kept tokens are the exact top 3 of
+    P_LM(v|x) Z(x, v) among the candidates (a token outside them is never kept, even where the
+    exact joint model ranks it in its top 3), their probabilities sum to 1 and match the exact
+    joint next-token probabilities restricted to them within 4 delta-method SE + 0.5% (exact to
+    float32 rounding when Z is exp(-E), gen_len 1), and memory stays within max_rows."""
+    V, C, K, m = 6, 4, 3, 4000
+    lm, e = toy_lm(V), rand_energy(V, seed=2, head_std=1.5)
+    prefix = torch.tensor([[2, 1], [0, 3], [5, 5]])
+    outside_kept = 0
+    for gen_len in (1, 2, 3):
+        v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, C, K, m, NULL, torch.Generator().manual_seed(gen_len),
+                                            max_rows=512)
+        assert v.shape == p_lm.shape == p_joint.shape == (3, K)
+        assert (p_joint.sum(1) - 1).abs().max() < 1e-12
+        for b in range(3):
+            lp, score, rv = exact_next_token(lm, e, prefix[b], gen_len, V)
+            cand = lp.topk(C).indices
+            ranked = cand[score[cand].argsort(descending=True)]
+            s = score[ranked]
+            se_boundary = math.sqrt((rv[ranked[K - 1]] + rv[ranked[K]]).item() / m)
+            assert s[K - 1] - s[K] > 6 * se_boundary + 0.05  # the kept set is well determined: no flaky test
+            assert v[b].tolist() == ranked[:K].tolist()
+            outside_kept += len(set(score.topk(K).indices.tolist()) - set(cand.tolist()))
+            exact = torch.softmax(score[v[b]], 0)  # the joint P(v|x) restricted to the kept tokens
+            assert (p_lm[b] - lp[v[b]].exp()).abs().max() < 1e-6
+            if gen_len == 1:
+                assert (p_joint[b] - exact).abs().max() < 1e-6
+            for j in range(K):
+                se = math.sqrt((rv[v[b, j]] + (exact ** 2 * rv[v[b]]).sum()).item() / m)
+                assert abs(p_joint[b, j].item() / exact[j].item() - 1) < 4 * se + 0.005, (gen_len, b, j, p_joint[b, j].item(), exact[j].item(), se)
+            assert tv(exact, torch.softmax(lp[v[b]], 0)) > 0.05 or b > 0  # the test sees the energy
+    assert outside_kept >= 2  # the exact top 3 of the joint model reaches outside the LM's top 4 here
+    # bounded memory: no generate call holds more than max_rows sequences
+    rows, orig = [], lm.generate
+
+    def recorded(idx, n_new, num_samples=1, max_rows=512, **kw):
+        rows.append((idx.size(0) * num_samples, max_rows))
+        return orig(idx, n_new, num_samples=num_samples, max_rows=max_rows, **kw)
+
+    lm.generate = recorded  # generate itself decodes at most max_rows rows at a time
+    next_token_table(lm, e, prefix, 3, C, K, 40, NULL, torch.Generator().manual_seed(0), max_rows=16)
+    assert max(m for _, m in rows) <= 16 and sum(n for n, _ in rows) == 3 * C * 40
+    with pytest.raises(ValueError, match='keep'):
+        next_token_table(lm, e, prefix, 3, 2, 3, 4, NULL, torch.Generator())
+
+
+def test_topk_autoregressive_distribution():
+    """With all V candidates kept (no truncation) Appendix A.1's token-by-token sampler approaches
+    the exact joint model."""
+    V, L = 4, 2
+    lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
+    prefix = torch.tensor([1, 2])
+    _, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
+    B = 3000
+    rows = prefix.expand(B, -1).contiguous()
+    toks = topk_autoregressive(lm, e, rows, L, V, V, 48, NULL, torch.Generator().manual_seed(0), max_rows=200000)
+    assert toks.shape == (B, L)
+    d = tv(empirical(toks, V), joint)
+    assert d < 0.05 and tv(p_lm, joint) > 0.3, d
+
+
+def test_topk_autoregressive_stays_in_the_top_k():
+    """With 2 candidates it stays inside the LM's top-2 at every step."""
+    V, L = 4, 2
+    lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
+    rows = torch.tensor([1, 2]).expand(200, -1).contiguous()
+    toks = topk_autoregressive(lm, e, rows, L, 2, 2, 8, NULL, torch.Generator().manual_seed(1), max_rows=200000)
+    seqs = torch.cat([rows, toks], 1)
+    lp = logprobs64(lm, seqs)[:, 1:-1]
+    rank = (lp > lp.gather(-1, toks[..., None])).sum(-1)
+    assert rank.max() < 2
+
+
+def test_unique_ngrams():
+    texts = ["a b a b", "a b c"]
+    assert unique_ngrams(texts, 1) == 100 * 3 / 7  # a b a b a b c: 3 distinct of 7
+    assert unique_ngrams(texts, 2) == 100 * 3 / 5  # ab ba ab | ab bc
+    assert unique_ngrams(texts, 3) == 100 * 3 / 3  # aba bab | abc
+    assert unique_ngrams(texts, 4) == 100.0 and unique_ngrams(texts, 5) is None
+    assert unique_ngrams(["x y", "z w"], 2) == 100.0  # no n-gram across texts
+    assert unique_ngrams(["  the the\nthe  "], 1) == 100 / 3  # whitespace-split words
+
+
+def test_analyses():
+    results = [dict(gold="a b c d", base="a a a a", joint="a b a b", lm_logp=dict(gold=-4.0, base=-1.0, joint=-2.5)),
+               dict(gold="e f", base="a a", joint="c d", lm_logp=dict(gold=-6.0, base=-2.0, joint=-3.5))]
+    rep = sample.analyses(results)
+    assert rep['unique_ngrams']['gold'] == [100.0, 100.0, 100.0, 100.0]
+    assert rep['unique_ngrams']['base'][:3] == [100 / 6, 100 / 4, 100 / 2] and rep['unique_ngrams']['base'][3] == 100.0
+    assert rep['unique_ngrams']['joint'][:3] == [100 * 4 / 6, 100 * 3 / 4, 100.0]  # ab ba ab | cd
+    assert rep['mean_lm_logp'] == dict(gold=-5.0, base=-1.5, joint=-3.0)
+    assert rep['mean_lm_logp_diff'] == {'base-gold': 3.5, 'joint-gold': 2.0}
+
+
+def binom_tail_exact(wins, losses):
+    """P(X >= wins), X ~ Binomial(wins + losses, 1/2), as an exact fraction from Pascal's triangle."""
+    row = [1]
+    for _ in range(wins + losses):
+        row = [a + b for a, b in zip([0] + row, row + [0])]
+    return Fraction(sum(row[wins:]), 2 ** (wins + losses))
+
+
+def test_binomial_p_value():
+    assert human_eval.binomial_p_value(9, 1) == 11 / 1024
+    assert human_eval.binomial_p_value(10, 0) == 1 / 1024 and human_eval.binomial_p_value(0, 10) == 1.0
+    assert human_eval.binomial_p_value(0, 0) == 1.0 and human_eval.binomial_p_value(1, 0) == 0.5
+    for w, l in [(5, 5), (3, 7), (20, 13), (60, 40), (7, 0), (1, 1)]:
+        p = human_eval.binomial_p_value(w, l)
+        assert abs(p - float(binom_tail_exact(w, l))) < 1e-15
+        # complement: P(X >= w) + P(X >= l + 1) = 1 for X ~ Binomial(w + l, 1/2)
+        assert abs(p + human_eval.binomial_p_value(l + 1, w - 1) - 1) < 1e-12
+
+
+HE_SAMPLES = [dict(prefix=f'prefix {i}', base=f'base {i}', joint=f'joint {i}', worst=f'worst {i}', gold=f'gold {i}')
+              for i in range(8)]
+
+
+def simulate_votes(items, rater_prefs):
+    """Raters read the texts: rater_prefs[rater](i, sides) -> the system name they pick or 'equal'."""
+    votes = []
+    for rater, pref in rater_prefs.items():
+        for it in items:
+            sides = {it['A'].split()[0]: 'A', it['B'].split()[0]: 'B'}
+            pick = pref(int(it['prefix'].split()[1]), sides)
+            votes.append((rater, str(it['item']), 'equal' if pick == 'equal' else sides[pick]))
+    return votes
+
+
+def prefs_good(i, sides):  # joint on prefixes 0-4, equal on 5, base on 6-7; the real text on checks
+    if 'gold' in sides:
+        return 'gold'
+    return 'joint' if i < 5 else 'equal' if i == 5 else 'base'
+
+
+def prefs_bad(i, sides):  # always the joint model, even over real text: fails the attention checks
+    return 'joint'
+
+
+def prefs_half(i, sides):  # the real text on checks; else joint on even prefixes, base on odd ones
+    return 'gold' if 'gold' in sides else 'joint' if i % 2 == 0 else 'base'
+
+
+def test_human_eval_roundtrip():
+    items, key = human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0)
+    assert len(items) == 11 and [it['item'] for it in items] == list(range(11))
+    assert key['systems'] == ['joint', 'base'] and sorted(key['items']) == sorted(str(i) for i in range(11))
+    checks = [it for it in items if key['items'][str(it['item'])]['check']]
+    assert len(checks) == 3
+    for it in items:
+        k = key['items'][str(it['item'])]
+        i = int(it['prefix'].split()[1])
+        assert it['A'] == f"{k['A']} {i}" and it['B'] == f"{k['B']} {i}"  # the key unblinds A/B
+        assert {k['A'], k['B']} == ({'joint', 'gold'} if k['check'] else {'joint', 'base'})
+    assert {key['items'][str(it['item'])]['A'] for it in items} >= {'joint', 'base'}  # both orders occur
+    regular = [it for it in items if not key['items'][str(it['item'])]['check']]
+    assert sorted(int(it['prefix'].split()[1]) for it in regular) == list(range(8))
+    votes = simulate_votes(items, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
+    rep = human_eval.score(key, votes)
+    # r2 dropped; per prefix (r1, r3): 0 JJ, 1 JB, 2 JJ, 3 JB, 4 JJ, 5 =B, 6 BJ, 7 BB -> items 3 won,
+    # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
+    assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
+    assert rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8 and rep['p_value'] == 5 / 16
+    rep = human_eval.score(key, votes, per_vote=True)
+    assert rep['unit'] == 'vote' and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1)
+    assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
+    assert rep['p_value'] == float(binom_tail_exact(9, 6))
+    # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
+    rep = human_eval.score(key, votes, max_failed_checks=3)
+    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
+    rep = human_eval.score(key, votes, max_failed_checks=3, per_vote=True)
+    assert (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
+    rep = human_eval.score(key, votes, max_failed_checks=2)
+    assert rep['dropped_raters'] == ['r2']
+    # the same items with the systems swapped: wins and losses swap (one rater: items = votes)
+    items2, key2 = human_eval.export(HE_SAMPLES, ['base', 'joint'], 0, seed=0)
+    rep = human_eval.score(key2, simulate_votes(items2, dict(r1=prefs_good)))
+    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes'], rep['n']) == (2, 5, 1, 8, 8)
+    assert human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0) == (items, key)  # seeded
+
+
+def write_samples(path, samples=HE_SAMPLES):
+    path.write_text(json.dumps(dict(samples=samples)))
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def he_export(tmp_path_factory):
+    """human_eval.py export of HE_SAMPLES, joint vs base with 3 attention checks: (its out dir,
+    the samples file)."""
+    d = tmp_path_factory.mktemp('he_export')
+    samples = write_samples(d / 'samples.json')
+    res = run_script(['human_eval.py', 'export', '--samples', samples, '--systems', 'joint,base', '--checks', '3',
+                      '--out_dir', str(d / 'he')])
+    assert res.returncode == 0, res.stderr
+    return d / 'he', samples
+
+
+def exported_votes(out_dir):
+    """The exported items.jsonl and the votes of the three simulated raters on it."""
+    jsonl = [json.loads(l) for l in (out_dir / 'items.jsonl').read_text().splitlines()]
+    for it in jsonl:
+        it['item'] = int(it['item'])
+    return jsonl, simulate_votes(jsonl, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
+
+
+def test_human_eval_cli(he_export, tmp_path):
+    out_dir, _ = he_export
+    with open(out_dir / 'items.csv', newline='') as f:
+        items = list(csv.DictReader(f))
+    jsonl, votes = exported_votes(out_dir)
+    assert len(items) == len(jsonl) == 11 and [it['A'] for it in items] == [it['A'] for it in jsonl]
+    key = json.loads((out_dir / 'key.json').read_text())
+    assert 'joint' not in (out_dir / 'items.csv').read_text().split('\n')[0]  # raters do not see system names
+    with open(tmp_path / 'votes.csv', 'w', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(['rater', 'item', 'choice'])
+        w.writerows(votes)
+    res = run_script(['human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes', str(tmp_path / 'votes.csv')])
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((tmp_path / 'votes_report.json').read_text())
+    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 3
+    assert 'preferred 37.5%' in res.stdout and 'of 8 items' in res.stdout
+
+
+HAND_KEY = dict(systems=['joint', 'base'], items={
+    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
+        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'),
+         ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base')])},
+    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
+# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
+HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
+              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
+
+
+def hand_votes():
+    votes = []
+    for item, s in HAND_VOTES.items():
+        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
+            if c != '_':
+                votes.append((rater, item, 'equal' if c == '=' else c))
+    return votes
+
+
+def binom_tail(w, l):
+    return sum(math.comb(w + l, k) for k in range(w, w + l + 1)) / 2 ** (w + l)
+
+
+def test_human_eval_items_by_majority():
+    """Per item (r4 dropped), in system terms J (joint), B (base), = (equal):
+    0 JJJ W | 1 JJB W | 2 J=J W | 3 JB= equal (no strict plurality) | 4 J== equal ('equal' majority)
+    5 === equal | 6 BBJ L | 7 BBB L | 8 JJ W | 9 J= equal (tie with 'equal') | 10 only r4: unvoted | 11 JJB W.
+    Items: 5 won, 2 lost, 4 equal of 11. Votes: J 15, B 8, = 8 of 31."""
+    votes = hand_votes()
+    assert len(votes) == 31 + 3 + 6 + 2  # counted, r4's on items, the checks of r1-r3, r4's checks
+    rep = human_eval.score(HAND_KEY, votes)
+    assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (11, 31, 5, 2, 4, 1)
+    assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
+    assert rep['p_value'] == 29 / 128 == binom_tail(5, 2)  # (C(7,5) + C(7,6) + C(7,7)) / 2^7
+    per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
+    assert per_vote['unit'] == 'vote'
+    assert (per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties']) == (31, 31, 15, 8, 8)
+    assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
+    assert per_vote['p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
+    assert per_vote['p_value'] < rep['p_value'] / 2  # counting correlated votes as independent overstates significance
+    # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
+    rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
+    assert rep['dropped_raters'] == [] and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0)
+    assert rep['p_value'] == 93 / 256
+    # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
+    assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
+    assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
+    assert human_eval.plurality({'joint': 0, 'base': 1, 'equal': 0}) == 'base'
+    with pytest.raises(ValueError, match='rater r1 voted more than once on item 3'):
+        human_eval.score(HAND_KEY, votes + [('r1', '3', 'B')])
+
+
+def write_hand_key_and_votes(d):
+    """HAND_KEY and hand_votes() as human_eval.py score reads them: (key.json, votes.csv)."""
+    key_path, votes_path = d / 'key.json', d / 'votes.csv'
+    key_path.write_text(json.dumps(HAND_KEY))
+    with open(votes_path, 'w', newline='') as f:
+        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
+    return key_path, votes_path
+
+
+@pytest.mark.parametrize('extra,unit', [([], 'item'), (['--per_vote'], 'vote')], ids=['items', 'votes'])
+def test_human_eval_cli_units(tmp_path, extra, unit):
+    key_path, votes_path = write_hand_key_and_votes(tmp_path)
+    out = tmp_path / f'{unit}.json'
+    with contextlib.redirect_stdout(io.StringIO()) as s:
+        human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path), '--out', str(out), *extra])
+    rep = json.loads(out.read_text())
+    assert rep == json.loads(json.dumps(human_eval.score(HAND_KEY, hand_votes(), per_vote=bool(extra))))
+    assert rep['unit'] == unit
+    assert (f'of 11 items' if unit == 'item' else 'of 31 votes (per vote') in s.getvalue()
+    assert f"over {unit}s" in s.getvalue()
+
+
+def test_human_eval_export_force_replaces_the_key(tmp_path):
+    """export refuses to replace a key that votes may have been collected against (see the CLI
+    section), unless --force: then key and items are new, written atomically."""
+    samples = write_samples(tmp_path / 'samples.json')
+    out_dir = tmp_path / 'he'
+    export = ['human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    assert run_script(export).returncode == 0
+    before = dir_snapshot(out_dir)
+    res = run_script(export + ['--seed', '7', '--force'])
+    assert res.returncode == 0, res.stderr
+    after = dir_snapshot(out_dir)
+    assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
+    assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
+
+
+def char_ids(tok, text):
+    """Ids of a decoded char-tokenizer text, end-of-text tokens included (they decode to EOT)."""
+    ids = []
+    for i, piece in enumerate(text.split(EOT)):
+        ids += ([tok.eot_id] if i else []) + tok.encode(piece)
+    return ids
+
+
+def sample_argv(lm, energy, out):
+    return ['--lm', lm, '--energy', energy, '--split', 'test', '--num_prefixes', '3', '--prefix_len', str(EVAL_P),
+            '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3', '--candidates', '6', '--keep', '4', '--table_k', '3',
+            '--autoregressive',
+            '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
+
+
+@pytest.fixture(scope='module')
+def sample_run(lm_ckpt, eval_ckpts, tmp_path_factory):
+    """sample.main on 3 test prefixes, with Table 3 and top-k auto-regressive sampling: (the JSON
+    file it wrote, what it returned)."""
+    out = tmp_path_factory.mktemp('sample_run') / 's.json'
+    return out, sample.main(sample_argv(lm_ckpt, eval_ckpts['bit'], out))
+
+
+def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, sample_run):
+    out, rep = sample_run
+    assert json.dumps(json.loads(out.read_text())) == json.dumps(rep)
+    meta = load_meta(lm_corpus)
+    tok = load_tokenizer(meta)
+    lm = load_lm(lm_ckpt)[0]
+    energy = load_energy(eval_ckpts['bit'], lm_ckpt)[0]
+    data = load_split(lm_corpus, 'test', meta)
+    x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
+    assert len(rep['samples']) == 3
+    for b, r in enumerate(rep['samples']):
+        assert r['prefix'] == tok.decode(x[b, :EVAL_P].tolist()) and r['gold'] == tok.decode(x[b, EVAL_P:].tolist())
+        assert r['n'] == 6 and 1 - 1e-9 <= r['ess'] <= 6 + 1e-9
+        seqs = {k: torch.tensor([x[b, :EVAL_P].tolist() + char_ids(tok, r[k])])
+                for k in ('base', 'joint', 'worst', 'gold', 'autoregressive')}
+        assert all(s.shape == (1, EVAL_P + EVAL_L) for s in seqs.values())
+        for k in ('base', 'joint', 'worst', 'gold'):
+            ref = energies(energy, seqs[k], EVAL_P).item()
+            assert abs(r[f'{k}_energy'] - ref) < 1e-5 * max(1, abs(ref))
+        assert r['worst_energy'] >= max(r['base_energy'], r['joint_energy'])  # the worst of n includes both
+        for k in ('base', 'joint', 'gold', 'autoregressive'):
+            s = seqs[k]
+            ref = logprobs64(lm, s)[0, EVAL_P - 1:-1].gather(-1, s[0, EVAL_P:, None]).sum().item()
+            assert abs(r['lm_logp'][k] - ref) < 1e-4
+        assert len(r['next_tokens']) == 3  # the first 3 of the 4 kept of the LM's top 6, by joint probability
+        lp = logprobs64(lm, x[b:b + 1, :EVAL_P])[0, -1]
+        top6 = {tok.decode([v]): p for v, p in zip(lp.topk(6).indices.tolist(), lp.exp().topk(6).values.tolist())}
+        assert all(t['token'] in top6 and abs(t['p_lm'] - top6[t['token']]) < 1e-6 for t in r['next_tokens'])
+        p_joint = [t['p_joint'] for t in r['next_tokens']]
+        assert p_joint == sorted(p_joint, reverse=True) and sum(p_joint) < 1 <= sum(p_joint) + p_joint[-1] + 1e-6  # the 4th is at most the 3rd
+    assert json.dumps(rep['unique_ngrams']) == json.dumps(sample.analyses(rep['samples'])['unique_ngrams'])  # NaN-aware
+    assert sorted(rep['unique_ngrams']) == ['autoregressive', 'base', 'gold', 'joint']
+    assert rep['mean_lm_logp']['gold'] == np.mean([r['lm_logp']['gold'] for r in rep['samples']])
+
+
+def test_sample_cli_prompt(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
+    """A prompt instead of data prefixes: no gold."""
+    tok = load_tokenizer(load_meta(lm_corpus))
+    rep = sample.main(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--prompt', 'the quick', '--gen_len', '4',
+                       '--n', '4', '--table_k', '0', '--quiet', '--device', 'cpu', '--out', str(tmp_path / 'p.json')])
+    r = rep['samples'][0]
+    assert r['prefix'] == 'the quick' and 'gold' not in r and 'next_tokens' not in r
+    assert len(char_ids(tok, r['joint'])) == len(char_ids(tok, r['base'])) == 4
+
+
+def test_sample_cli_then_human_eval(sample_run, tmp_path):
+    """human_eval.py export on sample.py's output."""
+    out, _ = sample_run
+    res = run_script(['human_eval.py', 'export', '--samples', str(out), '--checks', '1', '--out_dir', str(tmp_path / 'he')])
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
+
+
+# =============================================================================
+# ==== baselines/pipeline: RALM (Eq. 6), BALM, the paper's presets, the main job end to end, figures.py, bench.py runs ====
+
+def tiny_ralm(residual_std=None):
+    """A tiny base GPT, a RALM on it whose residual head is zero (None) or drawn with that std,
+    and 3 random rows of 12 tokens."""
+    torch.manual_seed(0)
+    base = tiny_gpt(vocab_size=7, block_size=16, seed=3)
+    ralm = RALM(GPTConfig(block_size=16, vocab_size=7, n_layer=1, n_head=2, n_embd=16), base).eval()
+    x = torch.randint(7, (3, 12))
+    with torch.no_grad():
+        ralm.lm_head.weight.zero_() if residual_std is None else ralm.lm_head.weight.normal_(0, residual_std)
+    return base, ralm, x
+
+
+def test_ralm_zero_residual_is_base():
+    """A zero-initialised residual is the base LM exactly, cached generation included."""
+    base, ralm, x = tiny_ralm()
+    with torch.no_grad():
+        assert torch.equal(ralm.logits(x), base.logits(x))
+        g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        a, b = ralm.generate(x[:, :4], 6, num_samples=3, generator=g1), base.generate(x[:, :4], 6, num_samples=3, generator=g2)
+        assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1])
+
+
+def test_ralm_normalised():
+    """A non-zero residual: Eq. 6 is log_softmax(base logits + phi logits), each step sums to 1."""
+    base, ralm, x = tiny_ralm(0.5)
+    with torch.no_grad():
+        lp = torch.log_softmax(ralm.logits(x).double(), -1)
+        ref = torch.log_softmax(torch.log_softmax(base.logits(x).double(), -1)
+                                + torch.log_softmax(GPT.logits(ralm, x).double(), -1), -1)
+        assert torch.allclose(lp, ref, atol=1e-5)
+        assert torch.allclose(lp.exp().sum(-1), torch.ones(3, 12, dtype=torch.float64), atol=1e-9)
+        total = ralm.sequence_logprob(x, 4).double()
+        assert torch.allclose(total, ref[:, 3:-1].gather(-1, x[:, 4:, None]).squeeze(-1).sum(1), atol=1e-4)
+
+
+def test_ralm_cached_generation():
+    """The KV cache covers both models."""
+    _, ralm, x = tiny_ralm(0.5)
+    with torch.no_grad():
+        tokens, logp = ralm.generate(x[:, :4], 8, num_samples=2, generator=torch.Generator().manual_seed(1))
+        seq = torch.cat([x[:, :4, None].expand(-1, -1, 2).transpose(1, 2), tokens], 2).flatten(0, 1)
+        assert torch.allclose(logp.flatten(0, 1).sum(1), ralm.sequence_logprob(seq, 4), atol=1e-4)
+
+
+def test_ralm_training_and_checkpoint(lm_corpus, lm_ckpt, tmp_path):
+    out = tmp_path / 'ralm'
+    res = run_script(['train_lm.py', '--data_dir', str(lm_corpus), '--out_dir', str(out), '--residual_of', str(lm_ckpt),
+                      '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--block_size', '16', '--batch_size', '4',
+                      '--max_iters', '3', '--eval_interval', '3', '--num_samples', '0', '--quiet'])
+    assert res.returncode == 0, res.stderr
+    ralm, ckpt = load_lm(str(out / 'ckpt.pt'))
+    base, _ = load_lm(str(lm_ckpt))
+    assert isinstance(ralm, RALM) and ckpt['residual_of'][0] == str(lm_ckpt)
+    assert not any(k.startswith('base.') for k in ckpt['model'])  # the frozen base is not copied
+    for (k, v), (_, w) in zip(ralm.base.state_dict().items(), base.state_dict().items()):
+        assert torch.equal(v, w), k  # and stayed frozen
+
+
+def test_balm_width_matches_params():
+    V, block = 78, 256
+
+    def count(c):  # on the meta device: shapes without memory or init, as fast as the brute force needs
+        with torch.device('meta'):
+            return GPT(GPTConfig(block_size=block, vocab_size=V, n_layer=4, n_head=4, n_embd=c)).num_params()
+
+    target = 2 * count(256) + 257  # base LM + a same-shape energy, roughly
+    c = width_for_params(target, 4, 4, V, block)
+    assert c % 4 == 0
+    best = min(range(4, 1025, 4), key=lambda w: abs(count(w) - target))  # brute force over every width
+    assert c == best and abs(count(c) - target) / target < 0.01
+
+
+@pytest.mark.parametrize('name,paper', [('base_lm', 203e6), ('bit_base', 125e6), ('bit_large', 355e6), ('balm', 433.7e6)])
+def test_paper_presets_param_counts(name, paper):
+    """The presets built on the meta device have the paper's counts (BALM: what its stated shape
+    gives with tied embeddings; the paper lists 408M)."""
+    p = PAPER_PRESETS[name]
+    bit = name.startswith('bit')
+    with torch.device('meta'):
+        cfg = GPTConfig(block_size=512, vocab_size=50257 + bit, n_layer=p['n_layer'], n_head=p['n_head'],
+                        n_embd=p['n_embd'], bias=p.get('bias', False), causal=not bit)
+        n = (Energy(cfg) if bit else GPT(cfg)).num_params()
+    assert abs(n - paper) / paper < 0.02, n
+
+
+def test_preset_flag_sets_defaults():
+    args = train_lm.get_args(['--preset', 'bit_base', '--lr', '1e-3'])
+    assert (args.n_layer, args.n_embd, args.n_head, args.batch_size, args.block_size, args.lr) == (12, 768, 12, 60, 512, 1e-3)
+
+
+def test_reproduce_quick_end_to_end(tmp_path):
+    """The main job with tiny models: the CI smoke test of every stage (the slowest test, ~2 min on
+    2 cores: the whole pipeline end to end). Every row is there with ordered bounds. (No gain is asserted:
+    at this size the BIT's gain is within noise, see README.) Then a rerun skips every finished
+    stage, and a stage whose outputs are removed runs again with what depends on it."""
+    out, data = tmp_path / 'out', tmp_path / 'data'
+    cmd = [sys.executable, 'reproduce.py', '--quick', '--quiet', '--out_dir', str(out), '--data_dir', str(data)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()))
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {(r['model'], r['split']): r for r in json.load(open(out / 'results.json'))['rows']}
+    assert {m for m, _ in rows} == {'BASE LM', 'RALM', 'BALM', 'JOINT UNIT', 'JOINT BIT'}
+    base, bit = rows['BASE LM', 'test'], rows['JOINT BIT', 'test']
+    assert bit['ppl_low'] <= bit['ppl_high'] and math.isfinite(bit['gain_se']) and base['ppl'] > 1
+    assert rows['JOINT BIT', 'test']['params'] == rows['BASE LM', 'test']['params'] + json.load(open(out / 'bit' / 'results.json'))['params']
+    assert (out / 'samples.json').exists() and (out / 'ppl.json').exists()
+    best = str(out / 'bit' / 'best.pt')
+    assert load_checkpoint(best)['config']['alibi']  # the MLM's ALiBi body, carried into the energy
+    assert json.load(open(out / 'ppl.json'))['hashes']['BIT'] == file_hash(best)  # the best energy is evaluated
+
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and '$ python' not in res.stdout, res.stdout
+    os.remove(out / 'bit' / 'results.json')  # as if killed after its last checkpoint
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
+    ran = [line.split(']')[0][1:] for line in res.stdout.splitlines() if '] $ python' in line]
+    after = ['bit', 'estimate_ppl', 'samples'] + (['figures'] if importlib.util.find_spec('matplotlib') else [])
+    assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
+    assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
+
+
+def test_bench_quick_runs(lm_corpus, tmp_path):
+    """bench.py is measured, not tested for speed: this only checks that every section runs and
+    that the last line of stdout is the JSON of all figures (also written to --out)."""
+    out = tmp_path / 'bench.json'
+    res = run_script(['bench.py', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out), '--n_layer', '1',
+                      '--n_embd', '32', '--n_head', '2', '--block_size', '64', '--batch_size', '2', '--prompt_len', '16',
+                      '--num_samples', '2', '--new_tokens', '8', '--matmul_size', '128'])
+    assert res.returncode == 0, res.stderr
+    figures = json.loads(res.stdout.strip().splitlines()[-1])
+    assert figures == json.load(open(out))
+    for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup', 'energy_forward_seqs_per_s',
+                'nce_train_tokens_per_s', 'logz_samples_per_s_n1000', 'joint_samples_per_s_n1000'):
+        assert figures[key] > 0, key
+
+
 # figures.py draws the paper's figures from the main job's JSON; matplotlib is its own dependency.
 
 def fake_main_job_json(out_dir):
@@ -2754,6 +2997,847 @@ def test_figures_draws_the_four_pngs(tmp_path):
     assert not list(tmp_path.glob('*.tmp'))  # written atomically
 
 
+# =============================================================================
+# ==== CLI: bad input to a script gives one clear 'error: ...' line, no traceback, and writes or overwrites nothing ====
+
+# ---- table-driven bad inputs: every script, one row each ----
+torch.set_num_threads(1)  # tiny models gain nothing from threads, and a busy machine makes them spin
+
+CLI_TEXT = "the quick brown fox jumps over the lazy dog.\n" * 60
+CLI_CPU = ['--device', 'cpu', '--dtype', 'float32', '--quiet']
+CLI_TRAIN = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16', '--batch_size', '4',
+             '--eval_iters', '2', '--warmup_iters', '2', '--num_samples', '0', *CLI_CPU]
+CLI_NEG = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CLI_CPU]
+CLI_NCE = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--batch_size', '4', '--warmup_iters', '1',
+           '--eval_prefixes', '8', *CLI_CPU]
+UNWRITABLE = '/proc/rebm-nowhere'  # no one can create anything under /proc, root included
+
+
+class CliEvil:
+    """A pickle that writes a file when loaded."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, 'w')
+
+
+@pytest.fixture(scope='module')
+def cli_artifacts(tmp_path_factory):
+    """Everything the rows point at, built once: {name: path}, all under A['root']."""
+    root = tmp_path_factory.mktemp('cli')
+    A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_val', 'nce', 'neg_incomplete', 'neg_bad', 'bad_meta',
+                                    'he', 'repro', 'new')}
+    A['root'] = str(root)
+    (root / 'raw').mkdir()
+    (root / 'raw' / 'fox.txt').write_text(CLI_TEXT)
+    text_prepare.main([str(root / 'raw'), '--out_dir', A['data'], '--val_frac', '0.1', '--test_frac', '0.1', '--quiet'])
+    train_lm.main(['--data_dir', A['data'], '--out_dir', A['lm'], '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', *CLI_TRAIN])
+    A['ckpt'] = os.path.join(A['lm'], 'ckpt.pt')
+    for split, extra in (('train', ['--max_prefixes', '20']), ('val', [])):
+        negatives.main(['--lm', A['ckpt'], '--split', split, '--out_dir', A[f'neg_{split}'], '--chunk', '8', *CLI_NEG, *extra])
+    nce_train.main(['--lm', A['ckpt'], '--negatives', A['neg_train'], '--val_negatives', A['neg_val'], '--out_dir', A['nce'],
+                    '--max_iters', '2', '--eval_interval', '2', *CLI_NCE])
+    A['energy'] = os.path.join(A['nce'], 'best.pt')
+    shutil.copytree(A['neg_val'], A['neg_incomplete'])  # as if killed before it finished
+    meta = json.load(open(os.path.join(A['neg_val'], 'meta.json')))
+    write_json(dict(meta, complete=False), os.path.join(A['neg_incomplete'], 'meta.json'))
+    os.makedirs(A['neg_bad'])
+    (root / 'neg_bad' / 'meta.json').write_text('{"lm_path": ')
+    shutil.copytree(A['data'], A['bad_meta'])
+    (root / 'bad_meta' / 'meta.json').write_text('')
+    samples = [dict(prefix=f'p{i}', base=f'b{i}', joint=f'j{i}', worst=f'w{i}', gold=f'g{i}') for i in range(4)]
+    A['samples'] = str(root / 'samples.json')
+    write_json(dict(samples=samples), A['samples'])
+    A['no_samples'] = str(root / 'no_samples.json')
+    write_json(dict(samples=[]), A['no_samples'])
+    human_eval.main(['export', '--samples', A['samples'], '--checks', '1', '--out_dir', A['he']])
+    A['key'] = os.path.join(A['he'], 'key.json')
+    A['votes'] = str(root / 'votes.csv')
+    (root / 'votes.csv').write_text('rater,item,choice\nr1,0,A\n')
+    A['votes_bad'] = str(root / 'votes_bad.csv')
+    (root / 'votes_bad.csv').write_text('who,what\nr1,0\n')
+    A['empty'] = str(root / 'empty.json')
+    (root / 'empty.json').write_text('')
+    os.makedirs(A['repro'])
+    (root / 'repro' / 'timings.json').write_text('')
+    A['file'] = str(root / 'file.txt')
+    (root / 'file.txt').write_text('a file, not a folder\n')
+    A['blank'] = str(root / 'blank.txt')
+    (root / 'blank.txt').write_text('  \n\n')
+    A['other_text'] = str(root / 'other.txt')
+    (root / 'other.txt').write_text("a different text with the same letters, of course.\n" * 40)
+    A['missing'] = str(root / 'missing.pt')
+    A['evil'] = str(root / 'evil.pt')  # unpickling it would create root/pwned: weights_only must refuse it
+    torch.save(dict(kind='lm', model=CliEvil(str(root / 'pwned'))), A['evil'])
+    A['votes_99'] = str(root / 'votes_99.csv')
+    (root / 'votes_99.csv').write_text('rater,item,choice\nr1,99,A\n')
+    A['repro_list'] = str(root / 'repro_list')
+    os.makedirs(A['repro_list'])
+    (root / 'repro_list' / 'timings.json').write_text('[1, 2]')
+    A['latin1'] = str(root / 'latin1.txt')
+    (root / 'latin1.txt').write_bytes('caf\xe9 cr\xe8me\n'.encode('latin-1'))
+    return A
+
+
+# (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path, what the line names)
+T = ['train_lm.py', '--data_dir', '{data}', '--out_dir', '{new}', '--max_iters', '2', *CLI_TRAIN]
+N = ['negatives.py', '--lm', '{ckpt}', '--split', 'val', '--out_dir', '{new}', *CLI_NEG]
+E = ['nce_train.py', '--lm', '{ckpt}', '--negatives', '{neg_train}', '--val_negatives', '{neg_val}', '--out_dir', '{new}',
+     '--max_iters', '2', *CLI_NCE]
+P = ['estimate_ppl.py', '--lm', '{ckpt}', '--energy', 'BIT={energy}', '--splits', 'val', '--prefix_len', '6', '--gen_len', '4',
+     '--max_prefixes', '4', '--num_samples', '4', '--out', '{new}.json', *CLI_CPU]
+S = ['sample.py', '--lm', '{ckpt}', '--energy', '{energy}', '--prefix_len', '6', '--gen_len', '4', '--n', '4',
+     '--num_prefixes', '2', '--table_k', '0', '--out', '{new}.json', *CLI_CPU]
+B = ['bench.py', '--data_dir', '{data}', '--out', '{new}.json', '--quick', '--quiet', '--n_layer', '1', '--n_head', '2',
+     '--n_embd', '32', '--block_size', '64', '--prompt_len', '16', '--new_tokens', '8']
+HX = ['human_eval.py', 'export', '--samples', '{samples}', '--out_dir', '{new}']
+HS = ['human_eval.py', 'score', '--key', '{key}', '--votes', '{votes}', '--out', '{new}.json']
+R = ['reproduce.py', '--quick', '--quiet', '--data_dir', '{data}', '--out_dir', '{new}']
+TX = ['data/text/prepare.py', '{other_text}', '--out_dir', '{new}', '--quiet']
+SH = ['data/shakespeare/prepare.py', '--quiet']
+CC = ['data/cc_news/prepare.py', '--quiet']
+BAD = f'{UNWRITABLE}/out'
+
+CLI_TABLE = [
+    # train_lm.py
+    ('train-batch-size-0', [*T, '--batch_size', '0'], '--batch_size 0: must be at least 1'),
+    ('train-max-iters-0', [*T, '--max_iters', '0'], '--max_iters 0'),
+    ('train-eval-interval-0', [*T, '--eval_interval', '0'], '--eval_interval 0'),
+    ('train-eval-iters-0', [*T, '--eval_iters', '0'], '--eval_iters 0'),
+    ('train-log-interval-0', [*T, '--log_interval', '0'], '--log_interval 0'),
+    ('train-grad-accum-0', [*T, '--grad_accum', '0'], '--grad_accum 0'),
+    ('train-block-size-0', [*T, '--block_size', '0'], '--block_size 0'),
+    ('train-heads-do-not-divide', [*T, '--n_embd', '33', '--n_head', '2'], '--n_embd 33 is not a multiple of --n_head 2'),
+    ('train-n-layer-0', [*T, '--n_layer', '0'], '--n_layer 0'),
+    ('train-lr-negative', [*T, '--lr', '-1'], '--lr -1'),
+    ('train-lr-nan', [*T, '--lr', 'nan'], '--lr nan'),
+    ('train-dropout-1.5', [*T, '--dropout', '1.5'], '--dropout 1.5'),
+    ('train-warmup-negative', [*T, '--warmup_iters', '-1'], '--warmup_iters -1'),
+    ('train-final-eval-2', [*T, '--final_eval', '2'], '--final_eval 2'),
+    ('train-batch-size-not-int', [*T, '--batch_size', 'abc'], '--batch_size'),
+    ('train-unknown-flag', [*T, '--bogus_flag'], '--bogus_flag'),
+    ('train-unknown-preset', [*T, '--preset', 'huge'], '--preset'),
+    ('train-out-dir-unwritable', [*T, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('train-out-dir-under-a-file', [*T, '--out_dir', '{file}/sub'], '--out_dir'),
+    ('train-data-dir-missing', [*T, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    ('train-meta-malformed', [*T, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json is not valid JSON'),
+    ('train-residual-of-missing', [*T, '--residual_of', '{missing}'], 'missing.pt'),
+    ('train-residual-of-energy', [*T, '--residual_of', '{energy}'], "best.pt holds a 'energy' model"),
+    ('train-init-from-energy', [*T, '--init_from', '{energy}'], 'is an energy'),
+    ('train-init-from-missing', [*T, '--init_from', '{missing}'], 'missing.pt'),
+    ('train-mlm-with-residual', [*T, '--objective', 'mlm', '--residual_of', '{ckpt}'], '--residual_of'),
+    ('train-block-size-too-long', [*T, '--block_size', '4000'], '--block_size'),
+    ('train-device-cuda', [*T, '--device', 'cuda'], '--device cuda'),
+    ('train-device-bogus', [*T, '--device', 'tpu'], '--device tpu'),
+    ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
+    ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
+    ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
+    ('train-init-from-a-code-pickle', [*T, '--init_from', '{evil}'], 'evil.pt holds more than tensors'),
+    ('train-init-from-folder', [*T, '--init_from', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('train-float16-on-cpu', [*T, '--dtype', 'float16'], '--dtype float16'),
+    ('train-match-params-unreachable', [*T, '--match_params', '100000000000'], '--match_params 100000000000'),
+    ('train-ralm-block-too-long', [*T, '--residual_of', '{ckpt}', '--block_size', '32'], '--block_size 32 exceeds'),
+    # negatives.py: every flag checked before the output folder exists
+    ('neg-top-k-0', [*N, '--top_k', '0'], '--top_k 0'),
+    ('neg-top-k-above-vocab', [*N, '--top_k', '9999'], '--top_k 9999'),
+    ('neg-top-p-1.5', [*N, '--top_p', '1.5'], '--top_p 1.5'),
+    ('neg-top-p-0', [*N, '--top_p', '0'], '--top_p 0'),
+    ('neg-temperature-negative', [*N, '--temperature', '-1'], '--temperature -1'),
+    ('neg-prefix-len-0', [*N, '--prefix_len', '0'], '--prefix_len 0'),
+    ('neg-gen-len-0', [*N, '--gen_len', '0'], '--gen_len 0'),
+    ('neg-chunk-0', [*N, '--chunk', '0'], '--chunk 0'),
+    ('neg-stride-0', [*N, '--stride', '0'], '--stride 0'),
+    ('neg-max-prefixes-negative', [*N, '--max_prefixes', '-1'], '--max_prefixes -1'),
+    ('neg-num-samples-0', [*N, '--num_samples', '0'], '--num_samples 0'),
+    ('neg-split-bogus', [*N, '--split', 'dev'], '--split'),
+    ('neg-too-long-for-lm', [*N, '--prefix_len', '12', '--gen_len', '8'], "exceeds the LM's block_size 16"),
+    ('neg-lm-missing', [*N, '--lm', '{missing}'], 'missing.pt'),
+    ('neg-lm-is-energy', [*N, '--lm', '{energy}'], "holds a 'energy' model"),
+    ('neg-out-dir-unwritable', [*N, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('neg-out-dir-is-a-file', [*N, '--out_dir', '{file}'], 'file.txt is a file'),
+    ('neg-meta-malformed', [*N, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
+    ('neg-other-settings', [*N, '--out_dir', '{neg_val}', '--gen_len', '3'], 'other settings (chunk, gen_len'),
+    ('neg-device-cuda', [*N, '--device', 'cuda'], '--device cuda'),
+    ('neg-temperature-inf', [*N, '--temperature', 'inf'], '--temperature inf'),
+    ('neg-lm-is-folder', [*N, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('neg-data-dir-missing', [*N, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    # nce_train.py
+    ('nce-max-iters-0', [*E, '--max_iters', '0'], '--max_iters 0'),
+    ('nce-batch-size-0', [*E, '--batch_size', '0'], '--batch_size 0'),
+    ('nce-eval-interval-0', [*E, '--eval_interval', '0'], '--eval_interval 0'),
+    ('nce-eval-prefixes-0', [*E, '--eval_prefixes', '0'], '--eval_prefixes 0'),
+    ('nce-grad-accum-0', [*E, '--grad_accum', '0'], '--grad_accum 0'),
+    ('nce-num-neg-0', [*E, '--loss', 'ranking', '--num_neg', '0'], '--num_neg 0'),
+    ('nce-context-negative', [*E, '--context', '-1'], '--context -1'),
+    ('nce-dropout-1', [*E, '--dropout', '1'], '--dropout 1'),
+    ('nce-heads-do-not-divide', [*E, '--n_embd', '15'], '--n_embd 15 is not a multiple of --n_head 2'),
+    ('nce-lm-is-energy', [*E, '--lm', '{energy}'], "--lm {energy} holds a 'energy' model, not a language model"),
+    ('nce-lm-missing', [*E, '--lm', '{missing}'], 'missing.pt'),
+    ('nce-val-negatives-from-train', [*E, '--val_negatives', '{neg_train}'], 'held-out pairs must not be training prefixes'),
+    ('nce-negatives-incomplete', [*E, '--negatives', '{neg_incomplete}'], 'python negatives.py --lm'),
+    ('nce-negatives-missing', [*E, '--negatives', '{root}/nowhere'], 'nowhere'),
+    ('nce-negatives-malformed', [*E, '--negatives', '{neg_bad}'], 'neg_bad/meta.json is not valid JSON'),
+    ('nce-existing-run', [*E, '--out_dir', '{nce}'], 'ckpt.pt exists: pass --resume'),
+    ('nce-out-dir-unwritable', [*E, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('nce-energy-kind-bogus', [*E, '--energy', 'mlp'], '--energy'),
+    ('nce-device-cuda', [*E, '--device', 'cuda'], '--device cuda'),
+    ('nce-float16-on-cpu', [*E, '--dtype', 'float16'], '--dtype float16'),
+    ('nce-lm-is-folder', [*E, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('nce-val-negatives-same-split', [*E, '--negatives', '{neg_val}'], 'which --negatives trains on'),
+    ('nce-negatives-is-a-data-dir', [*E, '--negatives', '{data}'], '{data} does not hold negatives'),
+    ('nce-bit-from-an-lm', [*E, '--init_from', '{ckpt}'], "ckpt.pt is a 'lm' checkpoint"),
+    ('nce-unit-from-an-energy', [*E, '--energy', 'unit', '--init_from', '{energy}'], "best.pt holds a 'energy' model"),
+    ('nce-num-neg-above-k', [*E, '--loss', 'ranking', '--num_neg', '9'], '--num_neg 9'),
+    # estimate_ppl.py
+    ('ppl-out-unwritable', [*P, '--out', f'{BAD}/p.json'], f'--out {BAD}/p.json'),
+    ('ppl-out-is-a-folder', [*P, '--out', '{lm}'], 'is a folder'),
+    ('ppl-chunk-0', [*P, '--chunk', '0'], '--chunk 0'),
+    ('ppl-max-prefixes-negative', [*P, '--max_prefixes', '-1'], '--max_prefixes -1'),
+    ('ppl-max-rows-0', [*P, '--max_rows', '0'], '--max_rows 0'),
+    ('ppl-gen-len-0', [*P, '--gen_len', '0'], '--gen_len 0'),
+    ('ppl-num-samples-1', [*P, '--num_samples', '1'], '--num_samples'),
+    ('ppl-step-samples-1', [*P, '--step_samples', '1'], '--step_samples 1'),
+    ('ppl-sweep-not-int', [*P, '--sweep', '2,x'], '--sweep 2,x'),
+    ('ppl-splits-bogus', [*P, '--splits', 'val,dev'], '--splits val,dev'),
+    ('ppl-per-step-without-energy', ['estimate_ppl.py', '--lm', '{ckpt}', '--per_step', '--out', '{new}.json', *CLI_CPU],
+     '--per_step'),
+    ('ppl-energy-missing', [*P, '--energy', 'BIT={missing}'], 'missing.pt'),
+    ('ppl-energy-without-name', [*P, '--energy', '{energy}'], 'must be NAME=CHECKPOINT'),
+    ('ppl-lm-is-energy', [*P, '--lm', '{energy}'], "holds a 'energy' model"),
+    ('ppl-too-long', [*P, '--gen_len', '12'], 'exceeds'),
+    ('ppl-meta-malformed', [*P, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
+    ('ppl-lm-is-a-code-pickle', [*P, '--lm', '{evil}'], 'evil.pt holds more than tensors'),
+    ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
+    ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
+    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], 'distinct'),
+    ('ppl-per-step-unknown', [*P, '--per_step', 'NOPE'], '--per_step NOPE'),
+    ('ppl-extra-lm-is-energy', [*P, '--extra_lm', 'X={energy}'], "holds a 'energy' model"),
+    ('ppl-out-under-a-file', [*P, '--out', '{file}/p.json'], 'file.txt is a file'),
+    # sample.py
+    ('sample-num-prefixes-0', [*S, '--num_prefixes', '0'], '--num_prefixes 0'),
+    ('sample-out-unwritable', [*S, '--out', f'{BAD}/s.json'], f'--out {BAD}/s.json'),
+    ('sample-n-0', [*S, '--n', '0'], '--n 0'),
+    ('sample-m-1', [*S, '--m', '1'], '--m 1'),
+    ('sample-gen-len-0', [*S, '--gen_len', '0'], '--gen_len 0'),
+    ('sample-top-k-negative', [*S, '--top_k', '-1'], '--top_k -1'),
+    ('sample-top-k-above-vocab', [*S, '--top_k', '9999'], '--top_k'),
+    ('sample-too-long', [*S, '--prefix_len', '14'], '--gen_len 4 exceeds'),
+    ('sample-data-dir-missing', [*S, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    ('sample-energy-is-lm', [*S, '--energy', '{ckpt}'], 'not an energy'),
+    ('sample-energy-missing', [*S, '--energy', '{missing}'], 'missing.pt'),
+    ('sample-prompt-unknown-char', [*S, '--prompt', 'QX#'], "character 'Q'"),
+    ('sample-prompt-empty', [*S, '--prompt', ''], '--prompt is empty'),
+    ('sample-prompt-too-long', [*S, '--prompt', 'the quick brown fox jumps'], "exceeds the LM's block_size 16"),
+    ('sample-table-k-above-vocab', [*S, '--table_k', '99'], '--table_k'),
+    ('sample-lm-is-folder', [*S, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    # bench.py
+    ('bench-out-unwritable', [*B, '--out', f'{BAD}/b.json'], f'--out {BAD}/b.json'),
+    ('bench-repeats-0', [*B, '--repeats', '0'], '--repeats 0'),
+    ('bench-batch-size-0', [*B, '--batch_size', '0'], '--batch_size 0'),
+    ('bench-heads-do-not-divide', [*B, '--n_embd', '33'], '--n_embd 33'),
+    ('bench-prompt-too-long', [*B, '--prompt_len', '60'], '--prompt_len 60'),
+    ('bench-block-longer-than-data', [*B, '--block_size', '4000', '--prompt_len', '16'], '--block_size'),
+    ('bench-data-dir-missing', [*B, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    ('bench-device-cuda', [*B, '--device', 'cuda'], '--device cuda'),
+    ('bench-threads-negative', [*B, '--threads', '-1'], '--threads -1'),
+    ('bench-warmup-negative', [*B, '--warmup', '-1'], '--warmup -1'),
+    ('bench-new-tokens-0', [*B, '--new_tokens', '0'], '--new_tokens 0'),
+    ('bench-out-is-a-folder', [*B, '--out', '{lm}'], 'is a folder'),
+    # human_eval.py
+    ('he-no-command', ['human_eval.py'], 'cmd'),
+    ('he-export-samples-missing', [*HX, '--samples', '{missing}'], 'missing.pt does not exist'),
+    ('he-export-samples-empty-file', [*HX, '--samples', '{empty}'], 'empty.json is not valid JSON'),
+    ('he-export-no-samples', [*HX, '--samples', '{no_samples}'], "no_samples.json has no 'samples' list"),
+    ('he-export-checks-negative', [*HX, '--checks', '-1'], '--checks -1'),
+    ('he-export-out-dir-unwritable', [*HX, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('he-export-systems-unknown', [*HX, '--systems', 'joint,nope'], '--systems'),
+    ('he-score-key-missing', [*HS, '--key', '{missing}'], 'missing.pt does not exist'),
+    ('he-score-key-malformed', [*HS, '--key', '{empty}'], 'empty.json is not valid JSON'),
+    ('he-score-key-not-a-key', [*HS, '--key', '{samples}'], 'samples.json is not a key written by human_eval.py export'),
+    ('he-score-votes-missing', [*HS, '--votes', '{root}/nowhere.csv'], 'nowhere.csv does not exist'),
+    ('he-score-votes-bad-header', [*HS, '--votes', '{votes_bad}'], 'votes_bad.csv needs a header with columns rater,item,choice'),
+    ('he-score-max-failed-negative', [*HS, '--max_failed_checks', '-1'], '--max_failed_checks -1'),
+    ('he-score-out-unwritable', [*HS, '--out', f'{BAD}/r.json'], f'--out {BAD}/r.json'),
+    ('he-score-vote-for-no-item', [*HS, '--votes', '{votes_99}'], 'bad vote (r1, 99, A)'),
+    # reproduce.py
+    ('repro-timings-empty', [*R, '--out_dir', '{repro}'], 'repro/timings.json is not valid JSON'),
+    ('repro-device-cuda', [*R, '--device', 'cuda'], '--device cuda'),
+    ('repro-out-dir-unwritable', [*R, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('repro-dtype-bogus', [*R, '--dtype', 'fp8'], '--dtype'),
+    ('repro-timings-not-a-table', [*R, '--out_dir', '{repro_list}'], 'timings.json is not a table'),
+    ('repro-data-meta-malformed', [*R, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json is not valid JSON'),
+    ('repro-data-dir-unwritable', [*R, '--data_dir', BAD], f'--data_dir {BAD}'),
+    # data/*/prepare.py
+    ('text-fractions-over-1', [*TX, '--val_frac', '0.6', '--test_frac', '0.6'], '--val_frac 0.6 + --test_frac 0.6'),
+    ('text-test-frac-negative', [*TX, '--test_frac', '-0.1'], '--test_frac -0.1'),
+    ('text-val-frac-0', [*TX, '--val_frac', '0'], '--val_frac 0'),
+    ('text-val-frac-too-small', [*TX, '--val_frac', '0.0001'], '--val_frac gives the val split no text'),
+    ('text-input-missing', ['data/text/prepare.py', '{root}/nowhere.txt', '--out_dir', '{new}'], "'{root}/nowhere.txt' does not exist"),
+    ('text-input-blank', ['data/text/prepare.py', '{blank}', '--out_dir', '{new}'], 'blank.txt'),
+    ('text-out-dir-unwritable', [*TX, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('text-other-data-without-force', [*TX, '--out_dir', '{data}'], '--force'),
+    ('text-tokenizer-bogus', [*TX, '--tokenizer', 'bpe'], '--tokenizer'),
+    ('text-input-not-utf8', ['data/text/prepare.py', '{latin1}', '--out_dir', '{new}'], 'latin1.txt is not UTF-8'),
+    ('shakespeare-out-dir-unwritable', [*SH, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('shakespeare-out-dir-under-a-file', [*SH, '--out_dir', '{file}/sub'], '--out_dir'),
+    ('shakespeare-tokenizer-bogus', [*SH, '--out_dir', '{new}', '--tokenizer', 'bpe'], '--tokenizer'),
+    ('ccnews-eval-docs-0', [*CC, '--out_dir', '{new}', '--eval_docs', '0'], '--eval_docs 0'),
+    ('ccnews-max-docs-negative', [*CC, '--out_dir', '{new}', '--max_docs', '-1'], '--max_docs -1'),
+    ('ccnews-out-dir-unwritable', [*CC, '--out_dir', BAD], f'--out_dir {BAD}'),
+]
+
+# One python process runs every row: the script as __main__ (its run_main included), argv set, stderr captured.
+# Around each row, every file under the artifacts folder is hashed: nothing may change or appear.
+CLI_RUNNER = r'''
+import contextlib, hashlib, io, json, os, runpy, sys, traceback
+import torch
+torch.set_num_threads(1)
+rows_path, root, out_path = sys.argv[1:4]
+sys.path.insert(0, os.getcwd())
+
+def snapshot():
+    snap = {}
+    for d, _, files in os.walk(root):
+        snap[os.path.relpath(d, root) + '/'] = 'folder'
+        for f in files:
+            with open(os.path.join(d, f), 'rb') as fh:
+                snap[os.path.relpath(os.path.join(d, f), root)] = hashlib.sha256(fh.read()).hexdigest()
+    return snap
+
+results = {}
+for row in json.load(open(rows_path)):
+    before, err = snapshot(), io.StringIO()
+    sys.argv = list(row['argv'])
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(row['argv'][0], run_name='__main__')
+        rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+        if isinstance(e.code, str):
+            err.write(e.code + '\n')
+    except BaseException:
+        rc = 1
+        err.write(traceback.format_exc())
+    after = snapshot()
+    results[row['id']] = dict(rc=rc, stderr=err.getvalue(), changed=sorted(k for k in before if after.get(k) != before[k]),
+                              created=sorted(k for k in after if k not in before))
+json.dump(results, open(out_path, 'w'))
+'''
+
+
+def cli_fill(s, A, row_id):
+    return s.format(**dict(A, new=os.path.join(A['new'], row_id)))
+
+
+@pytest.fixture(scope='module')
+def cli_table_results(cli_artifacts):
+    A = cli_artifacts
+    rows = [dict(id=i, argv=[cli_fill(a, A, i) for a in argv]) for i, argv, _ in CLI_TABLE]
+    rows_path, out_path = os.path.join(A['root'], '..', 'rows.json'), os.path.join(A['root'], '..', 'results.json')
+    with open(rows_path, 'w') as f:
+        json.dump(rows, f)
+    env = dict(os.environ, OMP_NUM_THREADS='1', CUDA_VISIBLE_DEVICES='')  # '--device cuda' must find no GPU
+    res = subprocess.run([sys.executable, '-c', CLI_RUNNER, rows_path, A['root'], out_path], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def test_cli_table_is_large_and_unique():
+    ids = [i for i, _, _ in CLI_TABLE]
+    assert len(ids) >= 60 and len(set(ids)) == len(ids)
+    scripts = {argv[0] for _, argv, _ in CLI_TABLE}
+    assert scripts == {'train_lm.py', 'negatives.py', 'nce_train.py', 'estimate_ppl.py', 'sample.py', 'human_eval.py',
+                       'reproduce.py', 'bench.py', 'data/text/prepare.py', 'data/shakespeare/prepare.py',
+                       'data/cc_news/prepare.py'}
+
+
+@pytest.mark.parametrize('row_id,names', [(i, n) for i, _, n in CLI_TABLE], ids=[i for i, _, _ in CLI_TABLE])
+def test_cli_bad_input(cli_table_results, cli_artifacts, row_id, names):
+    r = cli_table_results[row_id]
+    lines = r['stderr'].strip().splitlines()
+    assert r['rc'] != 0, r
+    assert 'Traceback' not in r['stderr'], r['stderr']
+    assert len(lines) == 1 and lines[0].startswith('error: '), r['stderr']
+    assert cli_fill(names, cli_artifacts, row_id) in lines[0], lines[0]
+    assert not r['changed'] and not r['created'], r
+
+
+# -----------------------------------------------------------------------------
+# what the table cannot hold: Ctrl-C, a full disk, and correct runs that used to fail
+
+def wait_for(cond, proc, timeout=120):
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t0 < timeout
+        time.sleep(0.05)
+
+
+def test_ctrl_c_train_lm_says_how_to_resume(cli_artifacts, tmp_path):
+    """SIGINT mid-training: one line naming the checkpoint and the exact command that resumes; that
+    command (with a nearer --max_iters) then continues from the checkpoint."""
+    out = str(tmp_path / 'run')
+    argv = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', out, '--max_iters', '100000',
+            '--eval_interval', '3', '--final_eval', '0', *CLI_TRAIN]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    wait_for(lambda: os.path.exists(os.path.join(out, 'ckpt.pt')), proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, err
+    it = load_checkpoint(os.path.join(out, 'ckpt.pt'))['iter_num']
+    assert it > 0 and it % 3 == 0
+    resume = shlex.join(['python', *argv, '--resume'])
+    assert lines[0] == (f"interrupted: {out}/ckpt.pt holds iteration {it} of 100000 (saved every 3); "
+                        f"resume with: {resume}"), lines[0]
+    assert not [f for f in os.listdir(out) if '.tmp' in f]  # no half-written checkpoint left behind
+    cmd = shlex.split(lines[0].split('resume with: ')[1])
+    cmd[cmd.index('--max_iters') + 1] = str(it + 2)
+    res = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    results = json.load(open(os.path.join(out, 'results.json')))
+    assert results['iters'] == it + 2 and load_checkpoint(os.path.join(out, 'ckpt.pt'))['iter_num'] == it + 2
+
+
+def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
+    """SIGINT while sampling: one line saying how many chunks are saved and that the same command
+    finishes them; it does."""
+    out = str(tmp_path / 'neg')
+    argv = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', out, '--stride', '1',
+            '--chunk', '1', *CLI_NEG]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    done = os.path.join(out, 'done.bin')
+    wait_for(lambda: os.path.exists(done) and negatives.chunks_done(out) >= 3, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, err
+    n_done, n_chunks = negatives.chunks_done(out), len(open(done, 'rb').read())
+    assert 3 <= n_done < n_chunks
+    assert lines[0] == (f"interrupted: {n_done} of {n_chunks} chunks of negatives are saved in {out}; "
+                        f"rerun the same command to finish them: {shlex.join(['python', *argv])}"), lines[0]
+
+
+def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
+    """Ctrl-C at the terminal (SIGINT to the whole process group) during a stage: the stage is
+    stopped with the pipeline, and the one line is the pipeline's: rerun it."""
+    out = str(tmp_path / 'out')
+    argv = ['reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out, '--device', 'cpu']
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    wait_for(lambda: os.path.exists(os.path.join(out, 'lm', 'log.jsonl')), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == (
+        f"interrupted: finished stages are kept and a stopped one resumes; continue with: {shlex.join(['python', *argv])}"), err
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # the stage went with it
+        os.killpg(proc.pid, 0)
+
+
+def test_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing results: the previous file is intact, no temp file is left, and
+    run_main prints one line naming the file."""
+    path = str(tmp_path / 'results.json')
+    write_json(dict(a=1), path)
+
+    def full(*a, **kw):
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(os, 'replace', full)
+    monkeypatch.setattr(sys, 'argv', ['x.py'])
+    with pytest.raises(SystemExit) as e:
+        runtime.run_main(lambda argv: write_json(dict(a=2), path))
+    monkeypatch.undo()
+    assert e.value.code.startswith('error: cannot write ') and path in e.value.code and 'free some space' in e.value.code
+    assert '\n' not in e.value.code
+    assert json.load(open(path)) == dict(a=1) and os.listdir(tmp_path) == ['results.json']
+
+
+def test_checkpoint_write_failure_names_the_file(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ckpt.pt')
+
+    def fail(obj, f):
+        open(f, 'wb').write(b'half')
+        raise RuntimeError('PytorchStreamWriter failed writing file data/0: file write failed')
+
+    monkeypatch.setattr(torch, 'save', fail)
+    with pytest.raises(OSError, match='cannot write .*ckpt.pt') as e:
+        save_checkpoint(dict(model={}, kind='lm'), path)
+    assert e.value.filename == path and os.listdir(tmp_path) == []
+
+
+def test_results_json_is_strict_json(tmp_path):
+    """JSON has no NaN or Infinity: they are written as null, and the file parses strictly."""
+    path = str(tmp_path / 'r.json')
+    write_json(dict(a=float('inf'), b=[1.5, float('nan')], c=dict(d=-float('inf')), e='x'), path)
+
+    def refuse(name):
+        raise AssertionError(f'{name} in JSON')
+
+    assert json.load(open(path), parse_constant=refuse) == dict(a=None, b=[1.5, None], c=dict(d=None), e='x')
+
+
+def test_sample_data_dir_from_another_working_directory(cli_artifacts, tmp_path):
+    """An LM trained with a relative --data_dir: from another folder sample.py cannot find its data
+    (one line naming it), and --data_dir points it there."""
+    A = cli_artifacts
+    rel = os.path.relpath(A['data'], A['root'])
+    ck = load_checkpoint(A['ckpt'])
+    ck['meta']['data_dir'] = rel
+    lm = str(tmp_path / 'rel_lm.pt')
+    save_checkpoint(ck, lm)
+    meta = dict(load_meta(A['data']), data_dir=A['data'])
+    energy = build_energy('bit', lm, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+    save_checkpoint(energy_state(energy, lm, meta), str(tmp_path / 'energy.pt'))
+    argv = [sys.executable, os.path.join(ROOT, 'sample.py'), '--lm', lm, '--energy', str(tmp_path / 'energy.pt'),
+            '--prompt', 'the quick', '--gen_len', '4', '--n', '3', '--table_k', '2', '--out', str(tmp_path / 's.json'),
+            *CLI_CPU]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    res = subprocess.run(argv, cwd=str(tmp_path), capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0 and res.stderr.strip() == f"error: no prepared data in '{rel}' (missing meta.json): " \
+        "run data/shakespeare/prepare.py or data/text/prepare.py first", res.stderr
+    res = subprocess.run(argv + ['--data_dir', A['data']], cwd=str(tmp_path), capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.load(open(tmp_path / 's.json'))['samples'][0]['prefix'] == 'the quick'
+
+
+def test_incomplete_negatives_name_the_command_that_finishes_them(cli_artifacts, tmp_path):
+    """nce_train.py on an unfinished negatives folder prints the negatives.py command that
+    finishes it; run, it ends with the same files as the uninterrupted run."""
+    d = str(tmp_path / 'neg')
+    shutil.copytree(cli_artifacts['neg_incomplete'], d)
+    with open(os.path.join(d, 'done.bin'), 'r+b') as f:
+        n = len(f.read())
+        f.seek(0)
+        f.write(bytes([1, 1]) + bytes(n - 2))  # the first two chunks done, the rest garbage
+    neg = load_negatives(d, mode='r+')
+    for name in ('tokens', 'logp', 'logq'):
+        neg[name][16:] = 7
+        neg[name].flush()
+    del neg
+    with pytest.raises(ValueError, match='incomplete: rerun negatives.py with the same flags') as e:
+        nce_train.main(['--lm', cli_artifacts['ckpt'], '--negatives', cli_artifacts['neg_train'], '--val_negatives', d,
+                        '--out_dir', str(tmp_path / 'e'), *CLI_NCE])
+    cmd = shlex.split(str(e.value).split('to finish them: ')[1])
+    assert cmd[:2] == ['python', 'negatives.py']
+    negatives.main(cmd[2:] + ['--device', 'cpu', '--dtype', 'float32', '--quiet'])
+    for f in ('tokens.bin', 'logp.bin', 'logq.bin', 'done.bin', 'offsets.npy'):
+        assert open(os.path.join(d, f), 'rb').read() == open(os.path.join(cli_artifacts['neg_val'], f), 'rb').read(), f
+    assert json.load(open(os.path.join(d, 'meta.json')))['complete']
+
+
+def test_negatives_folder_with_nothing_done_restarts(cli_artifacts, tmp_path):
+    """A negatives folder holding no finished chunk (e.g. stopped at once) has nothing to lose: a
+    rerun with other settings starts it again instead of refusing, and finishes it."""
+    out = str(tmp_path / 'neg')
+    flags = ['--lm', cli_artifacts['ckpt'], '--split', 'val', '--out_dir', out, *CLI_NEG]
+    negatives.main([*flags, '--chunk', '4'])
+    with open(os.path.join(out, 'done.bin'), 'r+b') as f:
+        n = len(f.read())
+        f.seek(0)
+        f.write(bytes(n))  # no chunk done
+    negatives.main([*flags, '--chunk', '5', '--gen_len', '3'])
+    neg = json.load(open(os.path.join(out, 'meta.json')))
+    assert neg['complete'] and neg['chunk'] == 5 and neg['gen_len'] == 3
+
+
+def test_prepare_identical_rerun_keeps_files_and_force_replaces(cli_artifacts, tmp_path):
+    """Rerunning prepare.py with the same input rewrites nothing (models and reproduce.py's
+    timestamps see the same files); other input needs --force."""
+    raw = tmp_path / 'a.txt'
+    raw.write_text(CLI_TEXT)
+    out = str(tmp_path / 'data')
+    text_prepare.main([str(raw), '--out_dir', out, '--quiet'])
+    stamps = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+    time.sleep(0.01)
+    text_prepare.main([str(raw), '--out_dir', out, '--quiet'])
+    assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == stamps
+    with pytest.raises(ValueError, match='already holds other prepared data'):
+        text_prepare.main([cli_artifacts['other_text'], '--out_dir', out, '--quiet'])
+    text_prepare.main([cli_artifacts['other_text'], '--out_dir', out, '--quiet', '--force'])
+    assert load_meta(out)['num_tokens'] != load_meta(cli_artifacts['data'])['num_tokens']
+
+
+def test_nce_results_are_finite_and_best_exists(cli_artifacts):
+    """The fixture's short NCE run: results.json parses strictly and the best.pt it names exists."""
+    res = json.load(open(os.path.join(cli_artifacts['nce'], 'results.json')),
+                    parse_constant=lambda c: pytest.fail(f'{c} in results.json'))
+    assert math.isfinite(res['best_loss']) and os.path.exists(cli_artifacts['energy'])
+
+
+
+# ---- each case below is one test id ----
+
+def dir_snapshot(d):
+    """{file: (bytes, mtime)} of everything under d: 'nothing was overwritten' is equality."""
+    snap = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, 'rb') as fh:
+                snap[os.path.relpath(p, d)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return snap
+
+
+def run_bad_cases(cases):
+    """Run every bad invocation {case: (argv, error fragment, path or None)} at once (they are
+    mostly python start-up). Returns {case: (result, fragment, path, its snapshot before the run,
+    None if it did not exist)} for check_bad_case."""
+    before = {c: dir_snapshot(p) if p is not None and os.path.exists(p) else None for c, (_, _, p) in cases.items()}
+    results = run_scripts([argv for argv, _, _ in cases.values()])
+    return {c: (res, msg, p, before[c]) for (c, (_, msg, p)), res in zip(cases.items(), results)}
+
+
+def check_bad_case(res, msg, path, before):
+    """One clear error line naming the problem (msg: a fragment, or a tuple of them); path (if given) untouched: unchanged if it
+    existed, still absent if not."""
+    assert_clean_error(res, *(msg if isinstance(msg, tuple) else (msg,)))
+    if path is not None:
+        assert (dir_snapshot(path) == before) if before is not None else not os.path.exists(path), path
+
+
+@pytest.fixture(scope='module')
+def prepare_bad(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('prepare_bad')
+    (tmp / 'empty').mkdir()
+    script = os.path.join('data', 'text', 'prepare.py')
+    return run_bad_cases({
+        'missing_input': ([script, str(tmp / 'nope.txt'), '--out_dir', str(tmp / 'out1')], 'does not exist', tmp / 'out1'),
+        'empty_dir': ([script, str(tmp / 'empty'), '--out_dir', str(tmp / 'out2')], 'no non-empty text', tmp / 'out2'),
+    })
+
+
+@pytest.mark.parametrize('case', ['missing_input', 'empty_dir'])
+def test_prepare_bad_input(prepare_bad, case):
+    check_bad_case(*prepare_bad[case])
+
+
+@pytest.fixture(scope='module')
+def train_lm_bad(lm_corpus, lm_ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('train_lm_bad')
+
+    def train(data_dir, out_dir, *extra):
+        return ['train_lm.py', '--data_dir', str(data_dir), '--out_dir', str(out_dir), '--max_iters', '2', *TRAIN_FLAGS, *extra]
+
+    (tmp / 'empty').mkdir()
+    for name in ('existing', 'existing2'):  # a finished run: refused, and left untouched
+        (tmp / name).mkdir()
+        (tmp / name / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
+    (tmp / 'corrupt').mkdir()
+    (tmp / 'corrupt' / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read()[:1000])
+    other = prepare_corpus(tmp / 'other', {'x.txt': "XYZ xyz 0123456789 ~~~\n" * 40})
+    # a test split too short for one window: refused before training, not a NaN perplexity
+    short = prepare_corpus(tmp / 'short', {'s.txt': CORPUS[:400]}, extra=['--val_frac', '0.1', '--test_frac', '0.02'])
+    return run_bad_cases({
+        'missing_data': (train(tmp / 'missing', tmp / 'o1'), 'no prepared data', None),
+        'empty_data': (train(tmp / 'empty', tmp / 'o2'), 'no prepared data', None),
+        'existing_checkpoint': (train(lm_corpus, tmp / 'existing'), 'exists: pass --resume', tmp / 'existing'),
+        'resume_missing': (train(lm_corpus, tmp / 'none', '--resume'), 'does not exist', None),
+        'resume_truncated': (train(lm_corpus, tmp / 'corrupt', '--resume'), 'corrupt or truncated', None),
+        'resume_other_vocabulary': (train(other, tmp / 'existing2', '--resume'), 'another vocabulary', tmp / 'existing2'),
+        'test_split_too_short': (train(short, tmp / 'o3'), 'test split has', None),
+    })
+
+
+@pytest.mark.parametrize('case', ['missing_data', 'empty_data', 'existing_checkpoint', 'resume_missing', 'resume_truncated',
+                                  'resume_other_vocabulary', 'test_split_too_short'])
+def test_train_lm_bad_input(train_lm_bad, case):
+    check_bad_case(*train_lm_bad[case])
+
+
+@pytest.fixture(scope='module')
+def negatives_nce_bad(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('negatives_nce_bad')
+    # another LM: the fox LM with its weights nudged
+    other_lm = str(tmp / 'other_lm.pt')
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v + 0.01 for k, v in ck['model'].items()}
+    save_checkpoint(ck, other_lm)
+    # a corpus with the LM's characters whose splits are shorter than prefix + continuation
+    sentence = CORPUS[:45]
+    short = prepare_corpus(tmp / 'short', {f'{i}.txt': sentence[9 * i:9 * i + 9] for i in range(5)})
+    # a complete negatives dir, rerun with other settings
+    rerun = tmp / 'rerun'
+    shutil.copytree(fox_negatives['val'], rerun)
+    existing = tmp / 'existing'
+    existing.mkdir()
+    (existing / 'ckpt.pt').write_bytes(b'an older energy')
+    # --resume of a checkpoint that is an LM, or the energy of another LM
+    lm_dir, other_energy = tmp / 'lm_dir', tmp / 'other_energy'
+    lm_dir.mkdir()
+    (lm_dir / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
+    meta = load_meta(load_checkpoint(lm_ckpt)['meta']['data_dir'])
+    save_checkpoint(dict(energy_state(build_energy('bit', other_lm, meta), other_lm, meta), iter_num=1),
+                    str(other_energy / 'ckpt.pt'))
+    # val negatives with fewer samples than the ranking loss compares
+    val_k1 = str(tmp / 'val_k1')
+    negatives.main(['--lm', lm_ckpt, '--split', 'val', '--out_dir', val_k1, *NEG_FLAGS, '--num_samples', '1'])
+    neg = ['negatives.py', '--lm', lm_ckpt, *NEG_FLAGS]
+    nce = ['nce_train.py', '--negatives', fox_negatives['train'], '--val_negatives', fox_negatives['val'],
+           '--max_iters', '2', *NCE_FLAGS]
+    n1, n2, n3, e1, e2, e3, e4, e5, e6, e7 = (tmp / name for name in ('n1', 'n2', 'n3', 'e1', 'e2', 'e3', 'e4', 'e5', 'e6', 'e7'))
+    return run_bad_cases({
+        'negatives_no_samples': ([*neg, '--out_dir', str(n1), '--num_samples', '0'], '--num_samples 0: must be at least 1', n1),
+        'negatives_documents_too_short': ([*neg, '--out_dir', str(n2), '--data_dir', short, '--split', 'val', '--gen_len', '5'],
+                                          'val split is shorter than 11 tokens', n2),
+        'negatives_past_block_size': ([*neg, '--out_dir', str(n3), '--prefix_len', '12', '--gen_len', '8'],
+                                      "exceeds the LM's block_size 16", n3),
+        'negatives_rerun_other_settings': ([*neg, '--out_dir', str(rerun), '--split', 'val', '--chunk', '8', '--gen_len', '3',
+                                            '--seed', '7'], 'other settings (gen_len, num_prefixes, seed)', rerun),
+        'nce_negatives_of_another_lm': ([*nce, '--lm', other_lm, '--out_dir', str(e1)], 'sampled from another LM', e1),
+        'nce_past_energy_block_size': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e2), '--init_from', mlm_ckpt],
+                                       "exceeds the energy's block_size 8", e2),
+        'nce_unit_of_another_shape': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e3), '--energy', 'unit', '--n_layer', '3'],
+                                      'a UNIT energy has the shape of the LM', e3),
+        'nce_bit_from_an_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e4), '--init_from', lm_ckpt], "is a 'lm' checkpoint", e4),
+        'nce_existing_checkpoint': ([*nce, '--lm', lm_ckpt, '--out_dir', str(existing)], 'exists: pass --resume', existing),
+        'nce_too_many_negatives': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e5), '--loss', 'ranking', '--num_neg', '4'],
+                                   '--num_neg 4 must be between 1 and the 3', e5),
+        'nce_no_negatives': (['nce_train.py', '--negatives', str(tmp / 'nowhere'), '--val_negatives', fox_negatives['val'],
+                              '--lm', lm_ckpt, '--out_dir', str(e6)], 'no negatives in', e6),
+        'nce_resume_an_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(lm_dir), '--resume'], "holds a 'lm' model, not an energy",
+                             lm_dir),
+        'nce_resume_energy_of_another_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(other_energy), '--resume'],
+                                            'is the residual of another LM', other_energy),
+        'nce_too_few_val_negatives': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e7), '--loss', 'ranking', '--val_negatives', val_k1],
+                                      '--num_neg 3 must be between 1 and the 1 stored negatives per prefix (train 3, held-out 1)', e7),
+    })
+
+
+@pytest.mark.parametrize('case', [
+    'negatives_no_samples', 'negatives_documents_too_short', 'negatives_past_block_size', 'negatives_rerun_other_settings',
+    'nce_negatives_of_another_lm', 'nce_past_energy_block_size', 'nce_unit_of_another_shape', 'nce_bit_from_an_lm',
+    'nce_existing_checkpoint', 'nce_too_many_negatives', 'nce_no_negatives', 'nce_resume_an_lm',
+    'nce_resume_energy_of_another_lm', 'nce_too_few_val_negatives'])
+def test_negatives_and_nce_bad_input(negatives_nce_bad, case):
+    check_bad_case(*negatives_nce_bad[case])
+
+
+@pytest.fixture(scope='module')
+def estimate_ppl_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('estimate_ppl_bad')
+
+    def ppl(case, *extra, lm=lm_ckpt):
+        return ['estimate_ppl.py', *ppl_argv(lm, eval_ckpts['bit'], tmp / f'{case}.json', *extra)]
+
+    no_name = ppl('energy_without_name')
+    no_name[no_name.index('--energy') + 1] = eval_ckpts['bit']  # no NAME=
+    cases = {
+        'one_sample': (ppl('one_sample', '--num_samples', '1'), 'at least 2'),
+        'sweep_of_one': (ppl('sweep_of_one', '--sweep', '1,4'), 'at least 2'),
+        'energy_of_another_lm': (ppl('energy_of_another_lm', lm=eval_ckpts['lm2']), 'residual of another LM'),
+        'energy_without_name': (no_name, 'must be NAME=CHECKPOINT'),
+        'past_block_size': (ppl('past_block_size', '--gen_len', '12'), 'exceeds'),
+    }
+    return run_bad_cases({case: (argv, msg, tmp / f'{case}.json') for case, (argv, msg) in cases.items()})
+
+
+@pytest.mark.parametrize('case', ['one_sample', 'sweep_of_one', 'energy_of_another_lm', 'energy_without_name', 'past_block_size'])
+def test_estimate_ppl_bad_input(estimate_ppl_bad, case):
+    check_bad_case(*estimate_ppl_bad[case])
+
+
+@pytest.fixture(scope='module')
+def human_eval_bad(he_export, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('human_eval_bad')
+    out_dir, samples = he_export
+    _, votes = exported_votes(out_dir)
+    # votes naming an item the key does not have, or a bad choice
+    for name, bad in (('unknown_item', ['r1', '99', 'A']), ('bad_choice', ['r1', '0', 'C'])):
+        with open(tmp / f'{name}.csv', 'w', newline='') as f:
+            w = csv.writer(f)
+            w.writerow(['rater', 'item', 'choice'])
+            w.writerows(votes[:3] + [bad])
+    no_gold = write_samples(tmp / 'nogold.json', [{k: v for k, v in s.items() if k != 'gold'} for s in HE_SAMPLES])
+    score = ['human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes']
+    return run_bad_cases({
+        'vote_for_an_unknown_item': ([*score, str(tmp / 'unknown_item.csv')], 'bad vote', None),
+        'vote_with_a_bad_choice': ([*score, str(tmp / 'bad_choice.csv')], 'bad vote', None),
+        'unknown_system': (['human_eval.py', 'export', '--samples', samples, '--systems', 'joint,nope',
+                            '--out_dir', str(tmp / 'x')], '--systems', None),
+        'checks_without_gold': (['human_eval.py', 'export', '--samples', no_gold, '--out_dir', str(tmp / 'y')],
+                                'attention checks need real continuations', None),
+    })
+
+
+@pytest.mark.parametrize('case', ['vote_for_an_unknown_item', 'vote_with_a_bad_choice', 'unknown_system', 'checks_without_gold'])
+def test_human_eval_bad_input(human_eval_bad, case):
+    check_bad_case(*human_eval_bad[case])
+
+
+@pytest.fixture(scope='module')
+def human_eval_files_bad(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('human_eval_files_bad')
+    key_path, votes_path = write_hand_key_and_votes(tmp)
+    samples = write_samples(tmp / 'samples.json')
+    out_dir = tmp / 'he'
+    export = ['human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    assert run_script(export).returncode == 0
+    bad = tmp / 'bad.json'
+    bad.write_text('{"samples": [')
+    notsamples = tmp / 'notsamples.json'
+    notsamples.write_text('[1, 2]')
+    badcsv = tmp / 'bad.csv'
+    badcsv.write_text('who,what\nr1,0\n')
+    missing = str(tmp / 'missing')
+    score = ['human_eval.py', 'score', '--key']
+    return run_bad_cases({
+        # votes may have been collected against the key: nothing is overwritten, items included
+        'export_over_a_key': (export + ['--seed', '7'], (str(out_dir / 'key.json'), 'exists', '--force'), out_dir),
+        'export_missing_samples': (['human_eval.py', 'export', '--samples', missing, '--out_dir', str(tmp / 'x1')],
+                                   ('--samples', missing, 'does not exist'), None),
+        'export_samples_not_json': (['human_eval.py', 'export', '--samples', str(bad), '--out_dir', str(tmp / 'x2')],
+                                    ('--samples', str(bad), 'not valid JSON'), None),
+        'export_samples_not_a_list': (['human_eval.py', 'export', '--samples', str(notsamples), '--out_dir', str(tmp / 'x3')],
+                                      ('--samples', "no 'samples' list"), None),
+        'score_missing_key': ([*score, missing, '--votes', str(votes_path)], ('--key', missing, 'does not exist'), None),
+        'score_key_not_json': ([*score, str(bad), '--votes', str(votes_path)], ('--key', str(bad), 'not valid JSON'), None),
+        'score_key_not_a_key': ([*score, str(notsamples), '--votes', str(votes_path)],
+                                ('--key', 'not a key written by human_eval.py export'), None),
+        'score_missing_votes': ([*score, str(key_path), '--votes', missing], ('--votes', missing, 'does not exist'), None),
+        'score_votes_without_header': ([*score, str(key_path), '--votes', str(badcsv)], ('--votes', 'rater,item,choice'), None),
+        'score_votes_not_csv': ([*score, str(key_path), '--votes', str(bad)], ('--votes', 'rater,item,choice'), None),
+    })
+
+
+@pytest.mark.parametrize('case', ['export_over_a_key', 'export_missing_samples', 'export_samples_not_json',
+                                  'export_samples_not_a_list', 'score_missing_key', 'score_key_not_json',
+                                  'score_key_not_a_key', 'score_missing_votes', 'score_votes_without_header',
+                                  'score_votes_not_csv'])
+def test_human_eval_bad_files(human_eval_files_bad, case):
+    check_bad_case(*human_eval_files_bad[case])
+
+
+@pytest.fixture(scope='module')
+def sample_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('sample_bad')
+    return run_bad_cases({
+        'no_samples': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad.json'), '--n', '0'], 'at least 1', None),
+        'table_k_over_keep': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad3.json'), '--keep', '2'],
+                              '--table_k (3) <= --keep (2)', None),
+        'energy_of_another_lm': (['sample.py', '--lm', eval_ckpts['lm2'], '--energy', eval_ckpts['bit'], '--n', '2',
+                                  '--out', str(tmp / 'bad2.json')], 'residual of another LM', None),
+    })
+
+
+@pytest.mark.parametrize('case', ['no_samples', 'table_k_over_keep', 'energy_of_another_lm'])
+def test_sample_bad_input(sample_bad, case):
+    check_bad_case(*sample_bad[case])
+
+
 @pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json'])
 def test_figures_bad_input_is_one_line(tmp_path, case):
     if case == 'no matplotlib':  # a matplotlib that cannot be imported, found before any installed one
@@ -2770,97 +3854,90 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
     assert not list(tmp_path.glob('*.png'))
 
 
-# ---- shared-prompt decoding and the log Z fast path (speed) ----
+# =============================================================================
+# ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
-def copy_cache_decode(model, prompt, L, n, generator):
-    """The decoding of commit 68ace2e, the reference: the prompts' K/V cache copied to the rows of
-    each of their n samples, attention by scaled_dot_product_attention over the copies."""
-    B, P = prompt.shape
-    cache = model.new_cache(B, P + L)
-    logits = model(prompt, cache=cache)[0][:, -1]
-    rows = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
-    return model._decode(logits.repeat_interleave(n, 0), rows, P, L, None, None, 1.0, generator)
+MODULES = {'model.py', 'energy.py', 'tokenizer.py', 'runtime.py', 'data/__init__.py'}  # figures.py is a script
+# the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z
+METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds', 'sample_log_weights'}}
+MAX_FUNCTION_LINES = 80
 
 
-def speed_models():
-    base = tiny_gpt(vocab_size=13, block_size=24, seed=4)
-    torch.manual_seed(5)
-    ralm = RALM(GPTConfig(block_size=24, vocab_size=13, n_layer=1, n_head=2, n_embd=16), base).eval()
-    with torch.no_grad():
-        for p in ralm.parameters():
-            p.normal_(0.0, 0.3)
-    return {'gpt': tiny_gpt(vocab_size=13, block_size=24, seed=1), 'alibi': tiny_gpt(vocab_size=13, block_size=24, seed=2, alibi=True),
-            'ralm': ralm}
+def python_files():
+    """{path: parsed module} of the repo's tracked .py files (every .py file outside hidden and
+    cache folders where this is not a git checkout)."""
+    res = subprocess.run(['git', 'ls-files', '*.py'], cwd=ROOT, capture_output=True, text=True)
+    paths = res.stdout.split() if res.returncode == 0 else []
+    if not paths:
+        for root, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if not d.startswith('.') and d != '__pycache__'
+                       and not os.path.exists(os.path.join(root, d, 'pyvenv.cfg'))]
+            paths += [os.path.relpath(os.path.join(root, f), ROOT).replace(os.sep, '/') for f in files if f.endswith('.py')]
+    trees = {}
+    for p in sorted(paths):
+        with open(os.path.join(ROOT, p), encoding='utf-8') as f:
+            trees[p] = ast.parse(f.read(), p)
+    return trees
 
 
-@pytest.mark.parametrize('kind', ['gpt', 'alibi', 'ralm'])
-def test_shared_prompt_decode_matches_copied_cache(kind):
-    """generate (one K/V copy per prompt, shared by its samples) against the copy-per-sample
-    decoding it replaced: same tokens from the same generator, same log-probs; and, teacher-forced
-    through the shared cache (one token and several at a time), the logits of a full forward."""
-    model = speed_models()[kind]
-    B, P, L, n = 3, 9, 7, 4
-    prompt = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        tokens, logp = model.generate(prompt, L, num_samples=n, generator=torch.Generator().manual_seed(7), max_rows=B * n)
-        ref_tokens, ref_logp, _ = copy_cache_decode(model, prompt, L, n, torch.Generator().manual_seed(7))
-        assert torch.equal(tokens.flatten(0, 1), ref_tokens)
-        assert (logp.flatten(0, 1) - ref_logp).abs().max().item() < 1e-5
-        seqs = torch.cat([prompt.repeat_interleave(n, 0), ref_tokens], 1)
-        full = model(seqs)[0]
-        prompt_cache = model.new_cache(B, P)
-        first = model.logits(prompt, prompt_cache, first=P - 1)[:, -1]
-        assert (first.repeat_interleave(n, 0) - full[:, P - 1]).abs().max().item() < 1e-5
-        cache = [(k, v, *p) for (k, v), p in zip(model.new_cache(B * n, L), prompt_cache)]
-        got = [model(seqs[:, P:P + 3], cache=cache, pos=P)[0]]  # 3 tokens at once: the causal mask over both parts
-        got += [model(seqs[:, t:t + 1], cache=cache, pos=t)[0] for t in range(P + 3, P + L)]
-        assert (torch.cat(got, 1) - full[:, P:]).abs().max().item() < 1e-5
-        assert (torch.cat(got, 1) - full[:, P - 1:-1]).abs().max().item() > 1e-2  # a shift would be seen
+def is_script(tree):
+    return any(isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'" for n in tree.body)
 
 
-def test_shared_prompt_attention_reference():
-    """shared_prompt_attention against float64 softmax(q K^T / sqrt(d) + mask) V written out, K and
-    V each row's prompt part (its group's) followed by its own part, with boolean and additive masks."""
-    from model import shared_prompt_attention
-    g = torch.Generator().manual_seed(0)
-    Bp, n, nh, T, P, S, hs = 2, 3, 2, 2, 5, 4, 8
-    q, k, v = (torch.randn(Bp * n, nh, T, hs, generator=g, dtype=torch.float64) for _ in range(3))
-    k, v = k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)  # S = 4 own keys
-    pk, pv = (torch.randn(Bp, nh, P, hs, generator=g, dtype=torch.float64) for _ in range(2))
-    K = torch.cat([pk.repeat_interleave(n, 0), k], 2)
-    V = torch.cat([pv.repeat_interleave(n, 0), v], 2)
-    causal = torch.ones(T, P + S, dtype=torch.bool).tril(diagonal=P + S - T)
-    bias = torch.randn(1, nh, T, P + S, generator=g, dtype=torch.float64)
-    for mask in (None, causal, bias):
-        s = q @ K.transpose(-1, -2) / math.sqrt(hs)
-        if mask is not None:
-            s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
-        ref = s.softmax(-1) @ V
-        assert (shared_prompt_attention(q, k, v, pk, pv, mask) - ref).abs().max().item() < 1e-12
-    # rows read their own group's prompt: swapping the prompts changes the result
-    assert (shared_prompt_attention(q, k, v, pk.flip(0), pv.flip(0)) - shared_prompt_attention(q, k, v, pk, pv)).abs().max() > 1e-3
+def is_free(path):
+    """bench.py and the tests import whatever they measure or test."""
+    return path == 'bench.py' or os.path.basename(path).startswith('test_')
 
 
-def test_sample_log_weights_matches_per_chunk_reference():
-    """sample_log_weights (the prompts through the LM once, energies in blocks) against drawing
-    the samples with generate and scoring every sequence on its own: same log-weights from the same
-    generator, for several max_rows (chunks of samples) and a block that splits prefixes."""
-    lm = tiny_gpt(vocab_size=13, block_size=24, seed=1)
-    torch.manual_seed(3)
-    energy = Energy(GPTConfig(block_size=24, vocab_size=14, n_layer=1, n_head=2, n_embd=16, causal=False, alibi=True)).eval()
-    with torch.no_grad():
-        energy.head.weight.normal_(0, 1.0)
-    B, P, L, n = 3, 8, 5, 6
-    prefixes = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        for max_rows in (6, 7, 1000):  # 2 samples per prefix per chunk, 2 again, all in one chunk
-            tokens, _ = lm.generate(prefixes, L, num_samples=n, generator=torch.Generator().manual_seed(9), max_rows=max_rows)
-            x = torch.cat([prefixes[:, None].expand(-1, n, -1), tokens], 2)
-            ref = torch.tensor([[-energy(x[b, i:i + 1], P).item() for i in range(n)] for b in range(B)], dtype=torch.float64)
-            got = estimate_ppl.sample_log_weights(lm, [energy, energy], prefixes, L, n, contextlib.nullcontext(),
-                                                  torch.Generator().manual_seed(9), max_rows=max_rows)
-            assert got.shape == (2, B, n)
-            assert (got - ref).abs().max().item() < 1e-5
-        blocks = score(energy, x.flatten(0, 1), P, contextlib.nullcontext(), max_tokens=2 * (P + L))
-        assert (-blocks.view(B, n) - ref).abs().max().item() < 1e-5
-        assert ref.std() > 0.1  # the energies differ, so a mix-up of rows would be seen
+def repo_imports(tree, paths):
+    """(repo file, the names taken from it, or None for the whole module) for every import of
+    tree, at any depth, that resolves to one of paths."""
+    def resolve(dotted):
+        base = dotted.replace('.', '/')
+        return next((p for p in (base + '.py', base + '/__init__.py') if p in paths), None)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if resolve(a.name):
+                    yield resolve(a.name), None
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            for a in node.names:
+                if resolve(f'{node.module}.{a.name}'):  # a submodule: `from data.text import prepare`
+                    yield resolve(f'{node.module}.{a.name}'), None
+                elif resolve(node.module):
+                    yield resolve(node.module), {a.name}
+
+
+def test_every_file_is_a_script_a_module_or_a_test():
+    trees = python_files()
+    assert MODULES <= set(trees), MODULES - set(trees)
+    stray = [p for p, t in trees.items() if not (is_script(t) or p in MODULES or is_free(p))]
+    assert not stray, f'{stray}: neither a script nor a test; a new module goes into MODULES'
+    assert not [p for p in MODULES if is_script(trees[p])], 'a module has a __main__ block'
+
+
+def test_import_graph():
+    """A script imports modules (plumbing lives there), never another script, except along
+    METHOD_LINKS and only the names listed; a module imports no script; data/*/prepare.py import
+    `data`, not each other."""
+    trees = python_files()
+    scripts = {p for p, t in trees.items() if is_script(t) and not is_free(p)}
+    bad = []
+    for path, tree in trees.items():
+        if is_free(path):
+            continue
+        for target, names in repo_imports(tree, trees):
+            allowed = METHOD_LINKS.get((path, target), set())
+            if target in scripts and (names is None or not names <= allowed):
+                bad.append(f'{path} imports {sorted(names) if names else "all of"} {target}')
+    assert not bad, bad
+
+
+def test_functions_fit_on_a_screen():
+    """No function of the codebase (tests aside) is longer than MAX_FUNCTION_LINES after its def line."""
+    long = [f'{p}:{n.name} ({n.end_lineno - n.lineno} lines)' for p, t in python_files().items()
+            if not os.path.basename(p).startswith('test_')
+            for n in ast.walk(t) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno > MAX_FUNCTION_LINES]
+    assert not long, long
