@@ -346,8 +346,8 @@ def bench_estimate(args, device, meta, dtypes):
     B, P, L, n = args.estimate_prefixes, args.prompt_len, args.new_tokens, args.estimate_samples
     torch.manual_seed(args.seed)
     lm = GPT(lm_config(args, meta)).to(device).eval()
-    energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer, n_head=args.n_head,
-                              n_embd=args.energy_embd, causal=False, alibi=True)).to(device).eval()
+    energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
+                              n_head=args.n_head, n_embd=args.energy_embd, causal=False, alibi=True)).to(device).eval()
     prefixes = torch.randint(meta['vocab_size'], (B, P), device=device)
     g = torch.Generator(device).manual_seed(args.seed)
     fns = dict(shared=lambda: sample_log_weights(lm, [energy], prefixes, L, n, nullcontext(), g, args.max_rows),
@@ -418,10 +418,12 @@ def main(argv=None):
         for name, figures in sections:
             print(f"--- {name}")
             for k, v in figures.items():
-                print(f"{k:<38} {v:>12,.4g}" if isinstance(v, float) else f"{k:<38} {v:>12,}" if type(v) is int else f"{k:<38} {v!s:>12}")
+                cell = f"{v:>12,.4g}" if isinstance(v, float) else f"{v:>12,}" if type(v) is int else f"{v!s:>12}"
+                print(f"{k:<38} {cell}")
         if results['bf16_skipped']:
             print(f"bf16 is slow here (probe: {results['bf16_probe_gflops_bf16']:.3g} vs fp32 "
-                  f"{results['bf16_probe_gflops_fp32']:.3g} GFLOP/s): skipped bf16 in {', '.join(results['bf16_skipped'])}")
+                  f"{results['bf16_probe_gflops_fp32']:.3g} GFLOP/s): skipped bf16 in "
+                  f"{', '.join(results['bf16_skipped'])}")
         print(f"total {results['bench_time_s']:.0f}s")
     write_json(results, args.out)
     print(json.dumps(results))
