@@ -13,9 +13,17 @@ process:
                binary-NCE training step (positives and negatives in one forward), tokens/s;
 - estimation:  log Z estimation (LM samples drawn and scored per second) and joint sampling
                (Algorithm 1) at n = 10^3 and 10^4 samples, with the process's peak memory: both
-               run in chunks, so memory should stay flat as n grows.
+               run in chunks, so memory should stay flat as n grows;
+- estimate:    estimate_ppl.py's log Z loop at its default sizes (the char GPT above, a 4x128
+               ALiBi BIT, 16 prefixes of 128 + 64 tokens, 64 samples each, fp32): samples drawn
+               and scored per second, vs the copy-the-prompt-cache decoding of commit 68ace2e;
+               and the energy forward in fp32 vs bf16 autocast.
 
-    python bench.py                   # CPU: ~3 minutes on 2 idle cores
+A 512^3 matmul probe runs first: where bf16 is emulated (an AVX2-only CPU: ~40x slower than
+fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taking minutes. The
+JSON also records the CPU's ATen capability and its avx2/avx512f/avx512_bf16/amx_bf16 flags.
+
+    python bench.py                   # CPU: ~4 minutes on 2 idle cores
     python bench.py --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
                                       # instead of 8, so its sampling figures are not comparable
     python bench.py --device cuda     # GPU
@@ -34,11 +42,12 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
-from energy import Energy
+from energy import Energy, score
 from estimate_ppl import logz_bounds, sample_log_weights
-from model import GPT, GPTConfig, flops_per_token
+from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
 from runtime import ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer, pick_device, run_main
 from sample import joint_sample
@@ -56,7 +65,7 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true', help='print only the JSON line (no progress on stderr, no table)')
     a('--quick', action='store_true',
-      help='smoke test: 1 warmup, 3 repeats and at most 2 sampling prompts')
+      help='smoke test: 1 warmup, 3 repeats, at most 2 sampling prompts and 8 samples per log Z prefix')
     a('--warmup', type=int, default=2, help='untimed runs before each measurement')
     a('--repeats', type=int, default=5, help='timed runs per measurement (the median is reported)')
     a('--naive_repeats', type=int, default=1, help='timed runs of the (slow) naive sampler')
@@ -72,6 +81,11 @@ def get_args(argv=None):
     a('--prompt_len', type=int, default=128, help='tokens per prompt')
     a('--num_samples', type=int, default=16, help='continuations per prompt (K)')
     a('--new_tokens', type=int, default=64, help='tokens per continuation')
+    # log Z estimation workload (estimate_ppl.py's defaults; prompt_len + new_tokens tokens)
+    a('--estimate_prefixes', type=int, default=16, help="prefixes per batch (estimate_ppl.py's --chunk)")
+    a('--estimate_samples', type=int, default=64, help='LM samples per prefix (n)')
+    a('--energy_embd', type=int, default=128, help='width of the BIT energy (n_layer, n_head: the LM\'s)')
+    a('--max_rows', type=int, default=256, help="sequences per forward (estimate_ppl.py's --max_rows)")
     args = p.parse_args(argv)
     at_least(args, 1, 'repeats', 'naive_repeats', 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
              'sample_prompts', 'prompt_len', 'num_samples', 'new_tokens')
@@ -82,6 +96,7 @@ def get_args(argv=None):
     check_writable(args.out, '--out', folder=False)
     if args.quick:
         args.warmup, args.repeats, args.sample_prompts = 1, 3, min(args.sample_prompts, 2)
+        args.estimate_samples = min(args.estimate_samples, 8)
     return args
 
 
@@ -123,15 +138,41 @@ def lm_config(args, meta):
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 
 
-def bench_matmul_peak(args, device):
-    n = args.matmul_size or (8192 if device.startswith('cuda') else 2048)
+def cpu_flags():
+    """What decides CPU speed per precision: ATen's vector ISA, and whether bf16 has hardware
+    matmuls (avx512_bf16, amx_bf16) or is emulated (~40x slower than fp32 on AVX2 alone)."""
+    res = dict(cpu_capability=torch.backends.cpu.get_cpu_capability())
+    try:
+        with open('/proc/cpuinfo') as f:
+            flags = next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), [])
+    except OSError:
+        return res
+    return dict(res, **{f'cpu_{flag}': flag in flags for flag in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')})
+
+
+def bench_bf16_probe(args, device, min_ratio=0.25):
+    """A 512^3 matmul in fp32 and bf16 (a second even where bf16 is emulated): bf16 figures
+    are measured only where bf16 runs at least min_ratio of fp32's speed."""
+    n = 512
     fns = {}
     for name, dtype in DTYPES.items():
         a, b, c = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
         fns[name] = lambda a=a, b=b, c=c: torch.mm(a, b, out=c)
+    dt = timeit(fns, device, 1, 3, stat=min)
+    gflops = {name: 2 * n ** 3 / dt[name] / 1e9 for name in DTYPES}
+    return dict(bf16_probe_gflops_fp32=gflops['fp32'], bf16_probe_gflops_bf16=gflops['bf16'],
+                bf16_slow=gflops['bf16'] < min_ratio * gflops['fp32'])
+
+
+def bench_matmul_peak(args, device, dtypes):
+    n = args.matmul_size or (8192 if device.startswith('cuda') else 2048)
+    fns = {}
+    for name in dtypes:
+        a, b, c = (torch.randn(n, n, device=device).to(DTYPES[name]) for _ in range(3))
+        fns[name] = lambda a=a, b=b, c=c: torch.mm(a, b, out=c)
     # a peak, so the fastest run: load from other processes can only slow a run down
     dt = timeit(fns, device, args.warmup, max(args.repeats, 5), stat=min)
-    return dict(matmul_size=n, **{f'matmul_gflops_{name}': 2 * n ** 3 / dt[name] / 1e9 for name in DTYPES})
+    return dict(matmul_size=n, **{f'matmul_gflops_{name}': 2 * n ** 3 / dt[name] / 1e9 for name in dtypes})
 
 
 def train_step_fn(args, device, meta, dtype, train_data):
@@ -158,21 +199,22 @@ def train_step_fn(args, device, meta, dtype, train_data):
 
 
 def bench_train(args, device, meta, peak):
-    """peak: {'fp32': GFLOP/s, 'bf16': GFLOP/s} from bench_matmul_peak."""
+    """peak: {'fp32': GFLOP/s[, 'bf16': GFLOP/s]} from bench_matmul_peak, one per dtype measured."""
     train_data = load_split(args.data_dir, 'train', meta)
     models, steps = {}, {}
-    for name, dtype in DTYPES.items():
-        models[name], steps[name] = train_step_fn(args, device, meta, dtype, train_data)
+    for name in peak:
+        models[name], steps[name] = train_step_fn(args, device, meta, DTYPES[name], train_data)
     dt = timeit(steps, device, args.warmup, args.repeats)
     model = models['fp32']
     # nanoGPT's MFU convention: N without the position embedding, which is no matmul
     flops = flops_per_token(model.config, model.num_params(non_embedding=True))
     res = dict(train_params=model.num_params(), train_flops_per_token=flops)
-    for name in DTYPES:
+    for name in peak:
         tokens_per_s = args.batch_size * args.block_size / dt[name]
         res[f'train_tokens_per_s_{name}'] = tokens_per_s
         res[f'train_mfu_{name}'] = tokens_per_s * flops / (peak[name] * 1e9)
-    res['bf16_train_speedup'] = dt['fp32'] / dt['bf16']
+    if 'bf16' in peak:
+        res['bf16_train_speedup'] = dt['fp32'] / dt['bf16']
     return res
 
 
@@ -187,7 +229,7 @@ def naive_sample(model, prompts, num_samples, new_tokens, generator):
     return x[:, prompts.size(1):]
 
 
-def bench_sampling(args, device, meta):
+def bench_sampling(args, device, meta, dtypes):
     B, P, K, L = args.sample_prompts, args.prompt_len, args.num_samples, args.new_tokens
     torch.manual_seed(args.seed)
     model = GPT(lm_config(args, meta)).to(device).eval()  # random weights: speed does not depend on them
@@ -203,8 +245,9 @@ def bench_sampling(args, device, meta):
         with autocast(device, torch.bfloat16):
             model.generate(prompts, L, num_samples=K, generator=g)
 
-    dt = timeit(dict(cached=cached, cached_bf16=cached_bf16), device, args.warmup, args.repeats)
-    t_cached, t_bf16 = dt['cached'], dt['cached_bf16']
+    fns = dict(cached=cached, cached_bf16=cached_bf16) if 'bf16' in dtypes else dict(cached=cached)
+    dt = timeit(fns, device, args.warmup, args.repeats)
+    t_cached = dt['cached']
     log(args, f"  naive sampler: {B * K} rows x {L} full forwards...")
     naive = lambda: naive_sample(model, prompts, K, L, g)
     t_naive = timeit(dict(naive=naive), device, 0, args.naive_repeats)['naive']  # too slow to warm up
@@ -212,14 +255,17 @@ def bench_sampling(args, device, meta):
     # token-forwards each sampler runs (prompt + the L-1 fed-back tokens), ~ their FLOP ratio
     work_cached = B * P + n * (L - 1)
     work_naive = n * sum(P + t for t in range(L))
-    return dict(
+    res = dict(
         sampling_samples_per_s_cached=n / t_cached, sampling_tokens_per_s_cached=n * L / t_cached,
         sampling_samples_per_s_naive=n / t_naive, sampling_tokens_per_s_naive=n * L / t_naive,
         sampling_speedup=t_naive / t_cached,
         sampling_token_forwards_ratio=work_naive / work_cached,
-        sampling_samples_per_s_cached_bf16=n / t_bf16, sampling_tokens_per_s_cached_bf16=n * L / t_bf16,
-        sampling_bf16_speedup=t_cached / t_bf16,
     )
+    if 'bf16' in dtypes:
+        t_bf16 = dt['cached_bf16']
+        res.update(sampling_samples_per_s_cached_bf16=n / t_bf16, sampling_tokens_per_s_cached_bf16=n * L / t_bf16,
+                   sampling_bf16_speedup=t_cached / t_bf16)
+    return res
 
 
 def bench_energy(args, device, meta):
@@ -274,6 +320,60 @@ def bench_estimation(args, device, meta):
     return res
 
 
+@torch.no_grad()
+def copy_cache_log_weights(lm, energy, prefixes, L, n, generator, max_rows):
+    """The baseline: log w = -E(x) as commit 68ace2e computed it. Per chunk of max_rows
+    sequences, the prefixes through the LM again, their K/V cache copied to every sample's row,
+    attention by scaled_dot_product_attention over the copies, one energy forward per chunk."""
+    B, P = prefixes.shape
+    per = max(1, max_rows // B)
+    out = []
+    for s in range(0, n, per):
+        c = min(per, n - s)
+        cache = lm.new_cache(B, P + L)
+        logits = lm(prefixes, cache=cache)[0][:, -1]
+        rows = [(k.repeat_interleave(c, 0), v.repeat_interleave(c, 0)) for k, v in cache]
+        tokens = lm._decode(logits.repeat_interleave(c, 0), rows, P, L, None, None, 1.0, generator)[0]
+        out.append(-energy(torch.cat([prefixes.repeat_interleave(c, 0), tokens], 1), P).view(B, c))
+    return torch.cat(out, 1)
+
+
+def bench_estimate(args, device, meta, dtypes):
+    """estimate_ppl.py's log Z loop at its default sizes, fp32: sample_log_weights (the prompt K/V
+    shared by its samples, energies in cache-sized blocks) vs copy_cache_log_weights, runs
+    alternating. Both energies use today's 4-D ALiBi bias, so the ratio leaves out what that fix
+    alone gave the energy (alibi_sdpa_4d_speedup). Also the energy forward alone, fp32 vs bf16."""
+    B, P, L, n = args.estimate_prefixes, args.prompt_len, args.new_tokens, args.estimate_samples
+    torch.manual_seed(args.seed)
+    lm = GPT(lm_config(args, meta)).to(device).eval()
+    energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
+                              n_head=args.n_head, n_embd=args.energy_embd, causal=False, alibi=True)).to(device).eval()
+    prefixes = torch.randint(meta['vocab_size'], (B, P), device=device)
+    g = torch.Generator(device).manual_seed(args.seed)
+    fns = dict(shared=lambda: sample_log_weights(lm, [energy], prefixes, L, n, nullcontext(), g, args.max_rows),
+               copy_cache=lambda: copy_cache_log_weights(lm, energy, prefixes, L, n, g, args.max_rows))
+    runs = 1 if args.quick else min(args.repeats, 2)  # runs of seconds to tens: the first is warm enough
+    log(args, f"  {B} prefixes x {n} samples, {len(fns)} variants x {runs} runs...")
+    dt = timeit(fns, device, 0, runs)
+    res = dict(estimate_samples_per_s=B * n / dt['shared'], estimate_samples_per_s_copy_cache=B * n / dt['copy_cache'],
+               estimate_speedup=dt['copy_cache'] / dt['shared'])
+    # the energy alone, in estimate_ppl.score's blocks: where bf16 autocast would pay for scoring
+    x = torch.randint(meta['vocab_size'], (args.max_rows, P + L), device=device)
+    fns = {name: lambda d=DTYPES[name]: score(energy, x, P, autocast(device, d), args.max_rows) for name in dtypes}
+    dt = timeit(fns, device, 1, args.repeats)
+    res.update({f'estimate_energy_seqs_per_s_{name}': args.max_rows / dt[name] for name in dtypes})
+    if 'bf16' in dtypes:
+        res['estimate_energy_bf16_speedup'] = dt['fp32'] / dt['bf16']
+    # why alibi_bias is 4-D: with a 3-D mask, CPU SDPA takes its math path
+    nh, hs = args.n_head, args.energy_embd // args.n_head
+    q, k, v = (torch.randn(64, nh, P + L, hs, device=device) for _ in range(3))
+    bias = alibi_bias(nh, 0, P + L, P + L, q.dtype, device)
+    sdpa = lambda mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    dt = timeit({'3d': lambda: sdpa(bias[0]), '4d': lambda: sdpa(bias)}, device, 1, args.repeats)
+    res['alibi_sdpa_4d_speedup'] = dt['3d'] / dt['4d']
+    return res
+
+
 def peak_rss_mb():
     """High-water mark of this process's resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -293,7 +393,7 @@ def main(argv=None):
         if n <= args.block_size + 1:
             raise ValueError(f"the {split} split of {args.data_dir} has {n} tokens, not more than --block_size "
                              f"{args.block_size} + 1: lower --block_size or use a larger corpus")
-    results = dict(device=device, num_threads=torch.get_num_threads(), quick=args.quick)
+    results = dict(device=device, num_threads=torch.get_num_threads(), quick=args.quick, **cpu_flags())
     sections = []
     t_start = time.perf_counter()
 
@@ -306,11 +406,15 @@ def main(argv=None):
         results.update(figures)
         return figures
 
-    peak = run('matmul_peak', bench_matmul_peak)
-    run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in DTYPES})
-    run('sampling', bench_sampling, meta)
+    probe = run('bf16_probe', bench_bf16_probe)
+    dtypes = ['fp32'] if probe['bf16_slow'] else list(DTYPES)
+    results['bf16_skipped'] = ['matmul_peak', 'train', 'sampling', 'estimate_energy'] if probe['bf16_slow'] else []
+    peak = run('matmul_peak', bench_matmul_peak, dtypes)
+    run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes})
+    run('sampling', bench_sampling, meta, dtypes)
     run('energy', bench_energy, meta)
     run('estimation', bench_estimation, meta)
+    run('estimate', bench_estimate, meta, dtypes)
     results['bench_time_s'] = time.perf_counter() - t_start
 
     if not args.quiet:
@@ -319,7 +423,12 @@ def main(argv=None):
         for name, figures in sections:
             print(f"--- {name}")
             for k, v in figures.items():
-                print(f"{k:<38} {v:>12,.4g}" if isinstance(v, float) else f"{k:<38} {v:>12,}")
+                cell = f"{v:>12,.4g}" if isinstance(v, float) else f"{v:>12,}" if type(v) is int else f"{v!s:>12}"
+                print(f"{k:<38} {cell}")
+        if results['bf16_skipped']:
+            print(f"bf16 is slow here (probe: {results['bf16_probe_gflops_bf16']:.3g} vs fp32 "
+                  f"{results['bf16_probe_gflops_fp32']:.3g} GFLOP/s): skipped bf16 in "
+                  f"{', '.join(results['bf16_skipped'])}")
         print(f"total {results['bench_time_s']:.0f}s")
     write_json(results, args.out)
     print(json.dumps(results))

@@ -60,9 +60,10 @@ def logz_bounds(log_w):
 def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
     """log w = -E(x) of n untruncated LM continuations of each prefix, for each energy:
     (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
-    sequences at a time, and memory beyond that holds only the n sampled token ids. prefix_len: where
-    the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real continuation
-    tokens too, but E(x) is the same function of the whole sequence, its prefix the original one."""
+    sequences at a time, and memory beyond that holds only the n sampled token ids per prefix.
+    prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
+    continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
+    original one."""
     B, P = prefixes.shape
     prefix_len = P if prefix_len is None else prefix_len
     with ctx:

@@ -84,20 +84,22 @@ class SelfAttention(nn.Module):
 
 
 def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
-    """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q, k, v (N, nh, T, hs) whose
-    rows come in B_p groups of n = N / B_p, group b reading prompt b of prompt_k/v (B_p, nh, P, hs).
-    The prompt part is one matmul per prompt over the queries of all its rows, with no per-row
-    copy of its K/V (that copy and reading it back cost more than the decoding step's matmuls);
-    one softmax over both parts keeps it exact. mask: boolean (True = may attend) or additive."""
+    """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q (N, nh, T, hs) and k, v
+    (N, nh, S, hs) whose rows come in B_p groups of n = N / B_p, group b reading prompt b of
+    prompt_k/v (B_p, nh, P, hs). The prompt part is one matmul per prompt over the queries of all
+    its rows, with no per-row copy of its K/V (copying it per row and reading the copies back made
+    attention over half of a decoding step); one softmax over both parts keeps it exact.
+    mask: (..., T, P + S), boolean (True = may attend) or additive."""
     (N, nh, T, hs), (Bp, P) = q.shape, prompt_k.shape[::2]
     q = q * hs ** -0.5
-    s = torch.cat([torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs), prompt_k).reshape(N, nh, T, P),
-                   (k @ q.transpose(-1, -2)).transpose(-1, -2)], dim=-1)  # k is a strided view: as q k^T, 2-3x slower
+    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs), prompt_k).reshape(N, nh, T, P)
+    s_own = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
+    s = torch.cat([s_prompt, s_own], dim=-1)
     if mask is not None:
         s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
     a = s.softmax(-1).to(v.dtype)
-    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v).reshape(N, nh, T, hs)
-    return y + a[..., P:] @ v
+    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v)
+    return y.reshape(N, nh, T, hs) + a[..., P:] @ v
 
 
 def alibi_bias(n_head, pos, T, T_keys, dtype, device):
@@ -243,7 +245,8 @@ class GPT(nn.Module):
         chunks = []
         for s in range(0, num_samples, per_chunk):
             n = min(per_chunk, num_samples - s)
-            chunk_cache = [(k, v, *prompt) for (k, v), prompt in zip(self.new_cache(B * n, max_new_tokens), prompt_cache)]
+            own = self.new_cache(B * n, max_new_tokens)  # each row's K/V of its own tokens only
+            chunk_cache = [(k, v, *prompt) for (k, v), prompt in zip(own, prompt_cache)]
             out = self._decode(logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
                                top_k, top_p, temperature, generator)
             chunks.append([t.view(B, n, max_new_tokens) for t in out])
