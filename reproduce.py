@@ -47,13 +47,13 @@ DEFAULT = dict(
     mlm=dict(n_embd=128, max_iters=1200, eval_interval=400, alibi=True),  # the LM's flags otherwise
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
     unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
-    ppl=dict(max_prefixes=1024, num_samples=32, sweep='2,4,8,16,32', step_prefixes=8, step_samples=8,
-             last_step_samples=1024, calib_prefixes=32, calib_samples=1024),
-    samples=dict(num_prefixes=32, n=256, table_prefixes=2),
+    ppl=dict(max_prefixes=1024, num_samples=16, sweep='2,4,8,16', step_prefixes=8, step_samples=8,
+             last_step_samples=1024, calib_prefixes=16, calib_samples=1024),
+    samples=dict(num_prefixes=32, n=256, table_prefixes=1, m=16),
 )
 QUICK = dict(
     lm=dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=16, max_iters=150, lr=3e-3,
-            warmup_iters=10, eval_interval=75),
+            warmup_iters=10, eval_interval=75, final_eval_windows=256),
     residual=dict(n_layer=1, n_head=2, n_embd=64),
     neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=400, select_prefixes=64),
     mlm=dict(n_embd=32, max_iters=100, alibi=True),
