@@ -34,8 +34,8 @@ from data import load_meta, load_negatives, load_split, log_ratios, window_token
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
 from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
-                     get_lr, optimizer_step, check_training_dtype, progress, precision, prepare_training, rng, rng_seed, run_main,
-                     setup, write_log)
+                     get_lr, optimizer_step, check_training_dtype, progress, prepare_training, rng, run_main,
+                     setup_training, write_log)
 
 
 def get_args(argv=None):
@@ -230,12 +230,8 @@ def save(state, improved, optimizer, scaler, out_dir):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world_size, device = setup(args.device)
-    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
-    master, n_micro = rank == 0, args.grad_accum // world_size
-    if args.grad_accum % world_size:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
+    rank, world_size, device, dtype, ctx, n_micro = setup_training(args)
+    master = rank == 0
     neg, held_neg, data, meta = load_pairs(args)
     (P, L, K), M = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]

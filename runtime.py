@@ -192,6 +192,17 @@ def configure_optimizer(model, lr, weight_decay, betas, device):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.startswith('cuda'))
 
 
+def setup_training(args):
+    """A trainer's start: the device (DDP under torchrun), the training precision, the seed of
+    this process's dropout, and how many of the --grad_accum micro-batches are this process's."""
+    rank, world_size, device = setup(args.device)
+    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
+    if args.grad_accum % world_size:
+        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
+    return rank, world_size, device, dtype, ctx, args.grad_accum // world_size
+
+
 def prepare_training(raw_model, ckpt, args, device, dtype, world_size):
     """The optimizer, the GradScaler (active for fp16 only) and the model to call (compiled,
     wrapped in DDP); with a checkpoint, optimizer, scaler and RNG continue where it stopped."""

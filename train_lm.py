@@ -26,8 +26,8 @@ from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
 from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
-                     get_lr, optimizer_step, check_training_dtype, progress, precision, prepare_training, rng, rng_seed, run_main,
-                     setup, write_log)
+                     get_lr, optimizer_step, check_training_dtype, progress, prepare_training, rng, run_main,
+                     setup_training, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -243,12 +243,8 @@ def load_data(args):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world_size, device = setup(args.device)
-    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
-    master, n_micro = rank == 0, args.grad_accum // world_size
-    if args.grad_accum % world_size:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
+    rank, world_size, device, dtype, ctx, n_micro = setup_training(args)
+    master = rank == 0
     meta, data = load_data(args)
     ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
     if not args.resume and os.path.exists(ckpt_path):
