@@ -395,6 +395,7 @@ def main(argv=None):
         write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
         print(text + f"\n-> {args.out}")
     if world_size > 1:
+        dist.barrier()  # no rank tears down while another still writes or reduces
         dist.destroy_process_group()
     return out
 

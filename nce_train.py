@@ -301,6 +301,7 @@ def main(argv=None):
     if master:
         report(results, log, args.out_dir)
     if world_size > 1:
+        dist.barrier()  # no rank tears down while another still writes or reduces
         dist.destroy_process_group()
     return results
 

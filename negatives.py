@@ -133,6 +133,7 @@ def main(argv=None):
         write_json(dict(settings, complete=True), os.path.join(args.out_dir, 'meta.json'))
         print(f"{N} prefixes x {K} samples of {L} tokens -> {args.out_dir}")
     if world_size > 1:
+        dist.barrier()  # no rank tears down while another still writes or reduces
         dist.destroy_process_group()
 
 

@@ -314,6 +314,7 @@ def main(argv=None):
         log.close()
         report(results, args, raw_model, data['val'], meta, device)
     if world_size > 1:
+        dist.barrier()  # no rank tears down while another still writes or reduces
         dist.destroy_process_group()
     return results
 
