@@ -3855,6 +3855,31 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
 
 
 # =============================================================================
+# ---- --dtype auto: the precision this hardware runs natively (faked hardware) ----
+
+@pytest.mark.parametrize('capability,expected', [((7, 0), 'float16'), ((8, 0), 'bfloat16'), ((9, 0), 'bfloat16')])
+def test_auto_dtype_on_cuda_by_capability(monkeypatch, capability, expected):
+    """A V100 (7.0) has no bf16 units, whatever torch.cuda.is_bf16_supported() says: fp16 + GradScaler."""
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
+    dtype, why = runtime.choose_dtype('cuda', 'auto', 'train')
+    assert dtype == expected and f'{capability[0]}.{capability[1]}' in why
+
+
+@pytest.mark.parametrize('bf16_slowdown,expected', [(50.0, 'float32'), (0.25, 'bfloat16')])
+def test_auto_dtype_on_cpu_follows_the_measurement(monkeypatch, bf16_slowdown, expected):
+    """Probes that take 50x longer under bf16 autocast (a CPU that emulates bf16) or 4x shorter."""
+    monkeypatch.setattr(runtime, '_SPEEDUP', {})
+
+    def probe():
+        bf16 = torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16
+        time.sleep(0.002 * (bf16_slowdown if bf16 else 1.0))
+
+    monkeypatch.setattr(runtime, 'matmul_probe', probe)
+    dtype, why = runtime.choose_dtype('cpu', 'auto', 'sample', probe)
+    assert dtype == expected and 'measured' in why
+    assert runtime.choose_dtype('cpu', 'float32', 'train') == ('float32', 'asked for')
+
+
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
 MODULES = {'model.py', 'energy.py', 'tokenizer.py', 'runtime.py', 'data/__init__.py'}  # figures.py is a script
