@@ -28,7 +28,7 @@ from energy import load_energy, score
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_writable, precision, progress, rng, run_main, sampling_probe,
-                     scoring_probe, setup)
+                     scoring_probe, setup, teardown_distributed)
 
 
 def leave_one_out_lse(lw):
@@ -38,6 +38,13 @@ def leave_one_out_lse(lw):
     before = torch.cat([ninf, torch.logcumsumexp(lw, -1)[..., :-1]], -1)
     after = torch.cat([torch.logcumsumexp(lw.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)
     return torch.logaddexp(before, after)
+
+
+def mc_se(log_w):
+    """Monte-Carlo standard error of T_n (..., n) by the delta method, sd(w) / (sqrt(n) mean(w)):
+    the spread of one draw of the estimate, which the bounds' range (their expected gap) omits."""
+    w = torch.exp(log_w.double() - log_w.double().amax(-1, keepdim=True))
+    return w.std(-1) / (w.mean(-1) * math.sqrt(log_w.size(-1)))
 
 
 def logz_bounds(log_w):
@@ -217,9 +224,10 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None):
 
 def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     """Fig. 1: base and joint PPL at each continuation position, with the exact last step, and
-    the last step estimated again from last_step_samples samples: with enough samples its range
-    must contain the exact value (with step_samples it may not: the bounds hold for n large
-    enough, Theorem 2)."""
+    the last step estimated again from last_step_samples samples. The bounds bracket log Z in
+    expectation (for n large enough, Theorem 2), not in every draw: the estimate must lie within
+    a few Monte-Carlo SE (mc_se) of the exact value, and its range contains it only when the
+    draw's noise is smaller than the range's width."""
     P, L = args.prefix_len, args.gen_len
     x = window_tokens(data, offsets[:args.step_prefixes], P + L).to(device)
     g = rng(args.seed, 'per_step', split, 0, device)
@@ -232,6 +240,7 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     last = lambda z: math.exp(-(lp[:, -1] + lo[:, -1] - z).mean().item())
     return dict(num_prefixes=x.size(0), step_samples=args.step_samples, last_step_samples=args.last_step_samples,
                 last_step_ppl_low=last(z_lo), last_step_ppl_high=last(z_hi),
+                last_step_mc_se=mc_se(log_w).pow(2).sum().sqrt().item() / x.size(0),  # nats/token, of the mean
                 position=list(range(1, L + 1)),
                 base_ppl=torch.exp(-lp.mean(0)).tolist(),
                 joint_ppl_low=torch.exp(-step_high.mean(0)).tolist(),
@@ -252,16 +261,16 @@ def get_args(argv=None):
     a('--splits', default='test', help='comma-separated: val,test')
     a('--prefix_len', type=int, default=128)
     a('--gen_len', type=int, default=64)
-    a('--max_prefixes', type=int, default=128, help='evenly spaced prefixes per split (0: all)')
-    a('--num_samples', type=int, default=64, help='n LM samples per prefix for the log Z bounds')
+    a('--max_prefixes', type=int, default=256, help='evenly spaced prefixes per split (0: all)')
+    a('--num_samples', type=int, default=128, help='n LM samples per prefix for the log Z bounds')
     a('--sweep', default='', help='comma-separated n values for the bounds as n grows (Fig. 2 left)')
     a('--per_step', nargs='?', const='', default=None, metavar='NAME',
       help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
     a('--step_prefixes', type=int, default=8)
     a('--step_samples', type=int, default=16, help='m LM samples per position for Eq. 5')
     a('--last_step_samples', type=int, default=1024, help='LM samples for the last step estimated again, beside the exact value')
-    a('--calib_prefixes', type=int, default=64, help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
-    a('--calib_samples', type=int, default=1024, help='LM samples per prefix of the calibration reference (n_ref)')
+    a('--calib_prefixes', type=int, default=16, help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
+    a('--calib_samples', type=int, default=2048, help='LM samples per prefix of the calibration reference (n_ref)')
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=256, help='sequences per forward (bounds memory)')
     a('--out', default='out/ppl.json', help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
@@ -345,6 +354,17 @@ def format_calibration(calib, num_samples, gains):
     return '\n'.join(lines)
 
 
+def format_last_step(ps):
+    """The per-step check in one line: the last step's estimate against its exact value."""
+    if not ps:
+        return ''
+    gap = math.log(math.sqrt(ps['last_step_ppl_low'] * ps['last_step_ppl_high']) / ps['last_step_exact_ppl'])
+    se = ps['last_step_mc_se']  # 0 when every weight is equal (E constant): the estimate is exact
+    return (f"\nlast step ({ps['energy']}, {ps['num_prefixes']} prefixes): exact PPL {ps['last_step_exact_ppl']:.4f}, "
+            f"estimated {ps['last_step_ppl_low']:.4f}-{ps['last_step_ppl_high']:.4f} from {ps['last_step_samples']} samples: "
+            f"off by {gap:+.5f} nats/token" + (f", {abs(gap) / se:.1f} Monte-Carlo SE ({se:.5f})" if se > 0 else ''))
+
+
 def main(argv=None):
     args = get_args(argv)
     rank, world_size, device = setup(args.device)
@@ -390,13 +410,11 @@ def main(argv=None):
         gains = {r['model'][6:]: r['gain_se'] for r in last['rows'] if r['model'].startswith('JOINT ')}
         text = format_table(out['rows'], args.splits) + '\n' + \
             f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n" + \
-            format_calibration(last.get('calibration', {}), args.num_samples, gains)
+            format_calibration(last.get('calibration', {}), args.num_samples, gains) + format_last_step(last.get('per_step'))
         write_json(out, args.out)
         write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
         print(text + f"\n-> {args.out}")
-    if world_size > 1:
-        dist.barrier()  # no rank tears down while another still writes or reduces
-        dist.destroy_process_group()
+    teardown_distributed()
     return out
 
 

@@ -35,7 +35,7 @@ from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
 from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
                      get_lr, optimizer_step, check_training_dtype, progress, prepare_training, rng, run_main,
-                     setup_training, write_log)
+                     setup_training, write_log, teardown_distributed)
 
 
 def get_args(argv=None):
@@ -300,9 +300,7 @@ def main(argv=None):
                    best_loss=best_loss, best_iter=best_iter, held_out_prefixes=n_held, **last_eval)
     if master:
         report(results, log, args.out_dir)
-    if world_size > 1:
-        dist.barrier()  # no rank tears down while another still writes or reduces
-        dist.destroy_process_group()
+    teardown_distributed()
     return results
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from data import SPLITS, load_meta, load_negatives, load_split, read_negatives_meta, window_tokens, windows, write_json
 from model import check_vocab, file_hash, load_lm, proposal_logprobs
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress, precision,
-                     rerun_command, rng, run_main, sampling_probe, setup)
+                     rerun_command, rng, run_main, sampling_probe, setup, teardown_distributed)
 
 
 @torch.no_grad()
@@ -132,9 +132,7 @@ def main(argv=None):
     if rank == 0:
         write_json(dict(settings, complete=True), os.path.join(args.out_dir, 'meta.json'))
         print(f"{N} prefixes x {K} samples of {L} tokens -> {args.out_dir}")
-    if world_size > 1:
-        dist.barrier()  # no rank tears down while another still writes or reduces
-        dist.destroy_process_group()
+    teardown_distributed()
 
 
 def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):

@@ -156,6 +156,13 @@ def setup_distributed(device):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def teardown_distributed():
+    """End torchrun's process group (also a 1-process one: NCCL warns otherwise); a no-op without one."""
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears down while another still writes or reduces
+        dist.destroy_process_group()
+
+
 def all_mean(values, world_size):
     """Average a list of floats over processes (identity for one process)."""
     t = torch.tensor(values, dtype=torch.float64)

@@ -27,7 +27,7 @@ from energy import mlm_mask
 from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
 from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
                      get_lr, optimizer_step, check_training_dtype, progress, prepare_training, rng, run_main,
-                     setup_training, write_log)
+                     setup_training, write_log, teardown_distributed)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -313,9 +313,7 @@ def main(argv=None):
     if master:
         log.close()
         report(results, args, raw_model, data['val'], meta, device)
-    if world_size > 1:
-        dist.barrier()  # no rank tears down while another still writes or reduces
-        dist.destroy_process_group()
+    teardown_distributed()
     return results
 
 
