@@ -3406,6 +3406,12 @@ def test_cli_bad_input(cli_table_results, cli_artifacts, row_id, names):
 # -----------------------------------------------------------------------------
 # what the table cannot hold: Ctrl-C, a full disk, and correct runs that used to fail
 
+def default_sigint():
+    """In the child: SIGINT back to its default, so Python installs KeyboardInterrupt even when
+    pytest was started in the background (where a shell without job control ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(cond, proc, timeout=120):
     t0 = time.time()
     while not cond():
@@ -3422,7 +3428,7 @@ def test_ctrl_c_train_lm_says_how_to_resume(cli_artifacts, tmp_path):
             '--eval_interval', '3', '--final_eval', '0', *CLI_TRAIN]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=default_sigint)
     wait_for(lambda: os.path.exists(os.path.join(out, 'ckpt.pt')), proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -3450,7 +3456,7 @@ def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
             '--chunk', '1', *CLI_NEG]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=default_sigint)
     done = os.path.join(out, 'done.bin')
     wait_for(lambda: os.path.exists(done) and negatives.chunks_done(out) >= 3, proc)
     proc.send_signal(signal.SIGINT)
@@ -3470,7 +3476,7 @@ def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
     argv = ['reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out, '--device', 'cpu']
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True, preexec_fn=default_sigint)
     wait_for(lambda: os.path.exists(os.path.join(out, 'lm', 'log.jsonl')), proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
