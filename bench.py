@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
-from energy import Energy, score
-from estimate_ppl import logz_bounds, sample_log_weights
+from energy import Energy, sample_log_weights, score
+from estimate_ppl import logz_bounds
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
 from runtime import ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer, pick_device, run_main

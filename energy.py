@@ -153,3 +153,24 @@ def score(energy, x, prefix_len, ctx, max_rows=256, max_tokens=8192):
     rows = max(1, min(max_rows, max_tokens // x.size(1)))
     with ctx:
         return torch.cat([energy(b, prefix_len) for b in x.split(rows)]).double()
+
+
+@torch.no_grad()
+def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
+    """log w = -E(x) of n untruncated LM continuations (the weights of Eq. 4's Z) of each prefix, for each energy:
+    (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
+    sequences at a time, and memory beyond that holds only the n sampled token ids per prefix.
+    prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
+    continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
+    original one."""
+    B, P = prefixes.shape
+    prefix_len = P if prefix_len is None else prefix_len
+    with ctx:
+        tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator, max_rows=max_rows)
+    per = max(1, max_rows // B)
+    out = []
+    for s in range(0, n, per):
+        c = min(per, n - s)
+        x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens[:, s:s + c]], dim=2).flatten(0, 1)
+        out.append(torch.stack([-score(e, x, prefix_len, ectx or ctx, max_rows).view(B, c) for e in energies]))
+    return torch.cat(out, dim=2)

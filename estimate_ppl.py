@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json, write_text
-from energy import load_energy, score
+from energy import load_energy, sample_log_weights, score
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_writable, precision, progress, rng, run_main, sampling_probe,
@@ -61,28 +61,7 @@ def logz_bounds(log_w):
 
 
 # -----------------------------------------------------------------------------
-# scoring
-
-@torch.no_grad()
-def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
-    """log w = -E(x) of n untruncated LM continuations of each prefix, for each energy:
-    (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
-    sequences at a time, and memory beyond that holds only the n sampled token ids per prefix.
-    prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
-    continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
-    original one."""
-    B, P = prefixes.shape
-    prefix_len = P if prefix_len is None else prefix_len
-    with ctx:
-        tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator, max_rows=max_rows)
-    per = max(1, max_rows // B)
-    out = []
-    for s in range(0, n, per):
-        c = min(per, n - s)
-        x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens[:, s:s + c]], dim=2).flatten(0, 1)
-        out.append(torch.stack([-score(e, x, prefix_len, ectx or ctx, max_rows).view(B, c) for e in energies]))
-    return torch.cat(out, dim=2)
-
+# Z exactly, at the last step
 
 @torch.no_grad()
 def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):

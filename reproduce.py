@@ -12,8 +12,8 @@ one resumes: an interrupted run just continues, and a retrained model reruns wha
 lands in --out_dir: checkpoints, results.json (one row per model and split), the figures, and
 timings.json.
 
-    python reproduce.py                      # ~30 min on 2 CPU cores with bf16 units (README)
-    python reproduce.py --quick              # a few minutes, tiny models: the CI smoke test
+    python reproduce.py                      # ~38 min on 2 CPU cores with bf16 units (README)
+    python reproduce.py --quick              # ~1 min, tiny models: the CI smoke test
     python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
 

@@ -302,6 +302,14 @@ def check_heads(n_embd, n_head):
         raise ValueError(f"--n_embd {n_embd} is not a multiple of --n_head {n_head}: each head gets n_embd/n_head dims")
 
 
+def nearest_existing(path):
+    """path, or the nearest of its parents that exists (where it would be created)."""
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    return d
+
+
 def check_writable(path, flag, folder=True):
     """Fail now rather than after the work: the path (a folder, or a file with folder=False) must
     be creatable, which is tried with a temporary file in its nearest existing folder. Nothing
@@ -310,9 +318,7 @@ def check_writable(path, flag, folder=True):
         raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
     if not folder and os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder: give a file path")
-    d = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
-    while not os.path.exists(d):
-        d = os.path.dirname(d)
+    d = nearest_existing(path if folder else os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(d):
         raise ValueError(f"{flag} {path}: {d} is a file, not a folder: choose another path")
     try:
@@ -324,9 +330,7 @@ def check_writable(path, flag, folder=True):
 
 
 def check_free_space(path, nbytes, flag):
-    d = os.path.abspath(path)
-    while not os.path.exists(d):
-        d = os.path.dirname(d)
+    d = nearest_existing(path)
     free = shutil.disk_usage(d).free
     if free < nbytes:
         raise ValueError(f"{flag} {path}: needs {nbytes / 2**20:.1f} MiB but {d} has {free / 2**20:.1f} MiB free: "

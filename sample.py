@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json
-from energy import load_energy, score
-from estimate_ppl import sample_log_weights
+from energy import load_energy, sample_log_weights, score
 from model import check_vocab, load_lm
 from runtime import (DTYPES, ArgumentParser, at_least, check_writable, precision, progress, rng, run_main, sampling_probe,
                      scoring_probe, setup)
