@@ -5,6 +5,7 @@ process:
 - matmul_peak: fp32 and bf16 square-matmul GFLOP/s, the peak that MFU is measured against;
 - train:       char-GPT training steps as train_lm.py runs them (forward + backward + clipping +
                AdamW on random train-split windows): tokens/s and MFU in fp32 and bf16 autocast;
+               on a CPU, bf16 with model.attention's two matmuls vs SDPA's kernel;
 - sampling:    K continuations of each of B prompts with GPT.generate (the prompts' KV cache is
                computed once and shared by their K samples), in fp32 and bf16 autocast, vs a
                naive sampler without a cache that re-runs the model over the whole sequence for
@@ -17,7 +18,8 @@ process:
 - estimate:    estimate_ppl.py's log Z loop at its default sizes (the char GPT above, a 4x128
                ALiBi BIT, 16 prefixes of 128 + 64 tokens, 64 samples each, fp32): samples drawn
                and scored per second, vs the copy-the-prompt-cache decoding of commit 68ace2e;
-               and the energy forward in fp32 vs bf16 autocast.
+               a causal (UNIT) energy scoring each prompt once for its samples vs every whole
+               sequence; and the energy forward in fp32 vs bf16 autocast.
 
 A 512^3 matmul probe runs first: where bf16 is emulated (an AVX2-only CPU: ~40x slower than
 fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taking minutes. The
@@ -45,8 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
-from energy import Energy, sample_log_weights, score
+from energy import Energy, sample_log_weights, score, score_continuations
 from estimate_ppl import logz_bounds
+import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
 from runtime import ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer, pick_device, run_main
@@ -215,6 +218,17 @@ def bench_train(args, device, meta, peak):
         res[f'train_mfu_{name}'] = tokens_per_s * flops / (peak[name] * 1e9)
     if 'bf16' in peak:
         res['bf16_train_speedup'] = dt['fp32'] / dt['bf16']
+    if 'bf16' in peak and device == 'cpu':  # model.attention in bf16: two matmuls vs SDPA's CPU kernel
+        _, sdpa_step = train_step_fn(args, device, meta, torch.bfloat16, train_data)
+
+        def step_sdpa():
+            model_py.CPU_BF16_MATMUL_ATTENTION = False
+            try:
+                sdpa_step()
+            finally:
+                model_py.CPU_BF16_MATMUL_ATTENTION = True
+        dt = timeit(dict(matmul=steps['bf16'], sdpa=step_sdpa), device, args.warmup, args.repeats)
+        res['bf16_train_matmul_attention_speedup'] = dt['sdpa'] / dt['matmul']
     return res
 
 
@@ -357,6 +371,12 @@ def bench_estimate(args, device, meta, dtypes):
     dt = timeit(fns, device, 0, runs)
     res = dict(estimate_samples_per_s=B * n / dt['shared'], estimate_samples_per_s_copy_cache=B * n / dt['copy_cache'],
                estimate_speedup=dt['copy_cache'] / dt['shared'])
+    # a causal energy (UNIT: the LM's shape) on 32 samples per prefix: each prompt once, or every whole sequence
+    unit, tokens = Energy(lm.config).to(device).eval(), torch.randint(meta['vocab_size'], (B, 32, L), device=device)
+    x = torch.cat([prefixes[:, None].expand(-1, 32, -1), tokens], 2).flatten(0, 1)
+    dt = timeit(dict(unit_shared=lambda: score_continuations(unit, prefixes, tokens, P, nullcontext(), args.max_rows),
+                     unit_whole=lambda: score(unit, x, P, nullcontext(), args.max_rows)), device, 0, runs)
+    res.update(estimate_unit_seqs_per_s=B * 32 / dt['unit_shared'], estimate_unit_shared_speedup=dt['unit_whole'] / dt['unit_shared'])
     # the energy alone, in estimate_ppl.score's blocks: where bf16 autocast would pay for scoring
     x = torch.randint(meta['vocab_size'], (args.max_rows, P + L), device=device)
     fns = {name: lambda d=DTYPES[name]: score(energy, x, P, autocast(device, d), args.max_rows) for name in dtypes}

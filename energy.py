@@ -67,6 +67,33 @@ class Energy(nn.Module):
         pooled = (h * w).sum(1) / w.sum(1)
         return self.head(pooled).squeeze(-1).float()
 
+    def context_cut(self, prefix_len):
+        """How many leading tokens forward() drops: all but the last `context` of the prefix."""
+        return prefix_len - self.context if self.context is not None and prefix_len > self.context else 0
+
+    def forward_shared(self, prompt, tokens, prefix_len, rows=256):
+        """Energies (B, n) of the sequences [prompt_b; tokens[b, i]] for a causal body (UNIT), from
+        prompts (B, P) and continuations (B, n, L), prefix_len <= P: each prompt runs once and its
+        K/V is shared by its n continuations (as in GPT.generate), at most `rows` of them at a time.
+        A causal state does not depend on later tokens, so this is forward() on each sequence;
+        at P = 128, L = 64 it is a third of the work."""
+        assert self.config.causal, 'a bidirectional body sees the continuation from every prompt position'
+        cut = self.context_cut(prefix_len)
+        prompt, prefix_len = prompt[:, cut:], prefix_len - cut
+        (B, P), L = prompt.shape, tokens.size(2)
+        prompt_cache = self.body.new_cache(B, P)
+        h = self.body.hidden(prompt, prompt_cache)
+        first = prefix_len if self.pool == 'continuation' else 0  # the pooled prompt positions
+        prompt_sum, count = h[:, first:].sum(1), P - first + L
+        out = []
+        for t in tokens.split(max(1, rows // B), dim=1):
+            own = self.body.new_cache(B * t.size(1), L)
+            cache = [(k, v, *p) for (k, v), p in zip(own, prompt_cache)]
+            h = self.body.hidden(t.flatten(0, 1), cache, pos=P)
+            pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.sum(1)) / count
+            out.append(self.head(pooled).squeeze(-1).float().view(B, -1))
+        return torch.cat(out, 1)
+
 
 def mlm_mask(x, vocab_size, mask_id, generator=None, p=0.15):
     """BERT-style masking for the BIT pretraining: choose p of the positions as targets; of
@@ -156,6 +183,21 @@ def score(energy, x, prefix_len, ctx, max_rows=256, max_tokens=8192):
 
 
 @torch.no_grad()
+def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, max_tokens=8192):
+    """Energies (B, n) in float64 of [prompts_b; tokens[b, i]] for prompts (B, P) and their
+    continuations tokens (B, n, L), in blocks as score(). A causal energy (UNIT) runs each prompt
+    once for all its continuations (Energy.forward_shared); a bidirectional one (BIT) cannot:
+    its prompt states depend on the continuation."""
+    (B, P), L = prompts.shape, tokens.size(2)
+    if isinstance(energy, Energy) and energy.config.causal and P > energy.context_cut(prefix_len):
+        with ctx:
+            return energy.forward_shared(prompts, tokens, prefix_len, max(1, min(max_rows, max_tokens // L))).double()
+    return torch.cat([score(energy, torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2).flatten(0, 1),
+                            prefix_len, ctx, max_rows, max_tokens).view(B, -1)
+                      for t in tokens.split(max(1, max_rows // B), dim=1)], 1)
+
+
+@torch.no_grad()
 def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
     """log w = -E(x) of n untruncated LM continuations (the weights of Eq. 4's Z) of each prefix, for each energy:
     (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
@@ -163,14 +205,7 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
     prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
     continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
     original one."""
-    B, P = prefixes.shape
-    prefix_len = P if prefix_len is None else prefix_len
+    prefix_len = prefixes.size(1) if prefix_len is None else prefix_len
     with ctx:
         tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator, max_rows=max_rows)
-    per = max(1, max_rows // B)
-    out = []
-    for s in range(0, n, per):
-        c = min(per, n - s)
-        x = torch.cat([prefixes[:, None].expand(-1, c, -1), tokens[:, s:s + c]], dim=2).flatten(0, 1)
-        out.append(torch.stack([-score(e, x, prefix_len, ectx or ctx, max_rows).view(B, c) for e in energies]))
-    return torch.cat(out, dim=2)
+    return torch.stack([-score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows) for e in energies])

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json, write_text
-from energy import load_energy, sample_log_weights, score
+from energy import load_energy, sample_log_weights, score, score_continuations
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_writable, precision, progress, rng, run_main, sampling_probe,
@@ -70,13 +70,10 @@ def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):
     first prefix_len tokens the prefix that E(x) was defined with."""
     V = lm.config.vocab_size
     with ctx:
-        logp = torch.log_softmax(lm(x[:, :-1])[0][:, -1].double(), -1)  # (B, V)
-    out = []
-    for b in range(x.size(0)):
-        cand = x[b].repeat(V, 1)
-        cand[:, -1] = torch.arange(V, device=x.device)
-        out.append(torch.logsumexp(logp[b] - score(energy, cand, prefix_len, ectx or ctx), 0))
-    return torch.stack(out)
+        logp = torch.log_softmax(lm.logits(x[:, :-1], first=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
+    vocab = torch.arange(V, device=x.device).view(1, V, 1)
+    return torch.stack([torch.logsumexp(logp[b] - score_continuations(energy, x[b:b + 1, :-1], vocab, prefix_len, ectx or ctx)[0], 0)
+                        for b in range(x.size(0))])
 
 
 # -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ one resumes: an interrupted run just continues, and a retrained model reruns wha
 lands in --out_dir: checkpoints, results.json (one row per model and split), the figures, and
 timings.json.
 
-    python reproduce.py                      # ~38 min on 2 CPU cores with bf16 units (README)
+    python reproduce.py                      # ~29 min on 2 CPU cores with bf16 units (README)
     python reproduce.py --quick              # ~1 min, tiny models: the CI smoke test
     python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
@@ -216,11 +216,11 @@ def main(argv=None):
     report(out, pipe.timings)
 
 
-# Stage times of the default run relative to the LM's, from README's run (2026-11-26, bf16 CPU):
-# the LM stage measures this machine's speed, these turn it into a rough estimate of the whole
-# run (on a CPU without bf16, sampling is relatively faster: an overestimate there).
-RELATIVE_TIME = dict(lm=1.0, balm=1.59, ralm=1.31, negatives_train=0.79, negatives_select=0.08, mlm=1.08, bit=2.84,
-                     unit=1.56, estimate_ppl=5.23, samples=0.28)
+# Stage times of the default run relative to the LM's, from README's run (2026-11-26 night, bf16
+# CPU): the LM stage measures this machine's speed, these turn it into a rough estimate of the
+# whole run (on a CPU without bf16, sampling is relatively faster: an overestimate there).
+RELATIVE_TIME = dict(lm=1.0, balm=1.64, ralm=1.53, negatives_train=1.20, negatives_select=0.10, mlm=0.92, bit=2.53,
+                     unit=1.59, estimate_ppl=4.05, samples=0.34)
 
 
 def print_estimate(timings, default):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json
-from energy import load_energy, sample_log_weights, score
+from energy import load_energy, sample_log_weights, score, score_continuations
 from model import check_vocab, load_lm
 from runtime import (DTYPES, ArgumentParser, at_least, check_writable, precision, progress, rng, run_main, sampling_probe,
                      scoring_probe, setup)
@@ -62,8 +62,7 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
         with ctx:
             tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
                                              return_proposal=True, generator=generator, max_rows=max_rows)
-        x = torch.cat([prefix[:, None].expand(-1, c, -1), tokens], dim=2).flatten(0, 1)
-        e = score(energy, x, P, ectx or ctx, max_rows).view(B, c)
+        e = score_continuations(energy, prefix, tokens, P, ectx or ctx, max_rows)
         log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e
         lse, lse2 = torch.logaddexp(lse, log_w.logsumexp(1)), torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
         u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
@@ -105,11 +104,11 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, gene
     with ctx:
         logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)
     cand_lp, cand_v = logp.topk(candidates, dim=-1)  # (B, C)
-    x = torch.cat([prefix.repeat_interleave(candidates, 0), cand_v.reshape(-1, 1)], dim=1)  # (B*C, P+1)
     if gen_len == 1:
-        log_z = -score(energy, x, prefix_len, ctx, max_rows)
+        log_z = -score_continuations(energy, prefix, cand_v[..., None], prefix_len, ctx, max_rows)
     else:  # groups small enough that every generate call draws >= min(m, 16) completions per prompt:
         # the prompts' forward, shared by their completions, stays a small part of the work
+        x = torch.cat([prefix.repeat_interleave(candidates, 0), cand_v.reshape(-1, 1)], dim=1)  # (B*C, P+1)
         group = max(1, max_rows // min(m, 16))
         log_z = torch.cat([sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows, prefix_len)[0]
                            .logsumexp(-1) - math.log(m) for rows in x.split(group)])

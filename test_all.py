@@ -49,7 +49,7 @@ import train_lm  # noqa: E402
 from data import load_meta, load_negatives, load_split, log_ratios, window_tokens, windows, write_json  # noqa: E402
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from energy import Energy, build_energy, energy_state, load_energy, mlm_mask, sample_log_weights, score  # noqa: E402
+from energy import Energy, build_energy, energy_state, load_energy, mlm_mask, sample_log_weights, score, score_continuations  # noqa: E402
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, leave_one_out_lse, logz_bounds, mc_se,  # noqa: E402
                           per_step, per_step_report, summarize)
 from model import (GPT, RALM, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm,  # noqa: E402
@@ -668,6 +668,36 @@ def test_shared_prompt_attention_reference():
     assert (shared_prompt_attention(q, k, v, pk.flip(0), pv.flip(0)) - shared_prompt_attention(q, k, v, pk, pv)).abs().max() > 1e-3
 
 
+def test_cpu_bf16_attention_reference():
+    """model.attention in bf16 on a CPU (two matmuls, not SDPA) against the float64 softmax(q k^T /
+    sqrt(d) + mask) v of the same bf16 inputs, output and gradients, for no mask, causal, a padding
+    mask and an ALiBi bias: within bf16 rounding, and far from a wrong scale or mask."""
+    from model import attention
+    g = torch.Generator().manual_seed(0)
+    B, nh, T, hs = 2, 3, 7, 16
+    q, k, v = (torch.randn(B, nh, T, hs, generator=g).bfloat16() for _ in range(3))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    padding = (torch.arange(T) < torch.tensor([[T], [4]]))[:, None, None, :]
+    bias = (-0.5 * (torch.arange(T)[:, None] - torch.arange(T)[None]).abs()).expand(1, nh, T, T).bfloat16()
+    for mask, is_causal in ((None, False), (None, True), (padding, False), (bias, False)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        got = attention(*leaves, mask, is_causal)
+        s = q64 @ k64.transpose(-1, -2) / math.sqrt(hs)
+        m = causal if is_causal else mask
+        if m is not None:
+            s = s.masked_fill(~m, float('-inf')) if m.dtype == torch.bool else s + m.double()
+        ref = s.softmax(-1) @ v64
+        assert got.dtype == torch.bfloat16 and (got.double() - ref).abs().max().item() < 0.03
+        w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        (got.double() * w).sum().backward()
+        (ref * w).sum().backward()
+        for a, b in zip(leaves, (q64, k64, v64)):
+            assert (a.grad.double() - b.grad).abs().max().item() < 0.05 * b.grad.abs().max().item()
+        wrong = (s * 2).softmax(-1) @ v64  # the test sees a wrong scale
+        assert (got.double() - wrong).abs().max().item() > 0.1
+
+
 @pytest.mark.parametrize('padded', [False, True], ids=['no_mask', 'padding_mask'])
 @pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
 def test_alibi_attention_reference(causal, padded):
@@ -992,6 +1022,35 @@ def test_score_in_chunks():
     ref = torch.tensor([energy_ref64(e, s, P) for s in x], dtype=torch.float64)
     assert got.dtype == torch.float64 and got.shape == (10,)
     assert (got - ref).abs().max().item() < 1e-5 and (ref.max() - ref.min()).item() > 0.1
+
+
+@pytest.mark.parametrize('kind', ['bit', 'unit'])
+@pytest.mark.parametrize('pool,alibi,context,prefix_len', [('continuation', False, None, 6), ('all', False, None, 6),
+                                                           ('continuation', True, None, 6), ('continuation', False, 2, 6),
+                                                           ('continuation', False, None, 4), ('all', True, 3, 4),
+                                                           ('continuation', False, 0, 6)])
+def test_score_continuations_is_score_of_each_sequence(kind, pool, alibi, context, prefix_len):
+    """score_continuations (a UNIT runs each prompt once and shares its K/V with the continuations)
+    against the float64 reference of every whole sequence, for the pooled prompt positions of
+    both pools, ALiBi, a context (0: the shared path has no prompt left and runs whole sequences),
+    Eq. 5's prompts that hold real continuation tokens (prefix_len < P), and blocks of 1-2
+    continuations or all of them."""
+    B, P, n, L = 3, 6, 5, 4
+    e = random_energy(kind, pool, alibi=alibi)
+    e.context = context
+    g = torch.Generator().manual_seed(4)
+    prompts, tokens = torch.randint(12, (B, P), generator=g), torch.randint(12, (B, n, L), generator=g)
+    x = torch.cat([prompts[:, None].expand(-1, n, -1), tokens], 2)
+    cut = e.context_cut(prefix_len)
+    ref = torch.tensor([[energy_ref64(e, x[b, i, cut:], prefix_len - cut) for i in range(n)] for b in range(B)],
+                       dtype=torch.float64)
+    for max_rows in (3, 6, 1000):
+        got = score_continuations(e, prompts, tokens, prefix_len, NULL, max_rows=max_rows)
+        assert got.dtype == torch.float64 and got.shape == (B, n)
+        assert (got - ref).abs().max().item() < 1e-5
+    assert ref.std() > 0.05  # a mix-up of rows or of pooled positions would be seen (1e-5 above)
+    shifted = score_continuations(e, prompts, tokens, prefix_len - 1 if pool == 'continuation' else prefix_len, NULL)
+    assert pool == 'all' or context == 0 or (shifted - ref).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize('kind', ['bit', 'unit'])
