@@ -49,9 +49,9 @@ class Energy(nn.Module):
         """idx (B, T): prefix (first prefix_len tokens) + continuation, right-padded when lengths
         (B,) gives the real lengths. Returns the energies (B,) in float32. With a context, E sees
         only the last `context` prefix tokens: still a function of x, for less compute."""
-        if self.context is not None and prefix_len > self.context:
-            cut = prefix_len - self.context
-            idx, prefix_len = idx[:, cut:], self.context
+        cut = self.context_cut(prefix_len)
+        if cut:
+            idx, prefix_len = idx[:, cut:], prefix_len - cut
             lengths = None if lengths is None else lengths - cut
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)

@@ -43,7 +43,8 @@ def leave_one_out_lse(lw):
 def mc_se(log_w):
     """Monte-Carlo standard error of T_n (..., n) by the delta method, sd(w) / (sqrt(n) mean(w)):
     the spread of one draw of the estimate, which the bounds' range (their expected gap) omits."""
-    w = torch.exp(log_w.double() - log_w.double().amax(-1, keepdim=True))
+    lw = log_w.double()
+    w = torch.exp(lw - lw.amax(-1, keepdim=True))
     return w.std(-1) / (w.mean(-1) * math.sqrt(log_w.size(-1)))
 
 
@@ -71,9 +72,8 @@ def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):
     V = lm.config.vocab_size
     with ctx:
         logp = torch.log_softmax(lm.logits(x[:, :-1], first=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
-    vocab = torch.arange(V, device=x.device).view(1, V, 1)
-    return torch.stack([torch.logsumexp(logp[b] - score_continuations(energy, x[b:b + 1, :-1], vocab, prefix_len, ectx or ctx)[0], 0)
-                        for b in range(x.size(0))])
+    vocab = torch.arange(V, device=x.device).expand(x.size(0), V)[..., None]  # every v after each x_<T
+    return torch.logsumexp(logp - score_continuations(energy, x[:, :-1], vocab, prefix_len, ectx or ctx), -1)
 
 
 # -----------------------------------------------------------------------------
