@@ -63,9 +63,15 @@ class Energy(nn.Module):
                 mask = mask & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
         h = self.body.hidden(idx, mask=mask)
         w = real & (pos[None, :] >= prefix_len) if self.pool == 'continuation' else real
-        w = w.to(h.dtype)[..., None]
-        pooled = (h * w).sum(1) / w.sum(1)
-        return self.head(pooled).squeeze(-1).float()
+        w = w.float()[..., None]
+        pooled = (h.float() * w).sum(1) / w.sum(1)  # (B, C) mean over the pooled positions
+        return self.project(pooled)
+
+    def project(self, pooled):
+        """E (B,) from the pooled states (B, C), in float32 even under autocast: a bf16 head would
+        round E to steps of 2^-6 for |E| in [2, 4)."""
+        with torch.autocast(pooled.device.type, enabled=False):
+            return self.head(pooled.float()).squeeze(-1)
 
     def context_cut(self, prefix_len):
         """How many leading tokens forward() drops: all but the last `context` of the prefix."""
@@ -84,14 +90,14 @@ class Energy(nn.Module):
         prompt_cache = self.body.new_cache(B, P)
         h = self.body.hidden(prompt, prompt_cache)
         first = prefix_len if self.pool == 'continuation' else 0  # the pooled prompt positions
-        prompt_sum, count = h[:, first:].sum(1), P - first + L
+        prompt_sum, count = h[:, first:].float().sum(1), P - first + L
         out = []
         for t in tokens.split(max(1, rows // B), dim=1):
             own = self.body.new_cache(B * t.size(1), L)
             cache = [(k, v, *p) for (k, v), p in zip(own, prompt_cache)]
             h = self.body.hidden(t.flatten(0, 1), cache, pos=P)
-            pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.sum(1)) / count
-            out.append(self.head(pooled).squeeze(-1).float().view(B, -1))
+            pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.float().sum(1)) / count
+            out.append(self.project(pooled).view(B, -1))
         return torch.cat(out, 1)
 
 

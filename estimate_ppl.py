@@ -79,59 +79,79 @@ def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):
 # -----------------------------------------------------------------------------
 # sequence-level joint PPL (Table 1)
 
+@torch.no_grad()
 def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split):
-    """Per-prefix log-probs, energies and log Z bounds, each rank taking every world_size-th
-    chunk of prefixes; every chunk has its own seed, so results do not depend on world_size."""
+    """Per-prefix columns: log P_LM of the real continuation, the extra LMs' log-probs, each
+    energy of the real sequence and its log Z bounds for every n of the sweep. energies and
+    extra_lms are {name: model}. Each rank takes every world_size-th chunk of prefixes; every
+    chunk has its own seed, so results do not depend on world_size."""
     P, L = args.prefix_len, args.gen_len
     sweep = sorted(set(args.sweep + [args.num_samples]))
     recs = []
     chunks = range(0, len(offsets), args.chunk)
     mine = list(chunks)[rank::world_size]
     for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
-        x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)
+        x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)  # (B, P+L)
         g = rng(args.seed, 'log_z', split, s, device)
         with ctx:
-            lp = lm.sequence_logprob(x, P).double()
-            extra = [m.sequence_logprob(x, P).double() for m in extra_lms]
-        e_real = [score(e, x, P, ectx) for e in energies]
-        log_w = sample_log_weights(lm, energies, x[:, :P], L, max(sweep), ctx, g, args.max_rows, ectx=ectx)
-        bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}
-        for b in range(x.size(0)):
-            recs.append(dict(index=s + b, lm_logp=lp[b].item(), extra_logp=[t[b].item() for t in extra],
-                             energy=[t[b].item() for t in e_real],
-                             logz={n: [[lo[k, b].item(), hi[k, b].item()] for k in range(len(energies))]
-                                   for n, (lo, hi) in bounds.items()}))
+            lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
+            extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
+        e_real = {name: score(e, x, P, ectx) for name, e in energies.items()}
+        log_w = sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g, args.max_rows,
+                                   ectx=ectx)  # (energies, B, n) = -E of the LM samples
+        bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
+        recs.append(dict(index=s, lm_logp=lm_logp.cpu(), extra_logp={k: v.cpu() for k, v in extra.items()},
+                         energy={k: v.cpu() for k, v in e_real.items()},
+                         logz={name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu()) for n, (lo, hi) in bounds.items()}
+                               for k, name in enumerate(energies)}))
     if world_size > 1:
         gathered = [None] * world_size
         dist.all_gather_object(gathered, recs)
         recs = [r for part in gathered for r in part]
-    return sorted(recs, key=lambda r: r['index'])
+    return columns(sorted(recs, key=lambda r: r['index']))
 
 
-def summarize(recs, names, extra_names, num_tokens, n, num_chars=None):
+def columns(chunks):
+    """The chunks' records joined into one float64 array per quantity, one entry per prefix."""
+    cat = lambda get: np.concatenate([get(c).numpy() for c in chunks]).astype(np.float64)
+    first = chunks[0]
+    return dict(lm_logp=cat(lambda c: c['lm_logp']),
+                extra_logp={k: cat(lambda c: c['extra_logp'][k]) for k in first['extra_logp']},
+                energy={k: cat(lambda c: c['energy'][k]) for k in first['energy']},
+                logz={k: {n: {end: cat(lambda c: c['logz'][k][n][end]) for end in ('low', 'high')}
+                          for n in first['logz'][k]} for k in first['logz']})
+
+
+def summarize(cols, num_tokens, n, num_chars=None):
     """PPL of each model over the prefixes: the base LM, extra LMs, and each joint model as a
     range; for every model but the base, the per-prefix gain over the base LM in nats per token
     (for a joint model at its conservative, high-PPL end) with its standard error."""
-    lp = np.array([r['lm_logp'] for r in recs])
+    lp = cols['lm_logp']
     ppl = lambda logp, count: float(np.exp(-logp.sum() / count))
-    L = num_tokens / len(recs)
+    L = num_tokens / len(lp)
     gain = lambda logp: dict(gain_nats_per_token=float(((logp - lp) / L).mean()),
                              gain_se=float(((logp - lp) / L).std(ddof=1) / math.sqrt(len(lp))))
     rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
-    for j, name in enumerate(extra_names):
-        logp = np.array([r['extra_logp'][j] for r in recs])
+    for name, logp in cols['extra_logp'].items():
         rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain(logp)))
-    for k, name in enumerate(names):
-        e = np.array([r['energy'][k] for r in recs])
-        lo = np.array([r['logz'][n][k][0] for r in recs])
-        hi = np.array([r['logz'][n][k][1] for r in recs])
-        joint_high, joint_low = lp - e - lo, lp - e - hi  # log P bounds: low log Z -> high log P
-        rows.append(dict(model=f'JOINT {name}', ppl_low=ppl(joint_high, num_tokens), ppl_high=ppl(joint_low, num_tokens),
-                         **gain(joint_low),
-                         **({'ppl_char_low': ppl(joint_high, num_chars), 'ppl_char_high': ppl(joint_low, num_chars)} if num_chars else {})))
+    for name, e in cols['energy'].items():
+        logz = cols['logz'][name][n]
+        joint_high = lp - e - logz['low']  # log P bounds: the low log Z gives the high log P
+        joint_low = lp - e - logz['high']
+        rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
+                         ppl_high=ppl(joint_low, num_tokens), **gain(joint_low)))
+        if num_chars:
+            rows[-1].update(ppl_char_low=ppl(joint_high, num_chars), ppl_char_high=ppl(joint_low, num_chars))
     if num_chars:
         rows[0]['ppl_char'] = ppl(lp, num_chars)
     return rows
+
+
+def to_json(cols):
+    """The per-prefix columns as lists (what claims.py reads back)."""
+    if isinstance(cols, dict):
+        return {str(k): to_json(v) for k, v in cols.items()}
+    return cols.tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -157,7 +177,7 @@ def calibrate(log_w, n, L):
                 reference_width=(ref_hi - ref_lo).abs().mean(-1).tolist())
 
 
-def calibration_report(lm, energies, names, data, offsets, args, ctx, ectx, device, split):
+def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, split):
     """calibrate() on an evenly spaced subset of the split's prefixes, for every energy and for
     every power-of-two n up to N / 8 (the default n included), in nats per token."""
     P, L, B = args.prefix_len, args.gen_len, args.calib_prefixes
@@ -166,61 +186,73 @@ def calibration_report(lm, energies, names, data, offsets, args, ctx, ectx, devi
     for s in progress(range(0, len(offsets), args.chunk), quiet=args.quiet, desc=f'calibration ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P).to(device)
         g = rng(args.seed, 'calibration', split, s, device)
-        log_w.append(sample_log_weights(lm, energies, x, L, args.calib_samples, ctx, g, args.max_rows, ectx=ectx))
+        log_w.append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, ctx, g, args.max_rows, ectx=ectx))
     log_w = torch.cat(log_w, dim=1)  # (energies, B, N)
     ns = sorted({2 ** k for k in range(1, 20) if 2 ** k <= args.calib_samples // 8} | {args.num_samples})
     per_n = {n: calibrate(log_w, n, L) for n in ns}
     return {name: dict(prefixes=len(offsets), reference_samples=args.calib_samples,
                        **{k: per_n[args.num_samples][k][i] for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width')},
                        by_n={n: {k: c[k][i] for k in ('bias_lower', 'bias_upper', 'bracketed')} for n, c in per_n.items()})
-            for i, name in enumerate(names)}
+            for i, name in enumerate(energies)}
 
 
 # -----------------------------------------------------------------------------
 # per-step PPL (Eq. 5, Fig. 1)
 
 @torch.no_grad()
-def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None):
-    """For each position t of the continuation of every row of x (B, P+L): log P_LM(x_t | x_<t)
-    and bounds of log Z(x_<=t) for k = t - P = 0..L real continuation tokens fixed, the rest
-    marginalised with m LM samples; Z with all L fixed is exp(-E(x)), exactly. Each Z is
-    computed once: the numerator of step t is the denominator of step t+1.
-    Returns lp (B, L), logz_lo and logz_hi (B, L+1)."""
+def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every=1):
+    """log P_LM(x_t | x_<t) at each position of the continuation of every row of x (B, P+L), and
+    bounds of log Z(x_<=P+k) with k real continuation tokens fixed and the rest marginalised with m
+    LM samples, for k on a grid: 0, every, 2 every, ..., and L-1, L (every = 1: each position).
+    Z with all L fixed is exp(-E(x)), exactly. Each Z is computed once: the numerator of a step is
+    the denominator of the next. Returns lp (B, L), ks (list), logz_lo and logz_hi (B, len(ks))."""
     B, T = x.shape
     L = T - P
+    ks = sorted(set(range(0, L, every)) | {L - 1, L})
     with ctx:
-        _, lp = lm.sequence_logprob(x, P, per_token=True)
-    lo, hi = torch.empty(B, L + 1, dtype=torch.float64), torch.empty(B, L + 1, dtype=torch.float64)
-    for k in range(L):
-        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows, prefix_len=P, ectx=ectx)[0]
-        lo[:, k], hi[:, k] = (t.cpu() for t in logz_bounds(log_w))
-    lo[:, L] = hi[:, L] = -score(energy, x, P, ectx or ctx).cpu()
-    return lp.double().cpu(), lo, hi
+        _, lp = lm.sequence_logprob(x, P, per_token=True)  # (B, L)
+    lo, hi = torch.empty(B, len(ks), dtype=torch.float64), torch.empty(B, len(ks), dtype=torch.float64)
+    for j, k in enumerate(ks[:-1]):
+        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows, prefix_len=P,
+                                   ectx=ectx)[0]  # (B, m)
+        lo[:, j], hi[:, j] = (t.cpu() for t in logz_bounds(log_w))
+    lo[:, -1] = hi[:, -1] = -score(energy, x, P, ectx or ctx).cpu()
+    return lp.double().cpu(), ks, lo, hi
 
 
 def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
-    """Fig. 1: base and joint PPL at each continuation position, with the exact last step, and
-    the last step estimated again from last_step_samples samples. The bounds bracket log Z in
-    expectation (for n large enough, Theorem 2), not in every draw: the estimate must lie within
-    a few Monte-Carlo SE (mc_se) of the exact value, and its range contains it only when the
-    draw's noise is smaller than the range's width."""
+    """Fig. 1: base and joint PPL per segment of the continuation (between consecutive grid
+    points; every = 1: per position), the joint's conservative range and its per-prefix gain over
+    the LM (log Z(x_<=t2) - log Z(x_<=t1) at the bounds' midpoint, nats/token) with SE over
+    prefixes; the last step exact (the vocabulary enumerated), and estimated again from
+    last_step_samples samples. The bounds bracket log Z in expectation (Theorem 2), not in every
+    draw: the estimate must lie within a few Monte-Carlo SE (mc_se) of the exact value."""
     P, L = args.prefix_len, args.gen_len
-    x = window_tokens(data, offsets[:args.step_prefixes], P + L).to(device)
+    idx = np.linspace(0, len(offsets) - 1, min(args.step_prefixes, len(offsets))).round().astype(int)
+    x = window_tokens(data, offsets[idx], P + L).to(device)  # (B, P+L), evenly spaced prefixes
     g = rng(args.seed, 'per_step', split, 0, device)
-    lp, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx)
-    step_low = lp + lo[:, 1:] - hi[:, :-1]  # log P(x_t|x_<t): low numerator, high denominator
-    step_high = lp + hi[:, 1:] - lo[:, :-1]
-    exact_last = lp[:, -1] + lo[:, -1] - last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
+    lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx, getattr(args, 'step_every', 1))
+    width = torch.tensor(np.diff(ks), dtype=torch.float64)  # tokens per segment
+    seg_lp = torch.stack([lp[:, k1:k2].sum(1) for k1, k2 in zip(ks, ks[1:])], 1)  # (B, segments)
+    step_low = seg_lp + lo[:, 1:] - hi[:, :-1]  # log P of a segment: low numerator, high denominator
+    step_high = seg_lp + hi[:, 1:] - lo[:, :-1]
+    mid = (lo + hi) / 2
+    seg_gain = (mid[:, 1:] - mid[:, :-1]) / width  # (B, segments) nats/token over the LM
+    exact_logz = last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
+    exact_last = lp[:, -1] + lo[:, -1] - exact_logz
     log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, ctx, g, args.max_rows, P, ectx)[0]
     z_lo, z_hi = (t.cpu() for t in logz_bounds(log_w))
     last = lambda z: math.exp(-(lp[:, -1] + lo[:, -1] - z).mean().item())
+    per_token_ppl = lambda logp: torch.exp(-(logp / width).mean(0)).tolist()
     return dict(num_prefixes=x.size(0), step_samples=args.step_samples, last_step_samples=args.last_step_samples,
                 last_step_ppl_low=last(z_lo), last_step_ppl_high=last(z_hi),
                 last_step_mc_se=mc_se(log_w).pow(2).sum().sqrt().item() / x.size(0),  # nats/token, of the mean
-                position=list(range(1, L + 1)),
-                base_ppl=torch.exp(-lp.mean(0)).tolist(),
-                joint_ppl_low=torch.exp(-step_high.mean(0)).tolist(),
-                joint_ppl_high=torch.exp(-step_low.mean(0)).tolist(),
+                position=ks[1:],  # the segment ends (k tokens of the continuation fixed)
+                base_ppl=per_token_ppl(seg_lp), joint_ppl_low=per_token_ppl(step_high),
+                joint_ppl_high=per_token_ppl(step_low),
+                gain=seg_gain.mean(0).tolist(), gain_se=(seg_gain.std(0) / math.sqrt(x.size(0))).tolist(),
+                per_prefix_gain=seg_gain.tolist(),
+                per_prefix_last_step_gain_exact=(lo[:, -1] - exact_logz).tolist(),
                 last_step_exact_ppl=math.exp(-exact_last.mean().item()),
                 last_step_base_ppl=math.exp(-lp[:, -1].mean().item()))
 
@@ -242,7 +274,8 @@ def get_args(argv=None):
     a('--sweep', default='', help='comma-separated n values for the bounds as n grows (Fig. 2 left)')
     a('--per_step', nargs='?', const='', default=None, metavar='NAME',
       help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
-    a('--step_prefixes', type=int, default=8)
+    a('--step_prefixes', type=int, default=8, help='prefixes of Fig. 1 (evenly spaced over the split)')
+    a('--step_every', type=int, default=1, help='Fig. 1: log Z every this many positions (and at the last two)')
     a('--step_samples', type=int, default=16, help='m LM samples per position for Eq. 5')
     a('--last_step_samples', type=int, default=1024, help='LM samples for the last step estimated again, beside the exact value')
     a('--calib_prefixes', type=int, default=16, help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
@@ -262,7 +295,7 @@ def get_args(argv=None):
     args.splits = [s for s in args.splits.split(',') if s]
     if not args.splits or any(s not in SPLITS for s in args.splits):
         raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of {', '.join(SPLITS)}")
-    at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'chunk', 'max_rows')
+    at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'step_every', 'chunk', 'max_rows')
     check(args, 'max_prefixes', lambda v: v == 0 or v >= 2, '0 (all) or at least 2 (the gain has a standard error)')
     at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
     if args.per_step is not None and not args.energy:
@@ -286,15 +319,20 @@ def load_models(args, device):
     data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
     meta = load_meta(data_dir)
     check_vocab(lm_ckpt, meta, args.lm)
-    energies = {name: load_energy(path, args.lm, device)[0] for name, path in (s.split('=', 1) for s in args.energy)}
-    extra = {name: load_lm(path, device, meta=meta)[0] for name, path in (s.split('=', 1) for s in args.extra_lm)}
+    energies = {name: load_energy(path, args.lm, device)[0] for name, path in map(name_path, args.energy)}
+    extra = {name: load_lm(path, device, meta=meta)[0] for name, path in map(name_path, args.extra_lm)}
     if args.per_step and args.per_step not in energies:
         raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(energies)})")
     for model in [lm] + list(energies.values()) + list(extra.values()):
         if args.prefix_len + args.gen_len > model.config.block_size:
             raise ValueError(f"prefix_len + gen_len = {args.prefix_len + args.gen_len} exceeds a model's "
                              f"block_size {model.config.block_size}")
-    return lm, meta, data_dir, (list(energies), list(energies.values())), (list(extra), list(extra.values()))
+    return lm, meta, data_dir, energies, extra
+
+
+def name_path(spec):
+    """'BIT=out/bit/best.pt' -> ('BIT', 'out/bit/best.pt')"""
+    return tuple(spec.split('=', 1))
 
 
 def format_table(rows, splits):
@@ -344,54 +382,64 @@ def format_last_step(ps):
 def main(argv=None):
     args = get_args(argv)
     rank, world_size, device = setup(args.device)
-    lm, meta, data_dir, (names, energies), (extra_names, extra_lms) = load_models(args, device)
+    lm, meta, data_dir, energies, extra_lms = load_models(args, device)
     P, L = args.prefix_len, args.gen_len
     dtype, ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device), rank == 0)
-    edtype, ectx = precision(device, args.dtype, 'score', scoring_probe(energies[0], device, P + L), rank == 0) \
+    first = next(iter(energies.values()), None)
+    edtype, ectx = precision(device, args.dtype, 'score', scoring_probe(first, device, P + L), rank == 0) \
         if energies else (dtype, ctx)
-    params = dict(zip(['BASE LM'] + extra_names + [f'JOINT {n}' for n in names],
-                      [lm.num_params()] + [m.num_params() for m in extra_lms] + [lm.num_params() + e.num_params() for e in energies]))
-    tok = load_tokenizer(meta)
-
-    hashes = {'BASE LM': file_hash(args.lm)}
-    hashes.update({s.split('=', 1)[0]: file_hash(s.split('=', 1)[1]) for s in args.energy + args.extra_lm})
+    params = {'BASE LM': lm.num_params(), **{name: m.num_params() for name, m in extra_lms.items()},
+              **{f'JOINT {name}': lm.num_params() + e.num_params() for name, e in energies.items()}}
+    hashes = {'BASE LM': file_hash(args.lm), **{name: file_hash(path) for name, path in map(name_path, args.energy + args.extra_lm)}}
     out = dict(hashes=hashes, dtype=dict(sample=dtype, score=edtype), splits={}, rows=[])
     for split in args.splits:
         data = load_split(data_dir, split, meta)
         offsets = windows(data, P, L, max_windows=args.max_prefixes or None)
         if len(offsets) < 2:
             raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: lower --prefix_len/--gen_len")
-        recs = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split)
-        num_chars = None if meta['tokenizer'] == 'char' else \
-            sum(len(tok.decode(data[o + P:o + P + L].tolist())) for o in offsets)
-        rows = summarize(recs, names, extra_names, len(offsets) * L, args.num_samples, num_chars)
-        summary = dict(split=split, num_samples=args.num_samples, num_prefixes=len(offsets), num_tokens=len(offsets) * L,
-                       prefix_len=P, gen_len=L, base_ppl=rows[0]['ppl'])
-        if names:
-            summary.update(joint_ppl_low=rows[len(extra_names) + 1]['ppl_low'], joint_ppl_high=rows[len(extra_names) + 1]['ppl_high'])
-        if args.sweep:
-            summary['sweep'] = {n: summarize(recs, names, [], len(offsets) * L, n)[1:] for n in sorted(set(args.sweep))}
-        out['splits'][split] = dict(summary, rows=rows)
-        out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in rows]
+        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split)
+        res = split_summary(cols, args, split, offsets, data, meta)
+        out['splits'][split] = res
+        out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in res['rows']]
         if rank == 0 and energies and split == args.splits[-1]:  # one split is enough
             if args.per_step is not None:
-                k = names.index(args.per_step) if args.per_step else 0
-                out['splits'][split]['per_step'] = dict(per_step_report(lm, energies[k], data, offsets, args, ctx, ectx,
-                                                                        device, split), energy=names[k])
+                name = args.per_step or next(iter(energies))
+                res['per_step'] = dict(per_step_report(lm, energies[name], data, offsets, args, ctx, ectx, device, split),
+                                       energy=name)
             if args.calib_prefixes:
-                out['splits'][split]['calibration'] = calibration_report(lm, energies, names, data, offsets, args,
-                                                                         ctx, ectx, device, split)
+                res['calibration'] = calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, split)
     if rank == 0:
-        last = out['splits'][args.splits[-1]]
-        gains = {r['model'][6:]: r['gain_se'] for r in last['rows'] if r['model'].startswith('JOINT ')}
-        text = format_table(out['rows'], args.splits) + '\n' + \
-            f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n" + \
-            format_calibration(last.get('calibration', {}), args.num_samples, gains) + format_last_step(last.get('per_step'))
-        write_json(out, args.out)
-        write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
-        print(text + f"\n-> {args.out}")
+        write_results(out, args)
     teardown_distributed()
     return out
+
+
+def split_summary(cols, args, split, offsets, data, meta):
+    """One split's Table-1 rows, its bounds as n grows (Fig. 2 left) and the per-prefix columns."""
+    P, L = args.prefix_len, args.gen_len
+    num_chars = None if meta['tokenizer'] == 'char' else \
+        sum(len(load_tokenizer(meta).decode(data[o + P:o + P + L].tolist())) for o in offsets)
+    rows = summarize(cols, len(offsets) * L, args.num_samples, num_chars)
+    res = dict(split=split, num_samples=args.num_samples, num_prefixes=len(offsets), num_tokens=len(offsets) * L,
+               prefix_len=P, gen_len=L, base_ppl=rows[0]['ppl'], rows=rows, per_prefix=to_json(cols))
+    joint = [r for r in rows if 'energy' in r]
+    if joint:  # the first joint model's range, in one place
+        res.update(joint_ppl_low=joint[0]['ppl_low'], joint_ppl_high=joint[0]['ppl_high'])
+    if args.sweep:
+        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n) if 'energy' in r] for n in sorted(set(args.sweep))}
+    return res
+
+
+def write_results(out, args):
+    """ppl.json, and the table with its calibration and last-step lines as ppl.txt (printed too)."""
+    last = out['splits'][args.splits[-1]]
+    gain_se = {r['energy']: r['gain_se'] for r in last['rows'] if 'energy' in r}
+    text = format_table(out['rows'], args.splits) + '\n' + \
+        f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n" + \
+        format_calibration(last.get('calibration', {}), args.num_samples, gain_se) + format_last_step(last.get('per_step'))
+    write_json(out, args.out)
+    write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
+    print(text + f"\n-> {args.out}")
 
 
 if __name__ == '__main__':

@@ -6,8 +6,12 @@ out/samples.json (sample.py). PNGs land beside them:
                              with the exact last step (the vocabulary enumerated)
     fig2_left_bounds.png     Fig. 2 left: the joint PPL bounds as the number n of samples grows (Eq. 4)
     fig2_right_ngrams.png    Fig. 2 right: unique word n-grams (%) of real text, BASE LM and JOINT samples
-    fig3_lm_loglik.png       Fig. 3 (left): base LM log-likelihood of real, BASE LM and JOINT continuations
+    fig3_loglik.png          Fig. 3: real text vs own samples, scored by the base LM (left) and by the
+                             joint model (right)
+    fig4_ordering.png        the gain of BALM and of JOINT BIT over BASE as the base LM trains
+                             (reproduce.py --ordering)
 
+Titles carry the claim each figure measures (claims.json, when present).
     python figures.py --out_dir out
     python figures.py --out_dir out --copy_to assets/figures     # the small copies README shows
 
@@ -38,21 +42,31 @@ def load_pyplot():
     return plt
 
 
-def fig1_per_step(ax, ppl, split):
-    """Fig. 1: base LM PPL at each continuation position, the joint range (Eq. 5 with the log Z
-    bounds of Eq. 4 at both ends), and the exact joint PPL at the last position."""
+def num(v, spec):
+    """A number of claims.json as text ('n/a': JSON's null, a NaN when it was written)."""
+    return 'n/a' if v is None else format(v, spec)
+
+
+def fig1_per_step(ax, ppl, split, claims):
+    """Fig. 1: the joint model's gain over the base LM per position of the continuation (Eq. 5,
+    log Z at the bounds' midpoint, segments between grid points), +- 2 SE over prefixes, and the
+    exact gain at the last step (the vocabulary enumerated)."""
     ps = ppl['splits'][split]['per_step']
-    pos = ps['position']
-    ax.plot(pos, ps['base_ppl'], color='black', lw=1, label='BASE LM')
-    ax.fill_between(pos, ps['joint_ppl_low'], ps['joint_ppl_high'], color='tab:green', alpha=0.5,
-                    label=f"JOINT {ps['energy']} (bounds, m = {ps['step_samples']})")
-    ax.scatter([pos[-1]], [ps['last_step_exact_ppl']], color='tab:red', marker='x', zorder=3, label='JOINT exact (last step)')
-    ax.set(xlabel='position in the continuation', ylabel='PPL',
-           title=f"Fig. 1: per-step PPL ({split}, {ps['num_prefixes']} prefixes)")
+    pos, gain, se = np.array(ps['position']), np.array(ps['gain']), np.array(ps['gain_se'])
+    ax.axhline(0, color='black', lw=0.8, label='BASE LM')
+    ax.plot(pos, gain, 'o-', ms=3, color='tab:green', label=f"JOINT {ps['energy']} (m = {ps['step_samples']})")
+    ax.fill_between(pos, gain - 2 * se, gain + 2 * se, color='tab:green', alpha=0.3, label='+- 2 SE over prefixes')
+    c = claims['claims']['C4'] if claims else None
+    if c:
+        ax.errorbar([pos[-1]], [c['last_step_gain_exact']], yerr=[2 * c['last_step_gain_se']], color='tab:red', marker='x',
+                    zorder=3, label='exact last step')
+    ax.set(xlabel='position in the continuation', ylabel='gain over the LM, nats/token',
+           title=f"Fig. 1: per-step gain ({split}, {ps['num_prefixes']} prefixes)"
+                 + (f"\nC4: first segment - last step = {num(c['diff'], '+.4f')} ({num(c['se'], '.4f')} SE)" if c else ''))
     ax.legend(fontsize=7)
 
 
-def fig2_left_bounds(ax, ppl, split):
+def fig2_left_bounds(ax, ppl, split, claims):
     """Fig. 2 left: the lower and upper joint PPL estimates of each joint model against n."""
     res = ppl['splits'][split]
     ns = sorted(res['sweep'], key=int)
@@ -61,39 +75,72 @@ def fig2_left_bounds(ax, ppl, split):
         ax.plot([int(n) for n in ns], [res['sweep'][n][k]['ppl_low'] for n in ns], 'o--', ms=3, color=line.get_color(),
                 label=f"{row['model']} lower")
     ax.axhline(res['base_ppl'], color='black', lw=0.8, label='BASE LM')
+    ax.set_ylim(top=max(ax.get_ylim()[1], res['base_ppl'] * 1.002))  # the BASE LM line stays in view
     ax.set_xscale('log', base=2)
+    c = claims['claims']['C5'] if claims else None
     ax.set(xlabel='n samples per prefix', ylabel='PPL',
-           title=f"Fig. 2 left: PPL bounds vs n ({split}, {res['num_prefixes']} prefixes)")
+           title=f"Fig. 2 left: PPL bounds vs n ({split}, {res['num_prefixes']} prefixes)"
+                 + (f"\nC5: range narrows by {num(c['diff'], '.4f')} ({num(c['se'], '.4f')} SE) nats/token" if c else ''))
     ax.legend(fontsize=7)
 
 
-def fig2_right_ngrams(ax, samples):
-    """Fig. 2 right: % of distinct word n-grams, n = 1..4, per kind of continuation."""
+def fig2_right_ngrams(ax, samples, claims):
+    """Fig. 2 right: % of distinct word n-grams, n = 1..4, of real text, base and joint samples
+    pooled over all prefixes."""
     kinds = [k for k in KINDS if k in samples['unique_ngrams']]
     width = 0.8 / len(kinds)
     for j, k in enumerate(kinds):
         vals = [np.nan if v is None else v for v in samples['unique_ngrams'][k]]
         ax.bar(np.arange(1, 5) + (j - (len(kinds) - 1) / 2) * width, vals, width, label=KINDS[k][0], color=KINDS[k][1])
     ax.set_xticks(range(1, 5))
+    c = claims['claims']['C6'] if claims else None
     ax.set(xlabel='n', ylabel='unique n-grams (%)', ylim=(0, 122),
-           title=f"Fig. 2 right: unique word n-grams ({len(samples['samples'])} prefixes)")
+           title=f"Fig. 2 right: unique word n-grams ({len(samples['samples'])} prefixes)"
+                 + (f"\nC6: joint - base (n = 2..4) {num(c['diff'], '+.2f')} ({num(c['se'], '.2f')} SE) points" if c else ''))
     ax.legend(fontsize=7, loc='upper center', ncol=len(kinds))  # above the bars, which reach 100
 
 
-def fig3_lm_loglik(ax, samples):
-    """Fig. 3 (left): histograms (as densities) of log P_LM(continuation | prefix), one value per
-    prefix and kind, with each kind's mean dashed."""
+def fig3_loglik(axes, samples, claims):
+    """Fig. 3 as the paper draws it: left, the base LM's log-likelihood of real text and of its own
+    samples; right, the joint model's (log P_LM - E - log Z) of real text and of its own samples.
+    Histograms as densities, means dashed."""
     recs = samples['samples']
-    kinds = [k for k in KINDS if k in recs[0]['lm_logp']]
-    vals = {k: np.array([r['lm_logp'][k] for r in recs]) for k in kinds}
-    bins = np.histogram_bin_edges(np.concatenate(list(vals.values())), bins=min(30, max(5, len(recs) // 2)))
-    for k in kinds:
-        name, color = KINDS[k]
-        ax.hist(vals[k], bins=bins, density=True, histtype='stepfilled', alpha=0.3, color=color)
-        ax.hist(vals[k], bins=bins, density=True, histtype='step', color=color, label=f'{name} (mean {vals[k].mean():.1f})')
-        ax.axvline(vals[k].mean(), color=color, ls='--', lw=1)
-    ax.set(xlabel=f"log P_LM(continuation | prefix), nats ({samples['args']['gen_len']} tokens)", ylabel='density',
-           title=f'Fig. 3: base LM log-likelihood ({len(recs)} prefixes)')
+    logz = np.array([r.get('logz', 0.0) for r in recs])
+    lm = lambda k: np.array([r['lm_logp'][k] for r in recs])
+    joint = lambda k: lm(k) - np.array([r[f'{k}_energy'] for r in recs]) - logz
+    panels = [('base LM', {'gold': lm('gold'), 'base': lm('base')}),
+              ('joint model', {'gold': joint('gold'), 'joint': joint('joint')})]
+    c = claims['claims']['C7'] if claims else None
+    for ax, (scorer, vals) in zip(axes, panels):
+        bins = np.histogram_bin_edges(np.concatenate(list(vals.values())), bins=min(30, max(5, len(recs) // 8)))
+        for k, v in vals.items():
+            name, color = KINDS[k]
+            ax.hist(v, bins=bins, density=True, histtype='stepfilled', alpha=0.3, color=color)
+            ax.hist(v, bins=bins, density=True, histtype='step', color=color, label=f'{name} (mean {v.mean():.1f})')
+            ax.axvline(v.mean(), color=color, ls='--', lw=1)
+        diff = np.mean(list(vals.values())[1]) - np.mean(list(vals.values())[0])
+        ax.set(xlabel=f"log-likelihood under the {scorer}, nats ({samples['args']['gen_len']} tokens)", ylabel='density',
+               title=f"scored by the {scorer}: samples - real = {diff:+.2f}")
+        ax.legend(fontsize=7)
+    axes[0].figure.suptitle(f"Fig. 3 ({len(recs)} prefixes)" + (f"; C7: |base| - |joint| = {num(c['diff'], '+.2f')} "
+                                                                 f"({num(c['se'], '.2f')} SE) nats" if c else ''), fontsize=9)
+
+
+def fig4_ordering(ax, ordering):
+    """The gain over BASE of BALM and of JOINT BIT as the base LM trains (each LM checkpoint with
+    its own energy): where the ordering of Table 1 flips, if it does."""
+    pts = ordering['points']
+    x = [p['base_select_loss'] for p in pts]
+    for key, name, color in (('balm', 'BALM', 'tab:blue'), ('joint', f"JOINT {ordering['energy']}", 'tab:green')):
+        g, se = np.array([p[f'{key}_gain'] for p in pts]), np.array([p[f'{key}_gain_se'] for p in pts])
+        ax.errorbar(x, g, yerr=2 * se, marker='o', ms=3, capsize=2, color=color, label=f'{name} (+- 2 SE)')
+    for p in pts:
+        ax.annotate(f"{p['iter']}", (p['base_select_loss'], p['joint_gain']), fontsize=6, xytext=(2, 2),
+                    textcoords='offset points')
+    ax.axhline(0, color='black', lw=0.8)
+    ax.invert_xaxis()  # training goes left to right
+    ax.set(xlabel="base LM's selection loss (nats/token; labels: its step)", ylabel=f"gain over BASE, nats/token ({ordering['split']})",
+           title=f"Fig. 4: the ordering as the base LM trains ({ordering['num_prefixes']} prefixes)")
     ax.legend(fontsize=7)
 
 
@@ -126,20 +173,27 @@ def main(argv=None):
     plt = load_pyplot()
     ppl = read_json(os.path.join(args.out_dir, 'ppl.json'), 'estimate_ppl.py')
     samples = read_json(os.path.join(args.out_dir, 'samples.json'), 'sample.py')
+    claims_path, ordering_path = (os.path.join(args.out_dir, f) for f in ('claims.json', 'ordering.json'))
+    claims = read_json(claims_path, 'claims.py') if os.path.exists(claims_path) else None
+    if not ppl.get('splits'):
+        raise ValueError(f"{args.out_dir}/ppl.json holds no split: rerun estimate_ppl.py")
     split = args.split or next((s for s, r in ppl['splits'].items() if 'per_step' in r), list(ppl['splits'])[-1])
     if split not in ppl['splits']:
         raise ValueError(f"--split {split}: ppl.json has only {', '.join(ppl['splits'])}")
-    res = ppl['splits'][split]
-    figures = [('fig1_per_step.png', fig1_per_step, (ppl, split), 'per_step' in res, 'estimate_ppl.py --per_step'),
-               ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split), 'sweep' in res, 'estimate_ppl.py --sweep'),
-               ('fig2_right_ngrams.png', fig2_right_ngrams, (samples,), bool(samples['samples']), 'sample.py'),
-               ('fig3_lm_loglik.png', fig3_lm_loglik, (samples,), bool(samples['samples']), 'sample.py')]
+    res, has_samples = ppl['splits'][split], bool(samples['samples'])
+    figures = [('fig1_per_step.png', fig1_per_step, (ppl, split, claims), 'per_step' in res, 'estimate_ppl.py --per_step'),
+               ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split, claims), 'sweep' in res, 'estimate_ppl.py --sweep'),
+               ('fig2_right_ngrams.png', fig2_right_ngrams, (samples, claims), has_samples, 'sample.py'),
+               ('fig3_loglik.png', fig3_loglik, (samples, claims), has_samples, 'sample.py')]
+    if os.path.exists(ordering_path):
+        figures.append(('fig4_ordering.png', fig4_ordering, (read_json(ordering_path, 'reproduce.py --ordering'),), True, ''))
     written = []
     for name, draw, data, present, how in figures:
         if not present:
             print(f"{name}: skipped, its data is not in the JSON (run {how})")
             continue
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        two = draw is fig3_loglik
+        fig, ax = plt.subplots(1, 2 if two else 1, figsize=(10, 3.8) if two else (5.5, 3.8))
         draw(ax, *data)
         written.append(save(plt, fig, os.path.join(args.out_dir, name), args.dpi))
     if args.copy_to:

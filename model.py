@@ -344,14 +344,15 @@ def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
 
 
-def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False):
-    """The n_embd (a multiple of n_head) whose GPT has the parameter count closest to target:
-    how BALM is sized to match base LM + energy. Counted on the meta device, so it is free."""
+def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False, head_multiple=16):
+    """The n_embd whose GPT has the parameter count closest to target, among widths whose head
+    size is a multiple of head_multiple (what matmul units run well): how BALM is sized to match
+    base LM + energy. Counted on the meta device, so it is free."""
     def count(c):
         with torch.device('meta'):
             return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer,
                                  n_head=n_head, n_embd=c, bias=bias)).num_params()
-    widths = range(n_head, 8192 + 1, n_head)
+    widths = range(n_head * head_multiple, 8192 + 1, n_head * head_multiple)
     lo, hi = 0, len(widths) - 1
     while lo < hi:  # the count grows with the width: bisect for the first width >= target
         mid = (lo + hi) // 2

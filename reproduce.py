@@ -34,30 +34,41 @@ from runtime import DTYPES, ArgumentParser, check_writable, pick_device, rerun_c
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = 'delete it to rerun its stage'
 
-# Sizes and budgets (README has the stage timings). Everything that is tuned (the energy's
-# early stopping, and the recipe) looks at the selection split, never at val or test.
+# Sizes and budgets (README has the stage timings). Everything that is tuned (each LM's early
+# stopping, the energy's, and the recipe) looks at the selection split, never at val or test.
+# The paper's protocol: every LM trains until its selection loss stops improving (by more than
+# min_delta for `patience` evaluations), its best weights kept (best.pt); sizes small enough that
+# this happens within the CPU budget, in the paper's structure: BALM = LM + UNIT parameters,
+# RALM's residual the LM's shape, the BIT smaller than the UNIT (EXPERIMENTS.md, 2026-11-26 late).
 DEFAULT = dict(
-    lm=dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16, max_iters=500, lr=2e-3,
-            warmup_iters=40, eval_interval=250),
-    residual=dict(n_layer=4, n_head=4, n_embd=256),      # RALM's phi: the LM's shape, as in the paper
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=3000, lr=3e-3, min_lr=3e-4,
+            warmup_iters=40, eval_interval=250, patience=2, min_delta=0.01, snapshots='500,1000,2000'),
+    balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
+    residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
     neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024),
-    # BIT: a 4x128 body, MLM-pretrained from scratch with ALiBi (without it the MLM sits at the
-    # unigram loss), fine-tuned by NCE at a low lr that keeps what the MLM knows; UNIT: the LM's
-    # shape and weights, also at a low lr (EXPERIMENTS.md)
-    mlm=dict(n_embd=128, max_iters=1200, eval_interval=400, alibi=True),  # the LM's flags otherwise
+    # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
+    # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
+    # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (EXPERIMENTS.md)
+    mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=1500, eval_interval=500, alibi=True, patience=0,
+             min_delta=0, snapshots=''),  # the LM's flags otherwise
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
-    unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
+    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
     # n = 128 on 256 prefixes rather than 16 on 1,024 (twice the samples): the bounds' bias shrinks
-    # as 1/n, their SE only as 1/sqrt(prefixes); calibrated against n_ref = 2,048 (README)
-    ppl=dict(max_prefixes=256, num_samples=128, sweep='2,8,32,128', step_prefixes=8, step_samples=8,
+    # as 1/n, their SE only as 1/sqrt(prefixes); calibrated against n_ref = 2,048 (README). Fig. 1
+    # on 128 prefixes, log Z every 8 positions: its SE band narrower than the gain it shows
+    ppl=dict(max_prefixes=256, num_samples=128, sweep='2,8,32,128', step_prefixes=128, step_samples=32, step_every=8,
              last_step_samples=1024, calib_prefixes=16, calib_samples=2048),
-    samples=dict(num_prefixes=32, n=256, table_prefixes=1, m=16),
+    # Figs. 2 right and 3 on hundreds of prefixes
+    samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
+    # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val
+    ordering=dict(train_prefixes=4000, select_prefixes=512, bit_iters=1500, max_prefixes=128, num_samples=32),
 )
 # the smoke test: tiny models, and a base LM deliberately undertrained (30 steps, char PPL ~21-25)
 # so that the energy has a large, robust gain to find, which the CI test asserts
 QUICK = dict(
     lm=dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=16, max_iters=30, lr=3e-3,
-            warmup_iters=10, eval_interval=15, final_eval_windows=256),
+            warmup_iters=10, eval_interval=15, final_eval_windows=256, snapshots='15'),
+    balm=dict(),
     residual=dict(n_layer=1, n_head=2, n_embd=64),
     neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=1600, select_prefixes=64),
     mlm=dict(n_embd=32, max_iters=100, alibi=True),
@@ -65,7 +76,8 @@ QUICK = dict(
     unit=dict(batch_size=16, max_iters=300, lr=1e-3, warmup_iters=10, eval_interval=75),
     ppl=dict(max_prefixes=128, num_samples=64, sweep='2,8,64', step_prefixes=2, step_samples=4,
              last_step_samples=64, calib_prefixes=4, calib_samples=512),
-    samples=dict(num_prefixes=4, n=32, table_prefixes=1, candidates=16, m=4),
+    samples=dict(num_prefixes=4, n=32, logz_samples=8, table_prefixes=1, candidates=16, m=4),
+    ordering=dict(train_prefixes=400, select_prefixes=32, bit_iters=100, max_prefixes=16, num_samples=8),
 )
 # the paper's tokenizer (GPT-2 BPE, 50,257 tokens) through every stage, with tiny models: a test
 # that the BPE path runs end to end (the vocabulary makes the LM head and the exact last-step
@@ -73,14 +85,15 @@ QUICK = dict(
 QUICK_GPT2 = dict(
     lm=dict(n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=8, max_iters=30, lr=3e-3,
             warmup_iters=5, eval_interval=15, eval_iters=4, final_eval_windows=32, num_samples=0),
+    balm=dict(),
     residual=dict(n_layer=1, n_head=2, n_embd=32),
     neg=dict(prefix_len=24, gen_len=8, num_samples=2, train_prefixes=32, select_prefixes=8),
     mlm=dict(n_embd=32, max_iters=20, alibi=True),
     bit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
     unit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
-    ppl=dict(max_prefixes=4, num_samples=4, sweep='2,4', step_prefixes=1, step_samples=2,
+    ppl=dict(max_prefixes=4, num_samples=4, sweep='2,4', step_prefixes=2, step_samples=2,
              last_step_samples=16, calib_prefixes=2, calib_samples=32),
-    samples=dict(num_prefixes=1, n=4, table_prefixes=1, candidates=4, keep=2, table_k=2, m=2),
+    samples=dict(num_prefixes=2, n=4, table_prefixes=1, candidates=4, keep=2, table_k=2, m=2),
 )
 
 
@@ -144,6 +157,8 @@ def energy_params(lm, vocab_size):
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument('--quick', action='store_true', help='tiny models and budgets (a smoke test of every stage)')
+    p.add_argument('--ordering', action='store_true',
+                   help="also Fig. 4: BALM's and JOINT BIT's gains over the base LM along its training (~15 min more)")
     p.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'],
                    help="gpt2: the paper's BPE (with --quick: tiny models, a test of the path; data in data/shakespeare_gpt2)")
     p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/, out-quick-gpt2/ with --quick)')
@@ -177,7 +192,7 @@ def main(argv=None):
     pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir, '--tokenizer', args.tokenizer] + common,
              os.path.join(args.data_dir, 'meta.json'))
     vocab = read_json(os.path.join(HERE, args.data_dir, 'meta.json'), 'delete the data dir and rerun')['vocab_size']
-    lm_ckpt = path('lm', 'ckpt.pt')
+    lm_ckpt = path('lm', 'best.pt')  # every later stage uses the LMs' best weights on the selection split
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
         resume = ['--resume'] if os.path.exists(path(name, 'ckpt.pt')) else []
@@ -187,33 +202,90 @@ def main(argv=None):
     train('lm', [], ['prepare'])
     print_estimate(pipe.timings, cfg is DEFAULT)
     lm_params = read_json(path('lm', 'results.json'), FIX)['params']
-    train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))], ['prepare'])
-    train('ralm', ['--residual_of', lm_ckpt] + flags(cfg['residual']), ['lm'])
-    for split in ('train', 'select'):  # held-out pairs from the selection split choose best.pt
-        stage(f'negatives_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'neg_{split}'),
-                                     '--max_prefixes', str(neg[f'{split}_prefixes'])]
-              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), path(f'neg_{split}', 'meta.json'), ['lm'])
-    # the BIT body (smaller than the LM) is pretrained as a masked LM on the corpus, from scratch
+    train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))], ['prepare'], **cfg['balm'])
+    train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
+    negatives(stage, path, lm_ckpt, neg, 'neg', neg['train_prefixes'], neg['select_prefixes'], ['lm'])
+    # the BIT body (smaller than the UNIT) is pretrained as a masked LM on the corpus, from scratch
     train('mlm', ['--final_eval', '0'], ['prepare'], objective='mlm', **cfg['mlm'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
-        resume = ['--resume'] if os.path.exists(path(kind, 'ckpt.pt')) else []
-        stage(kind, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path('neg_train'), '--held_out_negatives', path('neg_select'),
-                     '--energy', kind, '--init_from', path(init, 'ckpt.pt'), '--out_dir', path(kind)] + flags(cfg[kind]) + resume,
-              path(kind, 'results.json'), ['negatives_train', 'negatives_select', init])
+        nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
     stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
                            '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
-                           '--extra_lm', f"RALM={path('ralm', 'ckpt.pt')}", f"BALM={path('balm', 'ckpt.pt')}",
+                           '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']), '--per_step', 'BIT',
                            '--out', path('ppl.json')] + flags(cfg['ppl']), path('ppl.json'), ['lm', 'balm', 'ralm', 'bit', 'unit'])
     stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
                       '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                       '--out', path('samples.json')] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
+    pipe.run('claims', ['claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
+             ['estimate_ppl', 'samples'])
+    if args.ordering:
+        ordering(stage, pipe, path, args, cfg)
+    figures(pipe, out, args)
+    report(out, pipe.timings)
+
+
+def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, deps):
+    """K LM samples per prefix of the train split (NCE's negatives) and of the selection split
+    (the held-out pairs that choose the energy's best.pt)."""
+    for split, count in (('train', train_prefixes), ('select', select_prefixes)):
+        stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'{name}_{split}'),
+                                  '--max_prefixes', str(count)]
+              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), path(f'{name}_{split}', 'meta.json'), deps)
+
+
+def nce(stage, path, kind, lm_ckpt, neg, init, settings, deps, out_name=None):
+    """Conditional NCE (Eq. 3) of a BIT or UNIT energy on the negatives `neg`_train, best.pt
+    chosen on `neg`_select."""
+    out_name = out_name or kind
+    resume = ['--resume'] if os.path.exists(path(out_name, 'ckpt.pt')) else []
+    stage(out_name, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path(f'{neg}_train'),
+                     '--held_out_negatives', path(f'{neg}_select'), '--energy', kind, '--init_from', init,
+                     '--out_dir', path(out_name)] + flags(settings) + resume,
+          path(out_name, 'results.json'), [f'{neg}_train', f'{neg}_select'] + deps)
+
+
+def ordering(stage, pipe, path, args, cfg):
+    """Fig. 4: for each snapshot of the base LM (train_lm.py --snapshots) and its best weights,
+    that LM's own negatives and BIT, scored on val beside BALM at the same step: the gain of each
+    over that base LM as it trains. Writes ordering.json."""
+    oc, neg = cfg['ordering'], cfg['neg']
+    lm_res = read_json(path('lm', 'results.json'), FIX)
+    curve = {c['iter']: c['select_loss'] for c in lm_res['curve']}
+    steps = [i for i in sorted({int(x) for x in str(cfg['lm'].get('snapshots', '')).split(',') if x})
+             if os.path.exists(path('lm', f'iter_{i}.pt')) and i != lm_res['best_iter']]
+    points = []
+    for it in steps + [lm_res['best_iter']]:
+        tag = 'best' if it == lm_res['best_iter'] else f'iter_{it}'
+        lm_ckpt = path('lm', f'{tag}.pt')
+        balm = path('balm', f'iter_{it}.pt') if os.path.exists(path('balm', f'iter_{it}.pt')) else path('balm', 'best.pt')
+        name = f'ord_{tag}'
+        negatives(stage, path, lm_ckpt, neg, f'{name}_neg', oc['train_prefixes'], oc['select_prefixes'], ['lm'])
+        nce(stage, path, 'bit', lm_ckpt, f'{name}_neg', path('mlm', 'best.pt'),
+            dict(cfg['bit'], max_iters=oc['bit_iters']), ['mlm'], out_name=f'{name}_bit')
+        stage(f'{name}_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val', '--energy', f"BIT={path(f'{name}_bit', 'best.pt')}",
+                              '--extra_lm', f'BALM={balm}', '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                              '--max_prefixes', str(oc['max_prefixes']), '--num_samples', str(oc['num_samples']),
+                              '--calib_prefixes', '0', '--out', path(f'{name}_ppl.json')],
+              path(f'{name}_ppl.json'), [f'{name}_bit', 'balm'])
+        rows = {r['model']: r for r in read_json(path(f'{name}_ppl.json'), FIX)['rows']}
+        points.append(dict(iter=it, base_select_loss=curve[it], base_ppl=rows['BASE LM']['ppl'],
+                           balm_gain=rows['BALM']['gain_nats_per_token'], balm_gain_se=rows['BALM']['gain_se'],
+                           joint_gain=rows['JOINT BIT']['gain_nats_per_token'], joint_gain_se=rows['JOINT BIT']['gain_se']))
+    write_json(dict(split='val', energy='BIT', num_prefixes=oc['max_prefixes'], num_samples=oc['num_samples'],
+                    points=points), path('ordering.json'))
+    pipe.done['ordering'] = path('ordering.json')
+
+
+def figures(pipe, out, args):
     if importlib.util.find_spec('matplotlib') is None:  # run.sh installs it; the core and CI do without
         print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)")
-    else:  # the default run's figures are README's
-        pipe.run('figures', ['figures.py', '--out_dir', out] + ([] if args.quick else ['--copy_to', 'assets/figures']),
-                 path('fig3_lm_loglik.png'), ['estimate_ppl', 'samples'])
-    report(out, pipe.timings)
+        return
+    readme = not args.quick and args.out_dir == 'out'  # the default run's figures and claims are README's
+    pipe.run('figures', ['figures.py', '--out_dir', out] + (['--copy_to', 'assets/figures'] if readme else []),
+             os.path.join(out, 'fig3_loglik.png'), ['claims'] + (['ordering'] if args.ordering else []))
+    if readme:
+        write_json(read_json(os.path.join(out, 'claims.json'), FIX), os.path.join(HERE, 'assets', 'claims.json'))
 
 
 # Stage times of the default run relative to the LM's, from README's run (2026-11-26 night, bf16
@@ -241,12 +313,14 @@ def report(out, timings):
     nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX)['held_out_acc'] for k in ('bit', 'unit')}
     test = ppl['splits']['test']
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_nce_acc=nce, timings_s=timings,
+                    claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
                     calibration=test.get('calibration'), num_samples=test['num_samples'], num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))
     print("\nTable 1 (Shakespeare; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
-    print(f"-> {out}/results.json, {out}/ppl.json, {out}/samples.json, figures {out}/fig*.png")
+    print("\nThe paper's claims (claims.py)\n" + open(os.path.join(out, 'claims.txt')).read().rstrip())
+    print(f"-> {out}/results.json, {out}/claims.json, {out}/ppl.json, {out}/samples.json, figures {out}/fig*.png")
 
 
 def resume_hint(argv):

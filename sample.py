@@ -160,6 +160,10 @@ def get_args(argv=None):
     a('--table_k', type=int, default=5, help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
     a('--table_prefixes', type=int, default=4, help='Table-3 view for the first this many prefixes only (each costs '
                                                    'candidates x m LM samples)')
+    a('--logz_samples', type=int, default=0,
+      help="untruncated LM samples per prefix for log Z (Eq. 4's lower bound T_n), which puts the joint model's "
+           "log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
+    a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
     a('--out', default='out/samples.json')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
@@ -167,7 +171,9 @@ def get_args(argv=None):
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n')
-    at_least(args, 0, 'top_k', 'table_k')
+    at_least(args, 0, 'top_k', 'table_k', 'print_prefixes')
+    if args.logz_samples == 1 or args.logz_samples < 0:
+        raise ValueError(f"--logz_samples {args.logz_samples}: 0 (off) or at least 2 (the bounds need leave-one-out)")
     at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
     check_writable(args.out, '--out', folder=False)
     return args
@@ -226,12 +232,16 @@ def main(argv=None):
             rec['autoregressive'] = tok.decode(cont['autoregressive'][0].tolist())
         with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
             rec['lm_logp'] = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)).item() for name, t in cont.items()}
+        if args.logz_samples:  # Fig. 3 right: log P_joint = log P_LM - E - log Z
+            log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, ctx, g, ectx=ectx)[0]
+            rec['logz'] = (torch.logsumexp(log_w[0].double(), 0) - math.log(args.logz_samples)).item()  # T_n, Eq. 4
         if args.table_k and b < args.table_prefixes:
             v, p_lm, p_joint = next_token_table(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m, ctx, g)
             rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
                                   zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(), p_joint[0, :args.table_k].tolist())]
         results.append(rec)
-        print_record(rec)
+        if b < args.print_prefixes:
+            print_record(rec)
     report = dict(args=vars(args), samples=results, **analyses(results))
     write_json(report, args.out)
     print("unique n-grams % (n=1..4): " + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)

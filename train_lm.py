@@ -13,6 +13,7 @@ val and test are evaluated once, at the end, and only reported. Writes out_dir/c
 (atomically, at every evaluation), out_dir/log.jsonl and out_dir/results.json.
 """
 
+import json
 import math
 import os
 import time
@@ -84,6 +85,12 @@ def get_args(argv=None):
     a('--grad_clip', type=float, default=1.0, help='clip gradients at this norm (0: off)')
     # evaluation and logging
     a('--eval_interval', type=int, default=250, help='selection-set loss + checkpoint every this many iterations')
+    a('--patience', type=int, default=0,
+      help='early stopping: stop once the selection loss has not improved by more than --min_delta for this many '
+           'evaluations (0: off); best.pt always holds the weights of the lowest selection loss')
+    a('--min_delta', type=float, default=0.0, help='early stopping: the smallest improvement that counts (nats/token)')
+    a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
+                                      '(the ordering figure: models along the training run)')
     a('--eval_iters', type=int, default=20, help='selection-set batches per periodic evaluation')
     a('--log_interval', type=int, default=10)
     a('--final_eval', type=int, default=1, help='1: val/test PPL over the whole splits at the end')
@@ -110,7 +117,11 @@ def check_args(args):
     """Every flag in range, before any work: one line naming the flag."""
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_iters', 'log_interval', 'match_params')
-    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip')
+    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip', 'patience', 'min_delta')
+    try:
+        args.snapshots = sorted({int(i) for i in args.snapshots.split(',') if i.strip()})
+    except ValueError:
+        raise ValueError(f"--snapshots {args.snapshots}: must be comma-separated iteration numbers, e.g. 250,500") from None
     check(args, 'final_eval', lambda v: v in (0, 1), '0 or 1')
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
     check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
@@ -252,7 +263,9 @@ def main(argv=None):
     raw_model, ckpt = build_model(args, meta)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
     model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)
-    iter_num, best_loss = (ckpt['iter_num'], ckpt.get('best_select_loss', float('inf'))) if ckpt else (0, float('inf'))
+    iter_num = ckpt['iter_num'] if ckpt else 0
+    # best: the lowest selection loss (best.pt); ref: the last one that improved by more than min_delta
+    best = ckpt['best'] if ckpt and 'best' in ckpt else dict(loss=math.inf, iter=0, ref=math.inf, ref_iter=0)
 
     B, V, train = args.batch_size, meta['vocab_size'], data['train']
     tokens_per_iter = B * args.grad_accum * args.block_size
@@ -264,7 +277,7 @@ def main(argv=None):
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter = time.time(), time.time(), iter_num
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
-    while iter_num < args.max_iters:
+    while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
@@ -291,30 +304,74 @@ def main(argv=None):
             bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:.0f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             select_loss = evaluate(model, data['select'], 'select', select_offsets, args, V, device, ctx, rank, world_size)
-            best_loss = min(best_loss, select_loss)
-            write_log(log, dict(iter=iter_num, select_loss=select_loss))
+            improved = select_loss < best['loss']
+            if improved:
+                best.update(loss=select_loss, iter=iter_num)
+            if select_loss < best['ref'] - args.min_delta:
+                best.update(ref=select_loss, ref_iter=iter_num)
+            write_log(log, dict(iter=iter_num, tokens=iter_num * tokens_per_iter, select_loss=select_loss))
             if master:
-                bar.write(f"iter {iter_num}: select loss {select_loss:.4f}")
-                weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
-                save_checkpoint(dict(kind=args.objective, model=weights, residual_of=residual_of, config=asdict(raw_model.config),
-                                     optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), args=vars(args),
-                                     iter_num=iter_num, best_select_loss=best_loss, rng_state=torch.get_rng_state(),
-                                     meta=dict(meta, data_dir=args.data_dir)), ckpt_path)
+                bar.write(f"iter {iter_num}: select loss {select_loss:.4f}" + (' (best)' if improved else ''))
+                save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of)
     bar.close()
     train_time = time.time() - t_start
     results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
-                   best_select_loss=best_loss)
-    if args.final_eval:
+                   best_select_loss=best['loss'], best_iter=best['iter'], last_iter=iter_num,
+                   converged=stopped_early(iter_num, best, args), tokens_per_iter=tokens_per_iter,
+                   curve=learning_curve(args.out_dir) if master else [])
+    if args.final_eval:  # val and test of the best weights, the ones every later stage uses
+        load_weights(raw_model, os.path.join(args.out_dir, 'best.pt'), residual_of)
         for split in ('val', 'test'):
             d = data[split]
-            loss = evaluate(model, d, split, full_split_offsets(d, args.block_size, args.final_eval_windows), args, V, device, ctx, rank, world_size)
+            offsets = full_split_offsets(d, args.block_size, args.final_eval_windows)
+            loss = evaluate(model, d, split, offsets, args, V, device, ctx, rank, world_size)
             results[f'{split}_loss'], results[f'{split}_ppl'] = loss, math.exp(loss)
     if master:
         log.close()
         report(results, args, raw_model, data['val'], meta, device)
     teardown_distributed()
     return results
+
+
+# -----------------------------------------------------------------------------
+# early stopping and what is kept
+
+def stopped_early(iter_num, best, args):
+    """Early stopping (the paper's protocol for every LM): the selection loss has not improved by
+    more than --min_delta for --patience evaluations. A run that ends this way has converged on
+    the selection split."""
+    return args.patience > 0 and iter_num - best['ref_iter'] >= args.patience * args.eval_interval
+
+
+def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of):
+    """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
+    iter_N.pt at the iterations of --snapshots. Each write is atomic."""
+    weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
+    state = dict(kind=args.objective, model=weights, residual_of=residual_of, config=asdict(raw_model.config),
+                 args=vars(args), iter_num=iter_num, best_select_loss=best['loss'], best=best,
+                 meta=dict(meta, data_dir=args.data_dir))
+    if improved:
+        save_checkpoint(state, os.path.join(args.out_dir, 'best.pt'))
+    if iter_num in args.snapshots:
+        save_checkpoint(state, os.path.join(args.out_dir, f'iter_{iter_num}.pt'))
+    save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                         rng_state=torch.get_rng_state()), os.path.join(args.out_dir, 'ckpt.pt'))
+
+
+def load_weights(raw_model, path, residual_of):
+    """best.pt's weights into the model (a RALM's file holds its residual only: the base is frozen)."""
+    raw_model.load_state_dict(load_checkpoint(path)['model'], strict=not residual_of)
+
+
+def learning_curve(out_dir):
+    """The selection loss against iterations and tokens seen, from log.jsonl (resumed runs
+    included): the convergence evidence that results.json carries."""
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    curve = {r['iter']: dict(iter=r['iter'], tokens=r.get('tokens'), select_loss=r['select_loss'])
+             for r in recs if 'select_loss' in r}
+    return [curve[k] for k in sorted(curve)]
 
 
 def report(results, args, model, val_data, meta, device):
