@@ -308,6 +308,12 @@ def get_args(argv=None):
         raise ValueError(f"model names must be distinct (and not 'BASE LM'): {names[1:]}")
     if min([args.num_samples] + args.sweep) < 2:
         raise ValueError("--num_samples and --sweep values must be at least 2 (the upper bound needs leave-one-out)")
+    at_least(args, 0, 'calib_prefixes')
+    if args.calib_prefixes and args.calib_samples < 2 * args.num_samples:
+        raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples ({2 * args.num_samples}): "
+                         f"the calibration cuts its reference into groups of n (or pass --calib_prefixes 0)")
+    if args.per_step is not None:
+        at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
     check_writable(args.out, '--out', folder=False)
     return args
 

@@ -5,7 +5,7 @@ out/samples.json (sample.py). PNGs land beside them:
     fig1_per_step.png        Fig. 1: per-step PPL (Eq. 5) of the base LM and the joint model's range,
                              with the exact last step (the vocabulary enumerated)
     fig2_left_bounds.png     Fig. 2 left: the joint PPL bounds as the number n of samples grows (Eq. 4)
-    fig2_right_ngrams.png    Fig. 2 right: unique word n-grams (%) of real text, BASE LM and JOINT samples
+    fig2_right_ngrams.png    Fig. 2 right: unique character n-grams (%) of real text, BASE LM and JOINT samples
     fig3_loglik.png          Fig. 3: real text vs own samples, scored by the base LM (left) and by the
                              joint model (right)
     fig4_ordering.png        the gain of BALM and of JOINT BIT over BASE as the base LM trains
@@ -84,19 +84,19 @@ def fig2_left_bounds(ax, ppl, split, claims):
     ax.legend(fontsize=7)
 
 
-def fig2_right_ngrams(ax, samples, claims):
-    """Fig. 2 right: % of distinct word n-grams, n = 1..4, of real text, base and joint samples
-    pooled over all prefixes."""
-    kinds = [k for k in KINDS if k in samples['unique_ngrams']]
+def fig2_right_ngrams(ax, claims):
+    """Fig. 2 right: % of distinct character n-grams of real text, base and joint samples, pooled
+    over all prefixes (claims.json's C6)."""
+    c = claims['claims']['C6']
+    kinds = [k for k in KINDS if k in c['unique_pct']]
     width = 0.8 / len(kinds)
     for j, k in enumerate(kinds):
-        vals = [np.nan if v is None else v for v in samples['unique_ngrams'][k]]
-        ax.bar(np.arange(1, 5) + (j - (len(kinds) - 1) / 2) * width, vals, width, label=KINDS[k][0], color=KINDS[k][1])
-    ax.set_xticks(range(1, 5))
-    c = claims['claims']['C6'] if claims else None
-    ax.set(xlabel='n', ylabel='unique n-grams (%)', ylim=(0, 122),
-           title=f"Fig. 2 right: unique word n-grams ({len(samples['samples'])} prefixes)"
-                 + (f"\nC6: joint - base (n = 2..4) {num(c['diff'], '+.2f')} ({num(c['se'], '.2f')} SE) points" if c else ''))
+        vals = [np.nan if v is None else v for v in c['unique_pct'][k]]
+        ax.bar(np.arange(len(c['n'])) + (j - (len(kinds) - 1) / 2) * width, vals, width, label=KINDS[k][0], color=KINDS[k][1])
+    ax.set_xticks(range(len(c['n'])), [str(n) for n in c['n']])
+    ax.set(xlabel='n (characters)', ylabel='unique n-grams (%)', ylim=(0, 122),
+           title=f"Fig. 2 right: unique character n-grams ({c['prefixes']} prefixes)\n"
+                 f"C6: joint - base (n = 4, 6, 8) {num(c['diff'], '+.2f')} ({num(c['se'], '.2f')} SE) points")
     ax.legend(fontsize=7, loc='upper center', ncol=len(kinds))  # above the bars, which reach 100
 
 
@@ -120,7 +120,7 @@ def fig3_loglik(axes, samples, claims):
             ax.axvline(v.mean(), color=color, ls='--', lw=1)
         diff = np.mean(list(vals.values())[1]) - np.mean(list(vals.values())[0])
         ax.set(xlabel=f"log-likelihood under the {scorer}, nats ({samples['args']['gen_len']} tokens)", ylabel='density',
-               title=f"scored by the {scorer}: samples - real = {diff:+.2f}")
+               title=f"{scorer}: own samples - real = {diff:+.2f}")
         ax.legend(fontsize=7)
     axes[0].figure.suptitle(f"Fig. 3 ({len(recs)} prefixes)" + (f"; C7: |base| - |joint| = {num(c['diff'], '+.2f')} "
                                                                  f"({num(c['se'], '.2f')} SE) nats" if c else ''), fontsize=9)
@@ -183,7 +183,7 @@ def main(argv=None):
     res, has_samples = ppl['splits'][split], bool(samples['samples'])
     figures = [('fig1_per_step.png', fig1_per_step, (ppl, split, claims), 'per_step' in res, 'estimate_ppl.py --per_step'),
                ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split, claims), 'sweep' in res, 'estimate_ppl.py --sweep'),
-               ('fig2_right_ngrams.png', fig2_right_ngrams, (samples, claims), has_samples, 'sample.py'),
+               ('fig2_right_ngrams.png', fig2_right_ngrams, (claims,), claims is not None, 'claims.py'),
                ('fig3_loglik.png', fig3_loglik, (samples, claims), has_samples, 'sample.py')]
     if os.path.exists(ordering_path):
         figures.append(('fig4_ordering.png', fig4_ordering, (read_json(ordering_path, 'reproduce.py --ordering'),), True, ''))

@@ -1,19 +1,21 @@
 """
 The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU.
 
-    prepare -> BASE LM -> BALM -> RALM -> negatives (train, select) -> MLM pretraining of the BIT
-    body -> JOINT BIT (NCE) -> JOINT UNIT (NCE) -> joint PPL of every model on val and test (Eq. 4),
-    the bounds' calibration against many samples, per-step PPL (Eq. 5) and the bounds as n
-    grows -> joint samples and analyses
+    prepare -> BASE LM -> BALM -> RALM (each early-stopped on the selection split) -> negatives
+    (train, select) -> MLM pretraining of the BIT body -> JOINT BIT (NCE) -> JOINT UNIT (NCE) ->
+    joint PPL of every model on val and test (Eq. 4), the bounds' calibration against many
+    samples, per-step PPL (Eq. 5) and the bounds as n grows -> joint samples and analyses -> the
+    paper's claims C1-C7 measured (claims.py) -> figures
 
 Each stage is the command a user would type (printed before it runs). Like make, a stage whose
 outputs exist and are newer than those of the stages it depends on is skipped, and a half-done
 one resumes: an interrupted run just continues, and a retrained model reruns what depends on it. Everything
-lands in --out_dir: checkpoints, results.json (one row per model and split), the figures, and
-timings.json.
+lands in --out_dir: checkpoints, results.json (one row per model and split), claims.json, the
+figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
+training with its own negatives and BIT, beside BALM at the same step.
 
-    python reproduce.py                      # ~29 min on 2 CPU cores with bf16 units (README)
-    python reproduce.py --quick              # ~1 min, tiny models: the CI smoke test
+    python reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
+    python reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
     python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
 
@@ -49,7 +51,7 @@ DEFAULT = dict(
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
     # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
     # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (EXPERIMENTS.md)
-    mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=1500, eval_interval=500, alibi=True, patience=0,
+    mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=3000, eval_interval=500, alibi=True, patience=0,
              min_delta=0, snapshots=''),  # the LM's flags otherwise
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
     unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
@@ -57,7 +59,7 @@ DEFAULT = dict(
     # as 1/n, their SE only as 1/sqrt(prefixes); calibrated against n_ref = 2,048 (README). Fig. 1
     # on 128 prefixes, log Z every 8 positions: its SE band narrower than the gain it shows
     ppl=dict(max_prefixes=256, num_samples=128, sweep='2,8,32,128', step_prefixes=128, step_samples=32, step_every=8,
-             last_step_samples=1024, calib_prefixes=16, calib_samples=2048),
+             last_step_samples=1024, calib_prefixes=16, calib_samples=1024),
     # Figs. 2 right and 3 on hundreds of prefixes
     samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
     # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val
@@ -288,11 +290,11 @@ def figures(pipe, out, args):
         write_json(read_json(os.path.join(out, 'claims.json'), FIX), os.path.join(HERE, 'assets', 'claims.json'))
 
 
-# Stage times of the default run relative to the LM's, from README's run (2026-11-26 night, bf16
+# Stage times of the default run relative to the LM's, from README's run (2026-11-26 late, bf16
 # CPU): the LM stage measures this machine's speed, these turn it into a rough estimate of the
 # whole run (on a CPU without bf16, sampling is relatively faster: an overestimate there).
-RELATIVE_TIME = dict(lm=1.0, balm=1.64, ralm=1.53, negatives_train=1.20, negatives_select=0.10, mlm=0.92, bit=2.53,
-                     unit=1.59, estimate_ppl=4.05, samples=0.34)
+RELATIVE_TIME = dict(lm=1.0, balm=1.43, ralm=0.38, neg_train=0.32, neg_select=0.02, mlm=0.93, bit=0.88,
+                     unit=0.50, estimate_ppl=2.19, samples=0.53, claims=0.07)
 
 
 def print_estimate(timings, default):

@@ -2180,7 +2180,8 @@ def test_estimate_ppl_cli_split(lm_corpus, lm_ckpt, eval_ckpts, ppl_run, split):
         return
     ps = s['per_step']
     assert ps['position'] == list(range(1, EVAL_L + 1)) and ps['num_prefixes'] == 2
-    lp_t = logprobs64(lm, x[:2])[:, EVAL_P - 1:-1].gather(-1, x[:2, EVAL_P:, None]).squeeze(-1)
+    x = x[[0, 4]]  # the per-step prefixes: 2 evenly spaced of the 5
+    lp_t = logprobs64(lm, x)[:, EVAL_P - 1:-1].gather(-1, x[:, EVAL_P:, None]).squeeze(-1)
     assert np.allclose(ps['base_ppl'], torch.exp(-lp_t.mean(0)).numpy(), rtol=1e-5)
     last = [enumerate_joint(lm, energy, x[b, :-1], 1, meta['vocab_size'], EVAL_P) for b in range(2)]
     exact_last = [lp_t[b, -1].item() - last[b][2][x[b, -1]].item() - last[b][3].item() for b in range(2)]
@@ -3133,7 +3134,11 @@ def fake_main_job_json(out_dir):
                  gold_energy=rng_.normal() - 1, joint_energy=rng_.normal() - 1, logz=-1.5) for _ in range(12)]
     samples = dict(args=dict(gen_len=64), samples=recs,
                    unique_ngrams=dict(gold=[90, 100, 100, 100], base=[89, 100, 100, None], joint=[84, 99, 100, 100]))
-    for name, obj in (('ppl.json', ppl), ('samples.json', samples)):
+    claim = dict(diff=0.01, se=0.005, holds=None)
+    claims = dict(claims=dict(C4=dict(claim, last_step_gain_exact=0.004, last_step_gain_se=0.006), C5=claim, C7=claim,
+                              C6=dict(claim, se=None, prefixes=12, n=[2, 4, 6, 8],  # a NaN SE is written as null
+                                      unique_pct=dict(gold=[5, 45, 79, 93], base=[5, 42, 80, 96], joint=[5, 43, 80, 95]))))
+    for name, obj in (('ppl.json', ppl), ('samples.json', samples), ('claims.json', claims)):
         with open(os.path.join(out_dir, name), 'w') as f:
             json.dump(obj, f)
 
@@ -3902,11 +3907,14 @@ def estimate_ppl_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
         'energy_of_another_lm': (ppl('energy_of_another_lm', lm=eval_ckpts['lm2']), 'residual of another LM'),
         'energy_without_name': (no_name, 'must be NAME=CHECKPOINT'),
         'past_block_size': (ppl('past_block_size', '--gen_len', '12'), 'exceeds'),
+        'calib_below_n': (ppl('calib_below_n', '--calib_prefixes', '2', '--calib_samples', '3'), '--calib_samples 3 must be'),
+        'last_step_of_one': (ppl('last_step_of_one', '--per_step', '--last_step_samples', '1'), '--last_step_samples'),
     }
     return run_bad_cases({case: (argv, msg, tmp / f'{case}.json') for case, (argv, msg) in cases.items()})
 
 
-@pytest.mark.parametrize('case', ['one_sample', 'sweep_of_one', 'energy_of_another_lm', 'energy_without_name', 'past_block_size'])
+@pytest.mark.parametrize('case', ['one_sample', 'sweep_of_one', 'energy_of_another_lm', 'energy_without_name', 'past_block_size',
+                                  'calib_below_n', 'last_step_of_one'])
 def test_estimate_ppl_bad_input(estimate_ppl_bad, case):
     check_bad_case(*estimate_ppl_bad[case])
 

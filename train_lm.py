@@ -276,6 +276,7 @@ def main(argv=None):
               f"{tokens_per_iter:,} tokens/iter, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter = time.time(), time.time(), iter_num
+    best_weights = None  # every rank keeps its own copy (reading best.pt back would race rank 0's write)
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
     while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
         lr = get_lr(iter_num, args)
@@ -304,9 +305,10 @@ def main(argv=None):
             bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:.0f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             select_loss = evaluate(model, data['select'], 'select', select_offsets, args, V, device, ctx, rank, world_size)
-            improved = select_loss < best['loss']
+            improved = select_loss < best['loss']  # the same on every rank: the loss is all-reduced
             if improved:
                 best.update(loss=select_loss, iter=iter_num)
+                best_weights = {k: v.detach().clone() for k, v in weights_of(raw_model, residual_of).items()}
             if select_loss < best['ref'] - args.min_delta:
                 best.update(ref=select_loss, ref_iter=iter_num)
             write_log(log, dict(iter=iter_num, tokens=iter_num * tokens_per_iter, select_loss=select_loss))
@@ -321,7 +323,9 @@ def main(argv=None):
                    converged=stopped_early(iter_num, best, args), tokens_per_iter=tokens_per_iter,
                    curve=learning_curve(args.out_dir) if master else [])
     if args.final_eval:  # val and test of the best weights, the ones every later stage uses
-        load_weights(raw_model, os.path.join(args.out_dir, 'best.pt'), residual_of)
+        if best_weights is None:  # the best evaluation came before a --resume: its weights are in best.pt
+            best_weights = load_checkpoint(os.path.join(args.out_dir, 'best.pt'))['model']
+        raw_model.load_state_dict(best_weights, strict=not residual_of)  # a RALM's weights are its residual's
         for split in ('val', 'test'):
             d = data[split]
             offsets = full_split_offsets(d, args.block_size, args.final_eval_windows)
@@ -347,8 +351,7 @@ def stopped_early(iter_num, best, args):
 def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of):
     """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
     iter_N.pt at the iterations of --snapshots. Each write is atomic."""
-    weights = raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
-    state = dict(kind=args.objective, model=weights, residual_of=residual_of, config=asdict(raw_model.config),
+    state = dict(kind=args.objective, model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
                  args=vars(args), iter_num=iter_num, best_select_loss=best['loss'], best=best,
                  meta=dict(meta, data_dir=args.data_dir))
     if improved:
@@ -359,9 +362,9 @@ def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improv
                          rng_state=torch.get_rng_state()), os.path.join(args.out_dir, 'ckpt.pt'))
 
 
-def load_weights(raw_model, path, residual_of):
-    """best.pt's weights into the model (a RALM's file holds its residual only: the base is frozen)."""
-    raw_model.load_state_dict(load_checkpoint(path)['model'], strict=not residual_of)
+def weights_of(raw_model, residual_of):
+    """What a checkpoint keeps: the weights, or a RALM's residual only (its base is frozen)."""
+    return raw_model.residual_state_dict() if residual_of else raw_model.state_dict()
 
 
 def learning_curve(out_dir):
