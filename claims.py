@@ -34,9 +34,10 @@ Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided
 
 
 def verdict(diff, se):
-    """True / False / None (not significant) for a difference measured in the claim's direction."""
+    """True / False / None (not significant, or no SE: a single prefix) for a difference measured
+    in the claim's direction."""
     if not se > 0:
-        return None if diff == 0 else bool(diff > 0)
+        return None
     z = diff / se
     return True if z > Z_SIG else False if z < -Z_SIG else None
 

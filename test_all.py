@@ -39,6 +39,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
+import claims  # noqa: E402
 import estimate_ppl  # noqa: E402
 import human_eval  # noqa: E402
 import nce_train  # noqa: E402
@@ -3084,6 +3085,24 @@ def check_claims_from_run(out):
     moved = json.load(open(perturbed / 'claims.json'))['claims']
     assert abs(moved['C1']['diff'] - (c1['diff'] - 0.5 / L)) < 1e-9
     assert moved['C2'] == claims['claims']['C2']  # UNIT vs RALM: untouched
+
+
+def test_claims_pieces_closed_form():
+    """claims.py's pieces on hand-made numbers: the 2-SE verdict, character n-gram uniqueness,
+    C7's difference of means (log Z cancels within a prefix) and a bootstrap SE near the
+    textbook SE of a mean."""
+    assert claims.verdict(0.3, 0.1) is True and claims.verdict(-0.3, 0.1) is False
+    assert claims.verdict(0.1, 0.1) is None and claims.verdict(5.0, float('nan')) is None
+    assert abs(claims.unique_ngrams(['abab'], 2) - 100 * 2 / 3) < 1e-12  # ab, ba, ab
+    assert abs(claims.unique_ngrams(['abc', 'abd'], 2) - 100 * 3 / 4) < 1e-12  # ab, bc, ab, bd
+    recs = [dict(lm_logp=dict(gold=-10.0 - i, base=-6.0 - i, joint=-8.0 - i), gold_energy=0.5, joint_energy=-0.5)
+            for i in range(6)]
+    c7 = claims.claim_c7(dict(samples=recs), seed=0)
+    assert c7['base_diff_of_means'] == 4.0 and c7['joint_diff_of_means'] == 3.0  # (-8 + 0.5) - (-10 - 0.5)
+    assert abs(c7['diff'] - 1.0) < 1e-12 and c7['se'] == 0.0 and c7['holds'] is None  # no spread: no SE
+    x = np.random.default_rng(1).normal(size=400)
+    mean, se = claims.bootstrap(lambda i: float(x[i].mean()), len(x), seed=2)
+    assert mean == float(x.mean()) and abs(se / (x.std(ddof=1) / math.sqrt(len(x))) - 1) < 0.15
 
 
 def test_reproduce_quick_gpt2_end_to_end(tmp_path):

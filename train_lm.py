@@ -177,6 +177,16 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
     return (sums[0] / sums[1]).item()
 
 
+def final_evaluation(model, data, args, vocab_size, device, ctx, rank, world_size):
+    """Loss and PPL of val and test over the whole splits (or --final_eval_windows of them)."""
+    results = {}
+    for split in ('val', 'test'):
+        offsets = full_split_offsets(data[split], args.block_size, args.final_eval_windows)
+        loss = evaluate(model, data[split], split, offsets, args, vocab_size, device, ctx, rank, world_size)
+        results[f'{split}_loss'], results[f'{split}_ppl'] = loss, math.exp(loss)
+    return results
+
+
 def full_split_offsets(data, block_size, max_windows=0):
     """Non-overlapping windows covering a whole split (for the final val/test PPL), or an evenly
     spaced max_windows of them."""
@@ -323,14 +333,9 @@ def main(argv=None):
                    converged=stopped_early(iter_num, best, args), tokens_per_iter=tokens_per_iter,
                    curve=learning_curve(args.out_dir) if master else [])
     if args.final_eval:  # val and test of the best weights, the ones every later stage uses
-        if best_weights is None:  # the best evaluation came before a --resume: its weights are in best.pt
-            best_weights = load_checkpoint(os.path.join(args.out_dir, 'best.pt'))['model']
-        raw_model.load_state_dict(best_weights, strict=not residual_of)  # a RALM's weights are its residual's
-        for split in ('val', 'test'):
-            d = data[split]
-            offsets = full_split_offsets(d, args.block_size, args.final_eval_windows)
-            loss = evaluate(model, d, split, offsets, args, V, device, ctx, rank, world_size)
-            results[f'{split}_loss'], results[f'{split}_ppl'] = loss, math.exp(loss)
+        raw_model.load_state_dict(best_weights or load_checkpoint(os.path.join(args.out_dir, 'best.pt'))['model'],
+                                  strict=not residual_of)  # None: the best came before a --resume; RALM: residual only
+        results.update(final_evaluation(model, data, args, V, device, ctx, rank, world_size))
     if master:
         log.close()
         report(results, args, raw_model, data['val'], meta, device)
