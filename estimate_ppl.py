@@ -423,8 +423,8 @@ def main(argv=None):
 def split_summary(cols, args, split, offsets, data, meta):
     """One split's Table-1 rows, its bounds as n grows (Fig. 2 left) and the per-prefix columns."""
     P, L = args.prefix_len, args.gen_len
-    num_chars = None if meta['tokenizer'] == 'char' else \
-        sum(len(load_tokenizer(meta).decode(data[o + P:o + P + L].tolist())) for o in offsets)
+    tok = None if meta['tokenizer'] == 'char' else load_tokenizer(meta)  # BPE: PPL per character too
+    num_chars = sum(len(tok.decode(data[o + P:o + P + L].tolist())) for o in offsets) if tok else None
     rows = summarize(cols, len(offsets) * L, args.num_samples, num_chars)
     res = dict(split=split, num_samples=args.num_samples, num_prefixes=len(offsets), num_tokens=len(offsets) * L,
                prefix_len=P, gen_len=L, base_ppl=rows[0]['ppl'], rows=rows, per_prefix=to_json(cols))

@@ -357,7 +357,7 @@ def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improv
     """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
     iter_N.pt at the iterations of --snapshots. Each write is atomic."""
     state = dict(kind=args.objective, model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
-                 args=vars(args), iter_num=iter_num, best_select_loss=best['loss'], best=best,
+                 args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
     if improved:
         save_checkpoint(state, os.path.join(args.out_dir, 'best.pt'))
