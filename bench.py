@@ -19,7 +19,10 @@ process:
                ALiBi BIT, 16 prefixes of 128 + 64 tokens, 64 samples each, fp32): samples drawn
                and scored per second, vs the copy-the-prompt-cache decoding of commit 68ace2e;
                a causal (UNIT) energy scoring each prompt once for its samples vs every whole
-               sequence; and the energy forward in fp32 vs bf16 autocast.
+               sequence; and the energy forward in fp32 vs bf16 autocast;
+- metric_fit:  the talk's metric energy (metrics.py): mu fitted by Newton's method on the dual at
+               the main job's sizes (512 prefixes x 32 LM samples, 5 metrics), vs L-BFGS on the
+               same dual to the same moment gap; and its five metrics per second vs a BIT's forward.
 
 A 512^3 matmul probe runs first: where bf16 is emulated (an AVX2-only CPU: ~40x slower than
 fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taking minutes. The
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from data import load_meta, load_split, write_json
 from energy import Energy, sample_log_weights, score, score_continuations
 from estimate_ppl import logz_bounds
+from metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
@@ -394,6 +398,41 @@ def bench_estimate(args, device, meta, dtypes):
     return res
 
 
+def bench_metric_fit(args, device, meta):
+    """Newton (fit_mu) vs L-BFGS (torch.optim.LBFGS, strong Wolfe) on the dual of the metric
+    energy, synthetic correlated metrics of 512 prefixes x 32 samples, both to moment gaps below
+    1e-8; and the metrics rep-4, tr-32, div, coh, logp per second (64 sequences of 128 + 64 tokens,
+    the LM above) against a forward of the BIT energy of bench_estimate's size."""
+    g = torch.Generator().manual_seed(args.seed)
+    B, n, K = 512, 32, 5
+    f_pool = torch.randn(B, n, K, generator=g, dtype=torch.float64) @ torch.randn(K, K, generator=g, dtype=torch.float64)
+    f_data = f_pool[:, :4].mean(1)  # a target the pools reach: the mean of 4 of their own samples
+
+    def lbfgs():
+        mu = torch.zeros(K, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([mu], max_iter=1000, tolerance_grad=1e-8, tolerance_change=0, line_search_fn='strong_wolfe')
+
+        def closure():
+            opt.zero_grad()
+            D = torch.logsumexp(-f_pool @ mu, -1).mean() + mu @ f_data.mean(0)
+            D.backward()
+            return D
+        opt.step(closure)
+    res = {f'metric_fit_{k}_ms': 1e3 * v for k, v in
+           timeit(dict(newton=lambda: fit_mu(f_data, f_pool, tol=1e-8), lbfgs=lbfgs), 'cpu', 1, args.repeats).items()}
+    res['metric_fit_newton_steps'] = fit_mu(f_data, f_pool, tol=1e-8)[1]
+    torch.manual_seed(args.seed)
+    lm = GPT(lm_config(args, meta)).to(device).eval()
+    metric = MetricEnergy(['rep-4', 'tr-32', 'div', 'coh', 'logp'], lm)
+    bit = Energy(GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
+                           n_head=args.n_head, n_embd=args.energy_embd, causal=False)).to(device).eval()
+    x = torch.randint(meta['vocab_size'], (64, args.prompt_len + args.new_tokens), device=device)
+    t = timeit(dict(metrics=lambda: score(metric, x, args.prompt_len, nullcontext()),
+                    bit=lambda: score(bit, x, args.prompt_len, nullcontext())), device, args.warmup, args.repeats)
+    res.update(metric_features_seqs_per_s=64 / t['metrics'], bit_energy_seqs_per_s=64 / t['bit'])
+    return res
+
+
 def peak_rss_mb():
     """High-water mark of this process's resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -435,6 +474,7 @@ def main(argv=None):
     run('energy', bench_energy, meta)
     run('estimation', bench_estimation, meta)
     run('estimate', bench_estimate, meta, dtypes)
+    run('metric_fit', bench_metric_fit, meta)
     results['bench_time_s'] = time.perf_counter() - t_start
 
     if not args.quiet:

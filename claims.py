@@ -13,6 +13,13 @@ results.json). Writes claims.json and claims.txt:
     C7  the difference of log-likelihood means, own samples minus real text, smaller under the
         joint model than under the base LM                              (Fig. 3)
 
+And, when the main job fitted the talk's metric energy (seed 002, metric_ebm.py):
+
+    T1  JOINT METRICS's conservative PPL below the base LM's (guaranteed where mu was fitted)
+    T2  JOINT METRICS+BIT below JOINT BIT (the talk's aggregation of evaluation functions)
+    T3  JOINT METRICS's gain equal to KL(p* || P_LM), the Pythagorean identity's prediction
+        (holds: within 2 SE of it; does not hold: further)
+
 A claim holds (true) when its measured difference is more than 2 SE in the paper's direction,
 does not hold (false) when it is more than 2 SE the other way, and is not significant (null)
 otherwise. Model comparisons are per prefix on the test split (paired: every model scores the
@@ -160,15 +167,29 @@ def measure(out_dir, split='test', seed=0):
     claims = dict(C1=compare(lp, 'JOINT BIT', 'BALM', L), C2=compare(lp, 'JOINT UNIT', 'RALM', L), C3=c3,
                   C4=claim_c4(res['per_step']), C5=claim_c5(res, res['per_step']['energy'], L),
                   C6=claim_c6(samples, seed), C7=claim_c7(samples, seed))
+    if 'JOINT METRICS' in lp:
+        claims.update(talk_claims(lp, res, L))
     return dict(split=split, lms=lm_convergence(out_dir), claims=claims)
+
+
+def talk_claims(lp, res, L):
+    """T1-T3 (seed 002): the metric energy's gain, the aggregation, and the Pythagorean prediction."""
+    out = dict(T1=compare(lp, 'JOINT METRICS', 'BASE LM', L))
+    if 'JOINT METRICS+BIT' in lp:
+        out['T2'] = compare(lp, 'JOINT METRICS+BIT', 'JOINT BIT', L)
+    t3 = paired((lp['JOINT METRICS'] - lp['BASE LM']) / L - np.array(res['per_prefix']['kl']['METRICS']) / L)
+    t3['holds'] = None if t3['z'] is None else abs(t3['z']) <= Z_SIG
+    out['T3'] = t3
+    return out
 
 
 CLAIM_TEXT = dict(C1='JOINT BIT below BALM (PPL)', C2='JOINT UNIT below RALM (PPL)',
                   C3='JOINT BIT below JOINT UNIT, fewer params', C4='per-step gain: early > last step',
                   C5='log Z range narrows as n grows', C6='joint: more unique char 4-8-grams',
-                  C7='joint closer to real text (log-lik. means)')
+                  C7='joint closer to real text (log-lik. means)', T1='JOINT METRICS below BASE LM (PPL)',
+                  T2='JOINT METRICS+BIT below JOINT BIT (PPL)', T3='METRICS gain = KL(p*||P_LM) (Pythagoras)')
 UNITS = dict(C1='nats/token', C2='nats/token', C3='nats/token', C4='nats/token', C5='nats/token', C6='% points',
-             C7='nats/sequence')
+             C7='nats/sequence', T1='nats/token', T2='nats/token', T3='nats/token')
 
 
 def format_claims(result):

@@ -77,6 +77,10 @@ class Energy(nn.Module):
         """How many leading tokens forward() drops: all but the last `context` of the prefix."""
         return prefix_len - self.context if self.context is not None and prefix_len > self.context else 0
 
+    def shares_prompt(self, prompt_len, prefix_len):
+        """Whether forward_shared applies: a causal body that sees some of the prompt."""
+        return self.config.causal and prompt_len > self.context_cut(prefix_len)
+
     def forward_shared(self, prompt, tokens, prefix_len, rows=256):
         """Energies (B, n) of the sequences [prompt_b; tokens[b, i]] for a causal body (UNIT), from
         prompts (B, P) and continuations (B, n, L), prefix_len <= P: each prompt runs once and its
@@ -166,8 +170,12 @@ def energy_state(energy, lm_path, meta):
 
 
 def load_energy(path, lm_path=None, device='cpu'):
-    """An Energy in eval mode; with lm_path, checked to be the residual of that LM."""
+    """An Energy in eval mode (or a metrics.MetricEnergy); with lm_path, checked to be the residual
+    of that LM."""
     ckpt = load_checkpoint(path)
+    if ckpt['kind'] == 'metric_energy':  # E = mu . f, fitted by metric_ebm.py: the same interface
+        from metrics import load_metric_energy  # here, not above: metrics.py imports this module
+        return load_metric_energy(ckpt, path, lm_path, device), ckpt
     if ckpt['kind'] != 'energy':
         raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not an energy (nce_train.py)")
     if lm_path is not None and file_hash(lm_path) != ckpt['lm_hash']:
@@ -191,11 +199,11 @@ def score(energy, x, prefix_len, ctx, max_rows=256, max_tokens=8192):
 @torch.no_grad()
 def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, max_tokens=8192):
     """Energies (B, n) in float64 of [prompts_b; tokens[b, i]] for prompts (B, P) and their
-    continuations tokens (B, n, L), in blocks as score(). A causal energy (UNIT) runs each prompt
-    once for all its continuations (Energy.forward_shared); a bidirectional one (BIT) cannot:
-    its prompt states depend on the continuation."""
+    continuations tokens (B, n, L), in blocks as score(). A causal energy (UNIT, and the metric
+    energy's LM) runs each prompt once for all its continuations (forward_shared); a
+    bidirectional one (BIT) cannot: its prompt states depend on the continuation."""
     (B, P), L = prompts.shape, tokens.size(2)
-    if isinstance(energy, Energy) and energy.config.causal and P > energy.context_cut(prefix_len):
+    if hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len):
         with ctx:
             return energy.forward_shared(prompts, tokens, prefix_len, max(1, min(max_rows, max_tokens // L))).double()
     return torch.cat([score(energy, torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2).flatten(0, 1),

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json, write_text
 from energy import load_energy, sample_log_weights, score, score_continuations
+from metrics import kl_to_lm
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_writable, precision, progress, rng, run_main, sampling_probe,
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress, rng, run_main, sampling_probe,
                      scoring_probe, setup, teardown_distributed)
 
 
@@ -98,10 +99,11 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
             extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
         e_real = {name: score(e, x, P, ectx) for name, e in energies.items()}
         log_w = sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g, args.max_rows,
-                                   ectx=ectx)  # (energies, B, n) = -E of the LM samples
+                                   ectx=ectx) if energies else torch.zeros(0, x.size(0), max(sweep))  # (energies, B, n) = -E
         bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
+        kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
         recs.append(dict(index=s, lm_logp=lm_logp.cpu(), extra_logp={k: v.cpu() for k, v in extra.items()},
-                         energy={k: v.cpu() for k, v in e_real.items()},
+                         energy={k: v.cpu() for k, v in e_real.items()}, kl={k: kl[i] for i, k in enumerate(energies)},
                          logz={name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu()) for n, (lo, hi) in bounds.items()}
                                for k, name in enumerate(energies)}))
     if world_size > 1:
@@ -118,6 +120,7 @@ def columns(chunks):
     return dict(lm_logp=cat(lambda c: c['lm_logp']),
                 extra_logp={k: cat(lambda c: c['extra_logp'][k]) for k in first['extra_logp']},
                 energy={k: cat(lambda c: c['energy'][k]) for k in first['energy']},
+                kl={k: cat(lambda c: c['kl'][k]) for k in first['kl']},
                 logz={k: {n: {end: cat(lambda c: c['logz'][k][n][end]) for end in ('low', 'high')}
                           for n in first['logz'][k]} for k in first['logz']})
 
@@ -140,6 +143,10 @@ def summarize(cols, num_tokens, n, num_chars=None):
         joint_low = lp - e - logz['high']
         rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
                          ppl_high=ppl(joint_low, num_tokens), **gain(joint_low)))
+        if name in cols.get('kl', {}):  # KL(P_joint || P_LM) per token: what a moment-matched energy gains
+            kl, se = cols['kl'][name] / L, lambda d: float(d.std(ddof=1) / math.sqrt(len(d)))
+            rows[-1].update(predicted_gain=float(kl.mean()), predicted_gain_se=se(kl),
+                            gain_minus_predicted_se=se((joint_low - lp) / L - kl))
         if num_chars:
             rows[-1].update(ppl_char_low=ppl(joint_high, num_chars), ppl_char_high=ppl(joint_low, num_chars))
     if num_chars:
@@ -283,6 +290,7 @@ def get_args(argv=None):
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=256, help='sequences per forward (bounds memory)')
     a('--out', default='out/ppl.json', help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
+    a('--force', action='store_true', help='replace --out (and the .txt beside it) if it exists')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
@@ -315,6 +323,7 @@ def get_args(argv=None):
     if args.per_step is not None:
         at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
     check_writable(args.out, '--out', folder=False)
+    check_new(args.out, '--out', args.force, also=[os.path.splitext(args.out)[0] + '.txt'])
     return args
 
 
@@ -345,13 +354,13 @@ def format_table(rows, splits):
     """Table 1 as text: PPL per split (a range for joint models), then, on the last split, the
     gain over the base LM in nats per token (conservative end, +- SE) and the PPL reduction."""
     last = splits[-1]
-    head = f"{'model':<12} {'params':>8} " + ' '.join(f"{s + ' PPL':>13}" for s in splits)
+    head = f"{'model':<17} {'params':>8} " + ' '.join(f"{s + ' PPL':>13}" for s in splits)
     lines = [head + f" {last + ' gain nats/tok (SE)':>26} {last + ' PPL reduction':>19}"]
     base = next(r['ppl'] for r in rows if r['model'] == 'BASE LM' and r['split'] == last)
     for name in dict.fromkeys(r['model'] for r in rows):
         cells = {r['split']: r for r in rows if r['model'] == name}
         fmt = lambda r: f"{r['ppl']:.3f}" if 'ppl' in r else f"{r['ppl_low']:.3f}-{r['ppl_high']:.3f}"
-        line = f"{name:<12} {next(iter(cells.values()))['params'] / 1e6:>7.2f}M " + \
+        line = f"{name:<17} {next(iter(cells.values()))['params'] / 1e6:>7.2f}M " + \
             ' '.join(f"{fmt(cells[s]) if s in cells else '':>13}" for s in splits)
         r = cells.get(last, {})
         if 'gain_se' in r:
@@ -372,6 +381,15 @@ def format_calibration(calib, num_samples, gains):
                      + (f" (gain SE {se:.5f})" if se else '') + f"; range contains log Z for {100 * c['bracketed']:.0f}% "
                      f"(reference width {c['reference_width']:.4f} nats)")
     return '\n'.join(lines)
+
+
+def format_predicted(rows):
+    """Each joint model's measured gain beside KL(P_joint || P_LM), which equals it (the
+    Pythagorean identity) when the energy matches real text's moments (metrics.py)."""
+    return ''.join(f"\n{r['model']}: gain {r['gain_nats_per_token']:+.5f} nats/token, KL(joint || LM) "
+                   f"{r['predicted_gain']:.5f} (SE {r['predicted_gain_se']:.5f}): difference "
+                   f"{r['gain_nats_per_token'] - r['predicted_gain']:+.5f} (SE {r['gain_minus_predicted_se']:.5f})"
+                   for r in rows if 'predicted_gain' in r)
 
 
 def format_last_step(ps):
@@ -442,7 +460,8 @@ def write_results(out, args):
     gain_se = {r['energy']: r['gain_se'] for r in last['rows'] if 'energy' in r}
     text = format_table(out['rows'], args.splits) + '\n' + \
         f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n" + \
-        format_calibration(last.get('calibration', {}), args.num_samples, gain_se) + format_last_step(last.get('per_step'))
+        format_calibration(last.get('calibration', {}), args.num_samples, gain_se) + format_last_step(last.get('per_step')) + \
+        format_predicted(last['rows'])
     write_json(out, args.out)
     write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
     print(text + f"\n-> {args.out}")

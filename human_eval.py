@@ -27,7 +27,9 @@ from runtime import ArgumentParser, at_least, check_writable, run_main
 
 
 def binomial_p_value(wins, losses):
-    """P(X >= wins) for X ~ Binomial(wins + losses, 1/2): one-sided test of 'no preference'."""
+    """P(X >= wins) for X ~ Binomial(wins + losses, 1/2): one-sided test of 'no preference'.
+    score() passes ties as losses (non-wins), as the paper's Table 2 does: its BASE LM vs BALM
+    p = 0.88 is P(X >= 156) for X ~ Binomial(333, 1/2)."""
     n = wins + losses
     return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
 
@@ -60,8 +62,9 @@ def score(key, votes, max_failed_checks=0, per_vote=False):
     goes to the option among s1, s2 and 'equal' with strictly the most votes; with no strict
     plurality (s1 and s2 tied, or 'equal' tied with the leader) or an 'equal' plurality, the item
     is equal. Without 'equal' votes this is exactly the paper's rule. Items with no remaining
-    vote are left out (counted in unvoted_items). The one-sided binomial test is over items, wins
-    against losses, equal items dropped: votes on one item are not independent.
+    vote are left out (counted in unvoted_items). The one-sided binomial test is over items (votes
+    on one item are not independent): wins against non-wins, equal items counted as non-wins,
+    as the paper's Table 2.
 
     per_vote: every counted vote is a unit instead (wins, losses, ties and the test over votes);
     its p-value is too small, since raters of one item agree more often than independent votes
@@ -94,7 +97,7 @@ def score(key, votes, max_failed_checks=0, per_vote=False):
     return dict(system=s1, versus=s2, unit='vote' if per_vote else 'item', n=n, votes=num_votes,
                 wins=wins, losses=losses, ties=ties, unvoted_items=unvoted, dropped_raters=dropped,
                 preferred=wins / n if n else float('nan'), not_worse=(wins + ties) / n if n else float('nan'),
-                p_value=binomial_p_value(wins, losses))
+                p_value=binomial_p_value(wins, losses + ties))
 
 
 def plurality(tally):

@@ -443,4 +443,6 @@ def load_lm(path, device='cpu', meta=None, kind='lm'):
     else:
         model = GPT(config)
         model.load_state_dict(ckpt['model'])
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise ValueError(f"{path} holds non-finite weights (its training diverged): retrain it with a lower --lr")
     return model.to(device).eval(), ckpt

@@ -269,7 +269,7 @@ def main(argv=None):
             loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
             scaler.scale(loss / n_micro).backward()
             stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
-        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip)
+        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip, iter_num)
         iter_num += 1
         bar.update()
 

@@ -3,9 +3,10 @@ The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end,
 
     prepare -> BASE LM -> BALM -> RALM (each early-stopped on the selection split) -> negatives
     (train, select) -> MLM pretraining of the BIT body -> JOINT BIT (NCE) -> JOINT UNIT (NCE) ->
-    joint PPL of every model on val and test (Eq. 4), the bounds' calibration against many
-    samples, per-step PPL (Eq. 5) and the bounds as n grows -> joint samples and analyses -> the
-    paper's claims C1-C7 measured (claims.py) -> figures
+    a TaiLr LM and the talk's metric energy (seed 002) -> joint PPL of every model on val and
+    test (Eq. 4), the bounds' calibration against many samples, per-step PPL (Eq. 5) and the
+    bounds as n grows -> joint samples and analyses -> the paper's claims C1-C7 and the talk's
+    T1-T3 measured (claims.py) -> figures
 
 Each stage is the command a user would type (printed before it runs). Like make, a stage whose
 outputs exist and are newer than those of the stages it depends on is skipped, and a half-done
@@ -14,13 +15,14 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
-    python reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
+    python reproduce.py                      # ~53 min on 2 CPU cores with bf16 units (README)
     python reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
     python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,15 +38,17 @@ from runtime import DTYPES, ArgumentParser, check_writable, pick_device, rerun_c
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = 'delete it to rerun its stage'
 
-# Sizes and budgets (README has the stage timings). Everything that is tuned (each LM's early
-# stopping, the energy's, and the recipe) looks at the selection split, never at val or test.
+# Sizes and budgets (README has the stage timings). Everything tuned (each LM's early stopping,
+# the energy's, n, MLM length, TaiLr's gamma) looked at the selection split, never at val or test,
+# except the BIT's ALiBi and NCE lr 1e-4, picked on val before the protocol (EXPERIMENTS.md).
 # The paper's protocol: every LM trains until its selection loss stops improving (by more than
 # min_delta for `patience` evaluations), its best weights kept (best.pt); sizes small enough that
 # this happens within the CPU budget, in the paper's structure: BALM = LM + UNIT parameters,
 # RALM's residual the LM's shape, the BIT smaller than the UNIT (EXPERIMENTS.md, 2026-11-26 late).
 DEFAULT = dict(
-    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=3000, lr=3e-3, min_lr=3e-4,
-            warmup_iters=40, eval_interval=250, patience=2, min_delta=0.01, snapshots='500,1000,2000'),
+    # the cosine decay ends at step 3000; then min_lr until the plateau rule stops it (6000: a cap)
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=6000, lr_decay_iters=3000, lr=3e-3,
+            min_lr=3e-4, warmup_iters=40, eval_interval=250, patience=2, min_delta=0.01, snapshots='500,1000,2000'),
     balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
     neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024),
@@ -53,12 +57,17 @@ DEFAULT = dict(
     # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (EXPERIMENTS.md)
     mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=3000, eval_interval=500, alibi=True, patience=0,
              min_delta=0, snapshots=''),  # the LM's flags otherwise
+    # TaiLr (seed 002): the base LM fine-tuned at its final lr until the selection NLL stops improving;
+    # gamma chosen on the selection split (EXPERIMENTS.md)
+    tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
+    # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
+    metrics=dict(prefixes=512, pool=64, check_prefixes=128, table_prefixes=256, n=32),
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
     unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
-    # n = 128 on 256 prefixes rather than 16 on 1,024 (twice the samples): the bounds' bias shrinks
-    # as 1/n, their SE only as 1/sqrt(prefixes); calibrated against n_ref = 2,048 (README). Fig. 1
-    # on 128 prefixes, log Z every 8 positions: its SE band narrower than the gain it shows
-    ppl=dict(max_prefixes=256, num_samples=128, sweep='2,8,32,128', step_prefixes=128, step_samples=32, step_every=8,
+    # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
+    # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
+    # (EXPERIMENTS.md). Fig. 1 on 128 prefixes, log Z every 8 positions
+    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32, step_every=8,
              last_step_samples=1024, calib_prefixes=16, calib_samples=1024),
     # Figs. 2 right and 3 on hundreds of prefixes
     samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
@@ -80,6 +89,9 @@ QUICK = dict(
              last_step_samples=64, calib_prefixes=4, calib_samples=512),
     samples=dict(num_prefixes=4, n=32, logz_samples=8, table_prefixes=1, candidates=16, m=4),
     ordering=dict(train_prefixes=400, select_prefixes=32, bit_iters=100, max_prefixes=16, num_samples=8),
+    tailr=dict(gamma=0.01, max_iters=20, lr=1e-3, eval_interval=10, final_eval_windows=256, snapshots=''),
+    # an LM of 30 steps repeats no 4-gram in 32 characters, which real text does: no rep-N, div
+    metrics=dict(metrics='tr-8,coh,logp', prefixes=64, pool=64, check_prefixes=32, table_prefixes=16, n=8),
 )
 # the paper's tokenizer (GPT-2 BPE, 50,257 tokens) through every stage, with tiny models: a test
 # that the BPE path runs end to end (the vocabulary makes the LM head and the exact last-step
@@ -96,6 +108,9 @@ QUICK_GPT2 = dict(
     ppl=dict(max_prefixes=4, num_samples=4, sweep='2,4', step_prefixes=2, step_samples=2,
              last_step_samples=16, calib_prefixes=2, calib_samples=32),
     samples=dict(num_prefixes=2, n=4, table_prefixes=1, candidates=4, keep=2, table_k=2, m=2),
+    tailr=dict(gamma=0.01, max_iters=10, eval_interval=5, final_eval_windows=32, snapshots=''),
+    # no metric energy: the samples of a 30-step BPE LM never reach real text's metrics (its real
+    # text's log P_LM is above every sample's, its hidden states all alike), so nothing can match them
 )
 
 
@@ -110,6 +125,10 @@ def finished(path):
     return meta.get('complete', True) and 'select' in meta.get('num_tokens', {'select': 0})
 
 
+def newest_mtime(folder):
+    return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs), default=0)
+
+
 class Pipeline:
     """Runs stages in order, like make: a stage is skipped when its `done` file exists and is
     newer than the `done` files of the stages it depends on."""
@@ -121,11 +140,19 @@ class Pipeline:
         if not isinstance(self.timings, dict):
             raise ValueError(f"{timings_path} is not a table of stage times: delete it and rerun")
 
-    def run(self, name, cmd, done, deps=()):
+    def run(self, name, cmd, done, deps=(), folder=None):
+        """Run the stage unless done. Its folder, if older than what it depends on (a model it
+        used was retrained), is kept as folder.old and the stage starts over instead of resuming."""
         self.done[name] = done
-        if finished(done) and all(os.path.getmtime(self.done[d]) <= os.path.getmtime(done) for d in deps):
+        newest_dep = max((os.path.getmtime(self.done[d]) for d in deps), default=0)
+        if finished(done) and os.path.getmtime(done) >= newest_dep:
             print(f"[{name}] done already ({done} exists): skipped")
             return
+        if folder and os.path.isdir(folder) and newest_mtime(folder) < newest_dep:
+            shutil.rmtree(folder + '.old', ignore_errors=True)
+            os.replace(folder, folder + '.old')
+            print(f"[{name}] its inputs changed since {folder} was written: kept as {folder}.old, starting over")
+            cmd = [c for c in cmd if c != '--resume']
         print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
         t0 = time.time()
         # Ctrl-C is for this process alone: it kills the stage (safe: every write is atomic and every
@@ -188,7 +215,8 @@ def main(argv=None):
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
-    stage = lambda name, cmd, done, deps=(): pipe.run(name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps)
+    stage = lambda name, cmd, done, deps=(), folder=None: pipe.run(name, cmd + common + ['--device', args.device, '--dtype',
+                                                                                        args.dtype], done, deps, folder)
     lm, neg = cfg['lm'], cfg['neg']
 
     pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir, '--tokenizer', args.tokenizer] + common,
@@ -199,7 +227,7 @@ def main(argv=None):
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
         resume = ['--resume'] if os.path.exists(path(name, 'ckpt.pt')) else []
         stage(name, ['train_lm.py', '--data_dir', args.data_dir, '--out_dir', path(name), '--objective', objective]
-              + flags(dict(lm, **changes)) + extra + resume, path(name, 'results.json'), deps)
+              + flags(dict(lm, **changes)) + extra + resume, path(name, 'results.json'), deps, path(name))
 
     train('lm', [], ['prepare'])
     print_estimate(pipe.timings, cfg is DEFAULT)
@@ -211,14 +239,21 @@ def main(argv=None):
     train('mlm', ['--final_eval', '0'], ['prepare'], objective='mlm', **cfg['mlm'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
+    train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
+    metric = []  # the talk's metric energy, where the config fits one
+    if 'metrics' in cfg:
+        metric_energies(stage, path, lm_ckpt, neg, cfg['metrics'])
+        metric = [f"METRICS={path('metrics', 'energy.pt')}", f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
     stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
-                           '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
+                           '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}", *metric,
                            '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",
+                           f"TAILR={path('tailr', 'best.pt')}",
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']), '--per_step', 'BIT',
-                           '--out', path('ppl.json')] + flags(cfg['ppl']), path('ppl.json'), ['lm', 'balm', 'ralm', 'bit', 'unit'])
+                           '--out', path('ppl.json'), '--force'] + flags(cfg['ppl']), path('ppl.json'),
+          ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else []))
     stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
                       '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                      '--out', path('samples.json')] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
+                      '--out', path('samples.json'), '--force'] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
     pipe.run('claims', ['claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples'])
     if args.ordering:
@@ -233,7 +268,8 @@ def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, 
     for split, count in (('train', train_prefixes), ('select', select_prefixes)):
         stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'{name}_{split}'),
                                   '--max_prefixes', str(count)]
-              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), path(f'{name}_{split}', 'meta.json'), deps)
+              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), path(f'{name}_{split}', 'meta.json'), deps,
+              path(f'{name}_{split}'))
 
 
 def nce(stage, path, kind, lm_ckpt, neg, init, settings, deps, out_name=None):
@@ -244,7 +280,18 @@ def nce(stage, path, kind, lm_ckpt, neg, init, settings, deps, out_name=None):
     stage(out_name, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path(f'{neg}_train'),
                      '--held_out_negatives', path(f'{neg}_select'), '--energy', kind, '--init_from', init,
                      '--out_dir', path(out_name)] + flags(settings) + resume,
-          path(out_name, 'results.json'), [f'{neg}_train', f'{neg}_select'] + deps)
+          path(out_name, 'results.json'), [f'{neg}_train', f'{neg}_select'] + deps, path(out_name))
+
+
+def metric_energies(stage, path, lm_ckpt, neg, mc):
+    """The talk's metric energy E = mu . f (metric_ebm.py), fitted on the selection split: on the
+    metrics alone (metrics/energy.pt) and with the BIT energy as one more metric (the talk's
+    aggregation: energy_aggregate.pt); then the talk's table of decoding methods on test."""
+    stage('metrics', ['metric_ebm.py', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']), '--gen_len',
+                      str(neg['gen_len']), '--energy_metric', f"BIT={path('bit', 'best.pt')}", '--out_dir', path('metrics'),
+                      '--table', '--compare', f"BIT={path('bit', 'best.pt')}", '--extra_lm', f"TAILR={path('tailr', 'best.pt')}",
+                      '--force']
+          + flags(mc), path('metrics', 'results.json'), ['lm', 'bit', 'tailr'])
 
 
 def ordering(stage, pipe, path, args, cfg):
@@ -268,7 +315,7 @@ def ordering(stage, pipe, path, args, cfg):
         stage(f'{name}_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val', '--energy', f"BIT={path(f'{name}_bit', 'best.pt')}",
                               '--extra_lm', f'BALM={balm}', '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                               '--max_prefixes', str(oc['max_prefixes']), '--num_samples', str(oc['num_samples']),
-                              '--calib_prefixes', '0', '--out', path(f'{name}_ppl.json')],
+                              '--calib_prefixes', '0', '--out', path(f'{name}_ppl.json'), '--force'],
               path(f'{name}_ppl.json'), [f'{name}_bit', 'balm'])
         rows = {r['model']: r for r in read_json(path(f'{name}_ppl.json'), FIX)['rows']}
         points.append(dict(iter=it, base_select_loss=curve[it], base_ppl=rows['BASE LM']['ppl'],
@@ -290,11 +337,11 @@ def figures(pipe, out, args):
         write_json(read_json(os.path.join(out, 'claims.json'), FIX), os.path.join(HERE, 'assets', 'claims.json'))
 
 
-# Stage times of the default run relative to the LM's, from README's run (2026-11-26 late, bf16
+# Stage times of the default run relative to the LM's, from README's run (2026-11-27, bf16
 # CPU): the LM stage measures this machine's speed, these turn it into a rough estimate of the
 # whole run (on a CPU without bf16, sampling is relatively faster: an overestimate there).
-RELATIVE_TIME = dict(lm=1.0, balm=1.43, ralm=0.38, neg_train=0.32, neg_select=0.02, mlm=0.93, bit=0.88,
-                     unit=0.50, estimate_ppl=2.19, samples=0.53, claims=0.07)
+RELATIVE_TIME = dict(lm=1.0, balm=1.30, ralm=0.27, neg_train=0.20, neg_select=0.02, mlm=0.68, bit=0.70,
+                     unit=0.38, tailr=0.17, metrics=0.90, estimate_ppl=1.79, samples=0.36, claims=0.04)
 
 
 def print_estimate(timings, default):
@@ -321,7 +368,10 @@ def report(out, timings):
     print("\nTable 1 (Shakespeare; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
-    print("\nThe paper's claims (claims.py)\n" + open(os.path.join(out, 'claims.txt')).read().rstrip())
+    if os.path.exists(os.path.join(out, 'metrics', 'results.txt')):
+        print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, and the decoding methods' metrics\n"
+              + open(os.path.join(out, 'metrics', 'results.txt')).read().rstrip())
+    print("\nThe paper's claims (claims.py) and the talk's (T1-T3)\n" + open(os.path.join(out, 'claims.txt')).read().rstrip())
     print(f"-> {out}/results.json, {out}/claims.json, {out}/ppl.json, {out}/samples.json, figures {out}/fig*.png")
 
 

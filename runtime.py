@@ -226,10 +226,17 @@ def prepare_training(raw_model, ckpt, args, device, dtype, world_size):
     return model, optimizer, scaler
 
 
-def optimizer_step(model, optimizer, scaler, grad_clip):
-    """Clip the (unscaled) gradients, step, clear them; returns the gradient norm before clipping."""
+def optimizer_step(model, optimizer, scaler, grad_clip, step):
+    """Clip the (unscaled) gradients, step, clear them; returns the gradient norm before clipping.
+    A non-finite norm (the same on every rank: the gradients are all-reduced) stops the run before
+    the step reaches the weights: the last checkpoint stays finite. fp16's GradScaler skips such
+    steps itself while it calibrates, so there it is let through."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf')).item()
+    if not math.isfinite(grad_norm) and not scaler.is_enabled():
+        raise ValueError(f"the gradients are not finite at iteration {step + 1} (norm {grad_norm}): training "
+                         f"diverged; lower --lr or --weight_decay, or clip harder (--grad_clip); the last "
+                         f"checkpoint saved is finite")
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -327,6 +334,14 @@ def check_writable(path, flag, folder=True):
         os.remove(tmp)
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot write in {d} ({e.strerror}): choose a writable path") from None
+
+
+def check_new(path, flag, force, also=()):
+    """Refuse to replace a result (and its twins, e.g. the .txt beside a .json) without --force."""
+    existing = [p for p in (path, *also) if os.path.exists(p)]
+    if existing and not force:
+        raise ValueError(f"{flag} {path}: {' and '.join(existing)} exist(s): pass --force to replace, "
+                         f"or choose another {flag}")
 
 
 def check_free_space(path, nbytes, flag):

@@ -27,7 +27,7 @@ import torch
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json
 from energy import load_energy, sample_log_weights, score, score_continuations
 from model import check_vocab, load_lm
-from runtime import (DTYPES, ArgumentParser, at_least, check_writable, precision, progress, rng, run_main, sampling_probe,
+from runtime import (DTYPES, ArgumentParser, at_least, check_new, check_writable, precision, progress, rng, run_main, sampling_probe,
                      scoring_probe, setup)
 from tokenizer import load_tokenizer
 
@@ -165,6 +165,7 @@ def get_args(argv=None):
            "log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
     a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
     a('--out', default='out/samples.json')
+    a('--force', action='store_true', help='replace --out if it exists')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
@@ -176,6 +177,7 @@ def get_args(argv=None):
         raise ValueError(f"--logz_samples {args.logz_samples}: 0 (off) or at least 2 (the bounds need leave-one-out)")
     at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
     check_writable(args.out, '--out', folder=False)
+    check_new(args.out, '--out', args.force)
     return args
 
 

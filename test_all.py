@@ -42,6 +42,8 @@ sys.path.insert(0, ROOT)
 import claims  # noqa: E402
 import estimate_ppl  # noqa: E402
 import human_eval  # noqa: E402
+import metric_ebm  # noqa: E402
+import metrics  # noqa: E402
 import nce_train  # noqa: E402
 import negatives  # noqa: E402
 import runtime  # noqa: E402
@@ -2154,6 +2156,15 @@ def test_estimate_ppl_cli_hashes_and_rows(lm_ckpt, eval_ckpts, ppl_run):
     assert {(r['model'], r['split']) for r in out['rows']} == {(m, s) for m in ('BASE LM', 'LM2', 'JOINT BIT') for s in ('val', 'test')}
 
 
+def test_estimate_ppl_without_an_energy(lm_ckpt, eval_ckpts, ppl_run, tmp_path):
+    """The base LM and extra LMs alone (no joint model) give the same rows as with an energy."""
+    out = estimate_ppl.main(['--lm', lm_ckpt, '--extra_lm', f"LM2={eval_ckpts['lm2']}", '--splits', 'val,test',
+                             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '5',
+                             '--num_samples', '8', '--calib_prefixes', '0', '--out', str(tmp_path / 'p.json'), *CPU])
+    with_energy = {(r['model'], r['split']): r['ppl'] for r in ppl_run[1]['rows'] if 'ppl' in r}
+    assert {(r['model'], r['split']): r['ppl'] for r in out['rows']} == pytest.approx(with_energy, rel=1e-6)
+
+
 @pytest.mark.parametrize('split', ['val', 'test'])
 def test_estimate_ppl_cli_split(lm_corpus, lm_ckpt, eval_ckpts, ppl_run, split):
     s = json.loads(ppl_run[2])['splits'][split]
@@ -2642,6 +2653,7 @@ def binom_tail_exact(wins, losses):
 
 
 def test_binomial_p_value():
+    assert 0.88 < human_eval.binomial_p_value(156, 333 - 156) < 0.89  # the paper's Table 2, BASE LM vs BALM: 0.88
     assert human_eval.binomial_p_value(9, 1) == 11 / 1024
     assert human_eval.binomial_p_value(10, 0) == 1 / 1024 and human_eval.binomial_p_value(0, 10) == 1.0
     assert human_eval.binomial_p_value(0, 0) == 1.0 and human_eval.binomial_p_value(1, 0) == 0.5
@@ -2701,11 +2713,11 @@ def test_human_eval_roundtrip():
     # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
     assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
     assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
-    assert rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8 and rep['p_value'] == 5 / 16
+    assert rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8 and rep['p_value'] == 219 / 256  # P(X >= 3 | 8)
     rep = human_eval.score(key, votes, per_vote=True)
     assert rep['unit'] == 'vote' and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1)
     assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
-    assert rep['p_value'] == float(binom_tail_exact(9, 6))
+    assert rep['p_value'] == float(binom_tail_exact(9, 7))  # ties are non-wins
     # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
     rep = human_eval.score(key, votes, max_failed_checks=3)
     assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
@@ -2798,17 +2810,17 @@ def test_human_eval_items_by_majority():
     assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
     assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (11, 31, 5, 2, 4, 1)
     assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
-    assert rep['p_value'] == 29 / 128 == binom_tail(5, 2)  # (C(7,5) + C(7,6) + C(7,7)) / 2^7
+    assert rep['p_value'] == 1486 / 2048 == binom_tail(5, 6)  # P(X >= 5 | 11): the 4 equal items are non-wins
     per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
     assert per_vote['unit'] == 'vote'
     assert (per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties']) == (31, 31, 15, 8, 8)
     assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
-    assert per_vote['p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
-    assert per_vote['p_value'] < rep['p_value'] / 2  # counting correlated votes as independent overstates significance
+    assert per_vote['p_value'] == sum(math.comb(31, k) for k in range(15, 32)) / 2 ** 31
+    assert per_vote['p_value'] < rep['p_value']  # counting correlated votes as independent overstates significance
     # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
     rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
     assert rep['dropped_raters'] == [] and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0)
-    assert rep['p_value'] == 93 / 256
+    assert rep['p_value'] == 3302 / 4096  # P(X >= 5 | 12)
     # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
     assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
     assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
@@ -2931,6 +2943,235 @@ def test_sample_cli_then_human_eval(sample_run, tmp_path):
 
 
 # =============================================================================
+# ==== metric EBM and TaiLr (seed 002): metrics on hand-made text, moment matching vs exact enumeration, Pythagoras, metric_ebm.py, TaiLr's loss ====
+
+def rep_brute(y, n):
+    grams = [tuple(y[i:i + n]) for i in range(len(y) - n + 1)]
+    return 1 - len(set(grams)) / len(grams)
+
+
+def test_metrics_on_hand_made_sequences():
+    """rep-n, tr-w and div against values worked out by hand, then against a python-set reference."""
+    y = torch.tensor([[0, 1, 0, 1, 0], [2, 2, 2, 2, 2], [0, 1, 2, 3, 4]])
+    assert metrics.repetition(y, 2, 5).tolist() == [0.5, 0.75, 0.0]  # (01,10,01,10): 2 distinct of 4
+    assert metrics.repetition(y, 1, 5).tolist() == pytest.approx([1 - 2 / 5, 1 - 1 / 5, 0.0])
+    x = torch.tensor([[5, 1, 2, 1, 3, 3]])  # prefix (5, 1): 2 no, 1 yes (in 1,2), 3 no, 3 yes (in 1,3)
+    assert metrics.token_repetition(x, 2, 2).tolist() == [0.5]
+    assert metrics.token_repetition(x, 2, 4).tolist() == [0.5]  # 2 is not among 5,1 either
+    assert metrics.token_repetition(torch.tensor([[7, 7, 7]]), 0, 1).tolist() == [2 / 3]  # the first has no past
+    assert metrics.token_repetition(x, 2, 32).tolist() == [0.5]  # a window longer than the sequence
+    g = torch.Generator().manual_seed(0)
+    ys = torch.randint(0, 3, (20, 9), generator=g)
+    for n in (1, 2, 3, 4):
+        assert metrics.repetition(ys, n, 3).tolist() == pytest.approx([rep_brute(r, n) for r in ys.tolist()])
+    me = metrics.MetricEnergy(['div'], tiny_gpt(vocab_size=3))
+    div = me.features(torch.cat([ys[:, :2], ys], 1), 2)[:, 0]
+    ref = [math.prod(1 - rep_brute(r, n) for n in (2, 3, 4)) for r in ys.tolist()]
+    assert div.tolist() == pytest.approx(ref)
+
+
+def test_lm_metrics_float64_reference():
+    """coh and logp against a float64 forward written out here."""
+    lm = tiny_gpt()
+    x = torch.randint(0, 11, (3, 9), generator=torch.Generator().manual_seed(1))
+    coh, logp = metrics.lm_metrics(lm, x, 5)
+    m64 = copy.deepcopy(lm).double()
+    with torch.no_grad():
+        h = m64.hidden(x)
+        lp = F.log_softmax(m64.lm_head(h), -1)[:, 4:-1].gather(-1, x[:, 5:, None]).squeeze(-1)
+    ref_coh = F.cosine_similarity(h[:, :5].mean(1), h[:, 5:].mean(1), dim=-1)
+    torch.testing.assert_close(coh, ref_coh, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp, lp.mean(1), atol=1e-5, rtol=0)
+
+
+def parse_cases():
+    return [('rep-4,foo', 'unknown metric'), ('rep-0', 'unknown metric'), ('rep-9', 'at least 9 tokens'),
+            ('div,div', 'twice'), ('', 'empty')]
+
+
+@pytest.mark.parametrize('spec,match', parse_cases())
+def test_parse_metrics_refuses(spec, match):
+    with pytest.raises(ValueError, match=match):
+        metrics.parse_metrics(spec, 11, 8)
+    with pytest.raises(ValueError, match='overflow'):
+        metrics.parse_metrics('rep-5', 50257, 8)
+    assert metrics.parse_metrics('rep-4,tr-32,div,coh,logp', 50257, 8) == ['rep-4', 'tr-32', 'div', 'coh', 'logp']
+
+
+def enumerable_problem(seed=0, B=2, V=3, L=3):
+    """Every continuation of length L over V tokens for B prefixes: P_LM and p_data per prefix
+    (float64), and K = 3 metrics of each continuation (two of them rep/tr, one random)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    log_p = torch.log_softmax(torch.randn(B, len(seqs), generator=g, dtype=torch.float64), -1)
+    p_data = torch.softmax(2 * torch.randn(B, len(seqs), generator=g, dtype=torch.float64), -1)
+    f = torch.stack([metrics.repetition(seqs, 1, V), metrics.token_repetition(seqs, 0, 1),
+                     torch.randn(len(seqs), generator=g, dtype=torch.float64)], 1)
+    return log_p, p_data, f.expand(B, -1, -1).contiguous()
+
+
+def test_moment_matching_is_the_kl_projection():
+    """Exact enumeration (vocabulary 3, length 3): the fitted p* meets the data's moments to 1e-9;
+    it is the KL projection (no feasible perturbation lowers KL(p || P_LM), checked by brute
+    force along random directions that keep the constraints and the normalisation); and the
+    Pythagorean identity H(p_data, p*) = H(p_data, P_LM) - KL(p* || P_LM) holds exactly."""
+    log_p, p_data, f = enumerable_problem()
+    target = torch.einsum('bn,bnk->bk', p_data, f)  # E_data[f | x]
+    mu, _ = metrics.fit_mu(target, f, log_p0=log_p)
+    p_star = torch.softmax(log_p - f @ mu, -1)
+    gap = torch.einsum('bn,bnk->k', p_star, f) / 2 - target.mean(0)
+    assert gap.abs().max() < 1e-9
+    kl = lambda p: (p * (p.log() - log_p)).sum(-1).mean()
+    B, N, K = f.shape
+    A = torch.cat([f.permute(2, 0, 1).reshape(K, -1), torch.kron(torch.eye(B), torch.ones(1, N)).double()])
+    null = torch.linalg.svd(A).Vh[A.size(0):]  # directions that keep the moments and sum(p_x) = 1
+    g = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        d = (torch.randn(null.size(0), generator=g, dtype=torch.float64) @ null).view(B, N)
+        for eps in (1e-3, -1e-3):
+            assert kl(p_star + eps * d / d.abs().max() * p_star.min()) > kl(p_star)
+    cross = lambda q: -(p_data * q).sum(-1).mean()
+    assert cross(p_star.log()) == pytest.approx(cross(log_p) - kl(p_star), abs=1e-12)
+    assert kl(p_star) > 0.05  # the constraints move p* well away from P_LM: the identity is not 0 = 0
+
+
+def test_moment_matching_by_sampling_converges():
+    """Fitted from n samples of P_LM per prefix (self-normalised importance sampling), mu tends to
+    the exact projection's as n grows."""
+    log_p, p_data, f = enumerable_problem()
+    target = torch.einsum('bn,bnk->bk', p_data, f)
+    mu_exact, _ = metrics.fit_mu(target, f, log_p0=log_p)
+    errors = []
+    for n in (1000, 30000, 400000):
+        idx = torch.multinomial(log_p.exp(), n, replacement=True, generator=torch.Generator().manual_seed(n))
+        mu_n, _ = metrics.fit_mu(target, torch.stack([f[b, idx[b]] for b in range(2)]))
+        errors.append((mu_n - mu_exact).norm().item())
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.02 * mu_exact.norm().item(), errors
+
+
+def test_fit_refuses_unreachable_or_constant_metrics():
+    log_p, p_data, f = enumerable_problem()
+    target = torch.einsum('bn,bnk->bk', p_data, f)
+    with pytest.raises(ValueError, match='outside what the LM samples reach'):
+        metrics.fit_mu(target + torch.tensor([0.0, 0.0, 10.0]), f, ['a', 'b', 'c'], log_p0=log_p)
+    flat = f.clone()
+    flat[..., 1] = 0.5
+    with pytest.raises(ValueError, match='metric b does not vary'):
+        metrics.fit_mu(target, flat, ['a', 'b', 'c'], log_p0=log_p)
+
+
+def test_kl_to_lm_closed_form():
+    """KL(p* || P_LM) from a pool that lists each continuation as often as P_LM draws it (uniform
+    P_LM over 4 continuations, each once) equals sum p* log(p*/P_LM) computed directly."""
+    e = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    p_star = torch.softmax(-e, -1)
+    ref = (p_star * (p_star / 0.25).log()).sum()
+    assert metrics.kl_to_lm(-e).item() == pytest.approx(ref.item(), abs=1e-12)
+    assert metrics.kl_to_lm(torch.zeros(1, 7)).item() == pytest.approx(0, abs=1e-12)
+
+
+def test_metric_energy_scores_like_an_energy():
+    """E = mu . f row by row; score_continuations (the LM's prompt states computed once, shared by
+    the continuations, also with a prompt longer than the prefix as Eq. 5 has) gives the numbers
+    of scoring each whole sequence."""
+    lm = tiny_gpt()
+    me = metrics.MetricEnergy(['rep-2', 'tr-3', 'div', 'coh', 'logp'], lm, {'B': rand_energy(11, block_size=32)},
+                              mu=torch.tensor([0.5, -1.0, 0.7, 2.0, 0.3, 0.9])).eval()
+    x = torch.randint(0, 11, (4, 10), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(me(x, 6), me.features(x, 6) @ me.mu)
+    g = torch.Generator().manual_seed(3)
+    for prompt_len, prefix_len in ((6, 6), (8, 5)):
+        prompts, tokens = torch.randint(0, 11, (3, prompt_len), generator=g), torch.randint(0, 11, (3, 5, 6), generator=g)
+        full = torch.cat([prompts[:, None].expand(-1, 5, -1), tokens], 2).flatten(0, 1)
+        shared = score_continuations(me, prompts, tokens, prefix_len, NULL, max_rows=4)
+        torch.testing.assert_close(shared, score(me, full, prefix_len, NULL).view(3, 5), atol=1e-5, rtol=0)
+        torch.testing.assert_close(me.features_shared(prompts, tokens, prefix_len, rows=4),
+                                   me.features(full, prefix_len).view(3, 5, -1), atol=1e-5, rtol=0)
+    assert me.num_params() == 6 + me.energies['B'].num_params()
+
+
+@pytest.fixture(scope='module')
+def metric_run(lm_ckpt, eval_ckpts, tmp_path_factory):
+    """metric_ebm.py on the fox corpus: mu fitted on the selection split, the table on test."""
+    out = tmp_path_factory.mktemp('metric_ebm')
+    res = metric_ebm.main(['--lm', lm_ckpt, '--metrics', 'tr-4,coh,logp', '--prefix_len', str(EVAL_P),
+                           '--gen_len', str(EVAL_L), '--prefixes', '12', '--pool', '16', '--check_prefixes', '4',
+                           '--energy_metric', f"BIT={eval_ckpts['bit']}",
+                           '--table', '--table_prefixes', '4', '--compare', f"BIT={eval_ckpts['bit']}", '--n', '4',
+                           '--chunk', '4', '--out_dir', str(out), *CPU])
+    return out, res
+
+
+def test_metric_ebm_cli(metric_run, lm_ckpt, tmp_path):
+    """On the split it is fitted on, the joint moments equal real text's; the energy loads where
+    any energy does and estimate_ppl.py reports its joint PPL and the predicted gain."""
+    out, res = metric_run
+    sel = res['energy']['splits']['select']
+    assert sel['joint'] == pytest.approx(sel['real'], abs=1e-8) and sel['lm'] != pytest.approx(sel['real'], abs=1e-3)
+    assert set(res['energy']['splits']) == {'select', 'val', 'test'} and sel['predicted_gain_nats_per_token'] > 0
+    agg = res['energy_aggregate']['splits']['select']  # the metrics and the BIT energy, from the same samples
+    assert agg['metrics'] == ['tr-4', 'coh', 'logp', 'E:BIT'] and agg['joint'] == pytest.approx(agg['real'], abs=1e-8)
+    assert agg['lm'][:3] == pytest.approx(sel['lm']) and agg['real'][:3] == pytest.approx(sel['real'])
+    both, _ = load_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
+    assert both.mu.tolist() == pytest.approx(res['energy_aggregate']['mu']) and list(both.energies) == ['BIT']
+    rows = res['table']['rows']
+    assert {'real', 'LM (t = 1)', 'greedy', 'JOINT BIT (n = 4)', 'JOINT METRICS (n = 4)', 'JOINT METRICS+BIT (n = 4)'} <= set(rows)
+    assert rows['real']['gap'] == [0, 0, 0] and rows['greedy']['gap'] != [0, 0, 0]
+    me, _ = load_energy(str(out / 'energy.pt'), lm_ckpt)
+    assert me.mu.tolist() == pytest.approx(res['energy']['mu'])
+    ppl = estimate_ppl.main(['--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--splits', 'test',
+                             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '5',
+                             '--num_samples', '8', '--calib_prefixes', '0', '--out', str(tmp_path / 'p.json'), *CPU])
+    row = next(r for r in ppl['rows'] if r['model'] == 'JOINT METRICS')
+    assert row['predicted_gain'] > 0 and 'KL(joint || LM)' in (tmp_path / 'p.txt').read_text()
+
+
+def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
+    """A metric energy with another LM; a metric real text never moves from its floor (no repeated
+    bigram in 4 characters of the fox corpus: rep-2 = 0, which no weighting of samples reaches)."""
+    out, _ = metric_run
+    with pytest.raises(ValueError, match='fitted to another LM'):
+        load_energy(str(out / 'energy.pt'), eval_ckpts['lm2'])
+    with pytest.raises(ValueError, match="metric rep-2: real text's mean 0 is outside"):
+        metric_ebm.main(['--lm', lm_ckpt, '--metrics', 'rep-2', '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L),
+                         '--prefixes', '12', '--pool', '16', '--out_dir', str(tmp_path / 'm'), *CPU])
+    assert not (tmp_path / 'm').exists()
+
+
+def test_tailr_loss_float64_reference():
+    """TaiLr's loss and gradient against the closed form in float64: -mean(w log p) with w = p /
+    (gamma + (1 - gamma) p) constant, so d loss / d logits = -w (onehot - softmax) / N; gamma = 0
+    is cross-entropy."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 5, (2, 3), generator=g)
+    for gamma in (0.0, 0.3, 1.0):
+        logits.grad = None
+        train_lm.tailr_loss(logits, y, gamma).backward()
+        sm = torch.softmax(logits.detach().double(), -1)
+        p = sm.gather(-1, y[..., None]).squeeze(-1)
+        w = p / (gamma + (1 - gamma) * p)
+        ref_loss = -(w * p.log()).mean()
+        ref_grad = -w[..., None] * (F.one_hot(y, 5).double() - sm) / 6
+        assert train_lm.tailr_loss(logits, y, gamma).item() == pytest.approx(ref_loss.item(), abs=1e-6)
+        torch.testing.assert_close(logits.grad.double(), ref_grad, atol=1e-6, rtol=0)
+    ce = F.cross_entropy(logits.detach().view(-1, 5), y.view(-1))
+    assert train_lm.tailr_loss(logits.detach(), y, 0.0).item() == pytest.approx(ce.item(), abs=1e-6)
+
+
+def test_tailr_fine_tuning_cli(lm_corpus, lm_ckpt, tmp_path):
+    """train_lm.py --objective tailr fine-tunes an LM into an LM checkpoint the later stages load."""
+    out = str(tmp_path / 'tailr')
+    res = train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'tailr', '--gamma', '0.5',
+                         '--init_from', lm_ckpt, '--max_iters', '4', '--eval_interval', '2', *TRAIN_FLAGS])
+    lm, ck = load_lm(os.path.join(out, 'best.pt'))
+    assert ck['objective'] == 'tailr' and ck['gamma'] == 0.5 and res['iters'] == 4
+    for bad, match in ((['--gamma', '0.5'], 'go together'), (['--objective', 'tailr', '--gamma', '2'], 'gamma')):
+        with pytest.raises(ValueError, match=match):
+            train_lm.main(['--data_dir', lm_corpus, '--out_dir', str(tmp_path / 'x'), *bad, *TRAIN_FLAGS])
+
+
+# =============================================================================
 # ==== baselines/pipeline: RALM (Eq. 6), BALM, the paper's presets, the main job end to end, figures.py, bench.py runs ====
 
 def tiny_ralm(residual_std=None):
@@ -3036,7 +3277,8 @@ def test_reproduce_quick_end_to_end(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {(r['model'], r['split']): r for r in json.load(open(out / 'results.json'))['rows']}
-    assert {m for m, _ in rows} == {'BASE LM', 'RALM', 'BALM', 'JOINT UNIT', 'JOINT BIT'}
+    assert {m for m, _ in rows} == {'BASE LM', 'RALM', 'BALM', 'TAILR', 'JOINT UNIT', 'JOINT BIT', 'JOINT METRICS',
+                                    'JOINT METRICS+BIT'}
     base, bit = rows['BASE LM', 'test'], rows['JOINT BIT', 'test']
     assert bit['ppl_low'] <= bit['ppl_high'] and math.isfinite(bit['gain_se']) and base['ppl'] > 1
     assert bit['ppl_high'] < base['ppl'] and bit['gain_nats_per_token'] > 5 * bit['gain_se'], bit
@@ -3053,7 +3295,7 @@ def test_reproduce_quick_end_to_end(tmp_path):
     os.remove(out / 'bit' / 'results.json')  # as if killed after its last checkpoint
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
     ran = [line.split(']')[0][1:] for line in res.stdout.splitlines() if '] $ python' in line]
-    after = ['bit', 'estimate_ppl', 'samples', 'claims'] + (['figures'] if importlib.util.find_spec('matplotlib') else [])
+    after = ['bit', 'metrics', 'estimate_ppl', 'samples', 'claims'] + (['figures'] if importlib.util.find_spec('matplotlib') else [])
     assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
     assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
 
@@ -3063,7 +3305,8 @@ def check_claims_from_run(out):
     numpy here, and C1 moving by exactly c / L when every JOINT BIT energy of the test split is
     raised by c (the numbers are computed from the run, not constants)."""
     claims = json.load(open(out / 'claims.json'))
-    assert set(claims['lms']) == {'BASE', 'RALM', 'BALM'} and set(claims['claims']) == {f'C{i}' for i in range(1, 8)}
+    assert set(claims['lms']) == {'BASE', 'RALM', 'BALM'}
+    assert set(claims['claims']) == {f'C{i}' for i in range(1, 8)} | {'T1', 'T2', 'T3'}
     for m in claims['lms'].values():
         assert {'best_step', 'last_step', 'best_select_loss', 'converged'} <= set(m) and m['best_step'] <= m['last_step']
     for c in claims['claims'].values():
@@ -3074,6 +3317,10 @@ def check_claims_from_run(out):
     d = (joint - np.array(cols['extra_logp']['BALM'])) / L
     c1 = claims['claims']['C1']
     assert abs(c1['diff'] - d.mean()) < 1e-9 and abs(c1['se'] - d.std(ddof=1) / math.sqrt(len(d))) < 1e-9
+    metric = np.array(cols['lm_logp']) - np.array(cols['energy']['METRICS']) - np.array(cols['logz']['METRICS'][n]['high'])
+    gain = (metric - np.array(cols['lm_logp'])) / L  # T1; T3: minus the predicted KL of each prefix
+    assert abs(claims['claims']['T1']['diff'] - gain.mean()) < 1e-9
+    assert abs(claims['claims']['T3']['diff'] - (gain - np.array(cols['kl']['METRICS']) / L).mean()) < 1e-9
     ppl = json.load(open(out / 'ppl.json'))
     ppl['splits']['test']['per_prefix']['energy']['BIT'] = [e + 0.5 for e in cols['energy']['BIT']]
     perturbed = out / 'perturbed'
@@ -3116,7 +3363,7 @@ def test_reproduce_quick_gpt2_end_to_end(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert load_meta(data)['vocab_size'] == 50257
     rows = {(r['model'], r['split']) for r in json.load(open(out / 'results.json'))['rows']}
-    assert rows == {(m, s) for m in ('BASE LM', 'RALM', 'BALM', 'JOINT UNIT', 'JOINT BIT') for s in ('val', 'test')}
+    assert rows == {(m, s) for m in ('BASE LM', 'RALM', 'BALM', 'TAILR', 'JOINT UNIT', 'JOINT BIT') for s in ('val', 'test')}
     ps = json.load(open(out / 'ppl.json'))['splits']['test']['per_step']
     assert math.isfinite(ps['last_step_exact_ppl']) and ps['last_step_mc_se'] > 0
     assert (out / 'samples.json').exists()
@@ -4068,11 +4315,54 @@ def test_auto_dtype_on_cpu_follows_the_measurement(monkeypatch, bf16_slowdown, e
     assert runtime.choose_dtype('cpu', 'float32', 'train') == ('float32', 'asked for')
 
 
+def test_diverging_training_stops_and_keeps_finite_checkpoints(lm_corpus, tmp_path):
+    """--lr 1e30 (or --weight_decay inf) ends with one line naming the divergence and the flags;
+    no checkpoint with non-finite weights is written, and load_lm refuses one made by hand."""
+    for bad in (['--lr', '1e30'], ['--weight_decay', 'inf']):
+        out = tmp_path / bad[0][2:]
+        res = run_script(['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '6',
+                          '--eval_interval', '1', *TRAIN_FLAGS, *bad])
+        assert_clean_error(res, 'diverged', '--lr')
+        for name in ('ckpt.pt', 'best.pt'):
+            if (out / name).exists():
+                assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out / name))['model'].values())
+
+
+def test_load_lm_refuses_non_finite_weights(lm_ckpt, tmp_path):
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v * float('nan') if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
+    save_checkpoint(ck, str(tmp_path / 'nan.pt'))
+    with pytest.raises(ValueError, match='non-finite weights'):
+        load_lm(str(tmp_path / 'nan.pt'))
+
+
+def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
+    """estimate_ppl.py --out (and its .txt), sample.py --out and metric_ebm.py's folder are refused
+    when they exist, untouched; --force replaces them."""
+    out = tmp_path / 'ppl.json'
+    out.write_text('{"keep": 1}')
+    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], out, '--calib_prefixes', '0')
+    with pytest.raises(ValueError, match='pass --force'):
+        estimate_ppl.main(argv)
+    assert out.read_text() == '{"keep": 1}'
+    estimate_ppl.main(argv + ['--force'])
+    assert 'rows' in json.loads(out.read_text())
+    with pytest.raises(ValueError, match=r'ppl.txt exist'):
+        estimate_ppl.main(argv)
+    (tmp_path / 's.json').write_text('{}')
+    with pytest.raises(ValueError, match='pass --force'):
+        sample.get_args(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--out', str(tmp_path / 's.json')])
+    (tmp_path / 'm').mkdir()
+    (tmp_path / 'm' / 'energy.pt').write_text('x')
+    with pytest.raises(ValueError, match='pass --force'):
+        metric_ebm.get_args(['--lm', lm_ckpt, '--out_dir', str(tmp_path / 'm')])
+
+
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
 MODULES = {'model.py', 'energy.py', 'tokenizer.py', 'runtime.py', 'data/__init__.py'}  # figures.py is a script
 # the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z
-METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'}}
+METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'}, ('metric_ebm.py', 'sample.py'): {'joint_sample'}}
 MAX_FUNCTION_LINES = 80
 
 

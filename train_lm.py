@@ -22,6 +22,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
@@ -60,9 +61,10 @@ def get_args(argv=None):
     a('--init_from', default=None,
       help='start from the weights of this checkpoint (same shape; e.g. the MLM pretraining of a BIT from '
            'the base LM, whose vocabulary gains a [MASK] row)')
-    a('--objective', default='lm', choices=['lm', 'mlm'],
+    a('--objective', default='lm', choices=['lm', 'mlm', 'tailr'],
       help="lm: next-token MLE (base LM, BALM); mlm: BERT-style masked LM of a bidirectional body "
-           "(the BIT energy's pretraining, energy.py)")
+           "(the BIT energy's pretraining, energy.py); tailr: next-token TaiLr (tailr_loss, seed 002)")
+    a('--gamma', type=float, default=None, help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
     # model
     a('--n_layer', type=int, default=4)
     a('--n_head', type=int, default=4)
@@ -123,6 +125,10 @@ def check_args(args):
     except ValueError:
         raise ValueError(f"--snapshots {args.snapshots}: must be comma-separated iteration numbers, e.g. 250,500") from None
     check(args, 'final_eval', lambda v: v in (0, 1), '0 or 1')
+    if (args.objective == 'tailr') != (args.gamma is not None):
+        raise ValueError("--objective tailr and --gamma go together: TaiLr needs its gamma in [0, 1], the others none")
+    if args.gamma is not None:
+        check(args, 'gamma', lambda v: 0 <= v <= 1, 'in [0, 1]')
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
     check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
     for name in ('dropout', 'beta1', 'beta2'):
@@ -131,6 +137,17 @@ def check_args(args):
         check_heads(args.n_embd, args.n_head)
     check_training_dtype(args)
     check_writable(args.out_dir, '--out_dir')
+
+
+def tailr_loss(logits, targets, gamma):
+    """TaiLr (seed 002, the talk's "TVD for LM fine-tuning"; Ji et al., ICLR 2023): each token's
+    log-likelihood weighted by p / (gamma + (1 - gamma) p), p the model's own probability of that
+    token, the weight held constant (stop-gradient). gamma = 1 weights by p: the gradient of the
+    total variation distance, which lets go of tokens the model finds unlikely; gamma -> 0 is MLE.
+    logits (B, T, V), targets (B, T) -> a scalar, in float32."""
+    logp = F.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
+    p = logp.detach().exp()
+    return -(p / (gamma + (1 - gamma) * p) * logp).mean()
 
 
 # -----------------------------------------------------------------------------
@@ -152,7 +169,7 @@ def make_batch(data, offsets, block_size, device, objective='lm', vocab_size=Non
     """Inputs and targets of one micro-batch: next tokens (lm), or masked positions (mlm, masks
     drawn from the generator g; the [MASK] id is vocab_size, one past the data's tokens)."""
     x, y = get_batch(data, offsets, block_size, device)
-    if objective == 'lm':
+    if objective != 'mlm':
         return x, y
     return mlm_mask(x, vocab_size, mask_id=vocab_size, generator=g)
 
@@ -174,7 +191,11 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
     model.train()
     if world_size > 1:
         dist.all_reduce(sums)
-    return (sums[0] / sums[1]).item()
+    loss = (sums[0] / sums[1]).item()
+    if not math.isfinite(loss):  # the same on every rank; raised before anything of it is saved
+        raise ValueError(f"the {split} loss is {loss}: training diverged; lower --lr or --weight_decay, or clip "
+                         f"harder (--grad_clip)")
+    return loss
 
 
 def final_evaluation(model, data, args, vocab_size, device, ctx, rank, world_size):
@@ -205,7 +226,7 @@ def build_model(args, meta):
     optionally starting from --init_from's weights."""
     mlm = args.objective == 'mlm'
     if args.resume:
-        model, ckpt = load_lm(os.path.join(args.out_dir, 'ckpt.pt'), meta=meta, kind=args.objective)
+        model, ckpt = load_lm(os.path.join(args.out_dir, 'ckpt.pt'), meta=meta, kind='mlm' if mlm else 'lm')
         args.residual_of = (ckpt.get('residual_of') or [None])[0]
         return model.train(), ckpt
     if args.residual_of and mlm:
@@ -300,10 +321,10 @@ def main(argv=None):
             if world_size > 1:  # all-reduce the gradients only on the last micro-batch
                 model.require_backward_grad_sync = m + world_size >= args.grad_accum
             with ctx:
-                _, loss = model(x, y)
+                loss = tailr_loss(model(x)[0], y, args.gamma) if args.objective == 'tailr' else model(x, y)[1]
             scaler.scale(loss / n_micro).backward()
             train_loss += loss.item() / n_micro
-        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip)
+        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip, iter_num)
         iter_num += 1
         bar.update()
 
@@ -356,7 +377,7 @@ def stopped_early(iter_num, best, args):
 def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of):
     """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
     iter_N.pt at the iterations of --snapshots. Each write is atomic."""
-    state = dict(kind=args.objective, model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
+    state = dict(kind='mlm' if args.objective == 'mlm' else 'lm', objective=args.objective, gamma=args.gamma, model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
                  args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
     if improved:
@@ -389,7 +410,7 @@ def report(results, args, model, val_data, meta, device):
         if f'{split}_loss' in results:
             print(f"{split:<6} {results[f'{split}_loss']:>8.4f} {results[f'{split}_ppl']:>8.3f}")
     print(f"trained {results['iters']} iters in {results['train_time_s']:.0f}s ({results['tokens_per_s']:.0f} tokens/s)")
-    if args.num_samples and args.objective == 'lm':
+    if args.num_samples and args.objective != 'mlm':
         print_samples(model, val_data, meta, args.num_samples, device)
 
 
