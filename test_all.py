@@ -3138,6 +3138,19 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
     assert not (tmp_path / 'm').exists()
 
 
+def test_sample_cli_with_a_metric_energy(metric_run, lm_corpus, lm_ckpt, tmp_path):
+    """sample.py draws from the metric energy's joint model (Algorithm 1, Table 3, A.1) as from any
+    energy: the energy it records for each real continuation is mu . f of that window."""
+    out, _ = metric_run
+    rep = sample.main(sample_argv(lm_ckpt, str(out / 'energy.pt'), tmp_path / 's.json'))
+    me, _ = load_energy(str(out / 'energy.pt'), lm_ckpt)
+    data = load_split(lm_corpus, 'test', load_meta(lm_corpus))
+    x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
+    for r, row in zip(rep['samples'], x):
+        assert float(me(row[None], EVAL_P).detach()) == pytest.approx(r['gold_energy'], abs=1e-6)
+        assert math.isfinite(r['joint_energy']) and len(r['next_tokens']) == 3
+
+
 def test_tailr_loss_float64_reference():
     """TaiLr's loss and gradient against the closed form in float64: -mean(w log p) with w = p /
     (gamma + (1 - gamma) p) constant, so d loss / d logits = -w (onehot - softmax) / N; gamma = 0
@@ -4360,8 +4373,9 @@ def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
 
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
-MODULES = {'model.py', 'energy.py', 'tokenizer.py', 'runtime.py', 'data/__init__.py'}  # figures.py is a script
-# the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z
+MODULES = {'model.py', 'energy.py', 'metrics.py', 'tokenizer.py', 'runtime.py', 'data/__init__.py'}  # figures.py is a script
+# the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z;
+# the talk's table in metric_ebm.py samples the joint models by Algorithm 1
 METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'}, ('metric_ebm.py', 'sample.py'): {'joint_sample'}}
 MAX_FUNCTION_LINES = 80
 
