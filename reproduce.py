@@ -10,7 +10,8 @@ The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end,
 
 Each stage is the command a user would type (printed before it runs). Like make, a stage whose
 outputs exist and are newer than those of the stages it depends on is skipped, and a half-done
-one resumes: an interrupted run just continues, and a retrained model reruns what depends on it. Everything
+one resumes: an interrupted run just continues, and a retrained model reruns what depends on it
+(from scratch: the stage's old folder is kept as <folder>.old). Everything
 lands in --out_dir: checkpoints, results.json (one row per model and split), claims.json, the
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.

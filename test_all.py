@@ -3365,6 +3365,29 @@ def test_claims_pieces_closed_form():
     assert mean == float(x.mean()) and abs(se / (x.std(ddof=1) / math.sqrt(len(x))) - 1) < 0.15
 
 
+def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
+    """reproduce.Pipeline: a stage whose folder is newer than its inputs resumes (--resume kept);
+    one whose folder predates them (a model it used was retrained) is kept as folder.old and
+    starts over, without --resume."""
+    import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'))
+    dep, folder = tmp_path / 'dep.txt', tmp_path / 'stage'
+    write = lambda path: ['-c', f"import os, sys; os.makedirs({str(path.parent)!r}, exist_ok=True); "
+                                f"open({str(path)!r}, 'w').write(' '.join(sys.argv))"]
+    pipe.run('dep', write(dep), str(dep))
+    folder.mkdir()
+    (folder / 'ckpt.pt').write_text('an interrupted run of the current inputs')
+    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
+    assert '--resume' in (folder / 'done').read_text() and not (tmp_path / 'stage.old').exists()
+    os.remove(folder / 'done')
+    time.sleep(0.05)
+    pipe.run('dep', write(dep) + ['again'], str(dep))  # not run: dep.txt is there
+    os.utime(dep)  # as if the dependency was redone after the stage's folder was written
+    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
+    assert (tmp_path / 'stage.old' / 'ckpt.pt').exists() and '--resume' not in (folder / 'done').read_text()
+    assert 'kept as' in capsys.readouterr().out
+
+
 def test_reproduce_quick_gpt2_end_to_end(tmp_path):
     """The paper's tokenizer (GPT-2 BPE, 50,257 tokens, offline) through every stage of the main
     job, tiny models on the bundled corpus (slow-ish, ~1 min: the vocabulary makes the LM head

@@ -1,6 +1,7 @@
 """
 MLE training of a GPT: the base LM P_LM that the residual energy corrects (and, later, the
-BALM/RALM baselines and the masked-LM pretraining of the BIT energy).
+BALM/RALM baselines and the masked-LM pretraining of the BIT energy); --objective tailr trains or
+fine-tunes an LM with TaiLr instead (seed 002: tailr_loss).
 
     python train_lm.py --data_dir data/shakespeare --out_dir out/lm               # CPU
     python train_lm.py --data_dir data/shakespeare_gpt2 --n_layer 12 ...          # one GPU
@@ -377,7 +378,8 @@ def stopped_early(iter_num, best, args):
 def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of):
     """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
     iter_N.pt at the iterations of --snapshots. Each write is atomic."""
-    state = dict(kind='mlm' if args.objective == 'mlm' else 'lm', objective=args.objective, gamma=args.gamma, model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
+    state = dict(kind='mlm' if args.objective == 'mlm' else 'lm', objective=args.objective, gamma=args.gamma,
+                 model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
                  args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
     if improved:
