@@ -188,8 +188,11 @@ def main(argv=None):
             raise ValueError(f"--samples {args.samples} has no 'samples' list: {hint}")
         samples = samples['samples']
         systems = args.systems.split(',')
-        if len(systems) != 2 or any(sys_ not in samples[0] for sys_ in systems):
-            raise ValueError(f"--systems must name two of {[k for k in ('base', 'joint', 'worst', 'gold') if k in samples[0]]}")
+        if len(systems) != 2 or systems[0] == systems[1] or any(sys_ not in samples[0] for sys_ in systems):
+            raise ValueError(f"--systems must name two different ones of "
+                             f"{[k for k in ('base', 'joint', 'worst', 'gold') if k in samples[0]]}")
+        if args.checks > len(samples):  # one check per sample at most: a check reuses a sample's prefix
+            raise ValueError(f"--checks {args.checks}: at most the number of samples ({len(samples)})")
         items, key = export(samples, systems, args.checks, args.seed)
         os.makedirs(args.out_dir, exist_ok=True)
         write_items(items, args.out_dir)
@@ -201,6 +204,9 @@ def main(argv=None):
         check_writable(out, '--out', folder=False)
         key = check_key(load_json(args.key, '--key', 'give the key.json that human_eval.py export wrote'), args.key)
         report = score(key, read_votes(args.votes, key), args.max_failed_checks, args.per_vote)
+        if report['n'] == 0:
+            raise ValueError(f"--votes {args.votes} holds no vote on a scored item (only a header, attention "
+                             f"checks, or dropped raters): nothing to report")
         write_json(report, out)
         unit = (f"{report['n']} items (each decided by the majority of its raters; {report['votes']} votes)"
                 if report['unit'] == 'item' else f"{report['n']} votes (per vote: votes on one item are not independent)")

@@ -3521,6 +3521,8 @@ def cli_artifacts(tmp_path_factory):
     (root / 'votes.csv').write_text('rater,item,choice\nr1,0,A\n')
     A['votes_bad'] = str(root / 'votes_bad.csv')
     (root / 'votes_bad.csv').write_text('who,what\nr1,0\n')
+    A['votes_empty'] = str(root / 'votes_empty.csv')
+    (root / 'votes_empty.csv').write_text('rater,item,choice\n')
     A['empty'] = str(root / 'empty.json')
     (root / 'empty.json').write_text('')
     os.makedirs(A['repro'])
@@ -3716,6 +3718,9 @@ CLI_TABLE = [
     ('he-export-checks-negative', [*HX, '--checks', '-1'], '--checks -1'),
     ('he-export-out-dir-unwritable', [*HX, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('he-export-systems-unknown', [*HX, '--systems', 'joint,nope'], '--systems'),
+    ('he-export-systems-same', [*HX, '--systems', 'joint,joint'], 'two different'),
+    ('he-export-checks-too-many', [*HX, '--checks', '1000'], '--checks 1000: at most'),
+    ('he-score-votes-header-only', [*HS, '--votes', '{votes_empty}'], 'votes_empty.csv holds no vote'),
     ('he-score-key-missing', [*HS, '--key', '{missing}'], 'missing.pt does not exist'),
     ('he-score-key-malformed', [*HS, '--key', '{empty}'], 'empty.json is not valid JSON'),
     ('he-score-key-not-a-key', [*HS, '--key', '{samples}'], 'samples.json is not a key written by human_eval.py export'),
@@ -4352,16 +4357,20 @@ def test_auto_dtype_on_cpu_follows_the_measurement(monkeypatch, bf16_slowdown, e
 
 
 def test_diverging_training_stops_and_keeps_finite_checkpoints(lm_corpus, tmp_path):
-    """--lr 1e30 (or --weight_decay inf) ends with one line naming the divergence and the flags;
-    no checkpoint with non-finite weights is written, and load_lm refuses one made by hand."""
-    for bad in (['--lr', '1e30'], ['--weight_decay', 'inf']):
-        out = tmp_path / bad[0][2:]
-        res = run_script(['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '6',
-                          '--eval_interval', '1', *TRAIN_FLAGS, *bad])
-        assert_clean_error(res, 'diverged', '--lr')
-        for name in ('ckpt.pt', 'best.pt'):
-            if (out / name).exists():
-                assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out / name))['model'].values())
+    """--lr 1e30 ends with one line naming the divergence and the flags, and no checkpoint with
+    non-finite weights is written; --weight_decay inf and --final_eval_windows -1 are refused
+    before any work."""
+    out = tmp_path / 'lr'
+    res = run_script(['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '6',
+                      '--eval_interval', '1', *TRAIN_FLAGS, '--lr', '1e30'])
+    assert_clean_error(res, 'diverged', '--lr')
+    for name in ('ckpt.pt', 'best.pt'):
+        if (out / name).exists():
+            assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out / name))['model'].values())
+    for bad, flag in ((['--weight_decay', 'inf'], '--weight_decay'), (['--final_eval_windows', '-1'], '--final_eval_windows')):
+        with pytest.raises(ValueError, match=flag):
+            train_lm.main(['--data_dir', lm_corpus, '--out_dir', str(tmp_path / 'x'), *TRAIN_FLAGS, *bad])
+        assert not (tmp_path / 'x').exists()
 
 
 def test_load_lm_refuses_non_finite_weights(lm_ckpt, tmp_path):

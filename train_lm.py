@@ -120,7 +120,9 @@ def check_args(args):
     """Every flag in range, before any work: one line naming the flag."""
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_iters', 'log_interval', 'match_params')
-    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip', 'patience', 'min_delta')
+    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip', 'patience', 'min_delta',
+             'final_eval_windows')
+    check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
     try:
         args.snapshots = sorted({int(i) for i in args.snapshots.split(',') if i.strip()})
     except ValueError:
