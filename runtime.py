@@ -340,7 +340,7 @@ def check_new(path, flag, force, also=()):
     """Refuse to replace a result (and its twins, e.g. the .txt beside a .json) without --force."""
     existing = [p for p in (path, *also) if os.path.exists(p)]
     if existing and not force:
-        raise ValueError(f"{flag} {path}: {' and '.join(existing)} exist(s): pass --force to replace, "
+        raise ValueError(f"{flag}: {' and '.join(existing)} already exist(s): pass --force to replace, "
                          f"or choose another {flag}")
 
 
