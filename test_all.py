@@ -3559,6 +3559,7 @@ B = ['bench.py', '--data_dir', '{data}', '--out', '{new}.json', '--quick', '--qu
      '--n_embd', '32', '--block_size', '64', '--prompt_len', '16', '--new_tokens', '8']
 HX = ['human_eval.py', 'export', '--samples', '{samples}', '--out_dir', '{new}']
 HS = ['human_eval.py', 'score', '--key', '{key}', '--votes', '{votes}', '--out', '{new}.json']
+MX = ['metric_ebm.py', '--lm', '{ckpt}', '--out_dir', '{new}', '--prefix_len', '6', '--gen_len', '4', *CLI_CPU]
 R = ['reproduce.py', '--quick', '--quiet', '--data_dir', '{data}', '--out_dir', '{new}']
 TX = ['data/text/prepare.py', '{other_text}', '--out_dir', '{new}', '--quiet']
 SH = ['data/shakespeare/prepare.py', '--quiet']
@@ -3710,6 +3711,13 @@ CLI_TABLE = [
     ('bench-warmup-negative', [*B, '--warmup', '-1'], '--warmup -1'),
     ('bench-new-tokens-0', [*B, '--new_tokens', '0'], '--new_tokens 0'),
     ('bench-out-is-a-folder', [*B, '--out', '{lm}'], 'is a folder'),
+    # metric_ebm.py
+    ('me-metric-unknown', [*MX, '--metrics', 'tr-3,foo'], "unknown metric 'foo'"),
+    ('me-metric-too-long', [*MX, '--metrics', 'rep-5'], 'at least 5 tokens'),
+    ('me-pool-1', [*MX, '--pool', '1'], '--pool 1'),
+    ('me-top-p-2', [*MX, '--top_p', '2'], '--top_p 2'),
+    ('me-energy-metric-no-name', [*MX, '--energy_metric', 'BIT'], "'BIT' must be NAME=CHECKPOINT"),
+    ('me-energy-metric-missing', [*MX, '--energy_metric', 'BIT={missing}'], 'missing.pt does not exist'),
     # human_eval.py
     ('he-no-command', ['human_eval.py'], 'cmd'),
     ('he-export-samples-missing', [*HX, '--samples', '{missing}'], 'missing.pt does not exist'),
@@ -3820,6 +3828,7 @@ def test_cli_table_is_large_and_unique():
     assert len(ids) >= 60 and len(set(ids)) == len(ids)
     scripts = {argv[0] for _, argv, _ in CLI_TABLE}
     assert scripts == {'train_lm.py', 'negatives.py', 'nce_train.py', 'estimate_ppl.py', 'sample.py', 'human_eval.py',
+                       'metric_ebm.py',
                        'reproduce.py', 'bench.py', 'data/text/prepare.py', 'data/shakespeare/prepare.py',
                        'data/cc_news/prepare.py'}
 
@@ -4392,7 +4401,7 @@ def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
     assert out.read_text() == '{"keep": 1}'
     estimate_ppl.main(argv + ['--force'])
     assert 'rows' in json.loads(out.read_text())
-    with pytest.raises(ValueError, match=r'ppl.txt exist'):
+    with pytest.raises(ValueError, match=r'ppl.txt already exist'):
         estimate_ppl.main(argv)
     (tmp_path / 's.json').write_text('{}')
     with pytest.raises(ValueError, match='pass --force'):
