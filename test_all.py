@@ -5,8 +5,19 @@ or a closed form). Run: python -m pytest -q test_all.py
 
 One section per concept, in this order, each opening with a '# ====' banner that says what it
 guards (grep '^# ====' for the map): data/tokenizer, model, energy, negatives, NCE, estimation,
-sampling, baselines/pipeline, CLI (bad input), layout. Helpers and fixtures that several sections
-use come first; the others open the section that uses them.
+sampling, metric EBM and TaiLr, baselines/pipeline, CLI (bad input), layout. Helpers and fixtures
+that several sections use come first; the others open the section that uses them.
+
+Read these first: they teach the method, each against an exact reference.
+    test_cached_decoding_matches_full_forward   the KV cache is the plain forward (model.py)
+    test_generate_distribution_exact            samples follow P_LM and its top-k/top-p proposal
+    test_nce_loss_brute_force                   Eq. 3, binary and ranking, in float64
+    test_logz_bounds_brute_force                Eq. 4's two bounds, and their bias (Theorem 2)
+    test_logz_bounds_exact_enumeration          log Z against every continuation of a 4-token LM
+    test_per_step_exact                         Eq. 5 telescopes to the joint log-probability
+    test_algorithm_1_and_joint_sample_agree     Algorithm 1, plain and chunked
+    test_joint_ppl_end_to_end_on_the_copy_task  NCE learns what the LM cannot; the PPL range holds it
+    test_moment_matching_is_the_kl_projection   the talk's metric energy: KL projection, Pythagoras
 """
 
 import ast
