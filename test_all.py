@@ -3611,6 +3611,8 @@ CLI_TABLE = [
     ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
     ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
     ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
+    ('train-resume-other-width', [*T, '--out_dir', '{lm}', '--resume', '--n_embd', '64'], '--n_embd 64 contradicts'),
+    ('train-resume-other-objective', [*T, '--out_dir', '{lm}', '--resume', '--objective', 'mlm'], '--objective mlm contradicts'),
     ('train-init-from-a-code-pickle', [*T, '--init_from', '{evil}'], 'evil.pt holds more than tensors'),
     ('train-init-from-folder', [*T, '--init_from', '{lm}'], 'lm is a folder, not a checkpoint'),
     ('train-float16-on-cpu', [*T, '--dtype', 'float16'], '--dtype float16'),

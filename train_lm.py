@@ -17,6 +17,7 @@ val and test are evaluated once, at the end, and only reported. Writes out_dir/c
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 
@@ -113,7 +114,26 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     check_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    if args.resume:
+        check_resume(args, {a.split('=')[0][2:] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')})
     return args
+
+
+def check_resume(args, given):
+    """--resume continues the checkpoint's model: a flag given that contradicts it is refused."""
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not os.path.exists(path):
+        raise ValueError(f"--resume: {path} does not exist: drop --resume to start a new run")
+    ckpt = load_checkpoint(path)
+    if ckpt['kind'] not in ('lm', 'mlm'):
+        return  # build_model says what it holds instead
+    saved = dict(ckpt['config'], objective=ckpt.get('objective', ckpt['kind']), gamma=ckpt.get('gamma'))
+    shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
+    shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
+    for name in sorted(shape & given):
+        if getattr(args, name) != saved[name]:
+            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): --resume "
+                             f"continues that model; drop the flag, or start a new run in another --out_dir")
 
 
 def check_args(args):
