@@ -108,7 +108,6 @@ class MetricEnergy(nn.Module):
         mu = torch.zeros(self.num_metrics, dtype=torch.float64) if mu is None else mu.double()
         self.register_buffer('mu', mu)
         self.config = lm.config  # its block_size bounds the sequences (each energy's is checked on load)
-        self.kind = 'metrics'
 
     @property
     def num_metrics(self):
