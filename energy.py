@@ -197,15 +197,19 @@ def score(energy, x, prefix_len, ctx, max_rows=256, max_tokens=8192):
 
 
 @torch.no_grad()
-def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, max_tokens=8192):
+def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, max_tokens=8192, known=None):
     """Energies (B, n) in float64 of [prompts_b; tokens[b, i]] for prompts (B, P) and their
     continuations tokens (B, n, L), in blocks as score(). A causal energy (UNIT, and the metric
     energy's LM) runs each prompt once for all its continuations (forward_shared); a
-    bidirectional one (BIT) cannot: its prompt states depend on the continuation."""
+    bidirectional one (BIT) cannot: its prompt states depend on the continuation. known:
+    {energy: (B, n)} already scored on these continuations, which a metric energy with one of
+    them among its metrics (METRICS+BIT's E:BIT) reuses instead of running it again."""
     (B, P), L = prompts.shape, tokens.size(2)
     if hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len):
+        rows = max(1, min(max_rows, max_tokens // L))
+        extra = dict(known=known) if hasattr(energy, 'features_shared') else {}  # a metrics.MetricEnergy
         with ctx:
-            return energy.forward_shared(prompts, tokens, prefix_len, max(1, min(max_rows, max_tokens // L))).double()
+            return energy.forward_shared(prompts, tokens, prefix_len, rows, **extra).double()
     return torch.cat([score(energy, torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2).flatten(0, 1),
                             prefix_len, ctx, max_rows, max_tokens).view(B, -1)
                       for t in tokens.split(max(1, max_rows // B), dim=1)], 1)
@@ -222,4 +226,8 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
     prefix_len = prefixes.size(1) if prefix_len is None else prefix_len
     with ctx:
         tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator, max_rows=max_rows)
-    return torch.stack([-score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows) for e in energies])
+    known = {}  # each energy scored once, also where it is a metric of another (metrics.share_energies)
+    for e in energies:
+        if e not in known:
+            known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows, known=known)
+    return -torch.stack([known[e] for e in energies])

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json, write_text
 from energy import load_energy, sample_log_weights, score, score_continuations
-from metrics import kl_to_lm
+from metrics import kl_to_lm, share_energies
 from model import check_vocab, file_hash, load_lm
 from tokenizer import load_tokenizer
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress, rng, run_main, sampling_probe,
@@ -288,7 +288,7 @@ def get_args(argv=None):
     a('--calib_prefixes', type=int, default=16, help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
     a('--calib_samples', type=int, default=2048, help='LM samples per prefix of the calibration reference (n_ref)')
     a('--chunk', type=int, default=16, help='prefixes per batch')
-    a('--max_rows', type=int, default=256, help='sequences per forward (bounds memory)')
+    a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
     a('--out', default='out/ppl.json', help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
     a('--force', action='store_true', help='replace --out (and the .txt beside it) if it exists')
     a('--device', default='auto')
@@ -335,6 +335,7 @@ def load_models(args, device):
     meta = load_meta(data_dir)
     check_vocab(lm_ckpt, meta, args.lm)
     energies = {name: load_energy(path, args.lm, device)[0] for name, path in map(name_path, args.energy)}
+    share_energies(energies)
     extra = {name: load_lm(path, device, meta=meta)[0] for name, path in map(name_path, args.extra_lm)}
     if args.per_step and args.per_step not in energies:
         raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(energies)})")

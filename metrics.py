@@ -120,9 +120,10 @@ class MetricEnergy(nn.Module):
         """What the joint model adds to P_LM: mu, and the trained energies among the metrics."""
         return self.num_metrics + sum(e.num_params() for e in self.energies.values())
 
-    def features(self, x, prefix_len, lm_f=None):
+    def features(self, x, prefix_len, lm_f=None, known=None):
         """f (N, K) in float64 for the rows of x (N, T), prefix_len tokens of prefix each; lm_f:
-        (coh, logp) when the caller has them (forward_shared), else from a forward of the LM."""
+        (coh, logp) when the caller has them (forward_shared), else from a forward of the LM;
+        known: {energy: (N,)} of energies among the metrics already scored on these rows."""
         y, V = x[:, prefix_len:], self.lm.config.vocab_size
         if lm_f is None and {'coh', 'logp'} & set(self.names):
             lm_f = lm_metrics(self.lm, x, prefix_len)
@@ -137,7 +138,8 @@ class MetricEnergy(nn.Module):
                 cols.append(math.prod(1 - repetition(y, k, V) for k in (2, 3, 4)))
             else:
                 cols.append(lm_f[0] if kind == 'coh' else lm_f[1])
-        cols += [e(x, prefix_len).double() for e in self.energies.values()]
+        known = known or {}
+        cols += [known[e] if e in known else e(x, prefix_len).double() for e in self.energies.values()]
         return torch.stack(cols, 1)
 
     def forward(self, idx, prefix_len, lengths=None):
@@ -147,25 +149,28 @@ class MetricEnergy(nn.Module):
     def shares_prompt(self, prompt_len, prefix_len):
         return True  # the LM is causal; score_continuations then calls forward_shared
 
-    def forward_shared(self, prompt, tokens, prefix_len, rows=256):
+    def forward_shared(self, prompt, tokens, prefix_len, rows=256, known=None):
         """E (B, n) of the sequences [prompt_b; tokens[b, i]]: features_shared(...) @ mu."""
-        return self.features_shared(prompt, tokens, prefix_len, rows) @ self.mu
+        return self.features_shared(prompt, tokens, prefix_len, rows, known) @ self.mu
 
-    def features_shared(self, prompt, tokens, prefix_len, rows=256):
+    def features_shared(self, prompt, tokens, prefix_len, rows=256, known=None):
         """f (B, n, K) of the sequences [prompt_b; tokens[b, i]] for prompts (B, P') and
         continuations (B, n, L), prefix_len <= P': the base LM runs each prompt once and its n
         continuations on that K/V cache (as energy.Energy.forward_shared; a causal state does not
         depend on later tokens), which is features() of each sequence for a third of the LM's
-        work at 128 + 64. Token metrics and trained energies see the whole sequences."""
+        work at 128 + 64. Token metrics and trained energies see the whole sequences; known:
+        {energy: (B, n)} of energies among the metrics already scored on these continuations."""
         (B, Pp), L, P = prompt.shape, tokens.size(2), prefix_len
         cache = self.lm.new_cache(B, Pp)
         hp = self.lm.hidden(prompt, cache)  # (B, P', C)
         lp = F.log_softmax(self.lm.lm_head(hp[:, P - 1:]).float(), -1)  # (B, P'-P+1, V): from position P-1 on
         prompt_lp = lp[:, :-1].gather(-1, prompt[:, P:, None]).sum((1, 2))  # (B,) the prompt's tokens after P
         pre_mean, mid_sum = hp[:, :P].float().mean(1), hp[:, P:].float().sum(1)  # (B, C) each
-        out = []
+        out, done = [], 0
         for t in tokens.split(max(1, rows // B), dim=1):  # (B, m, L)
             m, y = t.size(1), t.flatten(0, 1)
+            known_t = {e: v[:, done:done + m].reshape(-1) for e, v in (known or {}).items()}
+            done += m
             rep = lambda a: a.repeat_interleave(m, 0)
             own = self.lm.new_cache(B * m, L)
             hc = self.lm.hidden(y, [(k, v, *p) for (k, v), p in zip(own, cache)], pos=Pp)  # (B m, L, C)
@@ -175,7 +180,7 @@ class MetricEnergy(nn.Module):
             logp = (rep(prompt_lp) + first_lp + cont_lp) / (Pp + L - P)
             post_mean = (rep(mid_sum) + hc.float().sum(1)) / (Pp + L - P)  # (B m, C) over positions >= P
             coh = F.cosine_similarity(rep(pre_mean), post_mean, dim=-1)
-            f = self.features(torch.cat([rep(prompt), y], 1), P, (coh.double(), logp.double()))
+            f = self.features(torch.cat([rep(prompt), y], 1), P, (coh.double(), logp.double()), known_t)
             out.append(f.view(B, m, -1))
         return torch.cat(out, 1)
 
@@ -261,6 +266,22 @@ def metric_energy_state(energy, lm_path, lm_hash, meta, energy_files, fit):
     trained energies among the metrics (path and hash each) and how mu was fitted."""
     return dict(kind='metric_energy', names=energy.names, model=dict(mu=energy.mu.cpu()), lm_path=lm_path,
                 lm_hash=lm_hash, meta=meta, energies=energy_files, fit=fit)
+
+
+def share_energies(energies):
+    """Where a metric energy among `energies` ({name: energy}) has a trained energy among its
+    metrics with the very weights of another one listed (METRICS+BIT's E:BIT and BIT), make it
+    that module: energy.sample_log_weights then scores it once for both."""
+    plain = [e for e in energies.values() if not isinstance(e, MetricEnergy)]
+    for m in energies.values():
+        for name, inner in getattr(m, 'energies', {}).items():
+            m.energies[name] = next((e for e in plain if same_weights(e, inner)), inner)
+
+
+def same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return (a.config, a.pool, a.context) == (b.config, b.pool, b.context) and sa.keys() == sb.keys() and \
+        all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def load_metric_energy(ckpt, path, lm_path=None, device='cpu'):

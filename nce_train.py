@@ -71,6 +71,8 @@ def get_args(argv=None):
     a('--grad_clip', type=float, default=1.0)
     a('--eval_interval', type=int, default=100)
     a('--eval_prefixes', type=int, default=256, help='held-out prefixes (fixed negatives each) per evaluation')
+    a('--patience', type=int, default=0,
+      help='early stopping: stop once the held-out loss has not improved for this many evaluations (0: off)')
     a('--log_interval', type=int, default=10)
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES)
@@ -87,7 +89,7 @@ def check_args(args):
     """Every flag in range, before any work: one line naming the flag."""
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'num_neg', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_prefixes', 'log_interval')
-    at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip')
+    at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip', 'patience')
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
     check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
     for name in ('dropout', 'beta1', 'beta2'):
@@ -253,7 +255,8 @@ def main(argv=None):
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter, last_eval = time.time(), time.time(), iter_num, {}
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
-    while iter_num < args.max_iters:
+    stopped = lambda: args.patience and iter_num - best_iter >= args.patience * args.eval_interval  # best.pt is kept
+    while iter_num < args.max_iters and not stopped():
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
@@ -297,7 +300,7 @@ def main(argv=None):
     train_time = time.time() - t_start
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
-                   best_loss=best_loss, best_iter=best_iter, held_out_prefixes=n_held, **last_eval)
+                   best_loss=best_loss, best_iter=best_iter, stopped_early=bool(stopped()), held_out_prefixes=n_held, **last_eval)
     if master:
         report(results, log, args.out_dir)
     teardown_distributed()

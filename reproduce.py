@@ -62,14 +62,17 @@ DEFAULT = dict(
     # gamma chosen on the selection split (EXPERIMENTS.md)
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
-    metrics=dict(prefixes=512, pool=64, check_prefixes=128, table_prefixes=256, n=32),
-    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024),
-    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024),
+    metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
+    # each energy early-stopped as the LMs (its best.pt is the same: steps after it are not used)
+    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024, patience=2),
+    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024,
+              patience=2),
     # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
-    # (EXPERIMENTS.md). Fig. 1 on 128 prefixes, log Z every 8 positions
-    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32, step_every=8,
-             last_step_samples=1024, calib_prefixes=16, calib_samples=1024),
+    # (EXPERIMENTS.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
+    # (a check of the exact one) from 128 samples, the calibration on 8 prefixes (the budget's sizes)
+    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32, step_every=16,
+             last_step_samples=128, calib_prefixes=8, calib_samples=1024),
     # Figs. 2 right and 3 on hundreds of prefixes
     samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
     # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val

@@ -148,6 +148,7 @@ def get_args(argv=None):
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='test', choices=SPLITS)
     a('--num_prefixes', type=int, default=4)
+    a('--chunk', type=int, default=8, help='prefixes sampled together (their n samples share each LM/energy call)')
     a('--prefix_len', type=int, default=128)
     a('--gen_len', type=int, default=64)
     a('--n', type=int, default=100, help='LM samples per prefix to resample from (the paper: 10,000)')
@@ -164,6 +165,7 @@ def get_args(argv=None):
       help="untruncated LM samples per prefix for log Z (Eq. 4's lower bound T_n), which puts the joint model's "
            "log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
     a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
+    a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
     a('--out', default='out/samples.json')
     a('--force', action='store_true', help='replace --out if it exists')
     a('--device', default='auto')
@@ -171,7 +173,7 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
-    at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n')
+    at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n', 'chunk', 'max_rows')
     at_least(args, 0, 'top_k', 'table_k', 'print_prefixes')
     if args.logz_samples == 1 or args.logz_samples < 0:
         raise ValueError(f"--logz_samples {args.logz_samples}: 0 (off) or at least 2 (the bounds need leave-one-out)")
@@ -192,7 +194,6 @@ def main(argv=None):
     ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device))[1]
     ectx = precision(device, args.dtype, 'score', scoring_probe(energy, device, args.prefix_len + args.gen_len))[1]
     tok = load_tokenizer(meta)
-    top_k = args.top_k or None
     V = lm.config.vocab_size
     if not 0 <= args.top_k <= V:
         raise ValueError(f"--top_k must be between 0 and the vocabulary size {V}")
@@ -203,7 +204,7 @@ def main(argv=None):
         ids = tok.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt is empty")
-        prefixes, gold = torch.tensor([ids]), [None]
+        prefixes, gold = torch.tensor([ids]), None
     else:
         data = load_split(data_dir, args.split, meta)
         offsets = windows(data, args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
@@ -218,32 +219,11 @@ def main(argv=None):
     g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
     results = []
-    for b in progress(range(prefixes.size(0)), quiet=args.quiet, desc='joint sampling'):
-        pre = prefixes[b:b + 1]
-        out = joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, ctx, ectx=ectx)
-        rec = dict(prefix=tok.decode(pre[0].tolist()), ess=out['ess'].item(), n=args.n,
-                   **{name: tok.decode(out[name][0].tolist()) for name in ('base', 'joint', 'worst')},
-                   **{f'{name}_energy': out[f'{name}_energy'].item() for name in ('base', 'joint', 'worst')})
-        cont = {name: out[name] for name in ('base', 'joint')}
-        if gold[b] is not None:
-            rec['gold'] = tok.decode(gold[b].tolist())
-            cont['gold'] = gold[b:b + 1].to(device)
-            rec['gold_energy'] = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ectx).item()
-        if args.autoregressive:
-            cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m, ctx, g)
-            rec['autoregressive'] = tok.decode(cont['autoregressive'][0].tolist())
-        with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
-            rec['lm_logp'] = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)).item() for name, t in cont.items()}
-        if args.logz_samples:  # Fig. 3 right: log P_joint = log P_LM - E - log Z
-            log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, ctx, g, ectx=ectx)[0]
-            rec['logz'] = (torch.logsumexp(log_w[0].double(), 0) - math.log(args.logz_samples)).item()  # T_n, Eq. 4
-        if args.table_k and b < args.table_prefixes:
-            v, p_lm, p_joint = next_token_table(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m, ctx, g)
-            rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
-                                  zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(), p_joint[0, :args.table_k].tolist())]
-        results.append(rec)
-        if b < args.print_prefixes:
-            print_record(rec)
+    for s in progress(range(0, prefixes.size(0), args.chunk), quiet=args.quiet, desc='joint sampling'):
+        results += joint_records(lm, energy, prefixes[s:s + args.chunk], None if gold is None else gold[s:s + args.chunk], s,
+                                 args, tok, g, ctx, ectx)
+    for rec in results[:args.print_prefixes]:
+        print_record(rec)
     report = dict(args=vars(args), samples=results, **analyses(results))
     write_json(report, args.out)
     print("unique n-grams % (n=1..4): " + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)
@@ -251,6 +231,45 @@ def main(argv=None):
     print("mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
           f"; -> {args.out}")
     return report
+
+
+def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):
+    """The records of a batch of prefixes pre (B, P) (gold: their real continuations (B, L) or None):
+    Algorithm 1's joint, base and worst samples and, for Figs. 2-3, each kind of continuation's
+    log-likelihood under the LM and log Z by T_n (Eq. 4); the Table-3 view for the first prefixes."""
+    out = joint_sample(lm, energy, pre, args.n, args.gen_len, args.top_k or None, args.correct_proposal, g, ctx,
+                       args.max_rows, ectx)
+    cont = {name: out[name] for name in ('base', 'joint')}
+    if gold is not None:
+        cont['gold'] = gold.to(pre.device)
+        gold_energy = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ectx)
+    if args.autoregressive:
+        cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m,
+                                                     ctx, g, args.max_rows)
+    with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
+        lm_logp = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)) for name, t in cont.items()}
+    if args.logz_samples:  # Fig. 3 right: log P_joint = log P_LM - E - log Z
+        log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, ctx, g, args.max_rows, ectx=ectx)[0]
+        logz = torch.logsumexp(log_w, 1) - math.log(args.logz_samples)  # T_n, Eq. 4
+    recs = []
+    for b in range(pre.size(0)):
+        rec = dict(prefix=tok.decode(pre[b].tolist()), ess=out['ess'][b].item(), n=args.n,
+                   **{name: tok.decode(t[b].tolist()) for name, t in cont.items()},
+                   **{f'{name}_energy': out[f'{name}_energy'][b].item() for name in ('base', 'joint', 'worst')},
+                   worst=tok.decode(out['worst'][b].tolist()),
+                   lm_logp={name: v[b].item() for name, v in lm_logp.items()})
+        if gold is not None:
+            rec['gold_energy'] = gold_energy[b].item()
+        if args.logz_samples:
+            rec['logz'] = logz[b].item()
+        if args.table_k and first + b < args.table_prefixes:
+            v, p_lm, p_joint = next_token_table(lm, energy, pre[b:b + 1], args.gen_len, args.candidates, args.keep, args.m,
+                                                ctx, g, args.max_rows)
+            rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
+                                  zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(),
+                                      p_joint[0, :args.table_k].tolist())]
+        recs.append(rec)
+    return recs
 
 
 def analyses(results):

@@ -1728,6 +1728,20 @@ def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
         assert (best['model'][k] - stopped[k]).abs().max().item() <= 1e-6, k
     energy, _ = load_energy(os.path.join(a, 'best.pt'), lm_path=lm_ckpt)
     assert not energy.training and energy.kind == 'bit'
+    # --patience 1: the run stops at the first evaluation after its best so far that did not improve
+    # on it, with that best's weights in best.pt: the iteration and loss a's log says
+    stop, best_so_far = 12, (math.inf, 0)
+    for it in sorted(vals):
+        best_so_far = min(best_so_far, (vals[it], it))
+        if it - best_so_far[1] >= 2:
+            stop = it
+            break
+    res = nce_train.main(['--out_dir', str(tmp_path / 'c'), '--max_iters', '12', '--patience', '1', *flags])
+    assert (res['iters'], res['best_iter'], res['best_loss']) == (stop, best_so_far[1], best_so_far[0])
+    assert res['stopped_early'] == (stop - best_so_far[1] >= 2)
+    if best_so_far[1] == best_iter:
+        early = load_checkpoint(str(tmp_path / 'c' / 'best.pt'))['model']
+        assert all((early[k] - best['model'][k]).abs().max().item() <= 1e-6 for k in early)
 
 
 # =============================================================================
@@ -3099,6 +3113,25 @@ def test_metric_energy_scores_like_an_energy():
         torch.testing.assert_close(me.features_shared(prompts, tokens, prefix_len, rows=4),
                                    me.features(full, prefix_len).view(3, 5, -1), atol=1e-5, rtol=0)
     assert me.num_params() == 6 + me.energies['B'].num_params()
+
+
+def test_sample_log_weights_scores_a_shared_energy_once():
+    """share_energies gives a metric energy the module listed beside it that has the same weights
+    as its energy metric (METRICS+BIT and BIT); sample_log_weights then runs it once per sequence,
+    and the log-weights equal those of separate copies. An energy metric with other weights stays."""
+    lm, V, L, n = tiny_gpt(), 11, 4, 6
+    bit, mu = rand_energy(V, block_size=32), torch.tensor([0.5, -0.7, 1.3])
+    agg = metrics.MetricEnergy(['tr-3', 'logp'], lm, {'B': rand_energy(V, block_size=32)}, mu=mu).eval()  # a copy
+    other = metrics.MetricEnergy(['tr-3', 'logp'], lm, {'O': rand_energy(V, seed=5, block_size=32)}, mu=mu).eval()
+    prompts = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(1))
+    draw = lambda: sample_log_weights(lm, [bit, agg, other], prompts, L, n, NULL, torch.Generator().manual_seed(0), max_rows=8)
+    ref = draw()
+    metrics.share_energies({'BIT': bit, 'METRICS+BIT': agg, 'OTHER': other})
+    assert agg.energies['B'] is bit and other.energies['O'] is not bit
+    rows = []
+    bit.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].size(0)))
+    torch.testing.assert_close(draw(), ref, atol=1e-6, rtol=0)
+    assert sum(rows) == 3 * n
 
 
 @pytest.fixture(scope='module')
