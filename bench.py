@@ -56,7 +56,8 @@ from metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
-from runtime import ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer, pick_device, run_main
+from runtime import (ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer,
+                     pick_device, run_main)
 from sample import joint_sample
 from train_lm import batch_offsets, get_batch
 
@@ -99,7 +100,8 @@ def get_args(argv=None):
     at_least(args, 0, 'threads', 'warmup', 'matmul_size')
     check_heads(args.n_embd, args.n_head)
     if args.prompt_len + args.new_tokens > args.block_size:
-        raise ValueError(f"--prompt_len {args.prompt_len} + --new_tokens {args.new_tokens} exceeds --block_size {args.block_size}")
+        raise ValueError(f"--prompt_len {args.prompt_len} + --new_tokens {args.new_tokens} "
+                         f"exceeds --block_size {args.block_size}")
     check_writable(args.out, '--out', folder=False)
     if args.quick:
         args.warmup, args.repeats, args.sample_prompts = 1, 3, min(args.sample_prompts, 2)
@@ -154,7 +156,8 @@ def cpu_flags():
             flags = next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), [])
     except OSError:
         return res
-    return dict(res, **{f'cpu_{flag}': flag in flags for flag in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')})
+    return dict(res, **{f'cpu_{flag}': flag in flags
+                        for flag in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16')})
 
 
 def bench_bf16_probe(args, device, min_ratio=0.25):
@@ -237,16 +240,6 @@ def bench_train(args, device, meta, peak):
 
 
 @torch.no_grad()
-def naive_sample(model, prompts, num_samples, new_tokens, generator):
-    """No KV cache, nothing shared: every step runs the model over each row's whole sequence."""
-    x = prompts.repeat_interleave(num_samples, 0)
-    for _ in range(new_tokens):
-        logits = model.lm_head(model.hidden(x)[:, -1])  # only the last position, like nanoGPT
-        tok = torch.multinomial(logits.float().softmax(-1), 1, generator=generator)
-        x = torch.cat([x, tok], dim=1)
-    return x[:, prompts.size(1):]
-
-
 def bench_sampling(args, device, meta, dtypes):
     B, P, K, L = args.sample_prompts, args.prompt_len, args.num_samples, args.new_tokens
     torch.manual_seed(args.seed)
@@ -267,7 +260,7 @@ def bench_sampling(args, device, meta, dtypes):
     dt = timeit(fns, device, args.warmup, args.repeats)
     t_cached = dt['cached']
     log(args, f"  naive sampler: {B * K} rows x {L} full forwards...")
-    naive = lambda: naive_sample(model, prompts, K, L, g)
+    naive = lambda: model.generate_plain(prompts, L, num_samples=K, generator=g)  # nanoGPT's loop, no cache
     t_naive = timeit(dict(naive=naive), device, 0, args.naive_repeats)['naive']  # too slow to warm up
     n = B * K
     # token-forwards each sampler runs (prompt + the L-1 fed-back tokens), ~ their FLOP ratio
@@ -281,7 +274,8 @@ def bench_sampling(args, device, meta, dtypes):
     )
     if 'bf16' in dtypes:
         t_bf16 = dt['cached_bf16']
-        res.update(sampling_samples_per_s_cached_bf16=n / t_bf16, sampling_tokens_per_s_cached_bf16=n * L / t_bf16,
+        res.update(sampling_samples_per_s_cached_bf16=n / t_bf16,
+                   sampling_tokens_per_s_cached_bf16=n * L / t_bf16,
                    sampling_bf16_speedup=t_cached / t_bf16)
     return res
 
@@ -320,7 +314,8 @@ def bench_estimation(args, device, meta):
     prefix 64 + continuation 32 keep n = 10^4 affordable."""
     P, L = 64, 32
     torch.manual_seed(args.seed)
-    lm = GPT(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'], n_layer=2, n_head=4, n_embd=128)).to(device).eval()
+    lm = GPT(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'], n_layer=2, n_head=4,
+                       n_embd=128)).to(device).eval()
     energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=2, n_head=4,
                               n_embd=128, causal=False)).to(device).eval()
     prefix = torch.randint(meta['vocab_size'], (1, P), device=device)
@@ -365,25 +360,33 @@ def bench_estimate(args, device, meta, dtypes):
     torch.manual_seed(args.seed)
     lm = GPT(lm_config(args, meta)).to(device).eval()
     energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
-                              n_head=args.n_head, n_embd=args.energy_embd, causal=False, alibi=True)).to(device).eval()
+                              n_head=args.n_head, n_embd=args.energy_embd, causal=False,
+                              alibi=True)).to(device).eval()
     prefixes = torch.randint(meta['vocab_size'], (B, P), device=device)
     g = torch.Generator(device).manual_seed(args.seed)
-    fns = dict(shared=lambda: sample_log_weights(lm, [energy], prefixes, L, n, nullcontext(), g, args.max_rows),
+    fns = dict(shared=lambda: sample_log_weights(lm, [energy], prefixes, L, n, nullcontext(), g,
+                                                 args.max_rows),
                copy_cache=lambda: copy_cache_log_weights(lm, energy, prefixes, L, n, g, args.max_rows))
     runs = 1 if args.quick else min(args.repeats, 2)  # runs of seconds to tens: the first is warm enough
     log(args, f"  {B} prefixes x {n} samples, {len(fns)} variants x {runs} runs...")
     dt = timeit(fns, device, 0, runs)
-    res = dict(estimate_samples_per_s=B * n / dt['shared'], estimate_samples_per_s_copy_cache=B * n / dt['copy_cache'],
+    res = dict(estimate_samples_per_s=B * n / dt['shared'],
+               estimate_samples_per_s_copy_cache=B * n / dt['copy_cache'],
                estimate_speedup=dt['copy_cache'] / dt['shared'])
-    # a causal energy (UNIT: the LM's shape) on 32 samples per prefix: each prompt once, or every whole sequence
-    unit, tokens = Energy(lm.config).to(device).eval(), torch.randint(meta['vocab_size'], (B, 32, L), device=device)
+    # a causal energy (UNIT: the LM's shape) on 32 samples per prefix: each prompt once, or every
+    # whole sequence
+    unit, tokens = (Energy(lm.config).to(device).eval(),
+                    torch.randint(meta['vocab_size'], (B, 32, L), device=device))
     x = torch.cat([prefixes[:, None].expand(-1, 32, -1), tokens], 2).flatten(0, 1)
-    dt = timeit(dict(unit_shared=lambda: score_continuations(unit, prefixes, tokens, P, nullcontext(), args.max_rows),
+    dt = timeit(dict(unit_shared=lambda: score_continuations(unit, prefixes, tokens, P, nullcontext(),
+                                                             args.max_rows),
                      unit_whole=lambda: score(unit, x, P, nullcontext(), args.max_rows)), device, 0, runs)
-    res.update(estimate_unit_seqs_per_s=B * 32 / dt['unit_shared'], estimate_unit_shared_speedup=dt['unit_whole'] / dt['unit_shared'])
+    res.update(estimate_unit_seqs_per_s=B * 32 / dt['unit_shared'],
+               estimate_unit_shared_speedup=dt['unit_whole'] / dt['unit_shared'])
     # the energy alone, in estimate_ppl.score's blocks: where bf16 autocast would pay for scoring
     x = torch.randint(meta['vocab_size'], (args.max_rows, P + L), device=device)
-    fns = {name: lambda d=DTYPES[name]: score(energy, x, P, autocast(device, d), args.max_rows) for name in dtypes}
+    fns = {name: lambda d=DTYPES[name]: score(energy, x, P, autocast(device, d), args.max_rows)
+           for name in dtypes}
     dt = timeit(fns, device, 1, args.repeats)
     res.update({f'estimate_energy_seqs_per_s_{name}': args.max_rows / dt[name] for name in dtypes})
     if 'bf16' in dtypes:
@@ -405,12 +408,14 @@ def bench_metric_fit(args, device, meta):
     the LM above) against a forward of the BIT energy of bench_estimate's size."""
     g = torch.Generator().manual_seed(args.seed)
     B, n, K = 512, 32, 5
-    f_pool = torch.randn(B, n, K, generator=g, dtype=torch.float64) @ torch.randn(K, K, generator=g, dtype=torch.float64)
+    f_pool = (torch.randn(B, n, K, generator=g, dtype=torch.float64)
+              @ torch.randn(K, K, generator=g, dtype=torch.float64))
     f_data = f_pool[:, :4].mean(1)  # a target the pools reach: the mean of 4 of their own samples
 
     def lbfgs():
         mu = torch.zeros(K, dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([mu], max_iter=1000, tolerance_grad=1e-8, tolerance_change=0, line_search_fn='strong_wolfe')
+        opt = torch.optim.LBFGS([mu], max_iter=1000, tolerance_grad=1e-8, tolerance_change=0,
+                                line_search_fn='strong_wolfe')
 
         def closure():
             opt.zero_grad()
@@ -419,16 +424,19 @@ def bench_metric_fit(args, device, meta):
             return D
         opt.step(closure)
     res = {f'metric_fit_{k}_ms': 1e3 * v for k, v in
-           timeit(dict(newton=lambda: fit_mu(f_data, f_pool, tol=1e-8), lbfgs=lbfgs), 'cpu', 1, args.repeats).items()}
+           timeit(dict(newton=lambda: fit_mu(f_data, f_pool, tol=1e-8), lbfgs=lbfgs), 'cpu', 1,
+                  args.repeats).items()}
     res['metric_fit_newton_steps'] = fit_mu(f_data, f_pool, tol=1e-8)[1]
     torch.manual_seed(args.seed)
     lm = GPT(lm_config(args, meta)).to(device).eval()
     metric = MetricEnergy(['rep-4', 'tr-32', 'div', 'coh', 'logp'], lm)
-    bit = Energy(GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
-                           n_head=args.n_head, n_embd=args.energy_embd, causal=False)).to(device).eval()
+    bit = Energy(GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + 1,
+                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.energy_embd,
+                           causal=False)).to(device).eval()
     x = torch.randint(meta['vocab_size'], (64, args.prompt_len + args.new_tokens), device=device)
     t = timeit(dict(metrics=lambda: score(metric, x, args.prompt_len, nullcontext()),
-                    bit=lambda: score(bit, x, args.prompt_len, nullcontext())), device, args.warmup, args.repeats)
+                    bit=lambda: score(bit, x, args.prompt_len, nullcontext())),
+               device, args.warmup, args.repeats)
     res.update(metric_features_seqs_per_s=64 / t['metrics'], bit_energy_seqs_per_s=64 / t['bit'])
     return res
 
@@ -450,8 +458,9 @@ def main(argv=None):
     for split in ('train', 'val'):
         n = len(load_split(args.data_dir, split, meta))
         if n <= args.block_size + 1:
-            raise ValueError(f"the {split} split of {args.data_dir} has {n} tokens, not more than --block_size "
-                             f"{args.block_size} + 1: lower --block_size or use a larger corpus")
+            raise ValueError(f"the {split} split of {args.data_dir} has {n} tokens, "
+                             f"not more than --block_size {args.block_size} + 1: "
+                             "lower --block_size or use a larger corpus")
     results = dict(device=device, num_threads=torch.get_num_threads(), quick=args.quick, **cpu_flags())
     sections = []
     t_start = time.perf_counter()
@@ -467,7 +476,8 @@ def main(argv=None):
 
     probe = run('bf16_probe', bench_bf16_probe)
     dtypes = ['fp32'] if probe['bf16_slow'] else list(DTYPES)
-    results['bf16_skipped'] = ['matmul_peak', 'train', 'sampling', 'estimate_energy'] if probe['bf16_slow'] else []
+    results['bf16_skipped'] = (['matmul_peak', 'train', 'sampling', 'estimate_energy'] if probe['bf16_slow']
+                               else [])
     peak = run('matmul_peak', bench_matmul_peak, dtypes)
     run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes})
     run('sampling', bench_sampling, meta, dtypes)
@@ -483,7 +493,8 @@ def main(argv=None):
         for name, figures in sections:
             print(f"--- {name}")
             for k, v in figures.items():
-                cell = f"{v:>12,.4g}" if isinstance(v, float) else f"{v:>12,}" if type(v) is int else f"{v!s:>12}"
+                cell = (f"{v:>12,.4g}" if isinstance(v, float)
+                        else f"{v:>12,}" if type(v) is int else f"{v!s:>12}")
                 print(f"{k:<38} {cell}")
         if results['bf16_skipped']:
             print(f"bf16 is slow here (probe: {results['bf16_probe_gflops_bf16']:.3g} vs fp32 "

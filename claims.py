@@ -70,7 +70,8 @@ def log_probs(split):
 def compare(lp, better, worse, L):
     """Per prefix, nats/token by which `better` beats `worse` (positive: the claim's direction)."""
     res = paired((lp[better] - lp[worse]) / L)
-    res.update(models=[better, worse], ppl={m: float(np.exp(-lp[m].sum() / (len(lp[m]) * L))) for m in (better, worse)})
+    res.update(models=[better, worse],
+               ppl={m: float(np.exp(-lp[m].sum() / (len(lp[m]) * L))) for m in (better, worse)})
     return res
 
 
@@ -81,7 +82,8 @@ def claim_c4(per_step):
     last = np.array(per_step['per_prefix_last_step_gain_exact'])
     res = paired(seg[:, 0] - last)
     res.update(first_positions=per_step['position'][0], early_gain=float(seg[:, 0].mean()),
-               last_step_gain_exact=float(last.mean()), last_step_gain_se=float(last.std(ddof=1) / math.sqrt(len(last))))
+               last_step_gain_exact=float(last.mean()),
+               last_step_gain_se=float(last.std(ddof=1) / math.sqrt(len(last))))
     return res
 
 
@@ -92,7 +94,8 @@ def claim_c5(split, energy, L):
     ns = sorted(logz, key=int)
     width = {n: (np.array(logz[n]['high']) - np.array(logz[n]['low'])) / L for n in ns}
     res = paired(width[ns[0]] - width[ns[-1]])
-    res.update(energy=energy, n=[int(ns[0]), int(ns[-1])], width_by_n={n: float(w.mean()) for n, w in width.items()})
+    res.update(energy=energy, n=[int(ns[0]), int(ns[-1])],
+               width_by_n={n: float(w.mean()) for n, w in width.items()})
     return res
 
 
@@ -123,8 +126,9 @@ def claim_c6(samples, seed):
                                     for n in C6_N]))
     diff, se = bootstrap(stat, len(recs), seed)
     ns = (2,) + C6_N
-    return dict(diff=diff, se=se, z=diff / se if se > 0 else None, holds=verdict(diff, se), prefixes=len(recs),
-                n=list(ns), unique_pct={k: [unique_ngrams(t, n) for n in ns] for k, t in texts.items()})
+    return dict(diff=diff, se=se, z=diff / se if se > 0 else None, holds=verdict(diff, se),
+                prefixes=len(recs), n=list(ns),
+                unique_pct={k: [unique_ngrams(t, n) for n in ns] for k, t in texts.items()})
 
 
 def claim_c7(samples, seed):
@@ -136,8 +140,9 @@ def claim_c7(samples, seed):
                       for r in recs])
     stat = lambda i: float(abs(base[i].mean()) - abs(joint[i].mean()))
     diff, se = bootstrap(stat, len(recs), seed)
-    return dict(diff=diff, se=se, z=diff / se if se > 0 else None, holds=verdict(diff, se), prefixes=len(recs),
-                base_diff_of_means=float(base.mean()), joint_diff_of_means=float(joint.mean()))
+    return dict(diff=diff, se=se, z=diff / se if se > 0 else None, holds=verdict(diff, se),
+                prefixes=len(recs), base_diff_of_means=float(base.mean()),
+                joint_diff_of_means=float(joint.mean()))
 
 
 def lm_convergence(out_dir):
@@ -188,8 +193,8 @@ CLAIM_TEXT = dict(C1='JOINT BIT below BALM (PPL)', C2='JOINT UNIT below RALM (PP
                   C5='log Z range narrows as n grows', C6='joint: more unique char 4-8-grams',
                   C7='joint closer to real text (log-lik. means)', T1='JOINT METRICS below BASE LM (PPL)',
                   T2='JOINT METRICS+BIT below JOINT BIT (PPL)', T3='METRICS gain = KL(p*||P_LM) (Pythagoras)')
-UNITS = dict(C1='nats/token', C2='nats/token', C3='nats/token', C4='nats/token', C5='nats/token', C6='% points',
-             C7='nats/sequence', T1='nats/token', T2='nats/token', T3='nats/token')
+UNITS = dict(C1='nats/token', C2='nats/token', C3='nats/token', C4='nats/token', C5='nats/token',
+             C6='% points', C7='nats/sequence', T1='nats/token', T2='nats/token', T3='nats/token')
 
 
 def format_claims(result):
@@ -199,13 +204,15 @@ def format_claims(result):
         lines.append(f"{k:<4} {CLAIM_TEXT[k]:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {UNITS[k]:<13} {v}")
     for name, m in result['lms'].items():
         lines.append(f"{name}: best selection loss {m['best_select_loss']:.4f} at step {m['best_step']} of "
-                     f"{m['last_step']} ({'converged: early-stopped' if m['converged'] else 'NOT converged'})")
+                     f"{m['last_step']} "
+                     f"({'converged: early-stopped' if m['converged'] else 'NOT converged'})")
     return '\n'.join(lines)
 
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument('--out_dir', default='out', help="the main job's folder (ppl.json, samples.json, lm/, ralm/, balm/)")
+    p.add_argument('--out_dir', default='out',
+                   help="the main job's folder (ppl.json, samples.json, lm/, ralm/, balm/)")
     p.add_argument('--split', default='test', help='the split of the model comparisons')
     p.add_argument('--seed', type=int, default=1337, help='of the bootstrap')
     return p.parse_args(argv)

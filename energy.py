@@ -11,6 +11,11 @@ Two bodies, both the transformer of model.py:
 Final hidden states are mean-pooled over real (non-padding) positions and projected to a scalar.
 Pooling over the continuation only is the default: the prefix is the same for x+ and x-, so
 pooling it in only dilutes the difference the energy has to see (measured: EXPERIMENTS.md, 'Pooling').
+
+Scoring: `energy(x, prefix_len)` is E of each row of x (B, T); `score` is the same in blocks that
+bound memory, in float64. The rest are speed-ups of it, each tested equal to it:
+`score_continuations` for many continuations of one prompt (a causal body runs the prompt once),
+and `sample_log_weights`, Eq. 4's weights -E of n LM samples per prefix.
 """
 
 from dataclasses import asdict, replace
@@ -122,8 +127,8 @@ def mlm_mask(x, vocab_size, mask_id, generator=None, p=0.15):
     return inputs, targets
 
 
-def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continuation', block_size=None, context=None,
-                 dropout=None):
+def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continuation', block_size=None,
+                 context=None, dropout=None):
     """A new energy for the base LM at lm_path.
     bit: from scratch with `sizes` (n_layer/n_head/n_embd, default: the LM's), or from an MLM
          checkpoint (init_from); unit: from the LM (init_from, default lm_path).
@@ -165,8 +170,9 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
 def energy_state(energy, lm_path, meta):
     """What an energy checkpoint records besides training state: enough to rebuild it and to
     refuse pairing it with another base LM or vocabulary."""
-    return dict(kind='energy', energy_kind=energy.kind, config=asdict(energy.config), pool=energy.pool, context=energy.context,
-                lm_path=lm_path, lm_hash=file_hash(lm_path), meta=meta, model=energy.state_dict())
+    return dict(kind='energy', energy_kind=energy.kind, config=asdict(energy.config), pool=energy.pool,
+                context=energy.context, lm_path=lm_path, lm_hash=file_hash(lm_path), meta=meta,
+                model=energy.state_dict())
 
 
 def load_energy(path, lm_path=None, device='cpu'):
@@ -210,15 +216,17 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
         extra = dict(known=known) if hasattr(energy, 'features_shared') else {}  # a metrics.MetricEnergy
         with ctx:
             return energy.forward_shared(prompts, tokens, prefix_len, rows, **extra).double()
-    return torch.cat([score(energy, torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2).flatten(0, 1),
+    return torch.cat([score(energy,
+                            torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2).flatten(0, 1),
                             prefix_len, ctx, max_rows, max_tokens).view(B, -1)
                       for t in tokens.split(max(1, max_rows // B), dim=1)], 1)
 
 
 @torch.no_grad()
-def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None, ectx=None):
-    """log w = -E(x) of n untruncated LM continuations (the weights of Eq. 4's Z) of each prefix, for each energy:
-    (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
+def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None,
+                       ectx=None):
+    """log w = -E(x) of n untruncated LM continuations (the weights of Eq. 4's Z) of each prefix, for each
+    energy: (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
     sequences at a time, and memory beyond that holds only the n sampled token ids per prefix.
     prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
     continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
@@ -229,5 +237,6 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
     known = {}  # each energy scored once, also where it is a metric of another (metrics.share_energies)
     for e in energies:
         if e not in known:
-            known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows, known=known)
+            known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows,
+                                           known=known)
     return -torch.stack([known[e] for e in energies])

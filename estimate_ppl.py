@@ -23,13 +23,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json, write_text
+from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
+                  write_text)
 from energy import load_energy, sample_log_weights, score, score_continuations
 from metrics import kl_to_lm, share_energies
-from model import check_vocab, file_hash, load_lm
+from model import file_hash, load_lm
 from tokenizer import load_tokenizer
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress, rng, run_main, sampling_probe,
-                     scoring_probe, setup, teardown_distributed)
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
+                     rng, run_main, setup, teardown_distributed)
 
 
 def leave_one_out_lse(lw):
@@ -81,7 +82,8 @@ def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):
 # sequence-level joint PPL (Table 1)
 
 @torch.no_grad()
-def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split):
+def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size,
+                      split):
     """Per-prefix columns: log P_LM of the real continuation, the extra LMs' log-probs, each
     energy of the real sequence and its log Z bounds for every n of the sweep. energies and
     extra_lms are {name: model}. Each rank takes every world_size-th chunk of prefixes; every
@@ -98,13 +100,16 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
             lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
             extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
         e_real = {name: score(e, x, P, ectx) for name, e in energies.items()}
-        log_w = sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g, args.max_rows,
-                                   ectx=ectx) if energies else torch.zeros(0, x.size(0), max(sweep))  # (energies, B, n) = -E
+        log_w = (sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g,
+                                    args.max_rows, ectx=ectx)
+                 if energies else torch.zeros(0, x.size(0), max(sweep)))  # (energies, B, n) = -E
         bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
         kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
         recs.append(dict(index=s, lm_logp=lm_logp.cpu(), extra_logp={k: v.cpu() for k, v in extra.items()},
-                         energy={k: v.cpu() for k, v in e_real.items()}, kl={k: kl[i] for i, k in enumerate(energies)},
-                         logz={name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu()) for n, (lo, hi) in bounds.items()}
+                         energy={k: v.cpu() for k, v in e_real.items()},
+                         kl={k: kl[i] for i, k in enumerate(energies)},
+                         logz={name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu())
+                                      for n, (lo, hi) in bounds.items()}
                                for k, name in enumerate(energies)}))
     if world_size > 1:
         gathered = [None] * world_size
@@ -193,13 +198,16 @@ def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, spl
     for s in progress(range(0, len(offsets), args.chunk), quiet=args.quiet, desc=f'calibration ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P).to(device)
         g = rng(args.seed, 'calibration', split, s, device)
-        log_w.append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, ctx, g, args.max_rows, ectx=ectx))
+        log_w.append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, ctx, g,
+                                        args.max_rows, ectx=ectx))
     log_w = torch.cat(log_w, dim=1)  # (energies, B, N)
     ns = sorted({2 ** k for k in range(1, 20) if 2 ** k <= args.calib_samples // 8} | {args.num_samples})
     per_n = {n: calibrate(log_w, n, L) for n in ns}
     return {name: dict(prefixes=len(offsets), reference_samples=args.calib_samples,
-                       **{k: per_n[args.num_samples][k][i] for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width')},
-                       by_n={n: {k: c[k][i] for k in ('bias_lower', 'bias_upper', 'bracketed')} for n, c in per_n.items()})
+                       **{k: per_n[args.num_samples][k][i]
+                          for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width')},
+                       by_n={n: {k: c[k][i] for k in ('bias_lower', 'bias_upper', 'bracketed')}
+                             for n, c in per_n.items()})
             for i, name in enumerate(energies)}
 
 
@@ -220,8 +228,8 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every
         _, lp = lm.sequence_logprob(x, P, per_token=True)  # (B, L)
     lo, hi = torch.empty(B, len(ks), dtype=torch.float64), torch.empty(B, len(ks), dtype=torch.float64)
     for j, k in enumerate(ks[:-1]):
-        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows, prefix_len=P,
-                                   ectx=ectx)[0]  # (B, m)
+        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows,
+                                   prefix_len=P, ectx=ectx)[0]  # (B, m)
         lo[:, j], hi[:, j] = (t.cpu() for t in logz_bounds(log_w))
     lo[:, -1] = hi[:, -1] = -score(energy, x, P, ectx or ctx).cpu()
     return lp.double().cpu(), ks, lo, hi
@@ -238,7 +246,8 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     idx = np.linspace(0, len(offsets) - 1, min(args.step_prefixes, len(offsets))).round().astype(int)
     x = window_tokens(data, offsets[idx], P + L).to(device)  # (B, P+L), evenly spaced prefixes
     g = rng(args.seed, 'per_step', split, 0, device)
-    lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx, getattr(args, 'step_every', 1))
+    lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx,
+                              getattr(args, 'step_every', 1))
     width = torch.tensor(np.diff(ks), dtype=torch.float64)  # tokens per segment
     seg_lp = torch.stack([lp[:, k1:k2].sum(1) for k1, k2 in zip(ks, ks[1:])], 1)  # (B, segments)
     step_low = seg_lp + lo[:, 1:] - hi[:, :-1]  # log P of a segment: low numerator, high denominator
@@ -247,13 +256,16 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     seg_gain = (mid[:, 1:] - mid[:, :-1]) / width  # (B, segments) nats/token over the LM
     exact_logz = last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
     exact_last = lp[:, -1] + lo[:, -1] - exact_logz
-    log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, ctx, g, args.max_rows, P, ectx)[0]
+    log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, ctx, g, args.max_rows, P,
+                               ectx)[0]
     z_lo, z_hi = (t.cpu() for t in logz_bounds(log_w))
     last = lambda z: math.exp(-(lp[:, -1] + lo[:, -1] - z).mean().item())
     per_token_ppl = lambda logp: torch.exp(-(logp / width).mean(0)).tolist()
-    return dict(num_prefixes=x.size(0), step_samples=args.step_samples, last_step_samples=args.last_step_samples,
+    return dict(num_prefixes=x.size(0), step_samples=args.step_samples,
+                last_step_samples=args.last_step_samples,
                 last_step_ppl_low=last(z_lo), last_step_ppl_high=last(z_hi),
-                last_step_mc_se=mc_se(log_w).pow(2).sum().sqrt().item() / x.size(0),  # nats/token, of the mean
+                # nats/token, of the mean
+                last_step_mc_se=mc_se(log_w).pow(2).sum().sqrt().item() / x.size(0),
                 position=ks[1:],  # the segment ends (k tokens of the continuation fixed)
                 base_ppl=per_token_ppl(seg_lp), joint_ppl_low=per_token_ppl(step_high),
                 joint_ppl_high=per_token_ppl(step_low),
@@ -270,8 +282,10 @@ def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='the base LM')
-    a('--energy', nargs='*', default=[], metavar='NAME=CKPT', help='energies of the joint models, e.g. BIT=out/bit/ckpt.pt')
-    a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT', help='more LMs to report as rows (BALM, RALM)')
+    a('--energy', nargs='*', default=[], metavar='NAME=CKPT',
+      help='energies of the joint models, e.g. BIT=out/bit/ckpt.pt')
+    a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT',
+      help='more LMs to report as rows (BALM, RALM)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--splits', default='test', help='comma-separated: val,test')
     a('--prefix_len', type=int, default=128)
@@ -282,29 +296,43 @@ def get_args(argv=None):
     a('--per_step', nargs='?', const='', default=None, metavar='NAME',
       help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
     a('--step_prefixes', type=int, default=8, help='prefixes of Fig. 1 (evenly spaced over the split)')
-    a('--step_every', type=int, default=1, help='Fig. 1: log Z every this many positions (and at the last two)')
+    a('--step_every', type=int, default=1,
+      help='Fig. 1: log Z every this many positions (and at the last two)')
     a('--step_samples', type=int, default=16, help='m LM samples per position for Eq. 5')
-    a('--last_step_samples', type=int, default=1024, help='LM samples for the last step estimated again, beside the exact value')
-    a('--calib_prefixes', type=int, default=16, help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
-    a('--calib_samples', type=int, default=2048, help='LM samples per prefix of the calibration reference (n_ref)')
+    a('--last_step_samples', type=int, default=1024,
+      help='LM samples for the last step estimated again, beside the exact value')
+    a('--calib_prefixes', type=int, default=16,
+      help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
+    a('--calib_samples', type=int, default=2048,
+      help='LM samples per prefix of the calibration reference (n_ref)')
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
-    a('--out', default='out/ppl.json', help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
+    a('--out', default='out/ppl.json',
+      help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
     a('--force', action='store_true', help='replace --out (and the .txt beside it) if it exists')
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
+    a('--dtype', default='auto', choices=DTYPES,
+      help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Every flag checked before any work (one line naming the flag); --sweep and --splits parsed."""
     try:
         args.sweep = [int(n) for n in args.sweep.split(',') if n]
     except ValueError:
         raise ValueError(f"--sweep {args.sweep}: must be comma-separated integers, e.g. 2,4,16") from None
     args.splits = [s for s in args.splits.split(',') if s]
     if not args.splits or any(s not in SPLITS for s in args.splits):
-        raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of {', '.join(SPLITS)}")
+        raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of "
+                         f"{', '.join(SPLITS)}")
     at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'step_every', 'chunk', 'max_rows')
-    check(args, 'max_prefixes', lambda v: v == 0 or v >= 2, '0 (all) or at least 2 (the gain has a standard error)')
+    check(args, 'max_prefixes', lambda v: v == 0 or v >= 2,
+          '0 (all) or at least 2 (the gain has a standard error)')
     at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
     if args.per_step is not None and not args.energy:
         raise ValueError("--per_step needs an energy: pass --energy NAME=CKPT")
@@ -315,34 +343,30 @@ def get_args(argv=None):
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be distinct (and not 'BASE LM'): {names[1:]}")
     if min([args.num_samples] + args.sweep) < 2:
-        raise ValueError("--num_samples and --sweep values must be at least 2 (the upper bound needs leave-one-out)")
+        raise ValueError("--num_samples and --sweep values must be at least 2 "
+                         "(the upper bound needs leave-one-out)")
     at_least(args, 0, 'calib_prefixes')
     if args.calib_prefixes and args.calib_samples < 2 * args.num_samples:
-        raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples ({2 * args.num_samples}): "
-                         f"the calibration cuts its reference into groups of n (or pass --calib_prefixes 0)")
+        raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples "
+                         f"({2 * args.num_samples}): the calibration cuts its reference into groups of n "
+                         f"(or pass --calib_prefixes 0)")
     if args.per_step is not None:
         at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force, also=[os.path.splitext(args.out)[0] + '.txt'])
-    return args
 
 
 def load_models(args, device):
     """The base LM, its data, the energies and the extra LMs named on the command line, checked
     to belong together and to fit prefix_len + gen_len."""
-    lm, lm_ckpt = load_lm(args.lm, device)
-    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
-    meta = load_meta(data_dir)
-    check_vocab(lm_ckpt, meta, args.lm)
+    lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energies = {name: load_energy(path, args.lm, device)[0] for name, path in map(name_path, args.energy)}
     share_energies(energies)
     extra = {name: load_lm(path, device, meta=meta)[0] for name, path in map(name_path, args.extra_lm)}
     if args.per_step and args.per_step not in energies:
         raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(energies)})")
-    for model in [lm] + list(energies.values()) + list(extra.values()):
-        if args.prefix_len + args.gen_len > model.config.block_size:
-            raise ValueError(f"prefix_len + gen_len = {args.prefix_len + args.gen_len} exceeds a model's "
-                             f"block_size {model.config.block_size}")
+    check_fits(args.prefix_len + args.gen_len, {'LM': lm, **{f'energy {n}': m for n, m in energies.items()},
+                                                **{f'LM {n}': m for n, m in extra.items()}})
     return lm, meta, data_dir, energies, extra
 
 
@@ -377,9 +401,11 @@ def format_calibration(calib, num_samples, gains):
     lines = []
     for name, c in calib.items():
         se = gains.get(name)
-        lines.append(f"calibration {name}: n = {num_samples} vs n_ref = {c['reference_samples']} on {c['prefixes']} prefixes: "
-                     f"bias of the lower bound {c['bias_lower']:+.5f}, upper {c['bias_upper']:+.5f} nats/token"
-                     + (f" (gain SE {se:.5f})" if se else '') + f"; range contains log Z for {100 * c['bracketed']:.0f}% "
+        lines.append(f"calibration {name}: n = {num_samples} vs n_ref = {c['reference_samples']} "
+                     f"on {c['prefixes']} prefixes: bias of the lower bound {c['bias_lower']:+.5f}, "
+                     f"upper {c['bias_upper']:+.5f} nats/token"
+                     + (f" (gain SE {se:.5f})" if se else '')
+                     + f"; range contains log Z for {100 * c['bracketed']:.0f}% "
                      f"(reference width {c['reference_width']:.4f} nats)")
     return '\n'.join(lines)
 
@@ -389,7 +415,8 @@ def format_predicted(rows):
     Pythagorean identity) when the energy matches real text's moments (metrics.py)."""
     return ''.join(f"\n{r['model']}: gain {r['gain_nats_per_token']:+.5f} nats/token, KL(joint || LM) "
                    f"{r['predicted_gain']:.5f} (SE {r['predicted_gain_se']:.5f}): difference "
-                   f"{r['gain_nats_per_token'] - r['predicted_gain']:+.5f} (SE {r['gain_minus_predicted_se']:.5f})"
+                   f"{r['gain_nats_per_token'] - r['predicted_gain']:+.5f} "
+                   f"(SE {r['gain_minus_predicted_se']:.5f})"
                    for r in rows if 'predicted_gain' in r)
 
 
@@ -399,9 +426,11 @@ def format_last_step(ps):
         return ''
     gap = math.log(math.sqrt(ps['last_step_ppl_low'] * ps['last_step_ppl_high']) / ps['last_step_exact_ppl'])
     se = ps['last_step_mc_se']  # 0 when every weight is equal (E constant): the estimate is exact
-    return (f"\nlast step ({ps['energy']}, {ps['num_prefixes']} prefixes): exact PPL {ps['last_step_exact_ppl']:.4f}, "
-            f"estimated {ps['last_step_ppl_low']:.4f}-{ps['last_step_ppl_high']:.4f} from {ps['last_step_samples']} samples: "
-            f"off by {gap:+.5f} nats/token" + (f", {abs(gap) / se:.1f} Monte-Carlo SE ({se:.5f})" if se > 0 else ''))
+    return (f"\nlast step ({ps['energy']}, {ps['num_prefixes']} prefixes): "
+            f"exact PPL {ps['last_step_exact_ppl']:.4f}, "
+            f"estimated {ps['last_step_ppl_low']:.4f}-{ps['last_step_ppl_high']:.4f} "
+            f"from {ps['last_step_samples']} samples: off by {gap:+.5f} nats/token"
+            + (f", {abs(gap) / se:.1f} Monte-Carlo SE ({se:.5f})" if se > 0 else ''))
 
 
 def main(argv=None):
@@ -409,30 +438,34 @@ def main(argv=None):
     rank, world_size, device = setup(args.device)
     lm, meta, data_dir, energies, extra_lms = load_models(args, device)
     P, L = args.prefix_len, args.gen_len
-    dtype, ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device), rank == 0)
-    first = next(iter(energies.values()), None)
-    edtype, ectx = precision(device, args.dtype, 'score', scoring_probe(first, device, P + L), rank == 0) \
-        if energies else (dtype, ctx)
+    dtype, ctx = precision(device, args.dtype, 'sample', rank == 0, lm.config.n_embd)
+    width = max([e.config.n_embd for e in energies.values()], default=None)
+    edtype, ectx = precision(device, args.dtype, 'score', rank == 0, width) if energies else (dtype, ctx)
     params = {'BASE LM': lm.num_params(), **{name: m.num_params() for name, m in extra_lms.items()},
               **{f'JOINT {name}': lm.num_params() + e.num_params() for name, e in energies.items()}}
-    hashes = {'BASE LM': file_hash(args.lm), **{name: file_hash(path) for name, path in map(name_path, args.energy + args.extra_lm)}}
+    hashes = {'BASE LM': file_hash(args.lm),
+              **{name: file_hash(path) for name, path in map(name_path, args.energy + args.extra_lm)}}
     out = dict(hashes=hashes, dtype=dict(sample=dtype, score=edtype), splits={}, rows=[])
     for split in args.splits:
         data = load_split(data_dir, split, meta)
         offsets = windows(data, P, L, max_windows=args.max_prefixes or None)
         if len(offsets) < 2:
-            raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: lower --prefix_len/--gen_len")
-        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size, split)
+            raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: "
+                             "lower --prefix_len/--gen_len")
+        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank,
+                                 world_size, split)
         res = split_summary(cols, args, split, offsets, data, meta)
         out['splits'][split] = res
         out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in res['rows']]
         if rank == 0 and energies and split == args.splits[-1]:  # one split is enough
             if args.per_step is not None:
                 name = args.per_step or next(iter(energies))
-                res['per_step'] = dict(per_step_report(lm, energies[name], data, offsets, args, ctx, ectx, device, split),
+                res['per_step'] = dict(per_step_report(lm, energies[name], data, offsets, args, ctx, ectx,
+                                                       device, split),
                                        energy=name)
             if args.calib_prefixes:
-                res['calibration'] = calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, split)
+                res['calibration'] = calibration_report(lm, energies, data, offsets, args, ctx, ectx, device,
+                                                        split)
     if rank == 0:
         write_results(out, args)
     teardown_distributed()
@@ -445,13 +478,15 @@ def split_summary(cols, args, split, offsets, data, meta):
     tok = None if meta['tokenizer'] == 'char' else load_tokenizer(meta)  # BPE: PPL per character too
     num_chars = sum(len(tok.decode(data[o + P:o + P + L].tolist())) for o in offsets) if tok else None
     rows = summarize(cols, len(offsets) * L, args.num_samples, num_chars)
-    res = dict(split=split, num_samples=args.num_samples, num_prefixes=len(offsets), num_tokens=len(offsets) * L,
-               prefix_len=P, gen_len=L, base_ppl=rows[0]['ppl'], rows=rows, per_prefix=to_json(cols))
+    res = dict(split=split, num_samples=args.num_samples, num_prefixes=len(offsets),
+               num_tokens=len(offsets) * L, prefix_len=P, gen_len=L, base_ppl=rows[0]['ppl'], rows=rows,
+               per_prefix=to_json(cols))
     joint = [r for r in rows if 'energy' in r]
     if joint:  # the first joint model's range, in one place
         res.update(joint_ppl_low=joint[0]['ppl_low'], joint_ppl_high=joint[0]['ppl_high'])
     if args.sweep:
-        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n) if 'energy' in r] for n in sorted(set(args.sweep))}
+        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n) if 'energy' in r]
+                        for n in sorted(set(args.sweep))}
     return res
 
 
@@ -459,10 +494,10 @@ def write_results(out, args):
     """ppl.json, and the table with its calibration and last-step lines as ppl.txt (printed too)."""
     last = out['splits'][args.splits[-1]]
     gain_se = {r['energy']: r['gain_se'] for r in last['rows'] if 'energy' in r}
-    text = format_table(out['rows'], args.splits) + '\n' + \
-        f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n" + \
-        format_calibration(last.get('calibration', {}), args.num_samples, gain_se) + format_last_step(last.get('per_step')) + \
-        format_predicted(last['rows'])
+    text = (format_table(out['rows'], args.splits) + '\n'
+            + f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n"
+            + format_calibration(last.get('calibration', {}), args.num_samples, gain_se)
+            + format_last_step(last.get('per_step')) + format_predicted(last['rows']))
     write_json(out, args.out)
     write_text(text + '\n', os.path.splitext(args.out)[0] + '.txt')
     print(text + f"\n-> {args.out}")

@@ -5,7 +5,8 @@ out/samples.json (sample.py). PNGs land beside them:
     fig1_per_step.png        Fig. 1: per-step PPL (Eq. 5) of the base LM and the joint model's range,
                              with the exact last step (the vocabulary enumerated)
     fig2_left_bounds.png     Fig. 2 left: the joint PPL bounds as the number n of samples grows (Eq. 4)
-    fig2_right_ngrams.png    Fig. 2 right: unique character n-grams (%) of real text, BASE LM and JOINT samples
+    fig2_right_ngrams.png    Fig. 2 right: unique character n-grams (%) of real text, BASE LM and JOINT
+                             samples
     fig3_loglik.png          Fig. 3: real text vs own samples, scored by the base LM (left) and by the
                              joint model (right)
     fig4_ordering.png        the gain of BALM and of JOINT BIT over BASE as the base LM trains
@@ -54,15 +55,18 @@ def fig1_per_step(ax, ppl, split, claims):
     ps = ppl['splits'][split]['per_step']
     pos, gain, se = np.array(ps['position']), np.array(ps['gain']), np.array(ps['gain_se'])
     ax.axhline(0, color='black', lw=0.8, label='BASE LM')
-    ax.plot(pos, gain, 'o-', ms=3, color='tab:green', label=f"JOINT {ps['energy']} (m = {ps['step_samples']})")
-    ax.fill_between(pos, gain - 2 * se, gain + 2 * se, color='tab:green', alpha=0.3, label='+- 2 SE over prefixes')
+    ax.plot(pos, gain, 'o-', ms=3, color='tab:green',
+            label=f"JOINT {ps['energy']} (m = {ps['step_samples']})")
+    ax.fill_between(pos, gain - 2 * se, gain + 2 * se, color='tab:green', alpha=0.3,
+                    label='+- 2 SE over prefixes')
     c = claims['claims']['C4'] if claims else None
     if c:
-        ax.errorbar([pos[-1]], [c['last_step_gain_exact']], yerr=[2 * c['last_step_gain_se']], color='tab:red', marker='x',
-                    zorder=3, label='exact last step')
+        ax.errorbar([pos[-1]], [c['last_step_gain_exact']], yerr=[2 * c['last_step_gain_se']],
+                    color='tab:red', marker='x', zorder=3, label='exact last step')
     ax.set(xlabel='position in the continuation', ylabel='gain over the LM, nats/token',
            title=f"Fig. 1: per-step gain ({split}, {ps['num_prefixes']} prefixes)"
-                 + (f"\nC4: first segment - last step = {num(c['diff'], '+.4f')} ({num(c['se'], '.4f')} SE)" if c else ''))
+                 + (f"\nC4: first segment - last step = {num(c['diff'], '+.4f')} "
+                    f"({num(c['se'], '.4f')} SE)" if c else ''))
     ax.legend(fontsize=7)
 
 
@@ -71,16 +75,18 @@ def fig2_left_bounds(ax, ppl, split, claims):
     res = ppl['splits'][split]
     ns = sorted(res['sweep'], key=int)
     for k, row in enumerate(res['sweep'][ns[0]]):
-        line, = ax.plot([int(n) for n in ns], [res['sweep'][n][k]['ppl_high'] for n in ns], 'o-', ms=3, label=f"{row['model']} upper")
-        ax.plot([int(n) for n in ns], [res['sweep'][n][k]['ppl_low'] for n in ns], 'o--', ms=3, color=line.get_color(),
-                label=f"{row['model']} lower")
+        line, = ax.plot([int(n) for n in ns], [res['sweep'][n][k]['ppl_high'] for n in ns], 'o-', ms=3,
+                        label=f"{row['model']} upper")
+        ax.plot([int(n) for n in ns], [res['sweep'][n][k]['ppl_low'] for n in ns], 'o--', ms=3,
+                color=line.get_color(), label=f"{row['model']} lower")
     ax.axhline(res['base_ppl'], color='black', lw=0.8, label='BASE LM')
     ax.set_ylim(top=max(ax.get_ylim()[1], res['base_ppl'] * 1.002))  # the BASE LM line stays in view
     ax.set_xscale('log', base=2)
     c = claims['claims']['C5'] if claims else None
     ax.set(xlabel='n samples per prefix', ylabel='PPL',
            title=f"Fig. 2 left: PPL bounds vs n ({split}, {res['num_prefixes']} prefixes)"
-                 + (f"\nC5: range narrows by {num(c['diff'], '.4f')} ({num(c['se'], '.4f')} SE) nats/token" if c else ''))
+                 + (f"\nC5: range narrows by {num(c['diff'], '.4f')} "
+                    f"({num(c['se'], '.4f')} SE) nats/token" if c else ''))
     ax.legend(fontsize=7)
 
 
@@ -92,7 +98,8 @@ def fig2_right_ngrams(ax, claims):
     width = 0.8 / len(kinds)
     for j, k in enumerate(kinds):
         vals = [np.nan if v is None else v for v in c['unique_pct'][k]]
-        ax.bar(np.arange(len(c['n'])) + (j - (len(kinds) - 1) / 2) * width, vals, width, label=KINDS[k][0], color=KINDS[k][1])
+        ax.bar(np.arange(len(c['n'])) + (j - (len(kinds) - 1) / 2) * width, vals, width, label=KINDS[k][0],
+               color=KINDS[k][1])
     ax.set_xticks(range(len(c['n'])), [str(n) for n in c['n']])
     ax.set(xlabel='n (characters)', ylabel='unique n-grams (%)', ylim=(0, 122),
            title=f"Fig. 2 right: unique character n-grams ({c['prefixes']} prefixes)\n"
@@ -112,18 +119,21 @@ def fig3_loglik(axes, samples, claims):
               ('joint model', {'gold': joint('gold'), 'joint': joint('joint')})]
     c = claims['claims']['C7'] if claims else None
     for ax, (scorer, vals) in zip(axes, panels):
-        bins = np.histogram_bin_edges(np.concatenate(list(vals.values())), bins=min(30, max(5, len(recs) // 8)))
+        bins = np.histogram_bin_edges(np.concatenate(list(vals.values())),
+                                      bins=min(30, max(5, len(recs) // 8)))
         for k, v in vals.items():
             name, color = KINDS[k]
             ax.hist(v, bins=bins, density=True, histtype='stepfilled', alpha=0.3, color=color)
-            ax.hist(v, bins=bins, density=True, histtype='step', color=color, label=f'{name} (mean {v.mean():.1f})')
+            ax.hist(v, bins=bins, density=True, histtype='step', color=color,
+                    label=f'{name} (mean {v.mean():.1f})')
             ax.axvline(v.mean(), color=color, ls='--', lw=1)
         diff = np.mean(list(vals.values())[1]) - np.mean(list(vals.values())[0])
-        ax.set(xlabel=f"log-likelihood under the {scorer}, nats ({samples['args']['gen_len']} tokens)", ylabel='density',
-               title=f"{scorer}: own samples - real = {diff:+.2f}")
+        ax.set(xlabel=f"log-likelihood under the {scorer}, nats ({samples['args']['gen_len']} tokens)",
+               ylabel='density', title=f"{scorer}: own samples - real = {diff:+.2f}")
         ax.legend(fontsize=7)
-    axes[0].figure.suptitle(f"Fig. 3 ({len(recs)} prefixes)" + (f"; C7: |base| - |joint| = {num(c['diff'], '+.2f')} "
-                                                                 f"({num(c['se'], '.2f')} SE) nats" if c else ''), fontsize=9)
+    axes[0].figure.suptitle(f"Fig. 3 ({len(recs)} prefixes)"
+                            + (f"; C7: |base| - |joint| = {num(c['diff'], '+.2f')} "
+                               f"({num(c['se'], '.2f')} SE) nats" if c else ''), fontsize=9)
 
 
 def fig4_ordering(ax, ordering):
@@ -131,7 +141,8 @@ def fig4_ordering(ax, ordering):
     its own energy): where the ordering of Table 1 flips, if it does."""
     pts = ordering['points']
     x = [p['base_select_loss'] for p in pts]
-    for key, name, color in (('balm', 'BALM', 'tab:blue'), ('joint', f"JOINT {ordering['energy']}", 'tab:green')):
+    for key, name, color in (('balm', 'BALM', 'tab:blue'),
+                             ('joint', f"JOINT {ordering['energy']}", 'tab:green')):
         g, se = np.array([p[f'{key}_gain'] for p in pts]), np.array([p[f'{key}_gain_se'] for p in pts])
         ax.errorbar(x, g, yerr=2 * se, marker='o', ms=3, capsize=2, color=color, label=f'{name} (+- 2 SE)')
     for p in pts:
@@ -139,7 +150,8 @@ def fig4_ordering(ax, ordering):
                     textcoords='offset points')
     ax.axhline(0, color='black', lw=0.8)
     ax.invert_xaxis()  # training goes left to right
-    ax.set(xlabel="base LM's selection loss (nats/token; labels: its step)", ylabel=f"gain over BASE, nats/token ({ordering['split']})",
+    ax.set(xlabel="base LM's selection loss (nats/token; labels: its step)",
+           ylabel=f"gain over BASE, nats/token ({ordering['split']})",
            title=f"Fig. 4: the ordering as the base LM trains ({ordering['num_prefixes']} prefixes)")
     ax.legend(fontsize=7)
 
@@ -162,8 +174,10 @@ def read_json(path, what):
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--out_dir', default='out', help='where ppl.json and samples.json are, and the PNGs go')
-    p.add_argument('--split', default=None, help="split of Fig. 1 and Fig. 2 left (default: the one ppl.json's per-step PPL used)")
-    p.add_argument('--copy_to', default=None, help='also copy the PNGs here (e.g. assets/figures, shown by README)')
+    p.add_argument('--split', default=None,
+                   help="split of Fig. 1 and Fig. 2 left (default: the one ppl.json's per-step PPL used)")
+    p.add_argument('--copy_to', default=None,
+                   help='also copy the PNGs here (e.g. assets/figures, shown by README)')
     p.add_argument('--dpi', type=int, default=90)
     return p.parse_args(argv)
 
@@ -177,16 +191,20 @@ def main(argv=None):
     claims = read_json(claims_path, 'claims.py') if os.path.exists(claims_path) else None
     if not ppl.get('splits'):
         raise ValueError(f"{args.out_dir}/ppl.json holds no split: rerun estimate_ppl.py")
-    split = args.split or next((s for s, r in ppl['splits'].items() if 'per_step' in r), list(ppl['splits'])[-1])
+    split = args.split or next((s for s, r in ppl['splits'].items() if 'per_step' in r),
+                               list(ppl['splits'])[-1])
     if split not in ppl['splits']:
         raise ValueError(f"--split {split}: ppl.json has only {', '.join(ppl['splits'])}")
     res, has_samples = ppl['splits'][split], bool(samples['samples'])
-    figures = [('fig1_per_step.png', fig1_per_step, (ppl, split, claims), 'per_step' in res, 'estimate_ppl.py --per_step'),
-               ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split, claims), 'sweep' in res, 'estimate_ppl.py --sweep'),
+    figures = [('fig1_per_step.png', fig1_per_step, (ppl, split, claims), 'per_step' in res,
+                'estimate_ppl.py --per_step'),
+               ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split, claims), 'sweep' in res,
+                'estimate_ppl.py --sweep'),
                ('fig2_right_ngrams.png', fig2_right_ngrams, (claims,), claims is not None, 'claims.py'),
                ('fig3_loglik.png', fig3_loglik, (samples, claims), has_samples, 'sample.py')]
     if os.path.exists(ordering_path):
-        figures.append(('fig4_ordering.png', fig4_ordering, (read_json(ordering_path, 'reproduce.py --ordering'),), True, ''))
+        figures.append(('fig4_ordering.png', fig4_ordering,
+                        (read_json(ordering_path, 'reproduce.py --ordering'),), True, ''))
     written = []
     for name, draw, data, present, how in figures:
         if not present:

@@ -41,7 +41,8 @@ def export(samples, systems, num_checks, seed):
     pairs = [(r['prefix'], (s1, r[s1]), (s2, r[s2]), False) for r in samples]
     if num_checks:
         if 'gold' not in samples[0]:
-            raise ValueError("attention checks need real continuations: sample data prefixes (--split), not --prompt")
+            raise ValueError("attention checks need real continuations: "
+                             "sample data prefixes (--split), not --prompt")
         pairs += [(r['prefix'], (s1, r[s1]), ('gold', r['gold']), True)
                   for r in rng.sample(samples, min(num_checks, len(samples)))]
     rng.shuffle(pairs)
@@ -73,7 +74,8 @@ def score(key, votes, max_failed_checks=0, per_vote=False):
     failed, seen = {}, set()
     for rater, item, choice in votes:
         if (rater, item) in seen:  # one rater must not weigh twice in an item's majority
-            raise ValueError(f"rater {rater} voted more than once on item {item}: keep one vote per rater and item")
+            raise ValueError(f"rater {rater} voted more than once on item {item}: "
+                             "keep one vote per rater and item")
         seen.add((rater, item))
         k = key['items'][item]
         if k['check'] and choice in ('A', 'B') and k[choice] != 'gold':
@@ -124,7 +126,8 @@ def check_key(key, path):
           and isinstance(key.get('items'), dict)
           and all(isinstance(k, dict) and {'A', 'B', 'check'} <= set(k) for k in key['items'].values()))
     if not ok:
-        raise ValueError(f"--key {path} is not a key written by human_eval.py export (systems, items with A/B/check)")
+        raise ValueError(f"--key {path} is not a key written by human_eval.py export "
+                         "(systems, items with A/B/check)")
     return key
 
 
@@ -132,16 +135,18 @@ def read_votes(path, key):
     if not os.path.isfile(path):
         raise ValueError(f"--votes {path} does not exist: give the CSV of votes (columns rater,item,choice)")
     try:
-        with open(path, newline='') as f:
+        with open(path, newline='', encoding='utf-8-sig') as f:  # -sig: a spreadsheet's BOM is not a column
             reader = csv.DictReader(f)
             if not {'rater', 'item', 'choice'} <= set(reader.fieldnames or ()):
-                raise ValueError(f"--votes {path} needs a header with columns rater,item,choice (has {reader.fieldnames})")
+                raise ValueError(f"--votes {path} needs a header with columns rater,item,choice "
+                                 f"(has {reader.fieldnames})")
             votes = [(r['rater'], r['item'], (r['choice'] or '').strip()) for r in reader]
     except (UnicodeDecodeError, csv.Error) as e:
         raise ValueError(f"--votes {path} is not a readable CSV ({e}): columns rater,item,choice") from None
     for rater, item, choice in votes:
         if rater is None or item not in key['items'] or choice not in ('A', 'B', 'equal'):
-            raise ValueError(f"bad vote ({rater}, {item}, {choice}) in {path}: item must be in the key and choice A, B or equal")
+            raise ValueError(f"bad vote ({rater}, {item}, {choice}) in {path}: "
+                             "item must be in the key and choice A, B or equal")
     return votes
 
 
@@ -163,56 +168,77 @@ def main(argv=None):
     sub = p.add_subparsers(dest='cmd', required=True)
     e = sub.add_parser('export', help='write items for raters and the key')
     e.add_argument('--samples', default='out/samples.json', help="sample.py's JSON output")
-    e.add_argument('--systems', default='joint,base', help='the two systems compared (base, joint, worst, gold)')
+    e.add_argument('--systems', default='joint,base',
+                   help='the two systems compared (base, joint, worst, gold)')
     e.add_argument('--checks', type=int, default=2, help='attention-check items (system vs real text)')
     e.add_argument('--out_dir', default='out/human_eval')
-    e.add_argument('--force', action='store_true', help='overwrite an existing key.json (votes collected against it become unscorable)')
+    e.add_argument('--force', action='store_true',
+                   help='overwrite an existing key.json (votes collected against it become unscorable)')
     e.add_argument('--seed', type=int, default=1337)
     s = sub.add_parser('score', help='read votes back and report the preference')
     s.add_argument('--key', default='out/human_eval/key.json')
     s.add_argument('--votes', required=True, help='CSV with columns rater,item,choice')
-    s.add_argument('--max_failed_checks', type=int, default=0, help='drop raters failing more checks than this')
-    s.add_argument('--per_vote', action='store_true', help='count votes, not items decided by majority (p-value too small)')
+    s.add_argument('--max_failed_checks', type=int, default=0,
+                   help='drop raters failing more checks than this')
+    s.add_argument('--per_vote', action='store_true',
+                   help='count votes, not items decided by majority (p-value too small)')
     s.add_argument('--out', default=None, help='JSON report (default: beside the votes)')
     args = p.parse_args(argv)
     if args.cmd == 'export':
-        at_least(args, 0, 'checks')
-        key_path = os.path.join(args.out_dir, 'key.json')
-        if os.path.exists(key_path) and not args.force:  # a new key would silently rescore votes collected on the old items
-            raise ValueError(f"{key_path} exists: votes collected against it would score wrongly with a new key; "
-                             f"choose another --out_dir, or pass --force to overwrite it")
-        check_writable(args.out_dir, '--out_dir')
-        hint = "give sample.py's JSON output (python sample.py ... --out FILE)"
-        samples = load_json(args.samples, '--samples', hint)
-        if not isinstance(samples, dict) or not isinstance(samples.get('samples'), list) or not samples['samples']:
-            raise ValueError(f"--samples {args.samples} has no 'samples' list: {hint}")
-        samples = samples['samples']
-        systems = args.systems.split(',')
-        if len(systems) != 2 or systems[0] == systems[1] or any(sys_ not in samples[0] for sys_ in systems):
-            raise ValueError(f"--systems must name two different ones of "
-                             f"{[k for k in ('base', 'joint', 'worst', 'gold') if k in samples[0]]}")
-        if args.checks > len(samples):  # one check per sample at most: a check reuses a sample's prefix
-            raise ValueError(f"--checks {args.checks}: at most the number of samples ({len(samples)})")
-        items, key = export(samples, systems, args.checks, args.seed)
-        os.makedirs(args.out_dir, exist_ok=True)
-        write_items(items, args.out_dir)
-        write_json(key, key_path)
-        print(f"{len(items)} items ({args.checks} attention checks) -> {args.out_dir}/items.csv, items.jsonl; key.json is the key")
+        run_export(args)
     else:
-        at_least(args, 0, 'max_failed_checks')
-        out = args.out or os.path.splitext(args.votes)[0] + '_report.json'
-        check_writable(out, '--out', folder=False)
-        key = check_key(load_json(args.key, '--key', 'give the key.json that human_eval.py export wrote'), args.key)
-        report = score(key, read_votes(args.votes, key), args.max_failed_checks, args.per_vote)
-        if report['n'] == 0:
-            raise ValueError(f"--votes {args.votes} holds no vote on a scored item (only a header, attention "
-                             f"checks, or dropped raters): nothing to report")
-        write_json(report, out)
-        unit = (f"{report['n']} items (each decided by the majority of its raters; {report['votes']} votes)"
-                if report['unit'] == 'item' else f"{report['n']} votes (per vote: votes on one item are not independent)")
-        print(f"{report['system']} vs {report['versus']}: preferred {100 * report['preferred']:.1f}%, "
-              f"not worse {100 * report['not_worse']:.1f}% of {unit}; one-sided binomial p = {report['p_value']:.3g} "
-              f"over {report['unit']}s; dropped raters: {report['dropped_raters'] or 'none'}")
+        run_score(args)
+
+
+def run_export(args):
+    """human_eval.py export: blinded items of the two systems and attention checks, and the key."""
+    at_least(args, 0, 'checks')
+    key_path = os.path.join(args.out_dir, 'key.json')
+    # a new key would silently rescore votes collected on the old items
+    if os.path.exists(key_path) and not args.force:
+        raise ValueError(f"{key_path} exists: "
+                         "votes collected against it would score wrongly with a new key; "
+                         f"choose another --out_dir, or pass --force to overwrite it")
+    check_writable(args.out_dir, '--out_dir')
+    hint = "give sample.py's JSON output (python sample.py ... --out FILE)"
+    samples = load_json(args.samples, '--samples', hint)
+    if (not isinstance(samples, dict) or not isinstance(samples.get('samples'), list)
+            or not samples['samples']):
+        raise ValueError(f"--samples {args.samples} has no 'samples' list: {hint}")
+    samples = samples['samples']
+    systems = args.systems.split(',')
+    if len(systems) != 2 or systems[0] == systems[1] or any(sys_ not in samples[0] for sys_ in systems):
+        raise ValueError(f"--systems must name two different ones of "
+                         f"{[k for k in ('base', 'joint', 'worst', 'gold') if k in samples[0]]}")
+    if args.checks > len(samples):  # one check per sample at most: a check reuses a sample's prefix
+        raise ValueError(f"--checks {args.checks}: at most the number of samples ({len(samples)})")
+    items, key = export(samples, systems, args.checks, args.seed)
+    os.makedirs(args.out_dir, exist_ok=True)
+    write_items(items, args.out_dir)
+    write_json(key, key_path)
+    print(f"{len(items)} items ({args.checks} attention checks) -> {args.out_dir}/items.csv, "
+          "items.jsonl; key.json is the key")
+
+
+def run_score(args):
+    """human_eval.py score: the votes against the key, each item decided by its raters' majority."""
+    at_least(args, 0, 'max_failed_checks')
+    out = args.out or os.path.splitext(args.votes)[0] + '_report.json'
+    check_writable(out, '--out', folder=False)
+    key = check_key(load_json(args.key, '--key', 'give the key.json that human_eval.py export wrote'),
+                    args.key)
+    report = score(key, read_votes(args.votes, key), args.max_failed_checks, args.per_vote)
+    if report['n'] == 0:
+        raise ValueError(f"--votes {args.votes} holds no vote on a scored item (only a header, attention "
+                         f"checks, or dropped raters): nothing to report")
+    write_json(report, out)
+    unit = (f"{report['n']} items (each decided by the majority of its raters; {report['votes']} votes)"
+            if report['unit'] == 'item'
+            else f"{report['n']} votes (per vote: votes on one item are not independent)")
+    print(f"{report['system']} vs {report['versus']}: preferred {100 * report['preferred']:.1f}%, "
+          f"not worse {100 * report['not_worse']:.1f}% of {unit}; "
+          f"one-sided binomial p = {report['p_value']:.3g} "
+          f"over {report['unit']}s; dropped raters: {report['dropped_raters'] or 'none'}")
 
 
 if __name__ == '__main__':

@@ -27,12 +27,12 @@ import os
 
 import torch
 
-from data import load_meta, load_split, window_tokens, windows, write_json, write_text
-from energy import load_energy, score
+from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json, write_text
+from energy import load_energy
 from metrics import METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, metric_energy_state, parse_metrics
-from model import check_vocab, file_hash, load_lm, save_checkpoint
+from model import file_hash, load_lm, save_checkpoint
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
-                     rng, run_main, sampling_probe, scoring_probe, setup)
+                     rng, run_main, setup)
 from sample import joint_sample
 
 
@@ -173,19 +173,15 @@ def format_table(rows, names):
 
 def load_all(args, device):
     """The LM, its data, the metric energy (mu = 0) and the models the table compares."""
-    lm, lm_ckpt = load_lm(args.lm, device)
-    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
-    meta = load_meta(data_dir)
-    check_vocab(lm_ckpt, meta, args.lm)
+    lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     names = parse_metrics(args.metrics, meta['vocab_size'], args.gen_len)
     specs = [s.split('=', 1) for s in args.energy_metric]
     energy = MetricEnergy(names, lm, {n: load_energy(p, args.lm, device)[0] for n, p in specs}).to(device)
     compare = {n: load_energy(p, args.lm, device)[0] for n, p in (s.split('=', 1) for s in args.compare)}
     extra = {n: load_lm(p, device, meta=meta)[0] for n, p in (s.split('=', 1) for s in args.extra_lm)}
-    for model in [lm, *energy.energies.values(), *compare.values(), *extra.values()]:
-        if args.prefix_len + args.gen_len > model.config.block_size:
-            raise ValueError(f"--prefix_len + --gen_len = {args.prefix_len + args.gen_len} exceeds a model's "
-                             f"block_size {model.config.block_size}")
+    models = {'LM': lm, **{f'energy {n}': e for n, e in {**energy.energies, **compare}.items()},
+              **{f'LM {n}': e for n, e in extra.items()}}
+    check_fits(args.prefix_len + args.gen_len, models)
     files = {n: (p, file_hash(p)) for n, p in specs}
     return lm, meta, data_dir, energy, compare, extra, files
 
@@ -195,8 +191,9 @@ def main(argv=None):
     device = setup(args.device)[2]
     lm, meta, data_dir, energy, compare, extra, files = load_all(args, device)
     P, L = args.prefix_len, args.gen_len
-    ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device))[1]
-    edtype, ectx = precision(device, args.dtype, 'score', scoring_probe(energy, device, P + L))
+    ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]
+    width = max(e.config.n_embd for e in [lm, *energy.energies.values(), *compare.values()])
+    edtype, ectx = precision(device, args.dtype, 'score', width=width)
     split_offsets = lambda split, k: windows(load_split(data_dir, split, meta), P, L, max_windows=k)
     pools = {}  # split -> (f_data (B, K), f_pool (B, n, K)), the metrics first, the energies last
     for split, k in [('select', args.prefixes)] + [(s, args.check_prefixes) for s in args.check_splits]:

@@ -12,7 +12,6 @@ what the method needs on top of a plain GPT:
 - self-describing checkpoints, written atomically and loaded with weights_only=True.
 """
 
-import errno
 import hashlib
 import math
 import os
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from runtime import atomic_write
 
 
 @dataclass
@@ -44,7 +45,8 @@ class SelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.dropout, self.causal, self.alibi = config.n_head, config.dropout, config.causal, config.alibi
+        self.n_head, self.dropout, self.causal, self.alibi = (config.n_head, config.dropout, config.causal,
+                                                              config.alibi)
 
     def forward(self, x, cache=None, pos=0, mask=None):
         """x: (B, T, C). cache: (k, v) buffers (B, nh, T_max, hs) that keys/values of positions
@@ -54,15 +56,16 @@ class SelfAttention(nn.Module):
         rows, and k, v hold positions P.. of each row.
         mask: optional boolean (B, 1, T, T_keys), True = may attend (overrides causality)."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) each
+        hs = C // self.n_head
+        q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         prompt, start = (), 0  # positions before start live in the shared prompt K/V
         if cache is not None:
             k_buf, v_buf, *prompt = cache
             start = prompt[0].size(2) if prompt else 0
             k_buf[:, :, pos - start:pos - start + T] = k
             v_buf[:, :, pos - start:pos - start + T] = v
-            k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]
+            k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]  # (B, nh, T_keys, hs)
         is_causal = False
         if mask is None and self.causal and T > 1:
             if pos == 0:
@@ -78,7 +81,7 @@ class SelfAttention(nn.Module):
             y = shared_prompt_attention(q, k, v, *prompt, mask)
         else:
             y = attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -93,7 +96,8 @@ def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     than SDPA's; its scores are then rounded to bf16, as any bf16 matmul's output).
     mask: boolean (True = may attend) or additive, broadcast to (B, nh, T, T_keys)."""
     if not (CPU_BF16_MATMUL_ATTENTION and q.device.type == 'cpu' and q.dtype == torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              dropout_p=dropout_p)
     s = (q @ k.transpose(-1, -2)) * q.size(-1) ** -0.5
     if is_causal:
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
@@ -112,7 +116,8 @@ def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
     mask: (..., T, P + S), boolean (True = may attend) or additive."""
     (N, nh, T, hs), (Bp, P) = q.shape, prompt_k.shape[::2]
     q = q * hs ** -0.5
-    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs), prompt_k).reshape(N, nh, T, P)
+    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs),
+                            prompt_k).reshape(N, nh, T, P)
     s_own = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
     s = torch.cat([s_prompt, s_own], dim=-1)
     if mask is not None:
@@ -128,7 +133,8 @@ def alibi_bias(n_head, pos, T, T_keys, dtype, device):
     positions starts as a bag of tokens and can sit there for hundreds of steps (an MLM at the
     unigram loss); the distance penalty makes it look at its neighbours from the first step."""
     slopes = 2.0 ** (-8.0 * torch.arange(1, n_head + 1, device=device) / n_head)
-    dist = (torch.arange(pos, pos + T, device=device)[:, None] - torch.arange(T_keys, device=device)[None]).abs()
+    dist = (torch.arange(pos, pos + T, device=device)[:, None]
+            - torch.arange(T_keys, device=device)[None]).abs()
     # 4-D: with a 3-D mask, CPU scaled_dot_product_attention falls back to its 3x slower math path
     return (-slopes[:, None, None] * dist).to(dtype)[None]
 
@@ -196,7 +202,8 @@ class GPT(nn.Module):
         if pos + T > self.config.block_size:
             raise ValueError(f"sequence of {pos + T} tokens is longer than the model's "
                              f"block_size {self.config.block_size}: use a shorter prompt/length")
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
+        positions = torch.arange(pos, pos + T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             x = block(x, None if cache is None else cache[i], pos, mask)
@@ -204,7 +211,7 @@ class GPT(nn.Module):
 
     def logits(self, idx, cache=None, pos=0, first=0):
         """Next-token logits from position `first` on (earlier positions skip the LM head)."""
-        return self.lm_head(self.hidden(idx, cache, pos)[:, first:])
+        return self.lm_head(self.hidden(idx, cache, pos)[:, first:])  # (B, T - first, V)
 
     def forward(self, idx, targets=None, cache=None, pos=0):
         logits = self.logits(idx, cache, pos)
@@ -219,7 +226,8 @@ class GPT(nn.Module):
         c = self.config
         shape = (batch_size, c.n_head, length, c.n_embd // c.n_head)
         p = self.lm_head.weight
-        dtype = torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type) else p.dtype
+        dtype = (torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type)
+                 else p.dtype)
         return [(torch.empty(shape, dtype=dtype, device=p.device),
                  torch.empty(shape, dtype=dtype, device=p.device)) for _ in range(c.n_layer)]
 
@@ -228,10 +236,28 @@ class GPT(nn.Module):
         factor of Eq. 2. Only positions that predict a scored token go through the LM head.
         Returns (B,) sums in float32, and also the (B, T-start) per-token terms if per_token."""
         if not 1 <= start < idx.size(1):
-            raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] for sequences of length {idx.size(1)}")
+            raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] "
+                             f"for sequences of length {idx.size(1)}")
         logp = F.log_softmax(self.logits(idx[:, :-1], first=start - 1).float(), dim=-1)
         tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
         return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
+
+    # -------------------------------------------------------------------------
+    # sampling: nanoGPT's plain loop first, then the fast one that every script uses. They draw
+    # the same tokens from the same generator (test_generate_plain_and_cached_draw_the_same)
+
+    @torch.no_grad()
+    def generate_plain(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
+                       generator=None):
+        """Ancestral sampling as nanoGPT writes it: at every step each of the B * num_samples rows
+        runs the whole model over its whole sequence, and its next token is drawn from the last
+        position's distribution (sample_next). Returns the new tokens (B, num_samples, L)."""
+        x = idx.repeat_interleave(num_samples, 0)  # (B n, P): the samples of a prompt are consecutive rows
+        for _ in range(max_new_tokens):
+            logits = self.logits(x, first=x.size(1) - 1)[:, -1]  # (B n, V)
+            tok = sample_next(logits, top_k, top_p, temperature, generator)[0]  # (B n,)
+            x = torch.cat([x, tok[:, None]], dim=1)
+        return x[:, idx.size(1):].view(idx.size(0), num_samples, max_new_tokens)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
@@ -254,7 +280,8 @@ class GPT(nn.Module):
             raise ValueError(f"prompt of {P} tokens + {max_new_tokens} new tokens exceeds the model's "
                              f"block_size {self.config.block_size}: shorten the prompt or the generation")
         if top_k is not None and not 1 <= top_k <= V:
-            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {V} (or None for no truncation)")
+            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {V} "
+                             "(or None for no truncation)")
         if top_p is not None and not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no truncation)")
         if temperature < 0:
@@ -371,31 +398,26 @@ def flops_per_token(config, num_params):
 # checkpoints: self-describing dicts of tensors and plain Python values, so weights_only=True loads them
 
 def save_checkpoint(obj, path):
-    """Write atomically: a kill mid-write leaves the previous checkpoint intact."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException as e:  # Ctrl-C too: no temp file is left behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if not isinstance(e, (OSError, RuntimeError)):  # a full disk is a RuntimeError inside torch.save
-            raise
-        raise OSError(getattr(e, 'errno', None) or errno.EIO, f"cannot write {path} ({getattr(e, 'strerror', None) or e})",
-                      path) from None
+    """torch.save, atomically: a kill mid-write leaves the previous checkpoint intact."""
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def load_checkpoint(path, map_location='cpu'):
     if os.path.isdir(path):
-        raise ValueError(f"{path} is a folder, not a checkpoint: give the file, e.g. {os.path.join(path, 'ckpt.pt')}")
+        raise ValueError(f"{path} is a folder, not a checkpoint: "
+                         f"give the file, e.g. {os.path.join(path, 'ckpt.pt')}")
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path} does not exist: train one first (train_lm.py / nce_train.py)")
+    with open(path, 'rb') as f:
+        if f.read(4) != b'PK\x03\x04':  # the zip archive torch.save writes (truncated ones too)
+            raise ValueError(f"{path} is not a checkpoint (not the zip archive torch.save writes): "
+                             f"give a train_lm.py or nce_train.py checkpoint")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         if 'Weights only load failed' in str(e):  # code in the pickle: never run
-            raise ValueError(f"{path} holds more than tensors and plain data, which weights_only=True refuses to load "
+            raise ValueError(f"{path} holds more than tensors and plain data, "
+                             "which weights_only=True refuses to load "
                              f"(it could run code): it is not a rebm checkpoint") from None
         raise ValueError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}): "
                          f"retrain it or restore a copy") from None
@@ -436,7 +458,8 @@ def load_lm(path, device='cpu', meta=None, kind='lm'):
     if ckpt.get('residual_of'):  # a RALM: its base LM is rebuilt from its own checkpoint
         base_path, base_hash = ckpt['residual_of']
         if not os.path.isfile(base_path) or file_hash(base_path) != base_hash:
-            raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), which is missing or changed")
+            raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), "
+                             "which is missing or changed")
         model = RALM(config, load_lm(base_path)[0])
         missing = model.load_state_dict(ckpt['model'], strict=False).missing_keys
         assert all(k.startswith('base.') for k in missing), missing
@@ -444,5 +467,6 @@ def load_lm(path, device='cpu', meta=None, kind='lm'):
         model = GPT(config)
         model.load_state_dict(ckpt['model'])
     if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise ValueError(f"{path} holds non-finite weights (its training diverged): retrain it with a lower --lr")
+        raise ValueError(f"{path} holds non-finite weights (its training diverged): "
+                         "retrain it with a lower --lr")
     return model.to(device).eval(), ckpt

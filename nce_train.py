@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import load_meta, load_negatives, load_split, log_ratios, window_tokens, write_json
+from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
-from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
-                     get_lr, optimizer_step, check_training_dtype, progress, prepare_training, rng, run_main,
-                     setup_training, write_log, teardown_distributed)
+from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_training_dtype,
+                     check_writable, checkpoint_hint, given_flags, log_step, optimizer_step,
+                     prepare_training, progress, rng, run_main, set_lr, setup_training, teardown_distributed,
+                     write_log)
 
 
 def get_args(argv=None):
@@ -43,19 +44,22 @@ def get_args(argv=None):
     a = p.add_argument
     a('--lm', default='out/lm/ckpt.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
-    a('--held_out_negatives', '--val_negatives', required=True,
+    a('--held_out_negatives', required=True,
       help="negatives.py output for held-out prefixes, whose NCE loss chooses best.pt: the selection split "
            "('select', carved from the training documents), so that val and test are only reported")
     a('--out_dir', default='out/energy')
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
     a('--energy', default='bit', choices=['bit', 'unit'], help='bidirectional or LM-initialised causal body')
-    a('--init_from', default=None, help='bit: an MLM checkpoint (train_lm.py --objective mlm); unit: an LM (default --lm)')
+    a('--init_from', default=None,
+      help='bit: an MLM checkpoint (train_lm.py --objective mlm); unit: an LM (default --lm)')
     a('--pool', default='continuation', choices=POOLS, help='mean-pool hidden states over these positions')
-    a('--context', type=int, default=None, help='the energy sees only the last N prefix tokens (default: all)')
+    a('--context', type=int, default=None,
+      help='the energy sees only the last N prefix tokens (default: all)')
     a('--n_layer', type=int, default=None, help='BIT from scratch: layers (default: the LM\'s)')
     a('--n_head', type=int, default=None)
     a('--n_embd', type=int, default=None)
-    a('--dropout', type=float, default=None, help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
+    a('--dropout', type=float, default=None,
+      help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
     a('--loss', default='binary', choices=['binary', 'ranking'])
     a('--num_neg', type=int, default=None, help='ranking: negatives per positive (default: all K stored)')
     a('--batch_size', type=int, default=16, help='positives per micro-batch per process')
@@ -70,7 +74,8 @@ def get_args(argv=None):
     a('--beta2', type=float, default=0.99)
     a('--grad_clip', type=float, default=1.0)
     a('--eval_interval', type=int, default=100)
-    a('--eval_prefixes', type=int, default=256, help='held-out prefixes (fixed negatives each) per evaluation')
+    a('--eval_prefixes', type=int, default=256,
+      help='held-out prefixes (fixed negatives each) per evaluation')
     a('--patience', type=int, default=0,
       help='early stopping: stop once the held-out loss has not improved for this many evaluations (0: off)')
     a('--log_interval', type=int, default=10)
@@ -82,7 +87,30 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     check_args(args)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    if args.resume:
+        check_resume(args, given_flags(argv))
     return args
+
+
+# what a resumed energy is: a flag given with --resume must agree with the run it continues
+RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', 'n_embd', 'dropout',
+                'loss', 'num_neg')
+
+
+def check_resume(args, given):
+    """--resume continues the checkpoint's energy: a flag given that contradicts it is refused."""
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not os.path.exists(path):
+        raise ValueError(f"--resume: {path} does not exist: drop --resume to start a new run")
+    ckpt = load_checkpoint(path)
+    if ckpt['kind'] != 'energy':
+        return  # build() says what it holds instead
+    saved = ckpt.get('args', {})
+    for name in sorted(set(RESUME_FIXED) & given):
+        if name in saved and getattr(args, name) != saved[name]:
+            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
+                             f"--resume continues that energy; drop the flag, or start a new run in "
+                             f"another --out_dir")
 
 
 def check_args(args):
@@ -119,6 +147,17 @@ def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
     return loss.mean(), (s_pos[:, None] > s_neg).float().mean()
 
 
+def log_ratios(neg, rows, neg_idx, device='cpu'):
+    """nce_loss's d = log P_LM - log q of the real continuations of prefixes `rows` (B,) and of
+    their negatives neg_idx (B, M), as float32 tensors; (None, None) for untruncated negatives.
+    d_pos is +inf where the real continuation lies outside q's support."""
+    if untruncated(neg['meta']):
+        return None, None
+    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]
+    d_neg = neg['logp'][rows[:, None], neg_idx] - neg['logq'][rows[:, None], neg_idx]
+    return torch.from_numpy(d_pos).to(device), torch.from_numpy(d_neg).to(device)
+
+
 def nce_batch(data, neg, rows, neg_idx, device):
     """(B*(1+M), P+L) tokens: the B positives, then for each row its M negatives (prefix + sample)."""
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
@@ -150,7 +189,8 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
             e = model(nce_batch(data, neg, r, j, device), P)
         e_pos, e_neg = e[:len(r)], e[len(r):].view(len(r), -1)
         l, acc = nce_loss(e_pos, e_neg, loss, *log_ratios(neg, r, j, device))
-        sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(), e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
+        sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
+                              e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(sums)
     model.train()
@@ -164,18 +204,23 @@ def load_pairs(args):
     ones not to be training prefixes), and the splits their positives come from."""
     lm = load_checkpoint(args.lm)  # first: what --lm is decides which message is right
     if lm['kind'] != 'lm':
-        raise ValueError(f"--lm {args.lm} holds a '{lm['kind']}' model, not a language model: pass the train_lm.py "
-                         f"checkpoint the negatives were sampled from")
-    neg, held_neg = load_negatives(args.negatives, lm_path=args.lm), load_negatives(args.held_out_negatives, lm_path=args.lm)
+        raise ValueError(f"--lm {args.lm} holds a '{lm['kind']}' model, not a language model: pass the "
+                         f"train_lm.py checkpoint the negatives were sampled from")
+    neg, held_neg = (load_negatives(args.negatives, lm_path=args.lm),
+                     load_negatives(args.held_out_negatives, lm_path=args.lm))
     if held_neg['meta']['split'] == neg['meta']['split']:
-        raise ValueError(f"--held_out_negatives {args.held_out_negatives} holds prefixes of the {neg['meta']['split']} split, "
-                         f"which --negatives trains on: held-out pairs must not be training prefixes (negatives.py --split select)")
+        raise ValueError(f"--held_out_negatives {args.held_out_negatives} holds prefixes of the "
+                         f"{neg['meta']['split']} split, which --negatives trains on: held-out pairs must "
+                         f"not be training prefixes (negatives.py --split select)")
     for key in ('prefix_len', 'gen_len', 'data_dir'):
         if held_neg['meta'][key] != neg['meta'][key]:
-            raise ValueError(f"train and held-out negatives differ in {key} ({neg['meta'][key]} vs {held_neg['meta'][key]}): regenerate one")
-    if held_neg['meta']['split'] == 'train':
-        raise ValueError(f"--held_out_negatives {args.held_out_negatives} were made from the train split: held-out "
-                         f"pairs must come from prefixes the energy never trains on (negatives.py --split select)")
+            raise ValueError(f"train and held-out negatives differ in {key} ({neg['meta'][key]} vs "
+                             f"{held_neg['meta'][key]}): regenerate one")
+    if held_neg['meta']['split'] != 'select':  # they choose best.pt: val and test are only reported
+        raise ValueError(f"--held_out_negatives {args.held_out_negatives} were made from the "
+                         f"{held_neg['meta']['split']} split: held-out pairs choose the energy kept, so "
+                         f"they come from the selection split (negatives.py --split select); val and test "
+                         f"are only reported")
     data_dir = neg['meta']['data_dir']
     meta = load_meta(data_dir)
     data = {n['meta']['split']: load_split(data_dir, n['meta']['split'], meta) for n in (neg, held_neg)}
@@ -187,27 +232,31 @@ def negatives_per_pair(args, neg, held_neg):
     K, K_held = neg['meta']['num_samples'], held_neg['meta']['num_samples']
     M = 1 if args.loss == 'binary' else (args.num_neg or K)
     if not 1 <= M <= min(K, K_held):
-        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_held)} stored negatives per prefix "
-                         f"(train {K}, held-out {K_held})")
+        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_held)} stored negatives "
+                         f"per prefix (train {K}, held-out {K_held})")
     return M
 
 
 def build(args, meta, length):
     """The energy to train and, with --resume, the checkpoint it continues; it must see
     sequences of `length` tokens."""
+    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not args.resume and os.path.exists(ckpt_path):
+        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     if args.resume:
-        model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
+        model, ckpt = load_energy(ckpt_path, args.lm)
         model.train()
     elif os.path.exists(os.path.join(args.out_dir, 'best.pt')):
-        raise ValueError(f"{os.path.join(args.out_dir, 'best.pt')} exists (an energy kept by an earlier run): "
-                         f"choose another --out_dir or delete it")
+        raise ValueError(f"{os.path.join(args.out_dir, 'best.pt')} exists "
+                         f"(an energy kept by an earlier run): choose another --out_dir or delete it")
     else:
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool, context=args.context,
-                                   dropout=args.dropout), None
+        model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool,
+                                   context=args.context, dropout=args.dropout), None
     if length > model.config.block_size:
         raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
-                         f"{model.config.block_size}: regenerate shorter negatives or give the energy a larger block")
+                         f"{model.config.block_size}: regenerate shorter negatives or give the energy a "
+                         f"larger block")
     return model, ckpt
 
 
@@ -215,10 +264,11 @@ def report(results, log, out_dir):
     log.close()
     write_json(results, os.path.join(out_dir, 'results.json'))
     best_path = os.path.join(out_dir, 'best.pt')
-    best = f"best loss {results['best_loss']:.4f} at iter {results['best_iter']} -> {best_path}" if os.path.exists(best_path) \
-        else "the held-out loss was never finite (NaN): no best.pt was written"
-    print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {results['held_out_prefixes']} prefixes (chance 0.5), "
-          f"loss {results['held_out_loss']:.4f}; {results['train_time_s']:.0f}s; {best}")
+    best = (f"best loss {results['best_loss']:.4f} at iter {results['best_iter']} -> {best_path}"
+            if os.path.exists(best_path)
+            else "the held-out loss was never finite (NaN): no best.pt was written")
+    print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {results['held_out_prefixes']} prefixes "
+          f"(chance 0.5), loss {results['held_out_loss']:.4f}; {results['train_time_s']:.0f}s; {best}")
 
 
 def save(state, improved, optimizer, scaler, out_dir):
@@ -232,79 +282,97 @@ def save(state, improved, optimizer, scaler, out_dir):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world_size, device, dtype, ctx, n_micro = setup_training(args)
+    rank, world_size, device, dtype, ctx = setup_training(args)  # DDP under torchrun; ctx: torch.autocast
     master = rank == 0
     neg, held_neg, data, meta = load_pairs(args)
-    (P, L, K), M = (neg['meta'][k] for k in ('prefix_len', 'gen_len', 'num_samples')), negatives_per_pair(args, neg, held_neg)
+    P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
+    M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not args.resume and os.path.exists(ckpt_path):
-        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     raw_model, ckpt = build(args, meta, P + L)
-    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)
-    iter_num, best_loss, best_iter = (ckpt['iter_num'], ckpt['best_loss'], ckpt['best_iter']) if ckpt else (0, float('inf'), 0)
-
-    n_held, B = min(args.eval_prefixes, len(held_neg['offsets'])), args.batch_size
-    held_pairs = (np.arange(n_held), choose(n_held, held_neg['meta']['num_samples'], n_held, M, args.seed, 'held_out', 0)[1])
-    held_eval = lambda: evaluate(model, held_out, held_neg, *held_pairs, B, args.loss, device, ctx, rank, world_size)
-    tokens_per_iter = B * args.grad_accum * (1 + M) * (P + L)
+    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)  # in DDP
+    iter_num = ckpt['iter_num'] if ckpt else 0
+    best = dict(loss=ckpt['best_loss'], iter=ckpt['best_iter']) if ckpt else dict(loss=float('inf'), iter=0)
+    held_rows, held_negs = held_out_pairs(held_neg, M, args)
+    tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-        print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, {args.loss} NCE with {M} "
-              f"negative(s), {len(neg['offsets'])} train prefixes x {K} samples, {world_size} process(es)")
+        print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, "
+              f"{args.loss} NCE with {M} negative(s), {len(neg['offsets'])} train prefixes x "
+              f"{neg['meta']['num_samples']} samples, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter, last_eval = time.time(), time.time(), iter_num, {}
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
-    stopped = lambda: args.patience and iter_num - best_iter >= args.patience * args.eval_interval  # best.pt is kept
-    while iter_num < args.max_iters and not stopped():
-        lr = get_lr(iter_num, args)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
-        rows, neg_idx = choose(len(neg['offsets']), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
-        stats = np.zeros(4)
-        for m in range(rank, args.grad_accum, world_size):  # this process's micro-batches
-            r, j = rows[m * B:(m + 1) * B], neg_idx[m * B:(m + 1) * B]
-            if world_size > 1:  # all-reduce the gradients only on the last micro-batch
-                model.require_backward_grad_sync = m + world_size >= args.grad_accum
-            with ctx:  # positives and their negatives in one forward
-                e = model(nce_batch(train, neg, r, j, device), P)
-            e_pos, e_neg = e[:B], e[B:].view(B, M)
-            loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
-            scaler.scale(loss / n_micro).backward()
-            stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
+    while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
+        lr = set_lr(optimizer, iter_num, args)
+        stats = train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, world_size)
         grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip, iter_num)
         iter_num += 1
         bar.update()
 
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            rec = dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), all_mean(list(stats / n_micro), world_size)))
-            dt, t0 = time.time() - t0, time.time()
-            rec.update(iter=iter_num, lr=lr, grad_norm=grad_norm,
-                       tokens_per_s=((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / dt)
-            write_log(log, rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
+            rec = dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), all_mean(list(stats), world_size)),
+                       iter=iter_num, lr=lr, grad_norm=grad_norm)
+            t0 = log_step(log, bar, rec, iter_num, args.log_interval, tokens_per_iter, t0)
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            last_eval = held_eval()
-            improved = last_eval['held_out_loss'] < best_loss
+            last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
+                                 device, ctx, rank, world_size)
+            improved = last_eval['held_out_loss'] < best['loss']
             if improved:
-                best_loss, best_iter = last_eval['held_out_loss'], iter_num
+                best.update(loss=last_eval['held_out_loss'], iter=iter_num)
             write_log(log, dict(iter=iter_num, **last_eval))
             if master:
-                bar.write(f"iter {iter_num}: held-out loss {last_eval['held_out_loss']:.4f} acc {last_eval['held_out_acc']:.3f} "
-                          f"E+ {last_eval['held_out_e_pos']:.3f} E- {last_eval['held_out_e_neg']:.3f}" + (' (best)' if improved else ''))
+                bar.write(f"iter {iter_num}: held-out loss {last_eval['held_out_loss']:.4f} acc "
+                          f"{last_eval['held_out_acc']:.3f}" + (' (best)' if improved else ''))
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
-                             best_loss=best_loss, best_iter=best_iter, negatives=args.negatives)
+                             best_loss=best['loss'], best_iter=best['iter'], negatives=args.negatives)
                 save(state, improved, optimizer, scaler, args.out_dir)
     bar.close()
-    last_eval = last_eval or held_eval()  # resumed at max_iters: nothing was evaluated in this run
+    if not last_eval:  # resumed at max_iters: nothing was evaluated in this run
+        last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
+                             device, ctx, rank, world_size)
     train_time = time.time() - t_start
-    results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
-                   tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
-                   best_loss=best_loss, best_iter=best_iter, stopped_early=bool(stopped()), held_out_prefixes=n_held, **last_eval)
+    tokens_per_s = (iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9)
+    results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num,
+                   train_time_s=train_time, dtype=dtype, tokens_per_s=tokens_per_s, best_loss=best['loss'],
+                   best_iter=best['iter'], stopped_early=stopped_early(iter_num, best, args),
+                   held_out_prefixes=len(held_rows), **last_eval)
     if master:
         report(results, log, args.out_dir)
     teardown_distributed()
     return results
+
+
+def held_out_pairs(held_neg, M, args):
+    """The fixed held-out pairs that choose best.pt: the first --eval_prefixes prefixes of the
+    selection split, M of their stored negatives each (rows (N,), negative indices (N, M))."""
+    n = min(args.eval_prefixes, len(held_neg['offsets']))
+    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, args.seed, 'held_out', 0)[1]
+
+
+def train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, world_size):
+    """Forward and backward of this process's micro-batches of step iter_num: B positives and M
+    negatives of each (Eq. 3, or the ranking loss); returns their mean (loss, acc, E+, E-)."""
+    B, K = args.batch_size, neg['meta']['num_samples']
+    rows, neg_idx = choose(len(neg['offsets']), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
+    n_micro = args.grad_accum // world_size  # this process's micro-batches
+    stats = np.zeros(4)
+    for m in range(rank, args.grad_accum, world_size):
+        r, j = rows[m * B:(m + 1) * B], neg_idx[m * B:(m + 1) * B]
+        if world_size > 1:  # all-reduce the gradients only on the last micro-batch
+            model.require_backward_grad_sync = m + world_size >= args.grad_accum
+        with ctx:  # positives and their negatives in one forward
+            e = model(nce_batch(train, neg, r, j, device), neg['meta']['prefix_len'])  # (B (1 + M),)
+        e_pos, e_neg = e[:B], e[B:].view(B, M)
+        loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
+        scaler.scale(loss / n_micro).backward()
+        stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
+    return stats / n_micro
+
+
+def stopped_early(iter_num, best, args):
+    """Early stopping as the LMs' (train_lm.py): the held-out loss has not improved for --patience
+    evaluations; best.pt holds the energy at its lowest."""
+    return bool(args.patience) and iter_num - best['iter'] >= args.patience * args.eval_interval
 
 
 def resume_hint(argv):

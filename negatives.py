@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data import SPLITS, load_meta, load_negatives, load_split, read_negatives_meta, window_tokens, windows, write_json
-from model import check_vocab, file_hash, load_lm, proposal_logprobs
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress, precision,
-                     rerun_command, rng, run_main, sampling_probe, setup, teardown_distributed)
+from data import (SPLITS, check_fits, load_lm_and_data, load_negatives, load_split, read_negatives_meta,
+                  window_tokens, windows, write_json)
+from model import file_hash, proposal_logprobs
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress,
+                     precision, rerun_command, rng, run_main, setup, teardown_distributed)
 
 
 @torch.no_grad()
@@ -87,20 +88,17 @@ def get_args(argv=None):
 def main(argv=None):
     args = get_args(argv)
     rank, world_size, device = setup(args.device)
-    lm, lm_ckpt = load_lm(args.lm, device)
+    lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     if args.top_k is not None and args.top_k > lm.config.vocab_size:
         raise ValueError(f"--top_k {args.top_k}: must be at most the vocabulary size {lm.config.vocab_size}")
-    dtype, ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device), verbose=rank == 0)
-    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
-    meta = load_meta(data_dir)
-    check_vocab(lm_ckpt, meta, args.lm)
     P, L, K = args.prefix_len, args.gen_len, args.num_samples
-    if P + L > lm.config.block_size:
-        raise ValueError(f"prefix_len + gen_len = {P + L} exceeds the LM's block_size {lm.config.block_size}")
+    check_fits(P + L, {'LM': lm})
+    dtype, ctx = precision(device, args.dtype, 'sample', verbose=rank == 0, width=lm.config.n_embd)
     data = load_split(data_dir, args.split, meta)
     offsets = windows(data, P, L, args.stride, args.max_prefixes)
     if len(offsets) == 0:
-        raise ValueError(f"the {args.split} split is shorter than {P + L} tokens: lower --prefix_len/--gen_len")
+        raise ValueError(f"the {args.split} split is shorter than {P + L} tokens: "
+                         "lower --prefix_len/--gen_len")
     itemsize = np.dtype(meta['dtype']).itemsize
     check_free_space(args.out_dir, len(offsets) * K * (L * itemsize + 8) + len(offsets) * 8, '--out_dir')
     N, n_chunks = len(offsets), (len(offsets) + args.chunk - 1) // args.chunk
@@ -109,7 +107,8 @@ def main(argv=None):
                     top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, chunk=args.chunk,
                     seed=args.seed, dtype=meta['dtype'])
     neg = open_outputs(args.out_dir, settings, offsets, n_chunks, rank, world_size)
-    tokens, logp, logq, pos_logp, pos_logq, done = (neg[k] for k in ('tokens', 'logp', 'logq', 'pos_logp', 'pos_logq', 'done'))
+    tokens, logp, logq, pos_logp, pos_logq, done = (neg[k] for k in ('tokens', 'logp', 'logq', 'pos_logp',
+                                                                     'pos_logq', 'done'))
     proposal = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature)
 
     todo = [c for c in range(rank, n_chunks, world_size) if not done[c]]
@@ -118,7 +117,8 @@ def main(argv=None):
         real = window_tokens(data, offsets[i0:i1], P + L).to(device)
         g = rng(args.seed, 'negatives', args.split, c, device)
         with ctx:
-            t, lp, lq = lm.generate(real[:, :P], L, num_samples=K, return_proposal=True, generator=g, **proposal)
+            t, lp, lq = lm.generate(real[:, :P], L, num_samples=K, return_proposal=True, generator=g,
+                                    **proposal)
             pos_lp, pos_lq = real_logprobs(lm, real, P, **proposal)
         tokens[i0:i1] = t.cpu().numpy()
         logp[i0:i1], logq[i0:i1] = lp.sum(-1).cpu().numpy(), lq.sum(-1).cpu().numpy()
@@ -153,8 +153,9 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
         if fresh:
             os.makedirs(out_dir, exist_ok=True)
             np.save(os.path.join(out_dir, 'offsets.npy'), offsets)
-            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'), logq=((N, K), 'float32'),
-                          pos_logp=((N,), 'float32'), pos_logq=((N,), 'float32'), done=((n_chunks,), 'uint8'))
+            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'),
+                          logq=((N, K), 'float32'), pos_logp=((N,), 'float32'), pos_logq=((N,), 'float32'),
+                          done=((n_chunks,), 'uint8'))
             for name, (shape, dtype) in shapes.items():
                 np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode='w+', shape=shape).flush()
             write_json(dict(settings, complete=False), meta_path)

@@ -16,7 +16,7 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
-    python reproduce.py                      # ~53 min on 2 CPU cores with bf16 units (README)
+    python reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
     python reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
     python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
@@ -48,8 +48,9 @@ FIX = 'delete it to rerun its stage'
 # RALM's residual the LM's shape, the BIT smaller than the UNIT (EXPERIMENTS.md, 2026-11-26 late).
 DEFAULT = dict(
     # the cosine decay ends at step 3000; then min_lr until the plateau rule stops it (6000: a cap)
-    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=6000, lr_decay_iters=3000, lr=3e-3,
-            min_lr=3e-4, warmup_iters=40, eval_interval=250, patience=2, min_delta=0.01, snapshots='500,1000,2000'),
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=6000,
+            lr_decay_iters=3000, lr=3e-3, min_lr=3e-4, warmup_iters=40, eval_interval=250, patience=2,
+            min_delta=0.01, snapshots='500,1000,2000'),
     balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
     neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024),
@@ -64,15 +65,16 @@ DEFAULT = dict(
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
     metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
     # each energy early-stopped as the LMs (its best.pt is the same: steps after it are not used)
-    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024, patience=2),
-    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200, eval_prefixes=1024,
-              patience=2),
+    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024,
+             patience=2),
+    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200,
+              eval_prefixes=1024, patience=2),
     # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
     # (EXPERIMENTS.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
     # (a check of the exact one) from 128 samples, the calibration on 8 prefixes (the budget's sizes)
-    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32, step_every=16,
-             last_step_samples=128, calib_prefixes=8, calib_samples=1024),
+    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32,
+             step_every=16, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
     # Figs. 2 right and 3 on hundreds of prefixes
     samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
     # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val
@@ -155,13 +157,15 @@ class Pipeline:
         if folder and os.path.isdir(folder) and newest_mtime(folder) < newest_dep:
             shutil.rmtree(folder + '.old', ignore_errors=True)
             os.replace(folder, folder + '.old')
-            print(f"[{name}] its inputs changed since {folder} was written: kept as {folder}.old, starting over")
+            print(f"[{name}] its inputs changed since {folder} was written: kept as {folder}.old, "
+                  "starting over")
             cmd = [c for c in cmd if c != '--resume']
         print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
         t0 = time.time()
         # Ctrl-C is for this process alone: it kills the stage (safe: every write is atomic and every
         # stage resumes) and says the one command that continues, rather than the stage's own
-        proc = subprocess.Popen([sys.executable] + cmd, cwd=HERE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        proc = subprocess.Popen([sys.executable] + cmd, cwd=HERE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -169,33 +173,40 @@ class Pipeline:
             proc.wait()
             raise
         if rc != 0:
-            sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: finished stages are skipped")
+            sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: "
+                     "finished stages are skipped")
         self.timings[name] = round(time.time() - t0, 1)
         write_json(self.timings, self.timings_path)
 
 
 def flags(d):
     """{'lr': 1e-3, 'alibi': True} -> ['--lr', '0.001', '--alibi']"""
-    return [f for k, v in d.items() if v is not False for f in ((f'--{k}',) if v is True else (f'--{k}', str(v)))]
+    return [f for k, v in d.items() if v is not False
+            for f in ((f'--{k}',) if v is True else (f'--{k}', str(v)))]
 
 
 def energy_params(lm, vocab_size):
     """Parameters of an energy of the LM's shape (counted on the meta device), the largest one here
     (UNIT's): BALM's target is LM + this."""
     with torch.device('meta'):
-        cfg = GPTConfig(**{k: lm[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}, vocab_size=vocab_size + 1, causal=False)
+        cfg = GPTConfig(**{k: lm[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')},
+                        vocab_size=vocab_size + 1, causal=False)
         return Energy(cfg).num_params()
 
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument('--quick', action='store_true', help='tiny models and budgets (a smoke test of every stage)')
+    p.add_argument('--quick', action='store_true',
+                   help='tiny models and budgets (a smoke test of every stage)')
     p.add_argument('--ordering', action='store_true',
-                   help="also Fig. 4: BALM's and JOINT BIT's gains over the base LM along its training (~15 min more)")
+                   help="also Fig. 4: BALM's and JOINT BIT's gains over the base LM along its training "
+                        "(~15 min more)")
     p.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'],
-                   help="gpt2: the paper's BPE (with --quick: tiny models, a test of the path; data in data/shakespeare_gpt2)")
+                   help="gpt2: the paper's BPE (with --quick: tiny models, a test of the path; "
+                        "data in data/shakespeare_gpt2)")
     p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/, out-quick-gpt2/ with --quick)')
-    p.add_argument('--data_dir', default=None, help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2)')
+    p.add_argument('--data_dir', default=None,
+                   help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2)')
     p.add_argument('--seed', type=int, default=1337)
     p.add_argument('--quiet', action='store_true', help='no progress bars in the stages')
     p.add_argument('--device', default='auto', help='passed to every stage')
@@ -209,29 +220,52 @@ def get_args(argv=None):
     return args
 
 
+def check_data_dir(args):
+    """--data_dir: prepared data of --tokenizer (used as it is), or a folder the Shakespeare
+    preparation may write into: new, or holding only what it writes. Never the user's own text."""
+    d = os.path.join(HERE, args.data_dir)
+    meta_path = os.path.join(d, 'meta.json')
+    if os.path.exists(meta_path):
+        tokenizer = read_json(meta_path, 'delete the data dir and rerun').get('tokenizer')
+        if tokenizer != args.tokenizer:
+            raise ValueError(f"--data_dir {args.data_dir} holds {tokenizer} data, not --tokenizer "
+                             f"{args.tokenizer}: pass the matching --tokenizer, or another --data_dir")
+        return
+    ours = ('prepare.py', '__pycache__', '.bin', '.tmp', '.whl')  # the corpus folder and what it writes
+    others = sorted(f for f in os.listdir(d) if not f.endswith(ours)) if os.path.isdir(d) else []
+    if others:
+        raise ValueError(f"--data_dir {args.data_dir} holds no prepared data but other files "
+                         f"({others[0]}): this job would prepare Shakespeare into it. For your own text run "
+                         f"python data/text/prepare.py {args.data_dir} --out_dir data/mine, then --data_dir "
+                         f"data/mine")
+    check_writable(d, '--data_dir')
+
+
 def main(argv=None):
     args = get_args(argv)
     pick_device(args.device)  # every stage would fail on it
     cfg, out = args.cfg, args.out_dir
     check_writable(os.path.join(HERE, out), '--out_dir')
-    if not os.path.exists(os.path.join(HERE, args.data_dir, 'meta.json')):
-        check_writable(os.path.join(HERE, args.data_dir), '--data_dir')
+    check_data_dir(args)
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
-    stage = lambda name, cmd, done, deps=(), folder=None: pipe.run(name, cmd + common + ['--device', args.device, '--dtype',
-                                                                                        args.dtype], done, deps, folder)
+    stage = lambda name, cmd, done, deps=(), folder=None: pipe.run(
+        name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps, folder)
     lm, neg = cfg['lm'], cfg['neg']
 
-    pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir, '--tokenizer', args.tokenizer] + common,
+    pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir,
+                         '--tokenizer', args.tokenizer] + common,
              os.path.join(args.data_dir, 'meta.json'))
-    vocab = read_json(os.path.join(HERE, args.data_dir, 'meta.json'), 'delete the data dir and rerun')['vocab_size']
+    vocab = read_json(os.path.join(HERE, args.data_dir, 'meta.json'),
+                      'delete the data dir and rerun')['vocab_size']
     lm_ckpt = path('lm', 'best.pt')  # every later stage uses the LMs' best weights on the selection split
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
         resume = ['--resume'] if os.path.exists(path(name, 'ckpt.pt')) else []
-        stage(name, ['train_lm.py', '--data_dir', args.data_dir, '--out_dir', path(name), '--objective', objective]
-              + flags(dict(lm, **changes)) + extra + resume, path(name, 'results.json'), deps, path(name))
+        stage(name, ['train_lm.py', '--data_dir', args.data_dir, '--out_dir', path(name),
+                     '--objective', objective] + flags(dict(lm, **changes)) + extra + resume,
+              path(name, 'results.json'), deps, path(name))
 
     train('lm', [], ['prepare'])
     print_estimate(pipe.timings, cfg is DEFAULT)
@@ -247,17 +281,9 @@ def main(argv=None):
     metric = []  # the talk's metric energy, where the config fits one
     if 'metrics' in cfg:
         metric_energies(stage, path, lm_ckpt, neg, cfg['metrics'])
-        metric = [f"METRICS={path('metrics', 'energy.pt')}", f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
-    stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
-                           '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}", *metric,
-                           '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",
-                           f"TAILR={path('tailr', 'best.pt')}",
-                           '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']), '--per_step', 'BIT',
-                           '--out', path('ppl.json'), '--force'] + flags(cfg['ppl']), path('ppl.json'),
-          ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else []))
-    stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
-                      '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                      '--out', path('samples.json'), '--force'] + flags(cfg['samples']), path('samples.json'), ['lm', 'bit'])
+        metric = [f"METRICS={path('metrics', 'energy.pt')}",
+                  f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
+    evaluate(stage, path, lm_ckpt, neg, cfg, metric)
     pipe.run('claims', ['claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples'])
     if args.ordering:
@@ -266,14 +292,32 @@ def main(argv=None):
     report(out, pipe.timings)
 
 
+def evaluate(stage, path, lm_ckpt, neg, cfg, metric):
+    """Table 1 and Figs. 1-2 left (estimate_ppl.py: every model on val and test, Eq. 4-5), then
+    joint samples and their analyses (sample.py: Figs. 2 right and 3)."""
+    stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
+                           '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
+                           *metric,
+                           '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",
+                           f"TAILR={path('tailr', 'best.pt')}",
+                           '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                           '--per_step', 'BIT',
+                           '--out', path('ppl.json'), '--force'] + flags(cfg['ppl']), path('ppl.json'),
+          ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else []))
+    stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
+                      '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                      '--out', path('samples.json'), '--force'] + flags(cfg['samples']),
+          path('samples.json'), ['lm', 'bit'])
+
+
 def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, deps):
     """K LM samples per prefix of the train split (NCE's negatives) and of the selection split
     (the held-out pairs that choose the energy's best.pt)."""
     for split, count in (('train', train_prefixes), ('select', select_prefixes)):
-        stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split, '--out_dir', path(f'{name}_{split}'),
-                                  '--max_prefixes', str(count)]
-              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}), path(f'{name}_{split}', 'meta.json'), deps,
-              path(f'{name}_{split}'))
+        stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split,
+                                  '--out_dir', path(f'{name}_{split}'), '--max_prefixes', str(count)]
+              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}),
+              path(f'{name}_{split}', 'meta.json'), deps, path(f'{name}_{split}'))
 
 
 def nce(stage, path, kind, lm_ckpt, neg, init, settings, deps, out_name=None):
@@ -291,10 +335,10 @@ def metric_energies(stage, path, lm_ckpt, neg, mc):
     """The talk's metric energy E = mu . f (metric_ebm.py), fitted on the selection split: on the
     metrics alone (metrics/energy.pt) and with the BIT energy as one more metric (the talk's
     aggregation: energy_aggregate.pt); then the talk's table of decoding methods on test."""
-    stage('metrics', ['metric_ebm.py', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']), '--gen_len',
-                      str(neg['gen_len']), '--energy_metric', f"BIT={path('bit', 'best.pt')}", '--out_dir', path('metrics'),
-                      '--table', '--compare', f"BIT={path('bit', 'best.pt')}", '--extra_lm', f"TAILR={path('tailr', 'best.pt')}",
-                      '--force']
+    stage('metrics', ['metric_ebm.py', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']),
+                      '--gen_len', str(neg['gen_len']), '--energy_metric', f"BIT={path('bit', 'best.pt')}",
+                      '--out_dir', path('metrics'), '--table', '--compare', f"BIT={path('bit', 'best.pt')}",
+                      '--extra_lm', f"TAILR={path('tailr', 'best.pt')}", '--force']
           + flags(mc), path('metrics', 'results.json'), ['lm', 'bit', 'tailr'])
 
 
@@ -311,20 +355,27 @@ def ordering(stage, pipe, path, args, cfg):
     for it in steps + [lm_res['best_iter']]:
         tag = 'best' if it == lm_res['best_iter'] else f'iter_{it}'
         lm_ckpt = path('lm', f'{tag}.pt')
-        balm = path('balm', f'iter_{it}.pt') if os.path.exists(path('balm', f'iter_{it}.pt')) else path('balm', 'best.pt')
+        balm = (path('balm', f'iter_{it}.pt') if os.path.exists(path('balm', f'iter_{it}.pt'))
+                else path('balm', 'best.pt'))
         name = f'ord_{tag}'
-        negatives(stage, path, lm_ckpt, neg, f'{name}_neg', oc['train_prefixes'], oc['select_prefixes'], ['lm'])
+        negatives(stage, path, lm_ckpt, neg, f'{name}_neg', oc['train_prefixes'], oc['select_prefixes'],
+                  ['lm'])
         nce(stage, path, 'bit', lm_ckpt, f'{name}_neg', path('mlm', 'best.pt'),
             dict(cfg['bit'], max_iters=oc['bit_iters']), ['mlm'], out_name=f'{name}_bit')
-        stage(f'{name}_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val', '--energy', f"BIT={path(f'{name}_bit', 'best.pt')}",
-                              '--extra_lm', f'BALM={balm}', '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                              '--max_prefixes', str(oc['max_prefixes']), '--num_samples', str(oc['num_samples']),
+        stage(f'{name}_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val',
+                              '--energy', f"BIT={path(f'{name}_bit', 'best.pt')}",
+                              '--extra_lm', f'BALM={balm}',
+                              '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                              '--max_prefixes', str(oc['max_prefixes']),
+                              '--num_samples', str(oc['num_samples']),
                               '--calib_prefixes', '0', '--out', path(f'{name}_ppl.json'), '--force'],
               path(f'{name}_ppl.json'), [f'{name}_bit', 'balm'])
         rows = {r['model']: r for r in read_json(path(f'{name}_ppl.json'), FIX)['rows']}
         points.append(dict(iter=it, base_select_loss=curve[it], base_ppl=rows['BASE LM']['ppl'],
-                           balm_gain=rows['BALM']['gain_nats_per_token'], balm_gain_se=rows['BALM']['gain_se'],
-                           joint_gain=rows['JOINT BIT']['gain_nats_per_token'], joint_gain_se=rows['JOINT BIT']['gain_se']))
+                           balm_gain=rows['BALM']['gain_nats_per_token'],
+                           balm_gain_se=rows['BALM']['gain_se'],
+                           joint_gain=rows['JOINT BIT']['gain_nats_per_token'],
+                           joint_gain_se=rows['JOINT BIT']['gain_se']))
     write_json(dict(split='val', energy='BIT', num_prefixes=oc['max_prefixes'], num_samples=oc['num_samples'],
                     points=points), path('ordering.json'))
     pipe.done['ordering'] = path('ordering.json')
@@ -335,24 +386,27 @@ def figures(pipe, out, args):
         print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)")
         return
     readme = not args.quick and args.out_dir == 'out'  # the default run's figures and claims are README's
-    pipe.run('figures', ['figures.py', '--out_dir', out] + (['--copy_to', 'assets/figures'] if readme else []),
+    pipe.run('figures',
+             ['figures.py', '--out_dir', out] + (['--copy_to', 'assets/figures'] if readme else []),
              os.path.join(out, 'fig3_loglik.png'), ['claims'] + (['ordering'] if args.ordering else []))
     if readme:
-        write_json(read_json(os.path.join(out, 'claims.json'), FIX), os.path.join(HERE, 'assets', 'claims.json'))
+        write_json(read_json(os.path.join(out, 'claims.json'), FIX),
+                   os.path.join(HERE, 'assets', 'claims.json'))
 
 
 # Stage times of the default run relative to the LM's, from README's run (2026-11-27, bf16
 # CPU): the LM stage measures this machine's speed, these turn it into a rough estimate of the
 # whole run (on a CPU without bf16, sampling is relatively faster: an overestimate there).
-RELATIVE_TIME = dict(lm=1.0, balm=1.30, ralm=0.27, neg_train=0.20, neg_select=0.02, mlm=0.68, bit=0.70,
-                     unit=0.38, tailr=0.17, metrics=0.90, estimate_ppl=1.79, samples=0.36, claims=0.04)
+RELATIVE_TIME = dict(lm=1.0, balm=1.29, ralm=0.30, neg_train=0.17, neg_select=0.02, mlm=0.67, bit=0.52,
+                     unit=0.39, tailr=0.21, metrics=0.61, estimate_ppl=0.85, samples=0.20, claims=0.04)
 
 
 def print_estimate(timings, default):
     """Once the LM stage has measured this machine: the whole run's expected duration."""
     if default and 'lm' in timings:
         total = timings['lm'] * sum(RELATIVE_TIME.values())
-        print(f"estimated total: ~{total / 60:.0f} min on this machine (the LM stage took {timings['lm']:.0f}s; "
+        print(f"estimated total: ~{total / 60:.0f} min on this machine "
+              f"(the LM stage took {timings['lm']:.0f}s; "
               f"README lists each stage's time on its machines)", flush=True)
 
 
@@ -367,16 +421,21 @@ def report(out, timings):
     test = ppl['splits']['test']
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_nce_acc=nce, timings_s=timings,
                     claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
-                    calibration=test.get('calibration'), num_samples=test['num_samples'], num_prefixes=test['num_prefixes']),
+                    calibration=test.get('calibration'), num_samples=test['num_samples'],
+                    num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))
     print("\nTable 1 (Shakespeare; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
-    print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; stage times (s): {timings}")
+    print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; "
+          f"stage times (s): {timings}")
     if os.path.exists(os.path.join(out, 'metrics', 'results.txt')):
-        print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, and the decoding methods' metrics\n"
+        print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, "
+              "and the decoding methods' metrics\n"
               + open(os.path.join(out, 'metrics', 'results.txt')).read().rstrip())
-    print("\nThe paper's claims (claims.py) and the talk's (T1-T3)\n" + open(os.path.join(out, 'claims.txt')).read().rstrip())
-    print(f"-> {out}/results.json, {out}/claims.json, {out}/ppl.json, {out}/samples.json, figures {out}/fig*.png")
+    print("\nThe paper's claims (claims.py) and the talk's (T1-T3)\n"
+          + open(os.path.join(out, 'claims.txt')).read().rstrip())
+    print(f"-> {out}/results.json, {out}/claims.json, {out}/ppl.json, {out}/samples.json, "
+          f"figures {out}/fig*.png")
 
 
 def resume_hint(argv):

@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -36,8 +37,8 @@ def pick_device(device='auto'):
             return 'cuda'
         return 'mps' if torch.backends.mps.is_available() else 'cpu'
     if device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch {torch.__version__} can use: "
-                         f"pass --device cpu (or auto)")
+        raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch {torch.__version__} "
+                         f"can use: pass --device cpu (or auto)")
     if device == 'mps' and not torch.backends.mps.is_available():
         raise ValueError("--device mps: MPS is not available here: pass --device cpu (or auto)")
     if not (device in ('cpu', 'mps') or device.startswith('cuda')):
@@ -45,13 +46,20 @@ def pick_device(device='auto'):
     return device
 
 
-def choose_dtype(device, dtype='auto', work='train', probe=None):
-    """The autocast dtype for one kind of work ('train', 'sample', 'score'), and why.
+# sampling and scoring on a CPU with bf16 units: bf16 measured 0.7x fp32 for the main job's 80-96 wide
+# models (small matmuls), 1.5-1.6x for bench.py's 128-256 wide ones
+CPU_BF16_MIN_WIDTH = 128
+
+
+def choose_dtype(device, dtype='auto', work='train', width=None):
+    """The autocast dtype for one kind of work ('train', 'sample', 'score') of models `width` wide
+    (n_embd), and why, from what the hardware has and the work's shapes, never from a timing: the
+    same command gives the same numbers on a busy machine as on an idle one (a timed probe
+    flipped between runs with the load).
     CUDA: bf16 from compute capability 8.0 (Ampere) on; before that fp16 with a GradScaler
-    (torch.cuda.is_bf16_supported() says True on a V100, which only emulates bf16). CPU: bf16
-    only where it measures faster than fp32 for this work (`probe`, a function timed under
-    both; default a matmul): with AVX512-BF16 or AMX it is 2-4x faster for training, without
-    them ~100x slower, and small decode steps can lose even with them."""
+    (torch.cuda.is_bf16_supported() says True on a V100, which only emulates bf16).
+    CPU: bf16 only where the CPU has bf16 units (without them it is emulated, ~100x slower): for
+    training (1.7-2x fp32), and for sampling and scoring of models CPU_BF16_MIN_WIDTH wide or more."""
     if dtype != 'auto':
         return dtype, 'asked for'
     if device.startswith('cuda'):
@@ -61,38 +69,25 @@ def choose_dtype(device, dtype='auto', work='train', probe=None):
         return 'float16', f'compute capability {major}.{minor} has no bf16 units: fp16 with GradScaler'
     if device != 'cpu':
         return 'float32', f'{device}: fp32 (autocast not measured there)'
-    ratio = bf16_speedup(matmul_probe, 'matmul')
-    if ratio >= 0.5 and probe is not None:  # bf16 is not emulated: measure the work itself
-        ratio = bf16_speedup(probe, work)
-    why = f'bf16 measured {ratio:.2f}x fp32 for {work} on this CPU ({torch.backends.cpu.get_cpu_capability()})'
-    return ('bfloat16' if ratio >= 1.2 else 'float32'), why
+    units = cpu_bf16_units()
+    if not units:
+        return 'float32', 'this CPU has no bf16 units: bf16 would be emulated'
+    if work != 'train' and (width or 0) < CPU_BF16_MIN_WIDTH:
+        return 'float32', f'{work} of {width}-wide models: bf16 is slower there, even with {units}'
+    return 'bfloat16', f'this CPU has {units}'
 
 
-_PROBE, _SPEEDUP = {}, {}
-
-
-def matmul_probe():
-    """A training-sized matmul, forward and backward (~50 ms where bf16 is emulated)."""
-    if not _PROBE:
-        _PROBE.update(x=torch.randn(512, 256), w=torch.randn(512, 256, requires_grad=True))
-    torch.nn.functional.linear(_PROBE['x'], _PROBE['w']).sum().backward()
-
-
-def bf16_speedup(probe, work, repeats=7):
-    """fp32 time / bf16-autocast time of probe() (the fastest of the repeats, fp32 and bf16 runs
-    alternating so that load from other processes hits both alike), measured once per process
-    for each kind of work."""
-    if work not in _SPEEDUP:
-        times = {torch.float32: [], torch.bfloat16: []}
-        for i in range(repeats + 1):
-            for dtype, ts in times.items():
-                with autocast('cpu', dtype):
-                    t0 = time.perf_counter()
-                    probe()
-                    if i:  # the first run of each warms up
-                        ts.append(time.perf_counter() - t0)
-        _SPEEDUP[work] = min(times[torch.float32]) / min(times[torch.bfloat16])
-    return _SPEEDUP[work]
+def cpu_bf16_units(cpuinfo='/proc/cpuinfo'):
+    """The CPU's bf16 instructions ('avx512_bf16', 'amx_bf16', as Linux lists its flags) where torch
+    runs AVX-512 kernels ('' otherwise: other systems, or ATEN_CPU_CAPABILITY=avx2 capping them)."""
+    if torch.backends.cpu.get_cpu_capability() != 'AVX512':
+        return ''
+    try:
+        with open(cpuinfo) as f:
+            flags = set(re.findall(r'\b(avx512_bf16|amx_bf16)\b', f.read()))
+    except OSError:
+        return ''
+    return ' and '.join(sorted(flags))
 
 
 def autocast(device, dtype):
@@ -103,24 +98,6 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device.split(':')[0], dtype=dtype)
 
 
-def sampling_probe(lm, device):
-    """A few decode steps of lm, the work sampling spends its time on."""
-    n = max(1, min(16, lm.config.block_size // 2))
-    x = torch.zeros(2, n, dtype=torch.long, device=device)
-    return lambda: lm.generate(x, n // 2 + 1, num_samples=16)
-
-
-def scoring_probe(energy, device, length):
-    """One small batch of energies, the work scoring spends its time on."""
-    length = min(length, energy.config.block_size)
-    x = torch.zeros(4, length, dtype=torch.long, device=device)
-
-    @torch.no_grad()
-    def probe():
-        energy(x, length // 2)
-    return probe
-
-
 def check_training_dtype(args):
     """fp16 training needs a GradScaler, which needs CUDA."""
     if args.dtype == 'float16' and not pick_device(args.device).startswith('cuda'):
@@ -128,9 +105,9 @@ def check_training_dtype(args):
                          "--dtype bfloat16 or float32")
 
 
-def precision(device, dtype, work='train', probe=None, verbose=True):
-    """(dtype, autocast context) for this work; prints the choice and why."""
-    dtype, why = choose_dtype(device, dtype, work, probe)
+def precision(device, dtype, work='train', verbose=True, width=None):
+    """(dtype, autocast context) for this work (of models `width` wide); prints the choice and why."""
+    dtype, why = choose_dtype(device, dtype, work, width)
     if verbose:
         print(f"{work}: {device}, {dtype} ({why})", flush=True)
     return dtype, autocast(device, dtype)
@@ -200,14 +177,40 @@ def configure_optimizer(model, lr, weight_decay, betas, device):
 
 
 def setup_training(args):
-    """A trainer's start: the device (DDP under torchrun), the training precision, the seed of
-    this process's dropout, and how many of the --grad_accum micro-batches are this process's."""
+    """A trainer's start: the device (DDP under torchrun), the training precision and the seed of
+    this process's dropout; --grad_accum checked to split evenly over the processes."""
     rank, world_size, device = setup(args.device)
-    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
+    dtype, ctx = precision(device, resumed_dtype(args), 'train', verbose=rank == 0)
+    args.dtype = dtype  # recorded with the flags in every checkpoint: a --resume continues in it
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
-    return rank, world_size, device, dtype, ctx, args.grad_accum // world_size
+    return rank, world_size, device, dtype, ctx
+
+
+def given_flags(argv=None):
+    """The names of the flags on the command line (argv, or sys.argv): what a --resume checks."""
+    return {a.split('=')[0][2:] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')}
+
+
+def resumed_dtype(args):
+    """--dtype, or on --resume the precision the checkpoint trained in (its recorded flags): a run
+    does not change precision halfway; a --dtype that contradicts it is refused."""
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    if not (args.resume and os.path.exists(path)):
+        return args.dtype
+    try:
+        saved = torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('args', {})
+        saved = saved.get('dtype')
+    except Exception:  # not a checkpoint: loading it says so, with the fix
+        return args.dtype
+    if saved in (None, 'auto'):  # a checkpoint from before precision was recorded
+        return args.dtype
+    if args.dtype not in ('auto', saved):
+        raise ValueError(f"--dtype {args.dtype} contradicts {path} (trained in {saved}): --resume continues "
+                         f"in the checkpoint's precision; drop --dtype, or start a new run in another "
+                         f"--out_dir")
+    return saved
 
 
 def prepare_training(raw_model, ckpt, args, device, dtype, world_size):
@@ -222,7 +225,8 @@ def prepare_training(raw_model, ckpt, args, device, dtype, world_size):
         torch.set_rng_state(ckpt['rng_state'])  # dropout draws continue too
     model = torch.compile(raw_model) if args.compile else raw_model
     if world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
+        model = DistributedDataParallel(
+            model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
     return model, optimizer, scaler
 
 
@@ -243,6 +247,14 @@ def optimizer_step(model, optimizer, scaler, grad_clip, step):
     return grad_norm
 
 
+def set_lr(optimizer, it, args):
+    """Sets the learning rate of step it (get_lr) on every parameter group; returns it."""
+    lr = get_lr(it, args)
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+    return lr
+
+
 def get_lr(it, args):
     """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters."""
     if it < args.warmup_iters:
@@ -260,11 +272,38 @@ def progress(iterable=None, quiet=False, **kw):
     return tqdm(iterable, disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True, **kw)
 
 
+def log_step(log, bar, rec, iter_num, log_interval, tokens_per_iter, t0):
+    """A logging step's line of log.jsonl: rec (this step's numbers, averaged over ranks) and the
+    tokens per second since t0, the last logging step; the loss on the bar. Returns the next t0."""
+    now = time.time()
+    rec['tokens_per_s'] = ((iter_num - 1) % log_interval + 1) * tokens_per_iter / (now - t0)
+    write_log(log, rec)
+    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+    return now
+
+
 def write_log(log, rec):
     """One JSON line of a log.jsonl (None: not rank 0, which alone writes the log)."""
     if log is not None:
         log.write(json.dumps(finite(rec)) + '\n')
         log.flush()
+
+
+def atomic_write(path, write):
+    """write(tmp), then rename tmp to path: a reader never sees half a file, and a failed write (full
+    disk, Ctrl-C) leaves the previous file as it was and no temp file behind; an OSError names path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:  # Ctrl-C too
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not isinstance(e, (OSError, RuntimeError)):  # a full disk is a RuntimeError inside torch.save
+            raise
+        raise OSError(getattr(e, 'errno', None) or errno.EIO,
+                      f"cannot write {path} ({getattr(e, 'strerror', None) or e})", path) from None
 
 
 def finite(obj):
@@ -306,7 +345,8 @@ def at_least(args, minimum, *names):
 
 def check_heads(n_embd, n_head):
     if n_embd % n_head:
-        raise ValueError(f"--n_embd {n_embd} is not a multiple of --n_head {n_head}: each head gets n_embd/n_head dims")
+        raise ValueError(f"--n_embd {n_embd} is not a multiple of --n_head {n_head}: "
+                         "each head gets n_embd/n_head dims")
 
 
 def nearest_existing(path):
@@ -333,7 +373,8 @@ def check_writable(path, flag, folder=True):
         os.close(fd)
         os.remove(tmp)
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write in {d} ({e.strerror}): choose a writable path") from None
+        raise ValueError(f"{flag} {path}: cannot write in {d} ({e.strerror}): "
+                         "choose a writable path") from None
 
 
 def check_new(path, flag, force, also=()):
@@ -348,7 +389,8 @@ def check_free_space(path, nbytes, flag):
     d = nearest_existing(path)
     free = shutil.disk_usage(d).free
     if free < nbytes:
-        raise ValueError(f"{flag} {path}: needs {nbytes / 2**20:.1f} MiB but {d} has {free / 2**20:.1f} MiB free: "
+        raise ValueError(f"{flag} {path}: needs {nbytes / 2**20:.1f} MiB "
+                         f"but {d} has {free / 2**20:.1f} MiB free: "
                          f"free some space or choose another path")
 
 
@@ -363,8 +405,10 @@ def rerun_command(argv, add=()):
 def checkpoint_hint(argv, path, max_iters, every):
     """A trainer's Ctrl-C line: the iteration its checkpoint holds and the command that continues it."""
     if not os.path.exists(path):
-        return f"nothing was saved yet (the first checkpoint comes at iteration {every}); rerun: {rerun_command(argv)}"
-    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']  # mmap: no wait on a big one
+        return (f"nothing was saved yet (the first checkpoint comes at iteration {every}); "
+                f"rerun: {rerun_command(argv)}")
+    # mmap: no wait on a big one
+    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
     return (f"{path} holds iteration {it} of {max_iters} (saved every {every}); "
             f"resume with: {rerun_command(argv, ['--resume'])}")
 
@@ -396,5 +440,6 @@ def run_main(main, resume_hint=None):
             hint = resume_hint(argv) if resume_hint else None
         except Exception:  # e.g. flags that do not parse: the rerun hint below is still right
             hint = None
-        print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr, flush=True)
+        print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr,
+              flush=True)
         sys.exit(130)

@@ -24,11 +24,10 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from data import SPLITS, load_meta, load_split, window_tokens, windows, write_json
+from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
 from energy import load_energy, sample_log_weights, score, score_continuations
-from model import check_vocab, load_lm
-from runtime import (DTYPES, ArgumentParser, at_least, check_new, check_writable, precision, progress, rng, run_main, sampling_probe,
-                     scoring_probe, setup)
+from runtime import (DTYPES, ArgumentParser, at_least, check_new, check_writable, precision, progress, rng,
+                     run_main, setup)
 from tokenizer import load_tokenizer
 
 
@@ -74,7 +73,8 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
             new = (v, tokens[rows, i], e[rows, i])
             if name in keep:
                 take = v > keep[name][0]
-                new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(new, keep[name]))
+                new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b)
+                            for a, b in zip(new, keep[name]))
             keep[name] = new
     out = {name: t for name, (_, t, _) in keep.items()}
     out.update({f'{name}_energy': e for name, (_, _, e) in keep.items()})
@@ -84,7 +84,8 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
 
 
 @torch.no_grad()
-def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, generator, max_rows=256, prefix_len=None):
+def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, generator, max_rows=256,
+                     prefix_len=None):
     """The joint model's next-token distribution of Appendix A.1 (Table 3) for each row of prefix
     (B, P): "we further approximate it by only considering the top 128 words predicted by BASE LM,
     where we sample 10,000 completions for each of them to estimate P(x_t|x_<t). Then we take the
@@ -99,7 +100,8 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, gene
     B, P = prefix.shape
     candidates = min(candidates, lm.config.vocab_size)
     if not (1 <= keep <= candidates and m >= 1):
-        raise ValueError(f"need 1 <= keep ({keep}) <= candidates ({candidates}, at most the vocabulary) and m ({m}) >= 1")
+        raise ValueError(f"need 1 <= keep ({keep}) <= candidates ({candidates}, at most the vocabulary) "
+                         f"and m ({m}) >= 1")
     prefix_len = P if prefix_len is None else prefix_len
     with ctx:
         logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)
@@ -110,7 +112,8 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, gene
         # the prompts' forward, shared by their completions, stays a small part of the work
         x = torch.cat([prefix.repeat_interleave(candidates, 0), cand_v.reshape(-1, 1)], dim=1)  # (B*C, P+1)
         group = max(1, max_rows // min(m, 16))
-        log_z = torch.cat([sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows, prefix_len)[0]
+        log_z = torch.cat([sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows,
+                                              prefix_len)[0]
                            .logsumexp(-1) - math.log(m) for rows in x.split(group)])
     top, i = (cand_lp + log_z.view(B, candidates)).topk(keep, dim=-1)
     return cand_v.gather(1, i), cand_lp.gather(1, i).exp(), torch.softmax(top, -1)
@@ -123,8 +126,8 @@ def topk_autoregressive(lm, energy, prefix, gen_len, candidates, keep, m, ctx, g
     m LM completions of the rest. Expensive by design: candidates * m completions per token."""
     x = prefix
     for t in range(gen_len):
-        v, _, p_joint = next_token_table(lm, energy, x, gen_len - t, candidates, keep, m, ctx, generator, max_rows,
-                                         prefix.size(1))
+        v, _, p_joint = next_token_table(lm, energy, x, gen_len - t, candidates, keep, m, ctx, generator,
+                                         max_rows, prefix.size(1))
         i = torch.multinomial(p_joint.float(), 1, generator=generator)
         x = torch.cat([x, v.gather(1, i)], dim=1)
     return x[:, prefix.size(1):]
@@ -148,35 +151,45 @@ def get_args(argv=None):
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='test', choices=SPLITS)
     a('--num_prefixes', type=int, default=4)
-    a('--chunk', type=int, default=8, help='prefixes sampled together (their n samples share each LM/energy call)')
+    a('--chunk', type=int, default=8,
+      help='prefixes sampled together (their n samples share each LM/energy call)')
     a('--prefix_len', type=int, default=128)
     a('--gen_len', type=int, default=64)
     a('--n', type=int, default=100, help='LM samples per prefix to resample from (the paper: 10,000)')
     a('--top_k', type=int, default=10, help='top-k of the LM proposal (0: untruncated)')
-    a('--correct_proposal', action='store_true', help='weights exp(-E) P_LM/q: target the untruncated joint model')
-    a('--autoregressive', action='store_true', help='also top-k auto-regressive joint sampling (Appendix A.1; slow)')
-    a('--candidates', type=int, default=128, help='A.1: the LM\'s top next tokens whose Z is estimated (the paper: 128)')
-    a('--keep', type=int, default=10, help='A.1: the top entries kept after reweighting and renormalised (the paper: 10)')
-    a('--m', type=int, default=32, help='A.1: LM completions per Z estimate, for --autoregressive and the Table-3 view (the paper: 10,000)')
-    a('--table_k', type=int, default=5, help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
-    a('--table_prefixes', type=int, default=4, help='Table-3 view for the first this many prefixes only (each costs '
-                                                   'candidates x m LM samples)')
+    a('--correct_proposal', action='store_true',
+      help='weights exp(-E) P_LM/q: target the untruncated joint model')
+    a('--autoregressive', action='store_true',
+      help='also top-k auto-regressive joint sampling (Appendix A.1; slow)')
+    a('--candidates', type=int, default=128,
+      help='A.1: the LM\'s top next tokens whose Z is estimated (the paper: 128)')
+    a('--keep', type=int, default=10,
+      help='A.1: the top entries kept after reweighting and renormalised (the paper: 10)')
+    a('--m', type=int, default=32,
+      help='A.1: LM completions per Z estimate, for --autoregressive and the Table-3 view '
+           '(the paper: 10,000)')
+    a('--table_k', type=int, default=5,
+      help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
+    a('--table_prefixes', type=int, default=4,
+      help='Table-3 view for the first this many prefixes only (each costs candidates x m LM samples)')
     a('--logz_samples', type=int, default=0,
-      help="untruncated LM samples per prefix for log Z (Eq. 4's lower bound T_n), which puts the joint model's "
-           "log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
+      help="untruncated LM samples per prefix for log Z (Eq. 4's lower bound T_n), "
+           "which puts the joint model's log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
     a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
     a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
     a('--out', default='out/samples.json')
     a('--force', action='store_true', help='replace --out if it exists')
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling and of scoring (auto: each measured)')
+    a('--dtype', default='auto', choices=DTYPES,
+      help='autocast dtype of sampling and of scoring (auto: each measured)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n', 'chunk', 'max_rows')
     at_least(args, 0, 'top_k', 'table_k', 'print_prefixes')
     if args.logz_samples == 1 or args.logz_samples < 0:
-        raise ValueError(f"--logz_samples {args.logz_samples}: 0 (off) or at least 2 (the bounds need leave-one-out)")
+        raise ValueError(f"--logz_samples {args.logz_samples}: "
+                         "0 (off) or at least 2 (the bounds need leave-one-out)")
     at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force)
@@ -186,19 +199,18 @@ def get_args(argv=None):
 def main(argv=None):
     args = get_args(argv)
     device = setup(args.device)[2]
-    lm, lm_ckpt = load_lm(args.lm, device)
-    data_dir = args.data_dir or lm_ckpt['meta']['data_dir']
-    meta = load_meta(data_dir)
-    check_vocab(lm_ckpt, meta, args.lm)
+    lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy, _ = load_energy(args.energy, args.lm, device)
-    ctx = precision(device, args.dtype, 'sample', sampling_probe(lm, device))[1]
-    ectx = precision(device, args.dtype, 'score', scoring_probe(energy, device, args.prefix_len + args.gen_len))[1]
+    ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]
+    ectx = precision(device, args.dtype, 'score', width=energy.config.n_embd)[1]
     tok = load_tokenizer(meta)
     V = lm.config.vocab_size
     if not 0 <= args.top_k <= V:
         raise ValueError(f"--top_k must be between 0 and the vocabulary size {V}")
-    if (args.autoregressive or args.table_k) and not (0 <= args.table_k <= args.keep <= min(args.candidates, V) and args.m >= 1):
-        raise ValueError(f"need 0 <= --table_k ({args.table_k}) <= --keep ({args.keep}) <= --candidates ({args.candidates}) "
+    if ((args.autoregressive or args.table_k)
+            and not (0 <= args.table_k <= args.keep <= min(args.candidates, V) and args.m >= 1)):
+        raise ValueError(f"need 0 <= --table_k ({args.table_k}) <= --keep ({args.keep}) "
+                         f"<= --candidates ({args.candidates}) "
                          f"and the vocabulary size ({V}), and --m ({args.m}) >= 1")
     if args.prompt is not None:
         ids = tok.encode(args.prompt)
@@ -209,25 +221,24 @@ def main(argv=None):
         data = load_split(data_dir, args.split, meta)
         offsets = windows(data, args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
         if len(offsets) == 0:
-            raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens in the {args.split} split")
+            raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens "
+                             f"in the {args.split} split")
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
         prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
-    for name, model in (('LM', lm), ('energy', energy)):
-        if prefixes.size(1) + args.gen_len > model.config.block_size:
-            raise ValueError(f"a prefix of {prefixes.size(1)} tokens + --gen_len {args.gen_len} exceeds the {name}'s "
-                             f"block_size {model.config.block_size}: shorten them")
+    check_fits(prefixes.size(1) + args.gen_len, {'LM': lm, 'energy': energy})
     g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
     results = []
     for s in progress(range(0, prefixes.size(0), args.chunk), quiet=args.quiet, desc='joint sampling'):
-        results += joint_records(lm, energy, prefixes[s:s + args.chunk], None if gold is None else gold[s:s + args.chunk], s,
-                                 args, tok, g, ctx, ectx)
+        results += joint_records(lm, energy, prefixes[s:s + args.chunk],
+                                 None if gold is None else gold[s:s + args.chunk], s, args, tok, g, ctx, ectx)
     for rec in results[:args.print_prefixes]:
         print_record(rec)
     report = dict(args=vars(args), samples=results, **analyses(results))
     write_json(report, args.out)
-    print("unique n-grams % (n=1..4): " + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)
-                                               for k, vals in report['unique_ngrams'].items()))
+    print("unique n-grams % (n=1..4): "
+          + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)
+                      for k, vals in report['unique_ngrams'].items()))
     print("mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
           f"; -> {args.out}")
     return report
@@ -237,25 +248,27 @@ def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):
     """The records of a batch of prefixes pre (B, P) (gold: their real continuations (B, L) or None):
     Algorithm 1's joint, base and worst samples and, for Figs. 2-3, each kind of continuation's
     log-likelihood under the LM and log Z by T_n (Eq. 4); the Table-3 view for the first prefixes."""
-    out = joint_sample(lm, energy, pre, args.n, args.gen_len, args.top_k or None, args.correct_proposal, g, ctx,
-                       args.max_rows, ectx)
+    out = joint_sample(lm, energy, pre, args.n, args.gen_len, args.top_k or None, args.correct_proposal, g,
+                       ctx, args.max_rows, ectx)
     cont = {name: out[name] for name in ('base', 'joint')}
     if gold is not None:
         cont['gold'] = gold.to(pre.device)
         gold_energy = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ectx)
     if args.autoregressive:
-        cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, args.candidates, args.keep, args.m,
-                                                     ctx, g, args.max_rows)
+        cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, args.candidates,
+                                                     args.keep, args.m, ctx, g, args.max_rows)
     with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
         lm_logp = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)) for name, t in cont.items()}
     if args.logz_samples:  # Fig. 3 right: log P_joint = log P_LM - E - log Z
-        log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, ctx, g, args.max_rows, ectx=ectx)[0]
+        log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, ctx, g, args.max_rows,
+                                   ectx=ectx)[0]
         logz = torch.logsumexp(log_w, 1) - math.log(args.logz_samples)  # T_n, Eq. 4
     recs = []
     for b in range(pre.size(0)):
         rec = dict(prefix=tok.decode(pre[b].tolist()), ess=out['ess'][b].item(), n=args.n,
                    **{name: tok.decode(t[b].tolist()) for name, t in cont.items()},
-                   **{f'{name}_energy': out[f'{name}_energy'][b].item() for name in ('base', 'joint', 'worst')},
+                   **{f'{name}_energy': out[f'{name}_energy'][b].item()
+                      for name in ('base', 'joint', 'worst')},
                    worst=tok.decode(out['worst'][b].tolist()),
                    lm_logp={name: v[b].item() for name, v in lm_logp.items()})
         if gold is not None:
@@ -263,8 +276,8 @@ def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):
         if args.logz_samples:
             rec['logz'] = logz[b].item()
         if args.table_k and first + b < args.table_prefixes:
-            v, p_lm, p_joint = next_token_table(lm, energy, pre[b:b + 1], args.gen_len, args.candidates, args.keep, args.m,
-                                                ctx, g, args.max_rows)
+            v, p_lm, p_joint = next_token_table(lm, energy, pre[b:b + 1], args.gen_len, args.candidates,
+                                                args.keep, args.m, ctx, g, args.max_rows)
             rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
                                   zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(),
                                       p_joint[0, :args.table_k].tolist())]
@@ -277,7 +290,8 @@ def analyses(results):
     kinds = [k for k in ('gold', 'base', 'joint', 'autoregressive') if k in results[0]]
     uniq = {k: [unique_ngrams([r[k] for r in results], n) for n in range(1, 5)] for k in kinds}
     mean_lp = {k: float(np.mean([r['lm_logp'][k] for r in results])) for k in results[0]['lm_logp']}
-    diff = {f'{a}-{b}': mean_lp[a] - mean_lp[b] for a, b in (('base', 'gold'), ('joint', 'gold')) if a in mean_lp and b in mean_lp}
+    diff = {f'{a}-{b}': mean_lp[a] - mean_lp[b] for a, b in (('base', 'gold'), ('joint', 'gold'))
+            if a in mean_lp and b in mean_lp}
     return dict(unique_ngrams=uniq, mean_lm_logp=mean_lp, mean_lm_logp_diff=diff)
 
 

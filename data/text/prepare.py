@@ -4,7 +4,8 @@ Prepare any UTF-8 text for rebm: one or more files, or folders of *.txt files.
 Each file is one document. With several documents they are split by document (whole files go to
 select, val and test, so their text is never seen in training); fewer than 4 files are joined and
 cut into four contiguous pieces instead. The selection set ('select') is carved from the
-training documents: it chooses whatever is tuned, so that val and test are only reported. Writes train/val/test.bin and meta.json (see data/__init__.py).
+training documents: it chooses whatever is tuned, so that val and test are only reported.
+Writes train/val/test.bin and meta.json (see data/__init__.py).
 
     python data/text/prepare.py my_book.txt --out_dir data/my_book                  # chars
     python data/text/prepare.py corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
@@ -23,11 +24,18 @@ def read_documents(paths):
     files = []
     for p in paths:
         if os.path.isdir(p):
-            files += sorted(os.path.join(root, f) for root, _, fs in os.walk(p) for f in fs if f.endswith('.txt'))
+            files += sorted(os.path.join(root, f) for root, _, fs in os.walk(p)
+                            for f in fs if f.endswith('.txt'))
         elif os.path.isfile(p):
             files.append(p)
         else:
             raise ValueError(f"input '{p}' does not exist: give text files or folders of .txt files")
+    seen = {}
+    for f in files:  # one file read twice would sit in two splits: a test text also trained on
+        if os.path.realpath(f) in seen:
+            raise ValueError(f"{f} is given twice (also as {seen[os.path.realpath(f)]}): "
+                             f"give each file once (a folder includes its .txt files)")
+        seen[os.path.realpath(f)] = f
     docs = []
     for f in files:
         try:
@@ -48,14 +56,17 @@ def split_documents(docs, val_frac, test_frac, select_frac):
     if len(docs) >= 4:
         n_val, n_test, n_sel = (max(1, round(f * len(docs))) for f in (val_frac, test_frac, select_frac))
         train = docs[:-n_val - n_test]
-        return dict(train=train[:-n_sel], select=train[-n_sel:], val=docs[-n_val - n_test:-n_test], test=docs[-n_test:])
+        return dict(train=train[:-n_sel], select=train[-n_sel:], val=docs[-n_val - n_test:-n_test],
+                    test=docs[-n_test:])
     text = '\n'.join(docs)
-    a, b, c = (int(len(text) * f) for f in (1 - val_frac - test_frac - select_frac, 1 - val_frac - test_frac, 1 - test_frac))
+    a, b, c = (int(len(text) * f)
+               for f in (1 - val_frac - test_frac - select_frac, 1 - val_frac - test_frac, 1 - test_frac))
     pieces = dict(train=text[:a], select=text[a:b], val=text[b:c], test=text[c:])
     for split, piece in pieces.items():
         if not piece.strip():
-            raise ValueError(f"--{split}_frac gives the {split} split no text (one document of {len(text)} characters): "
-                             f"raise it" if split != 'train' else "the fractions leave training no text: lower them")
+            raise ValueError(f"--{split}_frac gives the {split} split no text "
+                             f"(one document of {len(text)} characters): raise it"
+                             if split != 'train' else "the fractions leave training no text: lower them")
     return {split: [piece] for split, piece in pieces.items()}
 
 
@@ -64,25 +75,30 @@ def main(argv=None):
     parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
     parser.add_argument('--out_dir', required=True, help='where to write the prepared data')
     parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
-    parser.add_argument('--val_frac', type=float, default=0.05, help='fraction of documents (or text) for val')
-    parser.add_argument('--test_frac', type=float, default=0.05, help='fraction of documents (or text) for test')
+    parser.add_argument('--val_frac', type=float, default=0.05,
+                        help='fraction of documents (or text) for val')
+    parser.add_argument('--test_frac', type=float, default=0.05,
+                        help='fraction of documents (or text) for test')
     parser.add_argument('--select_frac', type=float, default=0.05,
-                        help='fraction of documents (or text) carved from training for the selection set, which '
-                             'chooses what is tuned (early stopping, recipes) so that val and test are only reported')
-    parser.add_argument('--seed', type=int, default=0, help='shuffles documents before choosing val/test ones')
+                        help='fraction of documents (or text) carved from training for the selection set, '
+                             'which chooses what is tuned (early stopping, recipes) '
+                             'so that val and test are only reported')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='shuffles documents before choosing val/test ones')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
     parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
     for name in ('val_frac', 'test_frac', 'select_frac'):
         check(args, name, lambda v: 0 < v < 1, 'in (0, 1)')
     if args.val_frac + args.test_frac + args.select_frac >= 1:
-        raise ValueError(f"--val_frac {args.val_frac} + --test_frac {args.test_frac} + --select_frac {args.select_frac} "
+        raise ValueError(f"--val_frac {args.val_frac} + --test_frac {args.test_frac} "
+                         f"+ --select_frac {args.select_frac} "
                          f"leave no text for training: their sum must be below 1")
     check_writable(args.out_dir, '--out_dir')
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
-    prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir, args.tokenizer,
-            args.quiet, args.force)
+    prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir,
+            args.tokenizer, args.quiet, args.force)
 
 
 if __name__ == '__main__':
