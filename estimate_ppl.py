@@ -135,7 +135,10 @@ def summarize(cols, num_tokens, n, num_chars=None):
     range; for every model but the base, the per-prefix gain over the base LM in nats per token
     (for a joint model at its conservative, high-PPL end) with its standard error."""
     lp = cols['lm_logp']
-    ppl = lambda logp, count: float(np.exp(-logp.sum() / count))
+
+    def ppl(logp, count):
+        return float(np.exp(-logp.sum() / count))
+
     L = num_tokens / len(lp)
     gain = lambda logp: dict(gain_nats_per_token=float(((logp - lp) / L).mean()),
                              gain_se=float(((logp - lp) / L).std(ddof=1) / math.sqrt(len(lp))))

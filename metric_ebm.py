@@ -194,7 +194,10 @@ def main(argv=None):
     ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]
     width = max(e.config.n_embd for e in [lm, *energy.energies.values(), *compare.values()])
     edtype, ectx = precision(device, args.dtype, 'score', width=width)
-    split_offsets = lambda split, k: windows(load_split(data_dir, split, meta), P, L, max_windows=k)
+
+    def split_offsets(split, k):  # the first k windows of a split
+        return windows(load_split(data_dir, split, meta), P, L, max_windows=k)
+
     pools = {}  # split -> (f_data (B, K), f_pool (B, n, K)), the metrics first, the energies last
     for split, k in [('select', args.prefixes)] + [(s, args.check_prefixes) for s in args.check_splits]:
         data = load_split(data_dir, split, meta)

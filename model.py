@@ -49,40 +49,56 @@ class SelfAttention(nn.Module):
                                                               config.alibi)
 
     def forward(self, x, cache=None, pos=0, mask=None):
-        """x: (B, T, C). cache: (k, v) buffers (B, nh, T_max, hs) that keys/values of positions
-        pos..pos+T-1 are written into; attention then runs over positions 0..pos+T-1. In decoding
-        with a shared prompt (GPT.generate) cache is (k, v, prompt_k, prompt_v): prompt_k/v
-        (B_p, nh, P, hs) hold positions 0..P-1 of B_p prompts, each shared by B // B_p consecutive
-        rows, and k, v hold positions P.. of each row.
+        """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). Without a cache the T tokens attend to
+        each other (training, scoring: causal for an LM, bidirectional for a BIT); with one they also
+        attend to the K/V of the earlier positions it holds (decoding: see decode).
         mask: optional boolean (B, 1, T, T_keys), True = may attend (overrides causality)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) each
         hs = C // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        prompt, start = (), 0  # positions before start live in the shared prompt K/V
-        if cache is not None:
-            k_buf, v_buf, *prompt = cache
-            start = prompt[0].size(2) if prompt else 0
-            k_buf[:, :, pos - start:pos - start + T] = k
-            v_buf[:, :, pos - start:pos - start + T] = v
-            k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]  # (B, nh, T_keys, hs)
+        if cache is None:
+            mask, is_causal = self.attention_mask(T, pos, T, mask, q)
+            y = attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
+        else:
+            y = self.decode(q, k, v, cache, pos, mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+    def attention_mask(self, T, pos, n_keys, mask, q):
+        """(mask, is_causal) of T queries at positions pos.. over keys at 0..n_keys-1: the mask given,
+        else causality for an LM (is_causal where the kernel aligns it: queries from position 0),
+        and ALiBi's distance biases on top (an additive mask, -inf where masked)."""
         is_causal = False
         if mask is None and self.causal and T > 1:
             if pos == 0:
                 is_causal = True
             else:  # queries start at pos: is_causal would align them with key 0, so be explicit
-                mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+                mask = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)
         if self.alibi:
             if is_causal:
-                mask, is_causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), False
-            bias = alibi_bias(self.n_head, pos, T, start + k.size(2), q.dtype, x.device)
+                mask, is_causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), False
+            bias = alibi_bias(self.n_head, pos, T, n_keys, q.dtype, q.device)
             mask = bias if mask is None else bias.masked_fill(~mask, float('-inf'))
+        return mask, is_causal
+
+    def decode(self, q, k, v, cache, pos, mask):
+        """Attention of the queries at pos..pos+T-1 over every position up to theirs, through the
+        cache: (k, v) buffers (B, nh, T_max, hs) that this step's keys/values are written into, or
+        in decoding with a shared prompt (GPT.generate) (k, v, prompt_k, prompt_v): prompt_k/v
+        (B_p, nh, P, hs) hold positions 0..P-1 of B_p prompts, each shared by B // B_p consecutive
+        rows, and k, v positions P.. of each row. Equal to the plain forward over the whole sequence
+        (test_cached_decoding_matches_full_forward, test_shared_prompt_decode_matches_copied_cache)."""
+        T = q.size(2)
+        k_buf, v_buf, *prompt = cache
+        start = prompt[0].size(2) if prompt else 0  # positions before start live in the shared prompt K/V
+        k_buf[:, :, pos - start:pos - start + T] = k
+        v_buf[:, :, pos - start:pos - start + T] = v
+        k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]  # (B, nh, pos - start + T, hs)
+        mask, is_causal = self.attention_mask(T, pos, start + k.size(2), mask, q)
         if prompt:
-            y = shared_prompt_attention(q, k, v, *prompt, mask)
-        else:
-            y = attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
-        return self.resid_dropout(self.c_proj(y))
+            return shared_prompt_attention(q, k, v, *prompt, mask)
+        return attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
 
 
 # On a CPU, bf16 is chosen only where its matmuls run on bf16 units; SDPA's CPU kernel does not

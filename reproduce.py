@@ -250,8 +250,10 @@ def main(argv=None):
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
-    stage = lambda name, cmd, done, deps=(), folder=None: pipe.run(
-        name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps, folder)
+
+    def stage(name, cmd, done, deps=(), folder=None):  # a script stage: the run's seed, device, dtype
+        pipe.run(name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps, folder)
+
     lm, neg = cfg['lm'], cfg['neg']
 
     pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir,

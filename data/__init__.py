@@ -228,8 +228,10 @@ def load_negatives(out_dir, mode='r', lm_path=None):
     if lm_path is not None and meta['lm_hash'] != file_hash(lm_path):
         raise ValueError(f"negatives in {out_dir} were sampled from another LM ({meta['lm_path']}) "
                          f"than {lm_path}: regenerate them with negatives.py --lm {lm_path}")
-    mm = lambda name, dtype, shape: np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode,
-                                              shape=shape)
+
+    def mm(name, dtype, shape):
+        return np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode=mode, shape=shape)
+
     has_pos = os.path.isfile(os.path.join(out_dir, 'pos_logq.bin'))
     if not has_pos and (mode != 'r' or not untruncated(meta)):
         needs = 'NCE with truncated negatives needs' if mode == 'r' else 'a resumed run writes'
