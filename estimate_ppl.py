@@ -29,8 +29,8 @@ from energy import load_energy, sample_log_weights, score, score_continuations
 from metrics import kl_to_lm, share_energies
 from model import file_hash, load_lm
 from tokenizer import load_tokenizer
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
-                     rng, run_main, setup, teardown_distributed)
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
+                     precision, progress, rng, run_main, setup, teardown_distributed)
 
 
 def leave_one_out_lse(lw):
@@ -355,6 +355,13 @@ def check_args(args):
                          f"(or pass --calib_prefixes 0)")
     if args.per_step is not None:
         at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
+    # a batch's samples (int64 tokens) and their -E (float64, per energy): held at once
+    per_sample = 8 * args.gen_len + 8 * max(1, len(args.energy))
+    n_max = max([args.num_samples] + args.sweep)
+    check_memory(args.chunk * n_max * per_sample, f"--num_samples/--sweep {n_max} x --chunk {args.chunk}",
+                 "lower them (or --chunk)")
+    if args.calib_prefixes:
+        check_memory(args.calib_samples * per_sample, f"--calib_samples {args.calib_samples}", "lower it")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force, also=[os.path.splitext(args.out)[0] + '.txt'])
 

@@ -394,6 +394,19 @@ def check_free_space(path, nbytes, flag):
                          f"free some space or choose another path")
 
 
+def check_memory(nbytes, what, fix):
+    """Refuses work whose arrays alone need more memory than this machine has available now
+    (Linux's MemAvailable; elsewhere nothing is checked): one line with both numbers and the fix."""
+    try:
+        with open('/proc/meminfo') as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    except (OSError, StopIteration, ValueError):
+        return
+    if nbytes > avail:
+        raise ValueError(f"{what} needs ~{nbytes / 2**30:.1f} GiB of memory, more than the "
+                         f"{avail / 2**30:.1f} GiB available: {fix}")
+
+
 # -----------------------------------------------------------------------------
 # the entry point
 

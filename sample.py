@@ -26,8 +26,8 @@ import torch
 
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
 from energy import load_energy, sample_log_weights, score, score_continuations
-from runtime import (DTYPES, ArgumentParser, at_least, check_new, check_writable, precision, progress, rng,
-                     run_main, setup)
+from runtime import (DTYPES, ArgumentParser, at_least, check_memory, check_new, check_writable, precision,
+                     progress, rng, run_main, setup)
 from tokenizer import load_tokenizer
 
 
@@ -191,6 +191,12 @@ def get_args(argv=None):
         raise ValueError(f"--logz_samples {args.logz_samples}: "
                          "0 (off) or at least 2 (the bounds need leave-one-out)")
     at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
+    per_sample = 8 * args.gen_len + 8  # int64 tokens and a float64 energy, held at once per batch
+    check_memory(args.chunk * args.logz_samples * per_sample,
+                 f"--logz_samples {args.logz_samples} x --chunk {args.chunk}", "lower them")
+    if args.autoregressive or args.table_k:  # next_token_table: m completions of max_rows / 16 rows
+        rows = max(1, args.max_rows // min(args.m, 16))
+        check_memory(rows * args.m * per_sample, f"--m {args.m}", "lower it")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force)
     return args
