@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
-from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_training_dtype,
-                     check_writable, checkpoint_hint, given_flags, log_step, optimizer_step,
-                     prepare_training, progress, rng, run_main, set_lr, setup_training, teardown_distributed,
-                     write_log)
+from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
+                     check_training_dtype, check_writable, checkpoint_hint, given_flags, log_step,
+                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
+                     setup_training, teardown_distributed, training_memory, write_log)
 
 
 def get_args(argv=None):
@@ -237,9 +237,9 @@ def negatives_per_pair(args, neg, held_neg):
     return M
 
 
-def build(args, meta, length):
+def build(args, meta, length, rows):
     """The energy to train and, with --resume, the checkpoint it continues; it must see
-    sequences of `length` tokens."""
+    sequences of `length` tokens, `rows` of them per micro-batch."""
     ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
     if not args.resume and os.path.exists(ckpt_path):
         raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
@@ -257,6 +257,10 @@ def build(args, meta, length):
         raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
                          f"{model.config.block_size}: regenerate shorter negatives or give the energy a "
                          f"larger block")
+    if pick_device(args.device) == 'cpu':  # (a GPU's own memory is not checked)
+        check_memory(training_memory(model.config, rows),
+                     f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
+                     "lower --batch_size (--grad_accum keeps the batch)")
     return model, ckpt
 
 
@@ -288,7 +292,7 @@ def main(argv=None):
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
-    raw_model, ckpt = build(args, meta, P + L)
+    raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M))
     model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)  # in DDP
     iter_num = ckpt['iter_num'] if ckpt else 0
     best = dict(loss=ckpt['best_loss'], iter=ckpt['best_iter']) if ckpt else dict(loss=float('inf'), iter=0)

@@ -407,6 +407,17 @@ def check_memory(nbytes, what, fix):
                          f"{avail / 2**30:.1f} GiB available: {fix}")
 
 
+def training_memory(config, batch_size):
+    """Bytes a training step of a GPT-shaped model holds at least, in float32: weights, gradients
+    and AdamW's two moments (16 per parameter), and what autograd keeps: ~16 (B, T, C) tensors and
+    the attention weights (B, nh, T, T) per layer, and the logits (B, T, V) twice."""
+    c, B = config, batch_size
+    params = 12 * c.n_layer * c.n_embd ** 2 + (c.vocab_size + c.block_size) * c.n_embd
+    acts = (c.n_layer * B * c.block_size * (16 * c.n_embd + 2 * c.n_head * c.block_size)
+            + 2 * B * c.block_size * c.vocab_size)
+    return 16 * params + 4 * acts
+
+
 # -----------------------------------------------------------------------------
 # the entry point
 

@@ -29,10 +29,10 @@ from data import load_meta, load_split, write_json
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint,
                    width_for_params)
-from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_training_dtype,
-                     check_writable, checkpoint_hint, given_flags, log_step, optimizer_step,
-                     prepare_training, progress, rng, run_main, set_lr, setup_training, teardown_distributed,
-                     write_log)
+from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
+                     check_training_dtype, check_writable, checkpoint_hint, given_flags, log_step,
+                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
+                     setup_training, teardown_distributed, training_memory, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -281,11 +281,17 @@ def build_model(args, meta):
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias,
                        causal=not mlm, alibi=args.alibi)
-    with torch.device('meta'):  # counted before any memory is spent on it
-        n_params = GPT(config).num_params()
-    if args.match_params and not 0.5 < n_params / args.match_params < 2:
-        raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) "
-                         f"gives {n_params:,} parameters: change --n_layer to get near it")
+    if args.match_params:
+        with torch.device('meta'):  # counted before any memory is spent on it
+            n_params = GPT(config).num_params()
+        if not 0.5 < n_params / args.match_params < 2:
+            raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) "
+                             f"gives {n_params:,} parameters: change --n_layer to get near it")
+    what = (f"training {args.n_layer} layers of n_embd {args.n_embd} on --batch_size {args.batch_size} x "
+            f"--block_size {args.block_size}")
+    if pick_device(args.device) == 'cpu':  # (a GPU's own memory is not checked)
+        check_memory(training_memory(config, args.batch_size), what,
+                     "lower them (--grad_accum keeps the batch)")
     if args.residual_of:
         base = load_lm(args.residual_of, meta=meta)[0]
         if args.block_size > base.config.block_size:
