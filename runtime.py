@@ -80,7 +80,7 @@ def choose_dtype(device, dtype='auto', work='train', width=None):
 def cpu_bf16_units(cpuinfo='/proc/cpuinfo'):
     """The CPU's bf16 instructions ('avx512_bf16', 'amx_bf16', as Linux lists its flags) where torch
     runs AVX-512 kernels ('' otherwise: other systems, or ATEN_CPU_CAPABILITY=avx2 capping them)."""
-    if torch.backends.cpu.get_cpu_capability() != 'AVX512':
+    if not torch.backends.cpu.get_cpu_capability().startswith('AVX512'):
         return ''
     try:
         with open(cpuinfo) as f:
