@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
-from energy import Energy, sample_log_weights, score, score_continuations
+from energy import Energy, joint_sample, sample_log_weights, score, score_continuations
 from estimate_ppl import logz_bounds
 from metrics import MetricEnergy, fit_mu
 import model as model_py
@@ -58,7 +58,6 @@ from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
 from runtime import (ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer,
                      pick_device, run_main)
-from sample import joint_sample
 from train_lm import batch_offsets, get_batch
 
 

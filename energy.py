@@ -15,9 +15,11 @@ pooling it in only dilutes the difference the energy has to see (measured: EXPER
 Scoring: `energy(x, prefix_len)` is E of each row of x (B, T); `score` is the same in blocks that
 bound memory, in float64. The rest are speed-ups of it, each tested equal to it:
 `score_continuations` for many continuations of one prompt (a causal body runs the prompt once),
-and `sample_log_weights`, Eq. 4's weights -E of n LM samples per prefix.
+and `sample_log_weights`, Eq. 4's weights -E of n LM samples per prefix. `joint_sample` is
+Algorithm 1 (sample.algorithm_1, tested equal) in chunks, for any n in bounded memory.
 """
 
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 
 import torch
@@ -240,3 +242,45 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
             known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows,
                                            known=known)
     return -torch.stack([known[e] for e in energies])
+
+
+@torch.no_grad()
+def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=False, generator=None,
+                 ctx=None, max_rows=256, ectx=None):
+    """Algorithm 1 for each row of prefix (B, P), in chunks of at most max_rows sequences so that
+    n = 10^4 fits in memory: the argmax of log w + Gumbel noise is a draw ∝ w, and an argmax
+    can run over chunks. Returns a dict of (B, L) token tensors 'joint' (resampled ∝ exp(-E),
+    or with correct_proposal ∝ exp(-E) P_LM/q: the target is then the untruncated joint model,
+    on the support top-k can reach), 'worst' (highest energy), 'base' (the first LM sample),
+    their energies, and 'ess' (B,), the Kish effective sample size of the weights."""
+    B, P = prefix.shape
+    ctx = ctx or nullcontext()
+    rows = torch.arange(B, device=prefix.device)
+    lse = lse2 = torch.full((B,), float('-inf'), dtype=torch.float64, device=prefix.device)  # log sum w, w^2
+    keep = {}  # name -> (best key so far, its tokens, its energy)
+    per = max(1, max_rows // B)
+    for s in range(0, n, per):
+        c = min(per, n - s)
+        with ctx:
+            tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
+                                             return_proposal=True, generator=generator, max_rows=max_rows)
+        e = score_continuations(energy, prefix, tokens, P, ectx or ctx, max_rows)
+        log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e
+        lse, lse2 = torch.logaddexp(lse, log_w.logsumexp(1)), torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
+        u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
+        keys = dict(joint=log_w - torch.log(-torch.log(u.clamp_min(1e-300))), worst=e)
+        if s == 0:
+            base = (tokens[:, 0], e[:, 0])  # the LM's own sample, to compare with
+        for name, key in keys.items():
+            v, i = key.max(1)
+            new = (v, tokens[rows, i], e[rows, i])
+            if name in keep:
+                take = v > keep[name][0]
+                new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b)
+                            for a, b in zip(new, keep[name]))
+            keep[name] = new
+    out = {name: t for name, (_, t, _) in keep.items()}
+    out.update({f'{name}_energy': e for name, (_, _, e) in keep.items()})
+    out['base'], out['base_energy'] = base
+    out['ess'] = torch.exp(2 * lse - lse2)  # Kish: (sum w)^2 / sum w^2
+    return out

@@ -28,12 +28,11 @@ import os
 import torch
 
 from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json, write_text
-from energy import load_energy
+from energy import joint_sample, load_energy
 from metrics import METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, metric_energy_state, parse_metrics
 from model import file_hash, load_lm, save_checkpoint
 from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
                      rng, run_main, setup)
-from sample import joint_sample
 
 
 def get_args(argv=None):

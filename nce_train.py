@@ -35,8 +35,8 @@ from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
 from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
                      check_training_dtype, check_writable, checkpoint_hint, given_flags, log_step,
-                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
-                     setup_training, teardown_distributed, training_memory, write_log)
+                     optimizer_step, pick_device, prepare_training, progress, resumed_dtype, rng, run_main,
+                     set_lr, setup_training, teardown_distributed, training_memory, write_log)
 
 
 def get_args(argv=None):
@@ -106,6 +106,7 @@ def check_resume(args, given):
     if ckpt['kind'] != 'energy':
         return  # build() says what it holds instead
     saved = ckpt.get('args', {})
+    args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
     for name in sorted(set(RESUME_FIXED) & given):
         if name in saved and getattr(args, name) != saved[name]:
             raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "

@@ -180,7 +180,7 @@ def setup_training(args):
     """A trainer's start: the device (DDP under torchrun), the training precision and the seed of
     this process's dropout; --grad_accum checked to split evenly over the processes."""
     rank, world_size, device = setup(args.device)
-    dtype, ctx = precision(device, resumed_dtype(args), 'train', verbose=rank == 0)
+    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
     args.dtype = dtype  # recorded with the flags in every checkpoint: a --resume continues in it
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
@@ -193,21 +193,14 @@ def given_flags(argv=None):
     return {a.split('=')[0][2:] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')}
 
 
-def resumed_dtype(args):
-    """--dtype, or on --resume the precision the checkpoint trained in (its recorded flags): a run
-    does not change precision halfway; a --dtype that contradicts it is refused."""
-    path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not (args.resume and os.path.exists(path)):
-        return args.dtype
-    try:
-        saved = torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('args', {})
-        saved = saved.get('dtype')
-    except Exception:  # not a checkpoint: loading it says so, with the fix
-        return args.dtype
-    if saved in (None, 'auto'):  # a checkpoint from before precision was recorded
-        return args.dtype
-    if args.dtype not in ('auto', saved):
-        raise ValueError(f"--dtype {args.dtype} contradicts {path} (trained in {saved}): --resume continues "
+def resumed_dtype(dtype, saved, path):
+    """The --dtype of a --resume: `saved`, the precision the checkpoint at path trained in (recorded
+    with its flags), so that a run does not change precision halfway; a --dtype that contradicts it
+    is refused. A checkpoint from before precision was recorded (saved None) keeps --dtype."""
+    if saved in (None, 'auto'):
+        return dtype
+    if dtype not in ('auto', saved):
+        raise ValueError(f"--dtype {dtype} contradicts {path} (trained in {saved}): --resume continues "
                          f"in the checkpoint's precision; drop --dtype, or start a new run in another "
                          f"--out_dir")
     return saved

@@ -2,8 +2,8 @@
 Generation from the joint model P_LM exp(-E) (Section 3.3).
 
 - algorithm_1, Algorithm 1 in five lines: draw n continuations from the LM (top-k), score them
-  with the energy, resample one with probability ∝ exp(-E); joint_sample, the same draw in
-  chunks with a running Gumbel-max choice, so n = 10^4 runs in bounded memory, with the
+  with the energy, resample one with probability ∝ exp(-E); energy.joint_sample, the same draw
+  in chunks with a running Gumbel-max choice, so n = 10^4 runs in bounded memory, with the
   options: weights exp(-E) P_LM / q (the untruncated joint model as target, on the support top-k
   can reach) and the effective sample size (Kish) that says when the weights collapse.
 - topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top 128 next
@@ -19,13 +19,12 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import math
-from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import load_energy, sample_log_weights, score, score_continuations
+from energy import joint_sample, load_energy, sample_log_weights, score, score_continuations
 from runtime import (DTYPES, ArgumentParser, at_least, check_memory, check_new, check_writable, precision,
                      progress, rng, run_main, setup)
 from tokenizer import load_tokenizer
@@ -39,48 +38,6 @@ def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None):
     x = torch.cat([prefix.expand(n, -1), tokens[0]], dim=1)
     w = torch.softmax(-energy(x, prefix.size(1)).double(), dim=0)
     return tokens[0, torch.multinomial(w, 1, generator=generator)[0]]
-
-
-@torch.no_grad()
-def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=False, generator=None,
-                 ctx=None, max_rows=256, ectx=None):
-    """Algorithm 1 for each row of prefix (B, P), in chunks of at most max_rows sequences so that
-    n = 10^4 fits in memory: the argmax of log w + Gumbel noise is a draw ∝ w, and an argmax
-    can run over chunks. Returns a dict of (B, L) token tensors 'joint' (resampled ∝ exp(-E),
-    or with correct_proposal ∝ exp(-E) P_LM/q: the target is then the untruncated joint model,
-    on the support top-k can reach), 'worst' (highest energy), 'base' (the first LM sample),
-    their energies, and 'ess' (B,), the Kish effective sample size of the weights."""
-    B, P = prefix.shape
-    ctx = ctx or nullcontext()
-    rows = torch.arange(B, device=prefix.device)
-    lse = lse2 = torch.full((B,), float('-inf'), dtype=torch.float64, device=prefix.device)  # log sum w, w^2
-    keep = {}  # name -> (best key so far, its tokens, its energy)
-    per = max(1, max_rows // B)
-    for s in range(0, n, per):
-        c = min(per, n - s)
-        with ctx:
-            tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
-                                             return_proposal=True, generator=generator, max_rows=max_rows)
-        e = score_continuations(energy, prefix, tokens, P, ectx or ctx, max_rows)
-        log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e
-        lse, lse2 = torch.logaddexp(lse, log_w.logsumexp(1)), torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
-        u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
-        keys = dict(joint=log_w - torch.log(-torch.log(u.clamp_min(1e-300))), worst=e)
-        if s == 0:
-            base = (tokens[:, 0], e[:, 0])  # the LM's own sample, to compare with
-        for name, key in keys.items():
-            v, i = key.max(1)
-            new = (v, tokens[rows, i], e[rows, i])
-            if name in keep:
-                take = v > keep[name][0]
-                new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b)
-                            for a, b in zip(new, keep[name]))
-            keep[name] = new
-    out = {name: t for name, (_, t, _) in keep.items()}
-    out.update({f'{name}_energy': e for name, (_, _, e) in keep.items()})
-    out['base'], out['base_energy'] = base
-    out['ess'] = torch.exp(2 * lse - lse2)  # Kish: (sum w)^2 / sum w^2
-    return out
 
 
 @torch.no_grad()

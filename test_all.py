@@ -65,7 +65,7 @@ from data import (load_meta, load_negatives, load_split, window_tokens, windows,
                   write_json)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from energy import (Energy, build_energy, energy_state, load_energy, mlm_mask,  # noqa: E402
+from energy import (Energy, build_energy, energy_state, joint_sample, load_energy, mlm_mask,  # noqa: E402
                     sample_log_weights, score, score_continuations)
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, leave_one_out_lse,  # noqa: E402
                           logz_bounds, mc_se, per_step, per_step_report, summarize)
@@ -73,7 +73,7 @@ import model as model_module  # noqa: E402
 from model import (GPT, RALM, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm,  # noqa: E402
                    proposal_logprobs, save_checkpoint, width_for_params)
 from runtime import rng, rng_seed  # noqa: E402
-from sample import joint_sample, next_token_table, topk_autoregressive, unique_ngrams  # noqa: E402
+from sample import next_token_table, topk_autoregressive, unique_ngrams  # noqa: E402
 from tokenizer import EOT, build_tokenizer, load_tokenizer, tokenizer_meta  # noqa: E402
 from train_lm import PAPER_PRESETS  # noqa: E402
 
@@ -4797,10 +4797,8 @@ def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
 
 MODULES = {'model.py', 'energy.py', 'metrics.py', 'tokenizer.py', 'runtime.py',
            'data/__init__.py'}  # figures.py is a script
-# the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z;
-# the talk's table in metric_ebm.py samples the joint models by Algorithm 1
-METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'},
-                ('metric_ebm.py', 'sample.py'): {'joint_sample'}}
+# the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z
+METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'}}
 MAX_FUNCTION_LINES = 60  # the def line included
 MAX_LINE_CHARS = 110
 

@@ -31,8 +31,8 @@ from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint
                    width_for_params)
 from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
                      check_training_dtype, check_writable, checkpoint_hint, given_flags, log_step,
-                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
-                     setup_training, teardown_distributed, training_memory, write_log)
+                     optimizer_step, pick_device, prepare_training, progress, resumed_dtype, rng, run_main,
+                     set_lr, setup_training, teardown_distributed, training_memory, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -143,6 +143,7 @@ def check_resume(args, given):
     ckpt = load_checkpoint(path)
     if ckpt['kind'] not in ('lm', 'mlm'):
         return  # build_model says what it holds instead
+    args.dtype = resumed_dtype(args.dtype, ckpt.get('args', {}).get('dtype'), path)
     saved = dict(ckpt['config'], objective=ckpt.get('objective', ckpt['kind']), gamma=ckpt.get('gamma'))
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
