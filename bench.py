@@ -46,6 +46,7 @@ import sys
 import time
 from contextlib import nullcontext
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import torch
 import torch.nn.functional as F
 

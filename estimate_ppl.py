@@ -19,6 +19,7 @@ enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep
 import math
 import os
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -25,6 +25,7 @@ results.json and results.txt.
 import math
 import os
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import torch
 
 from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json, write_text

@@ -25,6 +25,7 @@ import math
 import os
 import time
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -20,6 +20,7 @@ byte-identical files.
 
 import os
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import numpy as np
 import torch
 import torch.distributed as dist

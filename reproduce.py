@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import torch
 
 from data import read_json, write_json

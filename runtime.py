@@ -1,7 +1,8 @@
 """
-What every script needs around the method, in one place: the device, the precision (chosen by
-measuring this machine), DDP from torchrun's environment, random streams, the optimizer and its
-schedule, progress bars, and the one-line error exit. Nothing here is specific to the paper.
+What every script needs around the method, in one place: threads on a shared machine, the device,
+the precision (from what the hardware has), DDP from torchrun's environment, random streams, the
+optimizer and its schedule, progress bars, and the one-line error exit. Nothing here is specific
+to the paper. Scripts import it before torch: see openmp_wait_policy.
 """
 
 import argparse
@@ -19,10 +20,61 @@ import zlib
 from contextlib import nullcontext
 
 import numpy as np
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
+
+# -----------------------------------------------------------------------------
+# threads on a shared machine: decided before torch loads, as OpenMP reads its policy only then
+
+
+def cores_in_use(seconds=0.1, stat='/proc/stat'):
+    """How many cores were busy over the next `seconds` (Linux's /proc/stat; None elsewhere)."""
+    def ticks():
+        with open(stat) as f:
+            times = [int(t) for t in f.readline().split()[1:9]]
+        return sum(times), times[3] + times[4]  # all, idle + iowait
+    try:
+        total0, idle0 = ticks()
+        time.sleep(seconds)  # this process sleeps, so what is busy is the others
+        total1, idle1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 == total0:
+        return None
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
+def openmp_wait_policy(environ=os.environ, busy=cores_in_use):
+    """(OMP_WAIT_POLICY for this run, or None for OpenMP's default; why), as the run starts.
+    OpenMP threads that finish their share early spin (libgomp's default): fastest on an idle
+    machine, but beside another busy process the spinning threads take the cores the work needs
+    (this 2-core CPU trained 3.7x slower than with one thread beside a busy loop; two such runs
+    8-17x slower each). Where other processes keep a core busy as the run starts, the threads
+    sleep instead (PASSIVE: as fast as one thread there, EXPERIMENTS.md). That changes when threads
+    wait, not what they compute: the same numbers either way (tested), unlike a thread count that
+    followed the load."""
+    if 'OMP_WAIT_POLICY' in environ:
+        return None, f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']} as set"
+    cores = os.cpu_count() or 1
+    first = environ.get('OMP_NUM_THREADS', '').split(',')[0].strip()
+    threads = int(first) if first.isdigit() and int(first) > 0 else cores
+    if threads == 1:
+        return None, 'one thread'
+    in_use = busy()
+    if in_use is None or in_use < cores - threads + 0.5:
+        return None, 'spinning while they wait: a core for each as the run started'
+    return 'PASSIVE', f'sleeping while they wait: {in_use:.1f} of {cores} cores busy as the run started'
+
+
+WAIT_POLICY, THREADS_WHY = openmp_wait_policy()
+if WAIT_POLICY:
+    os.environ['OMP_WAIT_POLICY'] = WAIT_POLICY
+
+import torch  # noqa: E402  (after the wait policy: OpenMP reads it once, as torch loads it)
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+if WAIT_POLICY:
+    del os.environ['OMP_WAIT_POLICY']  # read: the processes this one starts decide for themselves
 
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 
@@ -115,7 +167,10 @@ def precision(device, dtype, work='train', verbose=True, width=None):
 
 def setup(device):
     """(rank, world_size, device): the device picked, and DDP set up under torchrun."""
-    return setup_distributed(pick_device(device))
+    rank, world_size, device = setup_distributed(pick_device(device))
+    if device == 'cpu' and rank == 0:
+        print(f"threads: {torch.get_num_threads()}, {THREADS_WHY}", flush=True)
+    return rank, world_size, device
 
 
 # -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 
 import math
 
+import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
 import numpy as np
 import torch
 

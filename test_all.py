@@ -4206,6 +4206,45 @@ def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
                         f"rerun the same command to finish them: {shlex.join(['python', *argv])}"), lines[0]
 
 
+def test_kill_9_under_load_then_resume_is_exact(cli_artifacts, tmp_path):
+    """kill -9 of train_lm.py and negatives.py beside a busy process (two threads, --dtype auto,
+    OpenMP's wait policy chosen for the load), then the resume: the same weights (torch.equal) and
+    byte-identical negatives as uninterrupted runs on the idle machine."""
+    def argvs(name):
+        train = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', str(tmp_path / name),
+                 '--max_iters', '100', '--eval_interval', '5', '--final_eval', '0', *CLI_TRAIN]
+        neg = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--max_prefixes', '40',
+               '--chunk', '1', '--out_dir', str(tmp_path / f'{name}_neg'), *CLI_NEG]
+        return [[a if a != 'float32' else 'auto' for a in argv] for argv in (train, neg)]
+    env = dict(os.environ, OMP_NUM_THREADS='2')
+    for argv in argvs('a'):
+        res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert res.returncode == 0, res.stderr
+    busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+    try:
+        train, neg = argvs('b')
+        ckpt, done = tmp_path / 'b' / 'ckpt.pt', tmp_path / 'b_neg' / 'done.bin'
+        for argv, saved in ((train, ckpt.exists),
+                            (neg, lambda: done.exists() and negatives.chunks_done(str(done.parent)) >= 3)):
+            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=env)
+            wait_for(saved, proc)
+            proc.kill()
+            proc.wait()
+        assert load_checkpoint(str(ckpt))['iter_num'] < 100
+        assert negatives.chunks_done(str(done.parent)) < len(done.read_bytes())  # killed before the end
+        for argv in (train + ['--resume'], neg):
+            res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+            assert res.returncode == 0, res.stderr
+    finally:
+        busy.kill()
+        busy.wait()
+    ca, cb = (load_checkpoint(str(tmp_path / d / 'ckpt.pt')) for d in 'ab')
+    assert ca['iter_num'] == cb['iter_num'] == 100
+    assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
+    assert neg_files(str(tmp_path / 'a_neg')) == neg_files(str(tmp_path / 'b_neg'))
+
+
 def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
     """Ctrl-C at the terminal (SIGINT to the whole process group) during a stage: the stage is
     stopped with the pipeline, and the one line is the pipeline's: rerun it."""
@@ -4724,6 +4763,75 @@ def test_auto_dtype_on_cpu_from_the_hardware(monkeypatch, units, expected):
         assert runtime.choose_dtype('cpu', 'auto', work, wide)[0] == expected
         assert runtime.choose_dtype('cpu', 'auto', work, narrow)[0] == 'float32'
     assert runtime.choose_dtype('cpu', 'float32', 'train') == ('float32', 'asked for')
+
+
+def test_openmp_wait_policy_follows_the_load_at_start(monkeypatch):
+    """Threads spin while they wait where each has a core, and sleep (PASSIVE) where other
+    processes keep one busy; the user's OMP_WAIT_POLICY, or a single thread, left as they are."""
+    monkeypatch.setattr(os, 'cpu_count', lambda: 4)
+
+    def policy(environ, in_use):
+        return runtime.openmp_wait_policy(environ, lambda: in_use)[0]
+    assert policy({}, 0.2) is None and policy({}, None) is None  # idle, or no /proc/stat
+    assert policy({}, 1.0) == 'PASSIVE' and policy({'OMP_NUM_THREADS': '4'}, 0.7) == 'PASSIVE'
+    assert policy({'OMP_NUM_THREADS': '2'}, 1.0) is None  # 2 threads, 3 free cores
+    assert policy({'OMP_NUM_THREADS': '2'}, 2.6) == 'PASSIVE'
+    assert policy({'OMP_NUM_THREADS': '1'}, 4.0) is None
+    assert policy({'OMP_WAIT_POLICY': 'ACTIVE'}, 4.0) is None
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/stat'), reason='Linux only')
+def test_cores_in_use_sees_a_busy_process():
+    busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+    try:
+        time.sleep(0.3)
+        assert 0.8 <= runtime.cores_in_use(0.5) <= os.cpu_count() + 0.1
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+WAIT_POLICY_RUN = """
+import runtime, sys, torch
+from model import GPT, GPTConfig
+torch.manual_seed(0)
+model = GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=128))
+x = torch.randint(0, 97, (8, 64))
+_, loss = model(x, x)
+loss.backward()
+tokens, logp = model.generate(x[:, :8], 16, num_samples=2, generator=torch.Generator().manual_seed(1))
+torch.save({'grads': [p.grad for p in model.parameters()], 'tokens': tokens, 'logp': logp}, sys.argv[1])
+"""
+
+
+def test_wait_policy_changes_no_number(tmp_path):
+    """Two threads that spin or sleep while they wait compute the same gradients and samples."""
+    out = {}
+    for policy in ('ACTIVE', 'PASSIVE'):
+        out[policy] = str(tmp_path / policy)
+        env = dict(os.environ, OMP_NUM_THREADS='2', OMP_WAIT_POLICY=policy)
+        res = subprocess.run([sys.executable, '-c', WAIT_POLICY_RUN, out[policy]], cwd=ROOT, text=True,
+                             capture_output=True, env=env)
+        assert res.returncode == 0, res.stderr
+    a, p = (torch.load(out[k], weights_only=True) for k in ('ACTIVE', 'PASSIVE'))
+    assert torch.equal(a['tokens'], p['tokens']) and torch.equal(a['logp'], p['logp'])
+    assert all(map(torch.equal, a['grads'], p['grads']))
+
+
+def test_scripts_import_runtime_before_torch():
+    """OpenMP reads its wait policy once, as torch loads: every script imports runtime first."""
+    scripts = [f for f in os.listdir(ROOT) if f.endswith('.py') and f not in ('runtime.py', 'test_all.py')
+               and "__name__ == '__main__'" in open(os.path.join(ROOT, f)).read()]
+    checked = 0
+    for script in scripts:
+        tree = ast.parse(open(os.path.join(ROOT, script)).read())
+        names = [alias.name.split('.')[0] if isinstance(node, ast.Import) else node.module
+                 for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                 for alias in (node.names if isinstance(node, ast.Import) else [None])]
+        if 'torch' in names:
+            assert 'runtime' in names[:names.index('torch')], script
+            checked += 1
+    assert checked >= 7
 
 
 def test_resume_keeps_the_precision_of_the_run(lm_corpus, tmp_path, monkeypatch):
