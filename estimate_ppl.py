@@ -316,7 +316,7 @@ def get_args(argv=None):
     a('--force', action='store_true', help='replace --out (and the .txt beside it) if it exists')
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES,
-      help='autocast dtype of sampling and of scoring (auto: each measured)')
+      help='autocast dtype of sampling and of scoring (auto: from the hardware and the widths)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)

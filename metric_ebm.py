@@ -32,8 +32,8 @@ from data import check_fits, load_lm_and_data, load_split, window_tokens, window
 from energy import joint_sample, load_energy
 from metrics import METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, metric_energy_state, parse_metrics
 from model import file_hash, load_lm, save_checkpoint
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
-                     rng, run_main, setup)
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
+                     precision, progress, rng, run_main, setup)
 
 
 def get_args(argv=None):
@@ -63,7 +63,8 @@ def get_args(argv=None):
     a('--out_dir', default='out/metrics')
     a('--force', action='store_true', help='replace the results of an earlier fit in --out_dir')
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES, help='autocast dtype of sampling, scoring (auto: measured)')
+    a('--dtype', default='auto', choices=DTYPES,
+      help='autocast dtype of sampling, scoring (auto: from the hardware)')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
@@ -75,6 +76,11 @@ def get_args(argv=None):
         if not all(spec.partition('=')):
             raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
     args.check_splits = [s for s in args.check_splits.split(',') if s]
+    # held at once: float64 features (B, pool, K) of every split, a chunk of samples with their energies
+    K = len(args.metrics.split(',')) + len(args.energy_metric)
+    prefixes = args.prefixes + args.check_prefixes * len(args.check_splits)
+    check_memory(8 * K * prefixes * args.pool + args.chunk * max(args.pool, args.n) * (8 * args.gen_len + 8),
+                 f"--prefixes/--check_prefixes {prefixes} x --pool {args.pool}", "lower them")
     check_writable(args.out_dir, '--out_dir')
     check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
               also=[os.path.join(args.out_dir, f) for f in ('energy.pt', 'energy_aggregate.pt')])

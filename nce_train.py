@@ -259,10 +259,10 @@ def build(args, meta, length, rows):
         raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
                          f"{model.config.block_size}: regenerate shorter negatives or give the energy a "
                          f"larger block")
-    if pick_device(args.device) == 'cpu':  # (a GPU's own memory is not checked)
-        check_memory(training_memory(model.config, rows),
-                     f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
-                     "lower --batch_size (--grad_accum keeps the batch)")
+    device = pick_device(args.device)
+    check_memory(training_memory(model.config, rows, device),
+                 f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
+                 "lower --batch_size (--grad_accum keeps the batch)", device)
     return model, ckpt
 
 

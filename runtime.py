@@ -442,28 +442,38 @@ def check_free_space(path, nbytes, flag):
                          f"free some space or choose another path")
 
 
-def check_memory(nbytes, what, fix):
-    """Refuses work whose arrays alone need more memory than this machine has available now
-    (Linux's MemAvailable; elsewhere nothing is checked): one line with both numbers and the fix."""
+def available_memory(device='cpu'):
+    """Bytes free for new arrays now: a CUDA GPU's free memory, Linux's MemAvailable on the CPU;
+    None where it cannot be read (other systems, Apple's MPS)."""
+    if device.startswith('cuda'):  # under torchrun, the rank's own GPU (before DDP setup picks it)
+        return torch.cuda.mem_get_info(device if ':' in device else int(os.environ.get('LOCAL_RANK', 0)))[0]
     try:
         with open('/proc/meminfo') as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
     except (OSError, StopIteration, ValueError):
-        return
-    if nbytes > avail:
+        return None
+
+
+def check_memory(nbytes, what, fix, device='cpu'):
+    """Refuses work whose arrays alone need more memory than the device has available now: one
+    line with both numbers and the fix (nothing checked where available_memory cannot tell)."""
+    avail = available_memory(device) if device == 'cpu' or device.startswith('cuda') else None
+    if avail is not None and nbytes > avail:
+        where = f' on {device}' if device != 'cpu' else ''
         raise ValueError(f"{what} needs ~{nbytes / 2**30:.1f} GiB of memory, more than the "
-                         f"{avail / 2**30:.1f} GiB available: {fix}")
+                         f"{avail / 2**30:.1f} GiB available{where}: {fix}")
 
 
-def training_memory(config, batch_size):
-    """Bytes a training step of a GPT-shaped model holds at least, in float32: weights, gradients
-    and AdamW's two moments (16 per parameter), and what autograd keeps: ~16 (B, T, C) tensors and
-    the attention weights (B, nh, T, T) per layer, and the logits (B, T, V) twice."""
+def training_memory(config, batch_size, device='cpu'):
+    """Bytes a training step of a GPT-shaped model holds at least: weights, gradients and AdamW's
+    two moments (16 per parameter, fp32), and what autograd keeps: ~16 (B, T, C) tensors and the
+    attention weights (B, nh, T, T) per layer, and the logits (B, T, V) twice, in fp32 on a CPU and
+    at 2 bytes on a GPU (its autocast, bf16 or fp16: a lower bound in fp32 too)."""
     c, B = config, batch_size
     params = 12 * c.n_layer * c.n_embd ** 2 + (c.vocab_size + c.block_size) * c.n_embd
     acts = (c.n_layer * B * c.block_size * (16 * c.n_embd + 2 * c.n_head * c.block_size)
             + 2 * B * c.block_size * c.vocab_size)
-    return 16 * params + 4 * acts
+    return 16 * params + (2 if device.startswith('cuda') else 4) * acts
 
 
 # -----------------------------------------------------------------------------

@@ -3997,6 +3997,7 @@ CLI_TABLE = [
     ('me-metric-unknown', [*MX, '--metrics', 'tr-3,foo'], "unknown metric 'foo'"),
     ('me-metric-too-long', [*MX, '--metrics', 'rep-5'], 'at least 5 tokens'),
     ('me-pool-1', [*MX, '--pool', '1'], '--pool 1'),
+    ('me-pool-beyond-memory', [*MX, '--pool', '4000000000'], '--pool 4000000000 needs'),
     ('me-top-p-2', [*MX, '--top_p', '2'], '--top_p 2'),
     ('me-energy-metric-no-name', [*MX, '--energy_metric', 'BIT'], "'BIT' must be NAME=CHECKPOINT"),
     ('me-energy-metric-missing', [*MX, '--energy_metric', 'BIT={missing}'], 'missing.pt does not exist'),
@@ -4832,6 +4833,26 @@ def test_scripts_import_runtime_before_torch():
             assert 'runtime' in names[:names.index('torch')], script
             checked += 1
     assert checked >= 7
+
+
+def test_check_memory_on_a_gpu(monkeypatch):
+    """On CUDA the GPU's free memory is the limit (the rank's own GPU under torchrun), and
+    training activations count at autocast's 2 bytes: only work that cannot fit is refused."""
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 8 * 2**30, 80 * 2**30
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', mem_get_info)
+    monkeypatch.setenv('LOCAL_RANK', '3')
+    runtime.check_memory(7 * 2**30, 'x', 'fix', 'cuda')
+    with pytest.raises(ValueError, match=r'~9.0 GiB of memory, more than the 8.0 GiB available on cuda:1'):
+        runtime.check_memory(9 * 2**30, 'x', 'fix', 'cuda:1')
+    assert asked == [3, 'cuda:1']
+    config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
+    gpu, cpu = runtime.training_memory(config, 12, 'cuda'), runtime.training_memory(config, 12)
+    assert 16 * config.n_layer * 12 * 768 * 2 < gpu < cpu < 2 * gpu  # GPT-2 small, nanoGPT's batch
+    runtime.check_memory(1e30, 'x', 'fix', 'mps')  # nothing to read there: not checked
 
 
 def test_resume_keeps_the_precision_of_the_run(lm_corpus, tmp_path, monkeypatch):

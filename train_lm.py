@@ -291,9 +291,9 @@ def build_model(args, meta):
                              f"gives {n_params:,} parameters: change --n_layer to get near it")
     what = (f"training {args.n_layer} layers of n_embd {args.n_embd} on --batch_size {args.batch_size} x "
             f"--block_size {args.block_size}")
-    if pick_device(args.device) == 'cpu':  # (a GPU's own memory is not checked)
-        check_memory(training_memory(config, args.batch_size), what,
-                     "lower them (--grad_accum keeps the batch)")
+    device = pick_device(args.device)
+    check_memory(training_memory(config, args.batch_size, device), what,
+                 "lower them (--grad_accum keeps the batch)", device)
     if args.residual_of:
         base = load_lm(args.residual_of, meta=meta)[0]
         if args.block_size > base.config.block_size:
