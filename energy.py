@@ -62,15 +62,15 @@ class Energy(nn.Module):
             lengths = None if lengths is None else lengths - cut
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
-        real = pos[None, :] < (lengths[:, None] if lengths is not None else T)
+        real = pos[None, :] < (lengths[:, None] if lengths is not None else T)  # (B, T) not padding
         mask = None
         if lengths is not None:  # keys at padding are invisible; pad queries see real keys only
-            mask = real[:, None, None, :]
+            mask = real[:, None, None, :]  # (B, 1, 1, T): over heads and queries
             if self.config.causal:
                 mask = mask & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-        h = self.body.hidden(idx, mask=mask)
+        h = self.body.hidden(idx, mask=mask)  # (B, T, C) final hidden states
         w = real & (pos[None, :] >= prefix_len) if self.pool == 'continuation' else real
-        w = w.float()[..., None]
+        w = w.float()[..., None]  # (B, T, 1) the pooled positions
         pooled = (h.float() * w).sum(1) / w.sum(1)  # (B, C) mean over the pooled positions
         return self.project(pooled)
 
@@ -99,17 +99,18 @@ class Energy(nn.Module):
         prompt, prefix_len = prompt[:, cut:], prefix_len - cut
         (B, P), L = prompt.shape, tokens.size(2)
         prompt_cache = self.body.new_cache(B, P)
-        h = self.body.hidden(prompt, prompt_cache)
+        h = self.body.hidden(prompt, prompt_cache)  # (B, P, C), its K/V kept in prompt_cache
         first = prefix_len if self.pool == 'continuation' else 0  # the pooled prompt positions
-        prompt_sum, count = h[:, first:].float().sum(1), P - first + L
+        prompt_sum = h[:, first:].float().sum(1)  # (B, C)
+        count = P - first + L
         out = []
-        for t in tokens.split(max(1, rows // B), dim=1):
+        for t in tokens.split(max(1, rows // B), dim=1):  # (B, c, L): c continuations of each prompt
             own = self.body.new_cache(B * t.size(1), L)
             cache = [(k, v, *p) for (k, v), p in zip(own, prompt_cache)]
-            h = self.body.hidden(t.flatten(0, 1), cache, pos=P)
-            pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.float().sum(1)) / count
+            h = self.body.hidden(t.flatten(0, 1), cache, pos=P)  # (B*c, L, C)
+            pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.float().sum(1)) / count  # (B*c, C)
             out.append(self.project(pooled).view(B, -1))
-        return torch.cat(out, 1)
+        return torch.cat(out, 1)  # (B, n)
 
 
 def mlm_mask(x, vocab_size, mask_id, generator=None, p=0.15):
@@ -218,10 +219,11 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
         extra = dict(known=known) if hasattr(energy, 'features_shared') else {}  # a metrics.MetricEnergy
         with ctx:
             return energy.forward_shared(prompts, tokens, prefix_len, rows, **extra).double()
-    return torch.cat([score(energy,
-                            torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2).flatten(0, 1),
-                            prefix_len, ctx, max_rows, max_tokens).view(B, -1)
-                      for t in tokens.split(max(1, max_rows // B), dim=1)], 1)
+    out = []
+    for t in tokens.split(max(1, max_rows // B), dim=1):  # (B, c, L): c continuations of each prompt
+        x = torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2)  # (B, c, P+L)
+        out.append(score(energy, x.flatten(0, 1), prefix_len, ctx, max_rows, max_tokens).view(B, -1))
+    return torch.cat(out, 1)  # (B, n)
 
 
 @torch.no_grad()
@@ -235,7 +237,8 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
     original one."""
     prefix_len = prefixes.size(1) if prefix_len is None else prefix_len
     with ctx:
-        tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator, max_rows=max_rows)
+        tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator,
+                                max_rows=max_rows)  # (B, n, gen_len)
     known = {}  # each energy scored once, also where it is a metric of another (metrics.share_energies)
     for e in energies:
         if e not in known:
@@ -264,16 +267,17 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
         with ctx:
             tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
                                              return_proposal=True, generator=generator, max_rows=max_rows)
-        e = score_continuations(energy, prefix, tokens, P, ectx or ctx, max_rows)
-        log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e
-        lse, lse2 = torch.logaddexp(lse, log_w.logsumexp(1)), torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
+        e = score_continuations(energy, prefix, tokens, P, ectx or ctx, max_rows)  # (B, c): tokens (B, c, L)
+        log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e  # (B, c)
+        lse = torch.logaddexp(lse, log_w.logsumexp(1))
+        lse2 = torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
         u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
-        keys = dict(joint=log_w - torch.log(-torch.log(u.clamp_min(1e-300))), worst=e)
+        keys = dict(joint=log_w - torch.log(-torch.log(u.clamp_min(1e-300))), worst=e)  # Gumbel-max; max E
         if s == 0:
             base = (tokens[:, 0], e[:, 0])  # the LM's own sample, to compare with
         for name, key in keys.items():
-            v, i = key.max(1)
-            new = (v, tokens[rows, i], e[rows, i])
+            v, i = key.max(1)  # (B,) the chunk's best key and where
+            new = (v, tokens[rows, i], e[rows, i])  # its key (B,), tokens (B, L), energy (B,)
             if name in keep:
                 take = v > keep[name][0]
                 new = tuple(torch.where(take.view(-1, *[1] * (a.dim() - 1)), a, b)

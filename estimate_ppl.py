@@ -38,8 +38,8 @@ def leave_one_out_lse(lw):
     """log sum_{j != i} exp(lw_j) for every i along the last dim, combined from prefix and suffix
     log-cum-sum-exps: no log(S - w_i), which cancels catastrophically when w_i dominates S."""
     ninf = torch.full_like(lw[..., :1], float('-inf'))
-    before = torch.cat([ninf, torch.logcumsumexp(lw, -1)[..., :-1]], -1)
-    after = torch.cat([torch.logcumsumexp(lw.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)
+    before = torch.cat([ninf, torch.logcumsumexp(lw, -1)[..., :-1]], -1)  # (..., n): log sum_{j<i}
+    after = torch.cat([torch.logcumsumexp(lw.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)  # sum_{j>i}
     return torch.logaddexp(before, after)
 
 
@@ -59,8 +59,8 @@ def logz_bounds(log_w):
     if n < 2:
         raise ValueError(f"the log Z bounds need at least 2 samples, got {n}")
     lw = log_w.double()
-    T_n = torch.logsumexp(lw, -1) - math.log(n)
-    T_n1 = (leave_one_out_lse(lw) - math.log(n - 1)).mean(-1)
+    T_n = torch.logsumexp(lw, -1) - math.log(n)  # (...)
+    T_n1 = (leave_one_out_lse(lw) - math.log(n - 1)).mean(-1)  # (...) the mean of n estimates from n-1
     return T_n, (2 * n - 1) * T_n - 2 * (n - 1) * T_n1
 
 

@@ -138,10 +138,10 @@ def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
     With top-k/top-p/temperature negatives, d_pos (B,) and d_neg (B, M) are the stored log-ratios
     (negatives.py). A real continuation that q cannot propose has d = +inf: it is data with
     certainty, its loss term is 0 and it carries no gradient (no inf - inf anywhere)."""
-    s_pos = -e_pos if d_pos is None else d_pos - e_pos
-    s_neg = -e_neg if d_neg is None else d_neg - e_neg
+    s_pos = -e_pos if d_pos is None else d_pos - e_pos  # (B,) logits of the real continuations
+    s_neg = -e_neg if d_neg is None else d_neg - e_neg  # (B, M) logits of the negatives
     if kind == 'binary':  # Eq. 3, averaged over the M negatives of each positive
-        loss = F.softplus(-s_pos) + F.softplus(s_neg).mean(1)
+        loss = F.softplus(-s_pos) + F.softplus(s_neg).mean(1)  # (B,)
     elif kind == 'ranking':  # -log softmax(s_pos, s_neg_1..M)[0] = log(1 + sum_j exp(s_neg_j - s_pos))
         loss = torch.logsumexp(F.pad(s_neg - s_pos[:, None], (1, 0)), 1)
     else:
@@ -155,26 +155,26 @@ def log_ratios(neg, rows, neg_idx, device='cpu'):
     d_pos is +inf where the real continuation lies outside q's support."""
     if untruncated(neg['meta']):
         return None, None
-    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]
-    d_neg = neg['logp'][rows[:, None], neg_idx] - neg['logq'][rows[:, None], neg_idx]
+    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]  # (B,)
+    d_neg = neg['logp'][rows[:, None], neg_idx] - neg['logq'][rows[:, None], neg_idx]  # (B, M)
     return torch.from_numpy(d_pos).to(device), torch.from_numpy(d_neg).to(device)
 
 
 def nce_batch(data, neg, rows, neg_idx, device):
     """(B*(1+M), P+L) tokens: the B positives, then for each row its M negatives (prefix + sample)."""
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
-    pos = window_tokens(data, neg['offsets'][rows], P + L)
+    pos = window_tokens(data, neg['offsets'][rows], P + L)  # (B, P+L) the real text
     samples = torch.from_numpy(neg['tokens'][rows[:, None], neg_idx].astype(np.int64))  # (B, M, L)
-    prefix = pos[:, None, :P].expand(-1, samples.size(1), -1)
-    negs = torch.cat([prefix, samples], dim=2).flatten(0, 1)
+    prefix = pos[:, None, :P].expand(-1, samples.size(1), -1)  # (B, M, P)
+    negs = torch.cat([prefix, samples], dim=2).flatten(0, 1)  # (B*M, P+L)
     return torch.cat([pos, negs]).to(device)
 
 
 def choose(n_rows, K, B, M, seed, split, it):
     """Rows of batch `it` and M distinct negatives of each, uniformly: a function of (seed, split, it)."""
     g = rng(seed, 'nce_pairs', split, it)
-    rows = torch.randint(n_rows, (B,), generator=g).numpy()
-    neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()
+    rows = torch.randint(n_rows, (B,), generator=g).numpy()  # (B,) prefixes, with replacement
+    neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()  # (B, M) of the K stored
     return rows, neg_idx
 
 
@@ -189,7 +189,7 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
         r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
         with ctx:
             e = model(nce_batch(data, neg, r, j, device), P)
-        e_pos, e_neg = e[:len(r)], e[len(r):].view(len(r), -1)
+        e_pos, e_neg = e[:len(r)], e[len(r):].view(len(r), -1)  # (b,), (b, M)
         l, acc = nce_loss(e_pos, e_neg, loss, *log_ratios(neg, r, j, device))
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
                               e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
@@ -368,7 +368,7 @@ def train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, 
             model.require_backward_grad_sync = m + world_size >= args.grad_accum
         with ctx:  # positives and their negatives in one forward
             e = model(nce_batch(train, neg, r, j, device), neg['meta']['prefix_len'])  # (B (1 + M),)
-        e_pos, e_neg = e[:B], e[B:].view(B, M)
+        e_pos, e_neg = e[:B], e[B:].view(B, M)  # (B,), (B, M)
         loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
         scaler.scale(loss / n_micro).backward()
         stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]

@@ -36,8 +36,8 @@ def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None):
     """Algorithm 1 as the paper writes it, for one prefix (1, P): draw n continuations from the
     top-k LM, weight them by softmax(-E), draw one. Returns its tokens (L,)."""
     tokens, _ = lm.generate(prefix, gen_len, num_samples=n, top_k=top_k, generator=generator)  # (1, n, L)
-    x = torch.cat([prefix.expand(n, -1), tokens[0]], dim=1)
-    w = torch.softmax(-energy(x, prefix.size(1)).double(), dim=0)
+    x = torch.cat([prefix.expand(n, -1), tokens[0]], dim=1)  # (n, P+L)
+    w = torch.softmax(-energy(x, prefix.size(1)).double(), dim=0)  # (n,) resampling weights
     return tokens[0, torch.multinomial(w, 1, generator=generator)[0]]
 
 
@@ -62,17 +62,20 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, gene
                          f"and m ({m}) >= 1")
     prefix_len = P if prefix_len is None else prefix_len
     with ctx:
-        logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)
+        logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)  # (B, V)
     cand_lp, cand_v = logp.topk(candidates, dim=-1)  # (B, C)
     if gen_len == 1:
-        log_z = -score_continuations(energy, prefix, cand_v[..., None], prefix_len, ctx, max_rows)
+        log_z = -score_continuations(energy, prefix, cand_v[..., None], prefix_len, ctx, max_rows)  # (B, C)
     else:  # groups small enough that every generate call draws >= min(m, 16) completions per prompt:
         # the prompts' forward, shared by their completions, stays a small part of the work
         x = torch.cat([prefix.repeat_interleave(candidates, 0), cand_v.reshape(-1, 1)], dim=1)  # (B*C, P+1)
         group = max(1, max_rows // min(m, 16))
-        log_z = torch.cat([sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows,
-                                              prefix_len)[0]
-                           .logsumexp(-1) - math.log(m) for rows in x.split(group)])
+        log_z = []
+        for rows in x.split(group):
+            log_w = sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows,
+                                       prefix_len)[0]  # (rows, m)
+            log_z.append(log_w.logsumexp(-1) - math.log(m))  # the Monte Carlo mean, in log space
+        log_z = torch.cat(log_z)  # (B*C,)
     top, i = (cand_lp + log_z.view(B, candidates)).topk(keep, dim=-1)
     return cand_v.gather(1, i), cand_lp.gather(1, i).exp(), torch.softmax(top, -1)
 
