@@ -21,7 +21,6 @@ at the lowest held-out NCE loss: the one to use, since NCE on a finite set of ne
 log.jsonl and results.json; checkpoints are written atomically.
 """
 
-import math
 import os
 import time
 
@@ -34,10 +33,10 @@ import torch.nn.functional as F
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
-from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
-                     check_training_dtype, check_writable, checkpoint_hint, given_flags, log_step,
-                     optimizer_step, pick_device, prepare_training, progress, resumed_dtype, rng, run_main,
-                     set_lr, setup_training, teardown_distributed, training_memory, write_log)
+from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check_heads, check_memory,
+                     check_resumed_flags, check_training_flags, checkpoint_hint, given_flags, log_step,
+                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
+                     setup_training, teardown_distributed, training_memory, write_log)
 
 
 def get_args(argv=None):
@@ -86,10 +85,7 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
-    check_args(args)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    if args.resume:
-        check_resume(args, given_flags(argv))
+    check_args(args, argv)
     return args
 
 
@@ -106,28 +102,20 @@ def check_resume(args, given):
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'energy':
         return  # build() says what it holds instead
-    saved = ckpt.get('args', {})
-    args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
-    for name in sorted(set(RESUME_FIXED) & given):
-        if name in saved and getattr(args, name) != saved[name]:
-            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
-                             f"--resume continues that energy; drop the flag, or start a new run in "
-                             f"another --out_dir")
+    check_resumed_flags(args, given, ckpt.get('args', {}), RESUME_FIXED, path, 'energy')
 
 
-def check_args(args):
-    """Every flag in range, before any work: one line naming the flag."""
+def check_args(args, argv):
+    """Every flag in range, and with --resume those given (argv) agreeing with the checkpoint,
+    before any work: one line naming the flag."""
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'num_neg', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_prefixes', 'log_interval')
     at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip', 'patience')
-    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
-    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
-    for name in ('dropout', 'beta1', 'beta2'):
-        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     if args.n_embd and args.n_head:
         check_heads(args.n_embd, args.n_head)
-    check_training_dtype(args)
-    check_writable(args.out_dir, '--out_dir')
+    check_training_flags(args)
+    if args.resume:
+        check_resume(args, given_flags(argv))
 
 
 def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):

@@ -150,11 +150,19 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device.split(':')[0], dtype=dtype)
 
 
-def check_training_dtype(args):
-    """fp16 training needs a GradScaler, which needs CUDA."""
+def check_training_flags(args):
+    """The optimisation flags both trainers share, in range (fp16 trains with a GradScaler, which
+    needs CUDA), and --out_dir writable; --lr_decay_iters defaults to --max_iters."""
+    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
+    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
+    check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
+    for name in ('dropout', 'beta1', 'beta2'):
+        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     if args.dtype == 'float16' and not pick_device(args.device).startswith('cuda'):
         raise ValueError("--dtype float16 trains with a GradScaler, which needs CUDA: pass --device cuda, or "
                          "--dtype bfloat16 or float32")
+    check_writable(args.out_dir, '--out_dir')
+    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
 
 
 def precision(device, dtype, work='train', verbose=True, width=None):
@@ -259,6 +267,17 @@ def resumed_dtype(dtype, saved, path):
                          f"in the checkpoint's precision; drop --dtype, or start a new run in another "
                          f"--out_dir")
     return saved
+
+
+def check_resumed_flags(args, given, saved, fixed, path, what):
+    """A --resume continues the `what` saved at path (saved: its flags) in its precision: a flag
+    given (`given`) among `fixed` that contradicts it is refused, as is a contradicting --dtype."""
+    args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
+    for name in sorted(set(fixed) & given):
+        if name in saved and getattr(args, name) != saved[name]:
+            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
+                             f"--resume continues that {what}; drop the flag, or start a new run in "
+                             f"another --out_dir")
 
 
 def prepare_training(raw_model, ckpt, args, device, dtype, world_size):

@@ -3914,6 +3914,7 @@ CLI_TABLE = [
     ('nce-existing-run', [*E, '--out_dir', '{nce}'], 'ckpt.pt exists: pass --resume'),
     ('nce-resume-nothing', [*E, '--resume'], 'does not exist: drop --resume'),
     ('nce-batch-beyond-memory', [*E, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
+    ('nce-weight-decay-inf', [*E, '--weight_decay', 'inf'], '--weight_decay inf'),
     ('nce-resume-other-kind', [*E, '--out_dir', '{nce}', '--resume', '--energy', 'unit'],
      '--energy unit contradicts'),
     ('nce-resume-other-width', [*E, '--out_dir', '{nce}', '--resume', '--n_embd', '32'],

@@ -31,9 +31,9 @@ from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint,
                    width_for_params)
 from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
-                     check_training_dtype, check_writable, checkpoint_hint, given_flags, log_step,
-                     optimizer_step, pick_device, prepare_training, progress, resumed_dtype, rng, run_main,
-                     set_lr, setup_training, teardown_distributed, training_memory, write_log)
+                     check_resumed_flags, check_training_flags, checkpoint_hint, given_flags, log_step,
+                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
+                     setup_training, teardown_distributed, training_memory, write_log)
 from tokenizer import load_tokenizer
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
@@ -91,10 +91,7 @@ def get_args(argv=None):
     if preset:
         p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
     args = p.parse_args(argv)
-    check_args(args)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    if args.resume:
-        check_resume(args, given_flags(argv))
+    check_args(args, argv)
     return args
 
 
@@ -130,7 +127,7 @@ def add_training_flags(a):
     a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
     a('--dtype', default='auto', choices=DTYPES,
       help="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
-           "on a CPU bf16 only where it measures faster than fp32)")
+           "on a CPU bf16 where it has bf16 units)")
     a('--compile', action='store_true', help='torch.compile the model')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true', help='no progress bar')
@@ -144,24 +141,20 @@ def check_resume(args, given):
     ckpt = load_checkpoint(path)
     if ckpt['kind'] not in ('lm', 'mlm'):
         return  # build_model says what it holds instead
-    args.dtype = resumed_dtype(args.dtype, ckpt.get('args', {}).get('dtype'), path)
-    saved = dict(ckpt['config'], objective=ckpt.get('objective', ckpt['kind']), gamma=ckpt.get('gamma'))
+    saved = dict(ckpt['config'], objective=ckpt.get('objective', ckpt['kind']), gamma=ckpt.get('gamma'),
+                 dtype=ckpt.get('args', {}).get('dtype'))
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    for name in sorted(shape & given):
-        if getattr(args, name) != saved[name]:
-            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
-                             f"--resume continues that model; drop the flag, or start a new run in "
-                             f"another --out_dir")
+    check_resumed_flags(args, given, saved, shape, path, 'model')
 
 
-def check_args(args):
-    """Every flag in range, before any work: one line naming the flag."""
+def check_args(args, argv):
+    """Every flag in range, and with --resume those given (argv) agreeing with the checkpoint,
+    before any work: one line naming the flag."""
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_iters', 'log_interval', 'match_params')
     at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip', 'patience', 'min_delta',
              'final_eval_windows')
-    check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
     try:
         args.snapshots = sorted({int(i) for i in args.snapshots.split(',') if i.strip()})
     except ValueError:
@@ -173,14 +166,11 @@ def check_args(args):
                          "the others none")
     if args.gamma is not None:
         check(args, 'gamma', lambda v: 0 <= v <= 1, 'in [0, 1]')
-    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
-    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
-    for name in ('dropout', 'beta1', 'beta2'):
-        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     if not args.match_params:  # else n_embd is chosen to fit
         check_heads(args.n_embd, args.n_head)
-    check_training_dtype(args)
-    check_writable(args.out_dir, '--out_dir')
+    check_training_flags(args)
+    if args.resume:
+        check_resume(args, given_flags(argv))
 
 
 def tailr_loss(logits, targets, gamma):
