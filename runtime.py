@@ -26,20 +26,23 @@ import numpy as np
 
 
 def cores_in_use(seconds=0.1, stat='/proc/stat'):
-    """How many cores were busy over the next `seconds` (Linux's /proc/stat; None elsewhere)."""
+    """How many cores other processes kept busy over the next `seconds` (Linux's /proc/stat; None
+    elsewhere). This process's own threads (numpy's, spinning just after it loads) do not count."""
     def ticks():
         with open(stat) as f:
             times = [int(t) for t in f.readline().split()[1:9]]
         return sum(times), times[3] + times[4]  # all, idle + iowait
     try:
         total0, idle0 = ticks()
-        time.sleep(seconds)  # this process sleeps, so what is busy is the others
+        own0, wall0 = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
         total1, idle1 = ticks()
+        own = (time.process_time() - own0) / (time.perf_counter() - wall0)  # cores this process used
     except (OSError, ValueError, IndexError):
         return None
     if total1 == total0:
         return None
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+    return max(0.0, (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1) - own)
 
 
 def openmp_wait_policy(environ=os.environ, busy=cores_in_use):

@@ -4793,6 +4793,27 @@ def test_cores_in_use_sees_a_busy_process():
         busy.wait()
 
 
+@pytest.mark.parametrize('own_spin', [False, True])
+def test_cores_in_use_leaves_out_this_process(monkeypatch, tmp_path, own_spin):
+    """Busy ticks of the whole machine (/proc/stat) less what this process itself used meanwhile
+    (numpy's threads spin just after it loads): half of 2 cores busy is 1.0, or 0 if it was us."""
+    stat = tmp_path / 'stat'
+    stat.write_text('cpu  100 0 0 1000 0 0 0 0 0 0\ncpu0 ...\n')
+    real_sleep = time.sleep
+
+    def sleep(seconds):
+        stat.write_text('cpu  200 0 0 1100 0 0 0 0 0 0\ncpu0 ...\n')  # 100 busy ticks of 200
+        t0 = time.perf_counter()
+        while own_spin and time.perf_counter() - t0 < seconds:
+            pass
+        real_sleep(0 if own_spin else seconds)
+    monkeypatch.setattr(os, 'cpu_count', lambda: 2)
+    monkeypatch.setattr(time, 'sleep', sleep)
+    in_use = runtime.cores_in_use(0.05, str(stat))
+    assert (in_use < 0.5) if own_spin else (0.9 < in_use <= 1.0)
+    assert runtime.cores_in_use(0.05, str(tmp_path / 'none')) is None  # not Linux
+
+
 WAIT_POLICY_RUN = """
 import runtime, sys, torch
 from model import GPT, GPTConfig
