@@ -30,8 +30,8 @@ from energy import load_energy, sample_log_weights, score, score_continuations
 from metrics import kl_to_lm, share_energies
 from model import file_hash, load_lm
 from tokenizer import load_tokenizer
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
-                     precision, progress, rng, run_main, setup, teardown_distributed)
+from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
+                     check_writable, precision, progress, rng, run_main, setup, teardown_distributed)
 
 
 def leave_one_out_lse(lw):
@@ -457,12 +457,17 @@ def main(argv=None):
     hashes = {'BASE LM': file_hash(args.lm),
               **{name: file_hash(path) for name, path in map(name_path, args.energy + args.extra_lm)}}
     out = dict(hashes=hashes, dtype=dict(sample=dtype, score=edtype), splits={}, rows=[])
-    for split in args.splits:
-        data = load_split(data_dir, split, meta)
-        offsets = windows(data, P, L, max_windows=args.max_prefixes or None)
+    datas = {split: load_split(data_dir, split, meta) for split in args.splits}
+    prefixes = {split: windows(data, P, L, max_windows=args.max_prefixes or None)
+                for split, data in datas.items()}
+    for split, offsets in prefixes.items():
         if len(offsets) < 2:
             raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: "
                              "lower --prefix_len/--gen_len")
+    # the JSON holds ~1 KiB per prefix and model (0.86 MB for 768 prefixes x 6 models)
+    check_free_space(args.out, 2**16 + 2**10 * sum(map(len, prefixes.values())) * len(params), '--out')
+    for split, data in datas.items():
+        offsets = prefixes[split]
         cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank,
                                  world_size, split)
         res = split_summary(cols, args, split, offsets, data, meta)

@@ -4288,6 +4288,18 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
     assert json.load(open(path)) == dict(a=1) and os.listdir(tmp_path) == ['results.json']
 
 
+def test_results_refused_up_front_on_a_full_disk(lm_ckpt, eval_ckpts, tmp_path, monkeypatch):
+    """estimate_ppl.py and sample.py check the free space for their JSON before any sampling:
+    one line with what is needed and what is free, nothing written."""
+    monkeypatch.setattr(shutil, 'disk_usage', lambda d: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(GPT, 'generate', None)  # any sampling would fail otherwise than with the line
+    for main, argv in ((estimate_ppl.main, ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'p.json')),
+                       (sample.main, sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'))):
+        with pytest.raises(ValueError, match=r'--out .*: needs 0\.\d MiB but .* has 0\.0 MiB free'):
+            main(argv)
+    assert os.listdir(tmp_path) == []
+
+
 def test_checkpoint_write_failure_names_the_file(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
 
