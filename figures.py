@@ -167,8 +167,11 @@ def save(plt, fig, path, dpi):
 def read_json(path, what):
     if not os.path.isfile(path):
         raise ValueError(f"no {path}: run {what} first (or reproduce.py, which runs it)")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}; empty or truncated?): rerun {what}") from None
 
 
 def get_args(argv=None):

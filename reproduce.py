@@ -292,7 +292,7 @@ def main(argv=None):
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
-    report(out, pipe.timings)
+    report(out, pipe.timings, args.data_dir)
 
 
 def evaluate(stage, path, lm_ckpt, neg, cfg, metric):
@@ -413,7 +413,7 @@ def print_estimate(timings, default):
               f"README lists each stage's time on its machines)", flush=True)
 
 
-def report(out, timings):
+def report(out, timings, data_dir):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the held-out NCE
     accuracies and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
     ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
@@ -427,7 +427,7 @@ def report(out, timings):
                     calibration=test.get('calibration'), num_samples=test['num_samples'],
                     num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))
-    print("\nTable 1 (Shakespeare; val and test only reported, the selection split chose best.pt)")
+    print(f"\nTable 1 ({data_dir}; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; "
           f"stage times (s): {timings}")

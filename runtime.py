@@ -431,6 +431,8 @@ def check_writable(path, flag, folder=True):
     """Fail now rather than after the work: the path (a folder, or a file with folder=False) must
     be creatable, which is tried with a temporary file in its nearest existing folder. Nothing
     is created."""
+    if not path:
+        raise ValueError(f"{flag} is empty: give a {'folder' if folder else 'file'} path")
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
     if not folder and os.path.isdir(path):

@@ -3517,6 +3517,7 @@ def test_reproduce_quick_end_to_end(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()))
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f'Table 1 ({data};' in res.stdout  # the corpus it ran on, not always Shakespeare
     rows = {(r['model'], r['split']): r for r in json.load(open(out / 'results.json'))['rows']}
     assert {m for m, _ in rows} == {'BASE LM', 'RALM', 'BALM', 'TAILR', 'JOINT UNIT', 'JOINT BIT',
                                     'JOINT METRICS', 'JOINT METRICS+BIT'}
@@ -3856,6 +3857,7 @@ CLI_TABLE = [
     ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
     ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
     ('train-batch-beyond-memory', [*T, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
+    ('train-out-dir-empty', [*T, '--out_dir', ''], '--out_dir is empty: give a folder path'),
     ('train-width-beyond-memory', [*T, '--n_embd', '1000000000'], 'of n_embd 1000000000 on --batch_size'),
     ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
     ('train-resume-other-width', [*T, '--out_dir', '{lm}', '--resume', '--n_embd', '64'],
@@ -4724,7 +4726,7 @@ def test_sample_bad_input(sample_bad, case):
     check_bad_case(*sample_bad[case])
 
 
-@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json'])
+@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json'])
 def test_figures_bad_input_is_one_line(tmp_path, case):
     if case == 'no matplotlib':  # a matplotlib that cannot be imported, found before any installed one
         fake = tmp_path / 'fake' / 'matplotlib'
@@ -4735,6 +4737,8 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         assert_clean_error(res, 'matplotlib is not installed: pip install matplotlib')
     else:
         pytest.importorskip('matplotlib', reason='the check of ppl.json comes after the import of matplotlib')
+        if case == 'empty ppl.json':
+            (tmp_path / 'ppl.json').write_text('')
         res = run_script(['figures.py', '--out_dir', str(tmp_path)])
         assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
     assert not list(tmp_path.glob('*.png'))
