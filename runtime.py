@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -542,9 +543,10 @@ def run_main(main, resume_hint=None):
     except torch.OutOfMemoryError:
         sys.exit("error: out of GPU memory: lower the batch size (--batch_size, --chunk or --max_rows)")
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
         try:
             hint = resume_hint(argv) if resume_hint else None
-        except Exception:  # e.g. flags that do not parse: the rerun hint below is still right
+        except (Exception, KeyboardInterrupt):  # e.g. flags that do not parse: the rerun hint is right
             hint = None
         print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr,
               flush=True)

@@ -4290,6 +4290,22 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
     assert json.load(open(path)) == dict(a=1) and os.listdir(tmp_path) == ['results.json']
 
 
+def test_a_second_ctrl_c_still_ends_in_one_line(monkeypatch, capsys):
+    """Ctrl-C while the first one's line is being made (its resume hint loads a checkpoint): the
+    same one line, exit 130; later SIGINTs are ignored while it is printed."""
+    handlers = []
+    monkeypatch.setattr(signal, 'signal', lambda sig, handler: handlers.append((sig, handler)))
+    monkeypatch.setattr(sys, 'argv', ['x.py', '--a', '1'])
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        runtime.run_main(interrupted, resume_hint=interrupted)
+    assert e.value.code == 130 and handlers == [(signal.SIGINT, signal.SIG_IGN)]
+    assert capsys.readouterr().err == "interrupted: nothing was saved; rerun: python x.py --a 1\n"
+
+
 def test_results_refused_up_front_on_a_full_disk(lm_ckpt, eval_ckpts, tmp_path, monkeypatch):
     """estimate_ppl.py and sample.py check the free space for their JSON before any sampling:
     one line with what is needed and what is free, nothing written."""
