@@ -106,7 +106,7 @@ def main(argv=None):
     settings = dict(lm_path=args.lm, lm_hash=file_hash(args.lm), data_dir=data_dir, split=args.split,
                     prefix_len=P, gen_len=L, stride=args.stride, num_prefixes=N, num_samples=K,
                     top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, chunk=args.chunk,
-                    seed=args.seed, dtype=meta['dtype'])
+                    seed=args.seed, dtype=meta['dtype'], precision=dtype)  # a rerun finishes in it
     neg = open_outputs(args.out_dir, settings, offsets, n_chunks, rank, world_size)
     tokens, logp, logq, pos_logp, pos_logq, done = (neg[k] for k in ('tokens', 'logp', 'logq', 'pos_logp',
                                                                      'pos_logq', 'done'))
@@ -146,6 +146,7 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
         if not fresh:
             old = read_negatives_meta(out_dir)
             old.pop('complete', None)
+            old.setdefault('precision', settings['precision'])  # written before it was recorded
             if old != settings and chunks_done(out_dir):
                 diff = sorted(k for k in settings if old.get(k) != settings[k])
                 raise ValueError(f"{out_dir} holds negatives made with other settings ({', '.join(diff)}): "

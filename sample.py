@@ -170,8 +170,8 @@ def main(argv=None):
     device = setup(args.device)[2]
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy, _ = load_energy(args.energy, args.lm, device)
-    ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]
-    ectx = precision(device, args.dtype, 'score', width=energy.config.n_embd)[1]
+    dtype, ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)
+    edtype, ectx = precision(device, args.dtype, 'score', width=energy.config.n_embd)
     tok = load_tokenizer(meta)
     V = lm.config.vocab_size
     if not 0 <= args.top_k <= V:
@@ -203,7 +203,8 @@ def main(argv=None):
                                  None if gold is None else gold[s:s + args.chunk], s, args, tok, g, ctx, ectx)
     for rec in results[:args.print_prefixes]:
         print_record(rec)
-    report = dict(args=vars(args), samples=results, **analyses(results))
+    report = dict(args=vars(args), dtype=dict(sample=dtype, score=edtype), samples=results,
+                  **analyses(results))
     write_json(report, args.out)
     print("unique n-grams % (n=1..4): "
           + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)

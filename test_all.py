@@ -61,8 +61,8 @@ import negatives  # noqa: E402
 import runtime  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
-from data import (load_meta, load_negatives, load_split, window_tokens, windows,  # noqa: E402
-                  write_json)
+from data import (load_meta, load_negatives, load_split, negatives_command, read_negatives_meta,  # noqa: E402
+                  window_tokens, windows, write_json)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 from energy import (Energy, build_energy, energy_state, joint_sample, load_energy, mlm_mask,  # noqa: E402
@@ -1398,6 +1398,19 @@ def test_negatives_resume_byte_identical(train_negatives, tmp_path, monkeypatch)
     assert neg_files(b) == fa
     res = run_script(['negatives.py', '--out_dir', b, *flags])  # complete: nothing left to do
     assert res.returncode == 0 and neg_files(b) == fa
+
+
+def test_negatives_record_their_precision(train_negatives, tmp_path):
+    """meta.json records the precision the samples were drawn in; a rerun in another one is
+    refused (its chunks would mix precisions), and the finishing command names it."""
+    a, flags = train_negatives
+    meta = read_negatives_meta(a)
+    assert meta['precision'] == 'float32' and '--dtype float32' in negatives_command(meta, a)
+    other = [*flags[:flags.index('--dtype')], '--dtype', 'bfloat16', *flags[flags.index('--dtype') + 2:]]
+    before = neg_files(a)
+    with pytest.raises(ValueError, match=r'other settings \(precision\)'):
+        negatives.main(['--out_dir', a, *other])
+    assert neg_files(a) == before
 
 
 def test_negatives_hold_the_lms_samples(lm_corpus, lm_ckpt, train_negatives):
@@ -3079,7 +3092,7 @@ def test_sample_cli(lm_corpus, lm_ckpt, eval_ckpts, sample_run):
     energy = load_energy(eval_ckpts['bit'], lm_ckpt)[0]
     data = load_split(lm_corpus, 'test', meta)
     x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
-    assert len(rep['samples']) == 3
+    assert len(rep['samples']) == 3 and rep['dtype'] == dict(sample='float32', score='float32')
     for b, r in enumerate(rep['samples']):
         assert (r['prefix'] == tok.decode(x[b, :EVAL_P].tolist())
                 and r['gold'] == tok.decode(x[b, EVAL_P:].tolist()))

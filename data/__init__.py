@@ -208,7 +208,7 @@ def negatives_command(meta, out_dir):
                  prefix_len=meta['prefix_len'], gen_len=meta['gen_len'], stride=meta.get('stride'),
                  max_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
                  top_p=meta.get('top_p'), temperature=meta.get('temperature'), chunk=meta['chunk'],
-                 seed=meta['seed'])
+                 seed=meta['seed'], dtype=meta.get('precision'))
     return shlex.join(['python', 'negatives.py']
                       + [a for k, v in flags.items() if v is not None for a in (f'--{k}', str(v))])
 
