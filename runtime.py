@@ -50,7 +50,7 @@ def openmp_wait_policy(environ=os.environ, busy=cores_in_use):
     """(OMP_WAIT_POLICY for this run, or None for OpenMP's default; why), as the run starts.
     OpenMP threads that finish their share early spin (libgomp's default): fastest on an idle
     machine, but beside another busy process the spinning threads take the cores the work needs
-    (this 2-core CPU trained 3.7x slower than with one thread beside a busy loop; two such runs
+    (this 2-core CPU trained 3x slower than with one thread beside a busy loop; two such runs
     8-17x slower each). Where other processes keep a core busy as the run starts, the threads
     sleep instead (PASSIVE: as fast as one thread there, EXPERIMENTS.md). That changes when threads
     wait, not what they compute: the same numbers either way (tested), unlike a thread count that
@@ -472,6 +472,8 @@ def available_memory(device='cpu'):
     None where it cannot be read (other systems, Apple's MPS)."""
     if device.startswith('cuda'):  # under torchrun, the rank's own GPU (before DDP setup picks it)
         return torch.cuda.mem_get_info(device if ':' in device else int(os.environ.get('LOCAL_RANK', 0)))[0]
+    if device != 'cpu':
+        return None
     try:
         with open('/proc/meminfo') as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
@@ -482,7 +484,7 @@ def available_memory(device='cpu'):
 def check_memory(nbytes, what, fix, device='cpu'):
     """Refuses work whose arrays alone need more memory than the device has available now: one
     line with both numbers and the fix (nothing checked where available_memory cannot tell)."""
-    avail = available_memory(device) if device == 'cpu' or device.startswith('cuda') else None
+    avail = available_memory(device)
     if avail is not None and nbytes > avail:
         where = f' on {device}' if device != 'cpu' else ''
         raise ValueError(f"{what} needs ~{nbytes / 2**30:.1f} GiB of memory, more than the "
