@@ -10,7 +10,7 @@ Two bodies, both the transformer of model.py:
 - UNIT: causal, initialised from the base LM itself (all transformer weights copied).
 Final hidden states are mean-pooled over real (non-padding) positions and projected to a scalar.
 Pooling over the continuation only is the default: the prefix is the same for x+ and x-, so
-pooling it in only dilutes the difference the energy has to see (measured: EXPERIMENTS.md, 'Pooling').
+pooling it in only dilutes the difference the energy has to see (measured: docs/experiments.md, 'Pooling').
 
 Scoring: `energy(x, prefix_len)` is E of each row of x (B, T); `score` is the same in blocks that
 bound memory, in float64. The rest are speed-ups of it, each tested equal to it:
@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm
+from model import GPT, GPTConfig, KVCache, check_vocab, file_hash, load_checkpoint, load_lm
 
 POOLS = ('continuation', 'all')
 
@@ -106,7 +106,7 @@ class Energy(nn.Module):
         out = []
         for t in tokens.split(max(1, rows // B), dim=1):  # (B, c, L): c continuations of each prompt
             own = self.body.new_cache(B * t.size(1), L)
-            cache = [(k, v, *p) for (k, v), p in zip(own, prompt_cache)]
+            cache = [KVCache(k, v, *p) for (k, v), p in zip(own, prompt_cache)]
             h = self.body.hidden(t.flatten(0, 1), cache, pos=P)  # (B*c, L, C)
             pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.float().sum(1)) / count  # (B*c, C)
             out.append(self.project(pooled).view(B, -1))
@@ -179,12 +179,9 @@ def energy_state(energy, lm_path, meta):
 
 
 def load_energy(path, lm_path=None, device='cpu'):
-    """An Energy in eval mode (or a metrics.MetricEnergy); with lm_path, checked to be the residual
-    of that LM."""
+    """An NCE-trained Energy in eval mode, and its checkpoint; with lm_path, checked to be the
+    residual of that LM. (extensions.metrics.load_any_energy also loads the talk's metric energies.)"""
     ckpt = load_checkpoint(path)
-    if ckpt['kind'] == 'metric_energy':  # E = mu . f, fitted by metric_ebm.py: the same interface
-        from metrics import load_metric_energy  # here, not above: metrics.py imports this module
-        return load_metric_energy(ckpt, path, lm_path, device), ckpt
     if ckpt['kind'] != 'energy':
         raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not an energy (nce_train.py)")
     if lm_path is not None and file_hash(lm_path) != ckpt['lm_hash']:
@@ -247,6 +244,13 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
     return -torch.stack([known[e] for e in energies])
 
 
+def gumbel_keys(log_w, generator=None):
+    """log w + Gumbel noise (B, n), in float64: its argmax over n is a draw with probability
+    w / sum w (the Gumbel-max trick), and an argmax can run over chunks."""
+    u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
+    return log_w - torch.log(-torch.log(u.clamp_min(1e-300)))
+
+
 @torch.no_grad()
 def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=False, generator=None,
                  ctx=None, max_rows=256, ectx=None):
@@ -271,8 +275,7 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
         log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e  # (B, c)
         lse = torch.logaddexp(lse, log_w.logsumexp(1))
         lse2 = torch.logaddexp(lse2, (2 * log_w).logsumexp(1))
-        u = torch.rand(log_w.shape, generator=generator, device=log_w.device, dtype=torch.float64)
-        keys = dict(joint=log_w - torch.log(-torch.log(u.clamp_min(1e-300))), worst=e)  # Gumbel-max; max E
+        keys = dict(joint=gumbel_keys(log_w, generator), worst=e)  # Gumbel-max; max E
         if s == 0:
             base = (tokens[:, 0], e[:, 0])  # the LM's own sample, to compare with
         for name, key in keys.items():

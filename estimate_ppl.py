@@ -12,25 +12,25 @@ range: its low end uses the lower bound of log Z, its high end the upper bound.
 Also: per-step perplexity (Eq. 5, Fig. 1) with --per_step, exact at the last position by
 enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep.
 
-    python estimate_ppl.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --splits val,test
+    python estimate_ppl.py --lm out/lm/best.pt --energy out/bit/best.pt --splits val,test
     torchrun --standalone --nproc_per_node 2 estimate_ppl.py ...      # prefixes sharded over ranks
 """
 
 import math
 import os
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
                   write_text)
-from energy import load_energy, sample_log_weights, score, score_continuations
-from metrics import kl_to_lm, share_energies
+from energy import sample_log_weights, score, score_continuations
+from extensions.metrics import kl_to_lm, load_any_energy, share_energies
 from model import file_hash, load_lm
-from tokenizer import load_tokenizer
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
+from data.tokenizer import load_tokenizer
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
                      check_writable, precision, progress, rng, run_main, setup, teardown_distributed)
 
 
@@ -285,9 +285,9 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
-    a('--lm', default='out/lm/ckpt.pt', help='the base LM')
+    a('--lm', default='out/lm/best.pt', help='the base LM')
     a('--energy', nargs='*', default=[], metavar='NAME=CKPT',
-      help='energies of the joint models, e.g. BIT=out/bit/ckpt.pt')
+      help='energies of the joint models, e.g. BIT=out/bit/best.pt')
     a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT',
       help='more LMs to report as rows (BALM, RALM)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
@@ -342,7 +342,7 @@ def check_args(args):
         raise ValueError("--per_step needs an energy: pass --energy NAME=CKPT")
     for spec in args.energy + args.extra_lm:
         if not all(spec.partition('=')):
-            raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/ckpt.pt")
+            raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
     names = ['BASE LM'] + [s.split('=', 1)[0] for s in args.energy + args.extra_lm]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be distinct (and not 'BASE LM'): {names[1:]}")
@@ -371,7 +371,7 @@ def load_models(args, device):
     """The base LM, its data, the energies and the extra LMs named on the command line, checked
     to belong together and to fit prefix_len + gen_len."""
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
-    energies = {name: load_energy(path, args.lm, device)[0] for name, path in map(name_path, args.energy)}
+    energies = {name: load_any_energy(path, args.lm, device)[0] for name, path in map(name_path, args.energy)}
     share_energies(energies)
     extra = {name: load_lm(path, device, meta=meta)[0] for name, path in map(name_path, args.extra_lm)}
     if args.per_step and args.per_step not in energies:

@@ -1,27 +1,36 @@
 """
-The base language model P_LM of the residual EBM: a GPT (nanoGPT-compatible config names) with
-what the method needs on top of a plain GPT:
+The base language model P_LM of the residual EBM: a GPT (nanoGPT's names and config), read in
+two parts.
 
-- a KV cache, so that `generate` computes each prompt once and shares it across `num_samples`
-  continuations (negatives for NCE, samples for the log Z estimator of Eq. 4, proposals for
-  Algorithm 1 all come from here);
-- per-token log-probs of every sampled token under the *untruncated* LM at temperature 1, and
-  optionally under the proposal actually sampled from (top-k / top-p / temperature);
-- `sequence_logprob`, log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2, batched;
-- a `causal=False` switch so that energy.py can build the bidirectional BIT from the same blocks;
-- self-describing checkpoints, written atomically and loaded with weights_only=True.
+The plain path first: GPTConfig; self-attention as nanoGPT writes it (q, k, v, then
+scaled_dot_product_attention: a causal mask for the LM, none with causal=False, which gives
+energy.py its bidirectional BIT from the same blocks; optionally ALiBi's distance bias); MLP,
+Block, and GPT with its forward, `generate_plain` (nanoGPT's sampling loop) and
+`sequence_logprob`, log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2; then RALM, the residual baseline
+of Eq. 6, and the one-token sampling step with the proposal's log-probs (top-k / top-p /
+temperature).
+
+Then, under one banner, the speed-ups that the method's volume of samples needs (negatives for
+NCE, samples for the log Z of Eq. 4, proposals for Algorithm 1), each with what it equals and the
+test that proves it: a KV cache, decoding that shares each prompt's K/V across its samples, CPU
+bf16 attention by matmuls, and `generate`, generate_plain's cached twin, which also returns the
+log-probs of its tokens under the untruncated LM and under the proposal.
+
+Last, sizing helpers and self-describing checkpoints, written atomically and loaded with
+weights_only=True.
 """
 
 import hashlib
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime import atomic_write
+from plumbing import atomic_write
 
 
 @dataclass
@@ -51,8 +60,8 @@ class SelfAttention(nn.Module):
     def forward(self, x, cache=None, pos=0, mask=None):
         """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). Without a cache the T tokens attend to
         each other (training, scoring: causal for an LM, bidirectional for a BIT); with one they also
-        attend to the K/V of the earlier positions it holds (decoding: see decode).
-        mask: optional boolean (B, 1, T, T_keys), True = may attend (overrides causality)."""
+        attend to the K/V of the earlier positions it holds (decoding: cached_attention, in the speed
+        section). mask: optional boolean (B, 1, T, T_keys), True = may attend (overrides causality)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) each
         hs = C // self.n_head
@@ -61,7 +70,7 @@ class SelfAttention(nn.Module):
             mask, is_causal = self.attention_mask(T, pos, T, mask, q)
             y = attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
         else:
-            y = self.decode(q, k, v, cache, pos, mask)
+            y = cached_attention(self, q, k, v, cache, pos, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -82,65 +91,14 @@ class SelfAttention(nn.Module):
             mask = bias if mask is None else bias.masked_fill(~mask, float('-inf'))
         return mask, is_causal
 
-    def decode(self, q, k, v, cache, pos, mask):
-        """Attention of the queries at pos..pos+T-1 over every position up to theirs, through the
-        cache: (k, v) buffers (B, nh, T_max, hs) that this step's keys/values are written into, or
-        in decoding with a shared prompt (GPT.generate) (k, v, prompt_k, prompt_v): prompt_k/v
-        (B_p, nh, P, hs) hold positions 0..P-1 of B_p prompts, each shared by B // B_p consecutive
-        rows, and k, v positions P.. of each row. Equal to the plain forward over the whole sequence
-        (test_cached_decoding_matches_full_forward, test_shared_prompt_decode_matches_copied_cache)."""
-        T = q.size(2)
-        k_buf, v_buf, *prompt = cache
-        start = prompt[0].size(2) if prompt else 0  # positions before start live in the shared prompt K/V
-        k_buf[:, :, pos - start:pos - start + T] = k
-        v_buf[:, :, pos - start:pos - start + T] = v
-        k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]  # (B, nh, pos - start + T, hs)
-        mask, is_causal = self.attention_mask(T, pos, start + k.size(2), mask, q)
-        if prompt:
-            return shared_prompt_attention(q, k, v, *prompt, mask)
-        return attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
-
-
-# On a CPU, bf16 is chosen only where its matmuls run on bf16 units; SDPA's CPU kernel does not
-# use them (no faster in bf16 than in fp32), two plain matmuls do: bench.py measures the difference
-CPU_BF16_MATMUL_ATTENTION = True
-
 
 def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
-    """softmax(q k^T / sqrt(hs) + mask) v for q, k, v (B, nh, T, hs): scaled_dot_product_attention,
-    or two matmuls on a CPU in bf16 (a bf16 training step of the BIT 1.5x, of the LM 1.2x faster
-    than SDPA's; its scores are then rounded to bf16, as any bf16 matmul's output).
+    """softmax(q k^T / sqrt(hs) + mask) v for q, k, v (B, nh, T, hs): scaled_dot_product_attention
+    (on a CPU in bf16, matmul_attention of the speed section, which equals it within bf16 rounding).
     mask: boolean (True = may attend) or additive, broadcast to (B, nh, T, T_keys)."""
-    if not (CPU_BF16_MATMUL_ATTENTION and q.device.type == 'cpu' and q.dtype == torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              dropout_p=dropout_p)
-    s = (q @ k.transpose(-1, -2)) * q.size(-1) ** -0.5
-    if is_causal:
-        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
-    a = s.softmax(-1)
-    return (F.dropout(a, dropout_p) if dropout_p else a).to(v.dtype) @ v
-
-
-def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
-    """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q (N, nh, T, hs) and k, v
-    (N, nh, S, hs) whose rows come in B_p groups of n = N / B_p, group b reading prompt b of
-    prompt_k/v (B_p, nh, P, hs). The prompt part is one matmul per prompt over the queries of all
-    its rows, with no per-row copy of its K/V (copying it per row and reading the copies back made
-    attention over half of a decoding step); one softmax over both parts keeps it exact.
-    mask: (..., T, P + S), boolean (True = may attend) or additive."""
-    (N, nh, T, hs), (Bp, P) = q.shape, prompt_k.shape[::2]
-    q = q * hs ** -0.5
-    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs),
-                            prompt_k).reshape(N, nh, T, P)
-    s_own = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
-    s = torch.cat([s_prompt, s_own], dim=-1)
-    if mask is not None:
-        s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
-    a = s.softmax(-1).to(v.dtype)
-    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v)
-    return y.reshape(N, nh, T, hs) + a[..., P:] @ v
+    if CPU_BF16_MATMUL_ATTENTION and q.device.type == 'cpu' and q.dtype == torch.bfloat16:
+        return matmul_attention(q, k, v, mask, is_causal, dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p)
 
 
 def alibi_bias(n_head, pos, T, T_keys, dtype, device):
@@ -213,7 +171,8 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def hidden(self, idx, cache=None, pos=0, mask=None):
-        """Final (layer-normed) hidden states (B, T, C) of tokens idx at positions pos..pos+T-1."""
+        """Final (layer-normed) hidden states (B, T, C) of tokens idx at positions pos..pos+T-1.
+        cache: None (the plain forward), or one KVCache per layer (the speed section)."""
         T = idx.size(1)
         if pos + T > self.config.block_size:
             raise ValueError(f"sequence of {pos + T} tokens is longer than the model's "
@@ -236,32 +195,6 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def new_cache(self, batch_size, length):
-        """Empty K/V buffers for each layer, in the dtype attention computes in (under autocast,
-        a float32 cache would be cast at every decoding step)."""
-        c = self.config
-        shape = (batch_size, c.n_head, length, c.n_embd // c.n_head)
-        p = self.lm_head.weight
-        dtype = (torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type)
-                 else p.dtype)
-        return [(torch.empty(shape, dtype=dtype, device=p.device),
-                 torch.empty(shape, dtype=dtype, device=p.device)) for _ in range(c.n_layer)]
-
-    def sequence_logprob(self, idx, start, per_token=False):
-        """log P_LM(x_start..x_{T-1} | x_0..x_{start-1}) for each row of idx (B, T): the first
-        factor of Eq. 2. Only positions that predict a scored token go through the LM head.
-        Returns (B,) sums in float32, and also the (B, T-start) per-token terms if per_token."""
-        if not 1 <= start < idx.size(1):
-            raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] "
-                             f"for sequences of length {idx.size(1)}")
-        logp = F.log_softmax(self.logits(idx[:, :-1], first=start - 1).float(), dim=-1)
-        tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
-        return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
-
-    # -------------------------------------------------------------------------
-    # sampling: nanoGPT's plain loop first, then the fast one that every script uses. They draw
-    # the same tokens from the same generator (test_generate_plain_and_cached_draw_the_same)
-
     @torch.no_grad()
     def generate_plain(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
                        generator=None):
@@ -275,57 +208,32 @@ class GPT(nn.Module):
             x = torch.cat([x, tok[:, None]], dim=1)
         return x[:, idx.size(1):].view(idx.size(0), num_samples, max_new_tokens)
 
-    @torch.no_grad()
+    def sequence_logprob(self, idx, start, per_token=False):
+        """log P_LM(x_start..x_{T-1} | x_0..x_{start-1}) for each row of idx (B, T): the first
+        factor of Eq. 2. Only positions that predict a scored token go through the LM head.
+        Returns (B,) sums in float32, and also the (B, T-start) per-token terms if per_token."""
+        if not 1 <= start < idx.size(1):
+            raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] "
+                             f"for sequences of length {idx.size(1)}")
+        logp = F.log_softmax(self.logits(idx[:, :-1], first=start - 1).float(), dim=-1)
+        tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
+        return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
+
+    # the speed section, below its banner: these three only name its functions
+
     def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
                  return_proposal=False, generator=None, max_rows=512):
-        """Draw num_samples continuations of max_new_tokens for each of the B prompts idx (B, P).
+        """generate_plain's draws, each prompt run once, with their log-probs: cached_generate."""
+        return cached_generate(self, idx, max_new_tokens, num_samples, top_k, top_p, temperature,
+                               return_proposal, generator, max_rows)
 
-        The prompts go through the model once, and the LM head only at their last position. Their
-        K/V cache is then shared, not copied, by the rows of each chunk of samples (at most
-        max_rows rows at a time, so memory stays bounded however many samples are asked for):
-        a row's cache holds only its own tokens, and attention reads the prompt part from the
-        one copy of its prompt (shared_prompt_attention). Returns (tokens, logprobs[, logq]),
-        each (B, num_samples, L): logprobs are log P_LM(token | past) of the untruncated LM at
-        temperature 1 (what Eq. 2-5 need), logq those of the distribution actually sampled from
-        (top-k/top-p/temperature), which importance-corrected resampling needs. top_k=None,
-        top_p=None, temperature=1 is exact ancestral sampling from P_LM; temperature=0 is greedy.
-        """
-        B, P = idx.shape
-        V = self.config.vocab_size
-        if P + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt of {P} tokens + {max_new_tokens} new tokens exceeds the model's "
-                             f"block_size {self.config.block_size}: shorten the prompt or the generation")
-        if top_k is not None and not 1 <= top_k <= V:
-            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {V} "
-                             "(or None for no truncation)")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no truncation)")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0")
-        prompt_cache = self.new_cache(B, P)
-        logits = self.logits(idx, prompt_cache, first=P - 1)[:, -1]
-        per_chunk = max(1, max_rows // B)
-        chunks = []
-        for s in range(0, num_samples, per_chunk):
-            n = min(per_chunk, num_samples - s)
-            own = self.new_cache(B * n, max_new_tokens)  # each row's K/V of its own tokens only
-            chunk_cache = [(k, v, *prompt) for (k, v), prompt in zip(own, prompt_cache)]
-            out = self._decode(logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
-                               top_k, top_p, temperature, generator)
-            chunks.append([t.view(B, n, max_new_tokens) for t in out])
-        tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
-        return (tokens, logp, logq) if return_proposal else (tokens, logp)
+    def new_cache(self, batch_size, length):
+        """Empty (k, v) buffers of each layer for decoding: empty_cache."""
+        return empty_cache(self, batch_size, length)
 
     def _decode(self, logits, cache, pos, steps, top_k, top_p, temperature, generator):
-        N = logits.size(0)
-        tokens = torch.empty(N, steps, dtype=torch.long, device=logits.device)
-        logp, logq = (torch.empty(N, steps, device=logits.device) for _ in range(2))
-        for t in range(steps):
-            tok, logp[:, t], logq[:, t] = sample_next(logits, top_k, top_p, temperature, generator)
-            tokens[:, t] = tok
-            if t + 1 < steps:
-                logits = self(tok[:, None], cache=cache, pos=pos + t)[0][:, -1]
-        return tokens, logp, logq
+        """decode_steps (job/bench.py and the tests decode through it)."""
+        return decode_steps(self, logits, cache, pos, steps, top_k, top_p, temperature, generator)
 
 
 class RALM(GPT):
@@ -386,6 +294,162 @@ def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None)
     tok = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
 
+
+# ---- speed: what each variant equals, and the test that proves it ----
+#
+# - SelfAttention with a cache (cached_attention over a KVCache, GPT.new_cache): decoding at
+#   positions pos.. equals the last rows of the plain forward over the whole sequence,
+#   one token or several at a time: test_cached_decoding_matches_full_forward,
+#   test_cached_decoding_float64 (to 1e-12: only the summation order differs).
+# - shared_prompt_attention: equals attention over each row's own copy of its prompt's K/V
+#   followed by its own: test_shared_prompt_attention_reference (float64, written out), and
+#   decoding with it equals the copy-per-sample decoding it replaced:
+#   test_shared_prompt_decode_matches_copied_cache.
+# - matmul_attention (a CPU in bf16, CPU_BF16_MATMUL_ATTENTION): equals scaled_dot_product_attention,
+#   outputs and gradients, within bf16 rounding: test_cpu_bf16_attention_reference.
+# - GPT.generate (cached_generate, decode_steps): draws the very tokens of generate_plain from the
+#   same generator: test_generate_plain_and_cached_draw_the_same; in chunks of max_rows rows, its
+#   log-probs are sequence_logprob's: test_generate_shapes_chunking_and_prompt_rows.
+
+class KVCache(NamedTuple):
+    """One layer's decoding cache. k, v (N, nh, S, hs): the buffers each step writes its keys and
+    values into, at positions start..start+S-1 of each of the N rows. prompt_k, prompt_v
+    (B_p, nh, P, hs), as generate decodes: positions 0..P-1 of B_p prompts, each shared (not
+    copied) by N / B_p consecutive rows; start is then P, else 0. Plain (k, v) and
+    (k, v, prompt_k, prompt_v) tuples are read as the same fields."""
+    k: torch.Tensor
+    v: torch.Tensor
+    prompt_k: Optional[torch.Tensor] = None
+    prompt_v: Optional[torch.Tensor] = None
+
+
+def empty_cache(model, batch_size, length):
+    """Empty (k, v) buffers for each layer, in the dtype attention computes in (under autocast,
+    a float32 cache would be cast at every decoding step)."""
+    c = model.config
+    shape = (batch_size, c.n_head, length, c.n_embd // c.n_head)
+    p = model.lm_head.weight
+    dtype = (torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type)
+             else p.dtype)
+    return [(torch.empty(shape, dtype=dtype, device=p.device),
+             torch.empty(shape, dtype=dtype, device=p.device)) for _ in range(c.n_layer)]
+
+
+def cached_attention(attn, q, k, v, cache, pos, mask):
+    """SelfAttention `attn` with a cache (KVCache): this step's keys and values are written into
+    it, and the queries at pos..pos+T-1 attend over every position up to theirs."""
+    T = q.size(2)
+    k_buf, v_buf, prompt_k, prompt_v = KVCache(*cache)
+    start = 0 if prompt_k is None else prompt_k.size(2)  # positions before start: the shared prompt's
+    k_buf[:, :, pos - start:pos - start + T] = k
+    v_buf[:, :, pos - start:pos - start + T] = v
+    k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]  # (B, nh, pos - start + T, hs)
+    mask, is_causal = attn.attention_mask(T, pos, start + k.size(2), mask, q)
+    if prompt_k is not None:
+        return shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask)
+    return attention(q, k, v, mask, is_causal, attn.dropout if attn.training else 0.0)
+
+
+def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
+    """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q (N, nh, T, hs) and k, v
+    (N, nh, S, hs) whose rows come in B_p groups of n = N / B_p, group b reading prompt b of
+    prompt_k/v (B_p, nh, P, hs). The prompt part is one matmul per prompt over the queries of all
+    its rows, with no per-row copy of its K/V (copying it per row and reading the copies back made
+    attention over half of a decoding step); one softmax over both parts keeps it exact.
+    mask: (..., T, P + S), boolean (True = may attend) or additive."""
+    (N, nh, T, hs), (Bp, P) = q.shape, prompt_k.shape[::2]
+    q = q * hs ** -0.5
+    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs),
+                            prompt_k).reshape(N, nh, T, P)
+    s_own = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
+    s = torch.cat([s_prompt, s_own], dim=-1)
+    if mask is not None:
+        s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
+    a = s.softmax(-1).to(v.dtype)
+    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v)
+    return y.reshape(N, nh, T, hs) + a[..., P:] @ v
+
+
+# On a CPU, bf16 is chosen only where its matmuls run on bf16 units; SDPA's CPU kernel does not
+# use them (no faster in bf16 than in fp32), two plain matmuls do: bench.py measures the difference
+CPU_BF16_MATMUL_ATTENTION = True
+
+
+def matmul_attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
+    """attention() as two matmuls, for a CPU in bf16: a bf16 training step of the BIT 1.5x, of the
+    LM 1.2x faster than SDPA's; its scores are then rounded to bf16, as any bf16 matmul's output."""
+    s = (q @ k.transpose(-1, -2)) * q.size(-1) ** -0.5
+    if is_causal:
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
+    a = s.softmax(-1)
+    return (F.dropout(a, dropout_p) if dropout_p else a).to(v.dtype) @ v
+
+
+@torch.no_grad()
+def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
+                    return_proposal=False, generator=None, max_rows=512):
+    """GPT.generate: num_samples continuations of max_new_tokens for each of the B prompts idx (B, P).
+
+    The prompts go through the model once, and the LM head only at their last position. Their
+    K/V cache is then shared, not copied, by the rows of each chunk of samples (at most
+    max_rows rows at a time, so memory stays bounded however many samples are asked for):
+    a row's cache holds only its own tokens, and attention reads the prompt part from the
+    one copy of its prompt (shared_prompt_attention). Returns (tokens, logprobs[, logq]),
+    each (B, num_samples, L): logprobs are log P_LM(token | past) of the untruncated LM at
+    temperature 1 (what Eq. 2-5 need), logq those of the distribution actually sampled from
+    (top-k/top-p/temperature), which importance-corrected resampling needs. top_k=None,
+    top_p=None, temperature=1 is exact ancestral sampling from P_LM; temperature=0 is greedy.
+    """
+    B, P = idx.shape
+    check_sampling(model.config, P, max_new_tokens, top_k, top_p, temperature)
+    prompt_cache = model.new_cache(B, P)
+    logits = model.logits(idx, prompt_cache, first=P - 1)[:, -1]
+    per_chunk = max(1, max_rows // B)
+    chunks = []
+    for s in range(0, num_samples, per_chunk):
+        n = min(per_chunk, num_samples - s)
+        own = model.new_cache(B * n, max_new_tokens)  # each row's K/V of its own tokens only
+        chunk_cache = [KVCache(k, v, *prompt) for (k, v), prompt in zip(own, prompt_cache)]
+        out = model._decode(logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
+                            top_k, top_p, temperature, generator)
+        chunks.append([t.view(B, n, max_new_tokens) for t in out])
+    tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
+    return (tokens, logp, logq) if return_proposal else (tokens, logp)
+
+
+def check_sampling(config, P, max_new_tokens, top_k, top_p, temperature):
+    V = config.vocab_size
+    if P + max_new_tokens > config.block_size:
+        raise ValueError(f"prompt of {P} tokens + {max_new_tokens} new tokens exceeds the model's "
+                         f"block_size {config.block_size}: shorten the prompt or the generation")
+    if top_k is not None and not 1 <= top_k <= V:
+        raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {V} "
+                         "(or None for no truncation)")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no truncation)")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+
+
+def decode_steps(model, logits, cache, pos, steps, top_k, top_p, temperature, generator):
+    """`steps` tokens for each row of logits (N, V), the first drawn from them and each next one
+    from the model's logits through the cache (positions pos..). Returns (tokens, logp, logq),
+    each (N, steps)."""
+    N = logits.size(0)
+    tokens = torch.empty(N, steps, dtype=torch.long, device=logits.device)
+    logp, logq = (torch.empty(N, steps, device=logits.device) for _ in range(2))
+    for t in range(steps):
+        tok, logp[:, t], logq[:, t] = sample_next(logits, top_k, top_p, temperature, generator)
+        tokens[:, t] = tok
+        if t + 1 < steps:
+            logits = model(tok[:, None], cache=cache, pos=pos + t)[0][:, -1]
+    return tokens, logp, logq
+
+
+# -----------------------------------------------------------------------------
+# sizing: the width that matches a parameter count (BALM), and a training step's FLOPs
 
 def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False, head_multiple=16):
     """The n_embd whose GPT has the parameter count closest to target, among widths whose head

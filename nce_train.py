@@ -11,7 +11,7 @@ With truncated negatives (negatives.py --top_k/--top_p/--temperature) the noise 
 q, not P_LM, and the logit is -E + log P_LM - log q: the stored log-probs of every negative and
 of every real continuation under both give that correction, applied automatically.
 
-    python nce_train.py --lm out/lm/ckpt.pt --negatives out/neg_train --held_out_negatives out/neg_select \\
+    python nce_train.py --lm out/lm/best.pt --negatives out/neg_train --held_out_negatives out/neg_select \\
         --energy bit --out_dir out/bit                                   # CPU or one GPU
     torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
 
@@ -21,28 +21,32 @@ at the lowest held-out NCE loss: the one to use, since NCE on a finite set of ne
 log.jsonl and results.json; checkpoints are written atomically.
 """
 
+import math
 import os
+import sys
 import time
+from contextlib import nullcontext
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import load_checkpoint, save_checkpoint
-from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check_heads, check_memory,
-                     check_resumed_flags, check_training_flags, checkpoint_hint, given_flags, log_step,
-                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
-                     setup_training, teardown_distributed, training_memory, write_log)
+from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
+                      check_training_memory, checkpoint_hint, choose_dtype, pick_device, rng, rng_seed,
+                      run_main, write_log)
 
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
-    a('--lm', default='out/lm/ckpt.pt', help='the base LM the energy is the residual of')
+    a('--lm', default='out/lm/best.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
     a('--held_out_negatives', required=True,
       help="negatives.py output for held-out prefixes, whose NCE loss chooses best.pt: the selection split "
@@ -80,7 +84,7 @@ def get_args(argv=None):
       help='early stopping: stop once the held-out loss has not improved for this many evaluations (0: off)')
     a('--log_interval', type=int, default=10)
     a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES)
+    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
     a('--compile', action='store_true')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
@@ -94,7 +98,7 @@ RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', '
                 'loss', 'num_neg')
 
 
-def check_resume(args, given):
+def check_resume(args, argv):
     """--resume continues the checkpoint's energy: a flag given that contradicts it is refused."""
     path = os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.exists(path):
@@ -102,7 +106,7 @@ def check_resume(args, given):
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'energy':
         return  # build() says what it holds instead
-    check_resumed_flags(args, given, ckpt.get('args', {}), RESUME_FIXED, path, 'energy')
+    check_resumed_flags(args, argv, ckpt.get('args', {}), RESUME_FIXED, path, 'energy')
 
 
 def check_args(args, argv):
@@ -111,11 +115,9 @@ def check_args(args, argv):
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'num_neg', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_prefixes', 'log_interval')
     at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip', 'patience')
-    if args.n_embd and args.n_head:
-        check_heads(args.n_embd, args.n_head)
     check_training_flags(args)
     if args.resume:
-        check_resume(args, given_flags(argv))
+        check_resume(args, argv)
 
 
 def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
@@ -181,7 +183,8 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
         l, acc = nce_loss(e_pos, e_neg, loss, *log_ratios(neg, r, j, device))
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
                               e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
-    if world_size > 1:
+    if world_size > 1:  # on the run's device: NCCL refuses CPU tensors
+        sums = sums.to(device)
         dist.all_reduce(sums)
     model.train()
     n = sums[4].item()
@@ -247,10 +250,8 @@ def build(args, meta, length, rows):
         raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
                          f"{model.config.block_size}: regenerate shorter negatives or give the energy a "
                          f"larger block")
-    device = pick_device(args.device)
-    check_memory(training_memory(model.config, rows, device),
-                 f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
-                 "lower --batch_size (--grad_accum keeps the batch)", device)
+    check_training_memory(model.config, rows, pick_device(args.device),
+                          f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair")
     return model, ckpt
 
 
@@ -276,14 +277,48 @@ def save(state, improved, optimizer, scaler, out_dir):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world_size, device, dtype, ctx = setup_training(args)  # DDP under torchrun; ctx: torch.autocast
+    # DDP under torchrun (one process otherwise): each rank takes its share of every batch
+    device = pick_device(args.device)
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    if ddp:
+        if device.startswith('cuda'):
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     master = rank == 0
+    if args.grad_accum % world_size:
+        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # dropout: a stream of its own per rank
+    # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
+    args.dtype, why = choose_dtype(device, args.dtype, 'train')
+    ctx = (nullcontext() if args.dtype == 'float32'
+           else torch.autocast(device_type=device.split(':')[0], dtype=getattr(torch, args.dtype)))
+    if master:
+        print(f"threads: {torch.get_num_threads()}, {plumbing.THREADS_WHY}\n"
+              f"train: {device}, {args.dtype} ({why})", flush=True)
+
     neg, held_neg, data, meta = load_pairs(args)
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M))
-    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)  # in DDP
+    raw_model.to(device)
+    # AdamW, weight decay on matrices only; the GradScaler scales fp16's loss (a no-op otherwise)
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
+                                  fused=device.startswith('cuda'))
+    scaler = torch.amp.GradScaler(enabled=args.dtype == 'float16')
+    if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        torch.set_rng_state(ckpt['rng_state'])
+    model = torch.compile(raw_model) if args.compile else raw_model
+    if ddp:
+        model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
+
     iter_num = ckpt['iter_num'] if ckpt else 0
     best = dict(loss=ckpt['best_loss'], iter=ckpt['best_iter']) if ckpt else dict(loss=float('inf'), iter=0)
     held_rows, held_negs = held_out_pairs(held_neg, M, args)
@@ -295,18 +330,38 @@ def main(argv=None):
               f"{neg['meta']['num_samples']} samples, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter, last_eval = time.time(), time.time(), iter_num, {}
-    bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
+    bar = tqdm(total=args.max_iters, initial=iter_num, dynamic_ncols=True,
+               disable=args.quiet or not master or not sys.stderr.isatty())
     while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
-        lr = set_lr(optimizer, iter_num, args)
+        lr = get_lr(iter_num, args)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
         stats = train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, world_size)
-        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip, iter_num)
+        scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
+        if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
+            raise ValueError(f"the gradients are not finite at iteration {iter_num + 1} (norm {grad_norm}): "
+                             f"training diverged; lower --lr or --weight_decay, or clip harder "
+                             f"(--grad_clip); the last checkpoint saved is finite")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         bar.update()
 
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            rec = dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), all_mean(list(stats), world_size)),
-                       iter=iter_num, lr=lr, grad_norm=grad_norm)
-            t0 = log_step(log, bar, rec, iter_num, args.log_interval, tokens_per_iter, t0)
+            stats = torch.tensor(stats, dtype=torch.float64)
+            if ddp:  # the mean over ranks, reduced on the run's device (NCCL refuses CPU tensors)
+                stats = stats.to(device)
+                dist.all_reduce(stats)
+                stats /= world_size
+            rec = dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), stats.tolist()), iter=iter_num, lr=lr,
+                       grad_norm=grad_norm)
+            now = time.time()
+            rec['tokens_per_s'] = ((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / (now - t0)
+            t0 = now
+            write_log(log, rec)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
                                  device, ctx, rank, world_size)
@@ -321,19 +376,33 @@ def main(argv=None):
                              best_loss=best['loss'], best_iter=best['iter'], negatives=args.negatives)
                 save(state, improved, optimizer, scaler, args.out_dir)
     bar.close()
+
     if not last_eval:  # resumed at max_iters: nothing was evaluated in this run
         last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
                              device, ctx, rank, world_size)
     train_time = time.time() - t_start
     tokens_per_s = (iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9)
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num,
-                   train_time_s=train_time, dtype=dtype, tokens_per_s=tokens_per_s, best_loss=best['loss'],
-                   best_iter=best['iter'], stopped_early=stopped_early(iter_num, best, args),
-                   held_out_prefixes=len(held_rows), **last_eval)
+                   train_time_s=train_time, dtype=args.dtype, tokens_per_s=tokens_per_s,
+                   best_loss=best['loss'], best_iter=best['iter'],
+                   stopped_early=stopped_early(iter_num, best, args), held_out_prefixes=len(held_rows),
+                   **last_eval)
     if master:
         report(results, log, args.out_dir)
-    teardown_distributed()
+    if ddp:
+        dist.barrier()  # no rank tears down while another still writes
+        dist.destroy_process_group()
     return results
+
+
+def get_lr(it, args):
+    """Linear warmup, then cosine decay from --lr to --min_lr at --lr_decay_iters (nanoGPT's)."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / (args.warmup_iters + 1)
+    if it > args.lr_decay_iters:
+        return args.min_lr
+    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
 def held_out_pairs(held_neg, M, args):

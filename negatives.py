@@ -6,7 +6,7 @@ at training time).
 Default sampling is untruncated: NCE's noise distribution must be P_LM itself (Theorem 1).
 --top_k/--top_p are options, recorded in meta.json with each sample's log q.
 
-    python negatives.py --lm out/lm/ckpt.pt --split train --num_samples 4 --out_dir out/neg_train
+    python negatives.py --lm out/lm/best.pt --split train --num_samples 4 --out_dir out/neg_train
     torchrun --standalone --nproc_per_node 2 negatives.py ...        # prefixes sharded over ranks
 
 Output (out_dir): offsets.npy (N,) start of each prefix in the split; tokens.bin (N, K, L) sampled
@@ -20,7 +20,7 @@ byte-identical files.
 
 import os
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from data import (SPLITS, check_fits, load_lm_and_data, load_negatives, load_split, read_negatives_meta,
                   window_tokens, windows, write_json)
 from model import file_hash, proposal_logprobs
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress,
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress,
                      precision, rerun_command, rng, run_main, setup, teardown_distributed)
 
 
@@ -60,7 +60,7 @@ def real_logprobs(lm, x, P, top_k=None, top_p=None, temperature=1.0):
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
-    a('--lm', default='out/lm/ckpt.pt', help='base LM checkpoint (train_lm.py)')
+    a('--lm', default='out/lm/best.pt', help='base LM checkpoint (train_lm.py)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='train', choices=SPLITS)
     a('--out_dir', required=True, help='where the negatives go')

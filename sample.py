@@ -2,43 +2,71 @@
 Generation from the joint model P_LM exp(-E) (Section 3.3).
 
 - algorithm_1, Algorithm 1 in five lines: draw n continuations from the LM (top-k), score them
-  with the energy, resample one with probability ∝ exp(-E); energy.joint_sample, the same draw
-  in chunks with a running Gumbel-max choice, so n = 10^4 runs in bounded memory, with the
-  options: weights exp(-E) P_LM / q (the untruncated joint model as target, on the support top-k
-  can reach) and the effective sample size (Kish) that says when the weights collapse.
+  with the energy, resample one with probability ∝ exp(-E), optionally ∝ exp(-E) P_LM / q (the
+  untruncated joint model as target, on the support top-k can reach). main runs it on every
+  batch of prefixes whose n samples fit in --max_rows, and reports the effective sample size
+  (Kish) that says when the weights collapse. Where they do not fit (the paper's n = 10^4), main
+  says so in one line and hands over to energy.joint_sample: the same draw in chunks with a
+  running Gumbel-max choice, in bounded memory, tested equal to algorithm_1.
 - topk_autoregressive (Appendix A.1, Eq. 5 token by token): at each step, the LM's top 128 next
   tokens reweighted by Z(x_<=t) estimated with m LM samples of the rest, the top 10 of them
   renormalised. Expensive by design; also gives the Table-3 view of the next-token distribution
   under the LM and the joint model.
 
-    python sample.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --prompt "ROMEO:" --n 1000
-    python sample.py --lm out/lm/ckpt.pt --energy out/bit/ckpt.pt --split test --num_prefixes 4
+    python sample.py --lm out/lm/best.pt --energy out/bit/best.pt --prompt "ROMEO:" --n 1000
+    python sample.py --lm out/lm/best.pt --energy out/bit/best.pt --split test --num_prefixes 4
 
 Prints BASE LM / JOINT / WORST / GOLD continuations per prefix (the paper's Tables 5-6), n-gram
 uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint text; JSON too.
 """
 
 import math
+from contextlib import nullcontext
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import joint_sample, load_energy, sample_log_weights, score, score_continuations
-from runtime import (DTYPES, ArgumentParser, at_least, check_free_space, check_memory, check_new,
+from energy import gumbel_keys, joint_sample, sample_log_weights, score, score_continuations
+from extensions.metrics import load_any_energy  # an NCE energy or the talk's metric energy
+from plumbing import (DTYPES, ArgumentParser, at_least, check_free_space, check_memory, check_new,
                      check_writable, precision, progress, rng, run_main, setup)
-from tokenizer import load_tokenizer
+from data.tokenizer import load_tokenizer
 
 
 @torch.no_grad()
-def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None):
-    """Algorithm 1 as the paper writes it, for one prefix (1, P): draw n continuations from the
-    top-k LM, weight them by softmax(-E), draw one. Returns its tokens (L,)."""
-    tokens, _ = lm.generate(prefix, gen_len, num_samples=n, top_k=top_k, generator=generator)  # (1, n, L)
-    x = torch.cat([prefix.expand(n, -1), tokens[0]], dim=1)  # (n, P+L)
-    w = torch.softmax(-energy(x, prefix.size(1)).double(), dim=0)  # (n,) resampling weights
-    return tokens[0, torch.multinomial(w, 1, generator=generator)[0]]
+def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None, correct_proposal=False, ctx=None,
+                ectx=None):
+    """Algorithm 1 (Section 3.3) for each row of prefix (B, P), its n samples all in memory: draw
+    n continuations x from the top-k LM, score them with the energy, resample one with
+    probability softmax(-E) over the n (with correct_proposal softmax(-E + log P_LM - log q)).
+    Returns the drawn continuations (B, L), and what they were drawn from: their index i (B,)
+    among the samples x (B, n, L), the energies E and log-weights (B, n) of the samples."""
+    B, P = prefix.shape
+    with ctx or nullcontext():
+        x, logp, logq = lm.generate(prefix, gen_len, num_samples=n, top_k=top_k, return_proposal=True,
+                                    generator=generator, max_rows=B * n)  # (B, n, L)
+    E = score_continuations(energy, prefix, x, P, ectx or ctx or nullcontext(), B * n)  # (B, n)
+    log_w = -E + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -E
+    i = gumbel_keys(log_w, generator).argmax(1)  # a draw ∝ exp(log_w), as joint_sample draws it
+    return x[torch.arange(B, device=x.device), i], i, x, E, log_w
+
+
+def draw(lm, energy, pre, args, g, ctx, ectx):
+    """The joint, worst (highest E) and base (first) of the n samples of each prefix of pre (B, P),
+    their energies, and the Kish ESS (sum w)^2 / sum w^2 of the weights: by algorithm_1 where the
+    B n samples fit in --max_rows, else by its chunked twin energy.joint_sample."""
+    top_k = args.top_k or None
+    if pre.size(0) * args.n > args.max_rows:
+        return joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, ctx,
+                            args.max_rows, ectx)
+    joint, i, x, E, log_w = algorithm_1(lm, energy, pre, args.n, args.gen_len, top_k, g,
+                                        args.correct_proposal, ctx, ectx)
+    rows, worst = torch.arange(pre.size(0), device=x.device), E.argmax(1)
+    return dict(joint=joint, joint_energy=E[rows, i], worst=x[rows, worst], worst_energy=E[rows, worst],
+                base=x[:, 0], base_energy=E[:, 0],
+                ess=torch.exp(2 * log_w.logsumexp(1) - (2 * log_w).logsumexp(1)))
 
 
 @torch.no_grad()
@@ -106,8 +134,8 @@ def unique_ngrams(texts, n):
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
-    a('--lm', default='out/lm/ckpt.pt')
-    a('--energy', default='out/bit/ckpt.pt')
+    a('--lm', default='out/lm/best.pt')
+    a('--energy', default='out/bit/best.pt')
     a('--prompt', default=None, help='a text prompt (else prefixes of --split)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='test', choices=SPLITS)
@@ -169,7 +197,7 @@ def main(argv=None):
     args = get_args(argv)
     device = setup(args.device)[2]
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
-    energy, _ = load_energy(args.energy, args.lm, device)
+    energy, _ = load_any_energy(args.energy, args.lm, device)
     dtype, ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)
     edtype, ectx = precision(device, args.dtype, 'score', width=energy.config.n_embd)
     tok = load_tokenizer(meta)
@@ -197,6 +225,10 @@ def main(argv=None):
     check_fits(prefixes.size(1) + args.gen_len, {'LM': lm, 'energy': energy})
     g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
+    B = min(args.chunk, prefixes.size(0))
+    if B * args.n > args.max_rows:
+        print(f"n = {args.n} samples x {B} prefixes do not fit in --max_rows {args.max_rows}: "
+              "Algorithm 1 in chunks (energy.joint_sample, tested equal to algorithm_1)")
     results = []
     for s in progress(range(0, prefixes.size(0), args.chunk), quiet=args.quiet, desc='joint sampling'):
         results += joint_records(lm, energy, prefixes[s:s + args.chunk],
@@ -218,8 +250,7 @@ def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):
     """The records of a batch of prefixes pre (B, P) (gold: their real continuations (B, L) or None):
     Algorithm 1's joint, base and worst samples and, for Figs. 2-3, each kind of continuation's
     log-likelihood under the LM and log Z by T_n (Eq. 4); the Table-3 view for the first prefixes."""
-    out = joint_sample(lm, energy, pre, args.n, args.gen_len, args.top_k or None, args.correct_proposal, g,
-                       ctx, args.max_rows, ectx)
+    out = draw(lm, energy, pre, args, g, ctx, ectx)
     cont = {name: out[name] for name in ('base', 'joint')}
     if gold is not None:
         cont['gold'] = gold.to(pre.device)

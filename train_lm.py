@@ -17,24 +17,27 @@ val and test are evaluated once, at the end, and only reported. Writes out_dir/c
 import json
 import math
 import os
+import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 from data import load_meta, load_split, write_json
+from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint,
                    width_for_params)
-from runtime import (DTYPES, all_mean, ArgumentParser, at_least, check, check_heads, check_memory,
-                     check_resumed_flags, check_training_flags, checkpoint_hint, given_flags, log_step,
-                     optimizer_step, pick_device, prepare_training, progress, rng, run_main, set_lr,
-                     setup_training, teardown_distributed, training_memory, write_log)
-from tokenizer import load_tokenizer
+from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
+                      check_training_memory, checkpoint_hint, choose_dtype, pick_device, rng, rng_seed,
+                      run_main, write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -120,12 +123,13 @@ def add_training_flags(a):
                                       '(the ordering figure: models along the training run)')
     a('--eval_iters', type=int, default=20, help='selection-set batches per periodic evaluation')
     a('--log_interval', type=int, default=10)
-    a('--final_eval', type=int, default=1, help='1: val/test PPL over the whole splits at the end')
+    a('--final_eval', type=int, default=1, choices=[0, 1],
+      help='1: val/test PPL over the whole splits at the end')
     a('--final_eval_windows', type=int, default=0, help='evenly spaced windows of each split for it (0: all)')
     a('--num_samples', type=int, default=2, help='samples printed at the end')
     # system
     a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
-    a('--dtype', default='auto', choices=DTYPES,
+    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'],
       help="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
            "on a CPU bf16 where it has bf16 units)")
     a('--compile', action='store_true', help='torch.compile the model')
@@ -133,7 +137,7 @@ def add_training_flags(a):
     a('--quiet', action='store_true', help='no progress bar')
 
 
-def check_resume(args, given):
+def check_resume(args, argv):
     """--resume continues the checkpoint's model: a flag given that contradicts it is refused."""
     path = os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.exists(path):
@@ -145,7 +149,7 @@ def check_resume(args, given):
                  dtype=ckpt.get('args', {}).get('dtype'))
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    check_resumed_flags(args, given, saved, shape, path, 'model')
+    check_resumed_flags(args, argv, saved, shape, path, 'model')
 
 
 def check_args(args, argv):
@@ -160,17 +164,16 @@ def check_args(args, argv):
     except ValueError:
         raise ValueError(f"--snapshots {args.snapshots}: must be comma-separated iteration numbers, "
                          f"e.g. 250,500") from None
-    check(args, 'final_eval', lambda v: v in (0, 1), '0 or 1')
     if (args.objective == 'tailr') != (args.gamma is not None):
         raise ValueError("--objective tailr and --gamma go together: TaiLr needs its gamma in [0, 1], "
                          "the others none")
     if args.gamma is not None:
-        check(args, 'gamma', lambda v: 0 <= v <= 1, 'in [0, 1]')
-    if not args.match_params:  # else n_embd is chosen to fit
-        check_heads(args.n_embd, args.n_head)
+        at_least(args, 0, 'gamma')
+        if args.gamma > 1:
+            raise ValueError(f"--gamma {args.gamma}: must be in [0, 1]")
     check_training_flags(args)
     if args.resume:
-        check_resume(args, given_flags(argv))
+        check_resume(args, argv)
 
 
 def tailr_loss(logits, targets, gamma):
@@ -223,7 +226,8 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
         n = (y >= 0).sum().item()
         sums += torch.tensor([loss.item() * n, n], dtype=torch.float64)
     model.train()
-    if world_size > 1:
+    if world_size > 1:  # on the run's device: NCCL refuses CPU tensors
+        sums = sums.to(device)
         dist.all_reduce(sums)
     loss = (sums[0] / sums[1]).item()
     if not math.isfinite(loss):  # the same on every rank; raised before anything of it is saved
@@ -281,9 +285,8 @@ def build_model(args, meta):
                              f"gives {n_params:,} parameters: change --n_layer to get near it")
     what = (f"training {args.n_layer} layers of n_embd {args.n_embd} on --batch_size {args.batch_size} x "
             f"--block_size {args.block_size}")
-    device = pick_device(args.device)
-    check_memory(training_memory(config, args.batch_size, device), what,
-                 "lower them (--grad_accum keeps the batch)", device)
+    check_training_memory(config, args.batch_size, pick_device(args.device), what,
+                          "lower them (--grad_accum keeps the batch)")
     if args.residual_of:
         base = load_lm(args.residual_of, meta=meta)[0]
         if args.block_size > base.config.block_size:
@@ -329,12 +332,46 @@ def load_data(args):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world_size, device, dtype, ctx = setup_training(args)  # DDP under torchrun; ctx: torch.autocast
+    # DDP under torchrun (one process otherwise): each rank takes its share of every batch
+    device = pick_device(args.device)
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    if ddp:
+        if device.startswith('cuda'):
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     master = rank == 0
+    if args.grad_accum % world_size:
+        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init and dropout: a stream per rank
+    # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
+    args.dtype, why = choose_dtype(device, args.dtype, 'train')
+    ctx = (nullcontext() if args.dtype == 'float32'
+           else torch.autocast(device_type=device.split(':')[0], dtype=getattr(torch, args.dtype)))
+    if master:
+        print(f"threads: {torch.get_num_threads()}, {plumbing.THREADS_WHY}\n"
+              f"train: {device}, {args.dtype} ({why})", flush=True)
+
     meta, data = load_data(args)
     raw_model, ckpt = build_model(args, meta)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
-    model, optimizer, scaler = prepare_training(raw_model, ckpt, args, device, dtype, world_size)  # in DDP
+    raw_model.to(device)
+    # AdamW, weight decay on matrices only; the GradScaler scales fp16's loss (a no-op otherwise)
+    params = [p for p in raw_model.parameters() if p.requires_grad]  # a RALM's base LM stays frozen
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
+                                  fused=device.startswith('cuda'))
+    scaler = torch.amp.GradScaler(enabled=args.dtype == 'float16')
+    if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        torch.set_rng_state(ckpt['rng_state'])
+    model = torch.compile(raw_model) if args.compile else raw_model
+    if ddp:
+        model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
+
     iter_num = ckpt['iter_num'] if ckpt else 0
     # best: the lowest selection loss (best.pt); ref: the last one that improved by more than min_delta
     best = ckpt['best'] if ckpt and 'best' in ckpt else dict(loss=math.inf, iter=0, ref=math.inf, ref_iter=0)
@@ -347,18 +384,38 @@ def main(argv=None):
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter = time.time(), time.time(), iter_num
     best_weights = None  # every rank keeps its own copy (reading best.pt back would race rank 0's write)
-    bar = progress(total=args.max_iters, initial=iter_num, quiet=args.quiet or not master)
+    bar = tqdm(total=args.max_iters, initial=iter_num, dynamic_ncols=True,
+               disable=args.quiet or not master or not sys.stderr.isatty())
     while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
-        lr = set_lr(optimizer, iter_num, args)
-        train_loss = train_step(model, scaler, data['train'], V, args, iter_num,
-                                device, ctx, rank, world_size)
-        grad_norm = optimizer_step(model, optimizer, scaler, args.grad_clip, iter_num)
+        lr = get_lr(iter_num, args)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        train_loss = train_step(model, scaler, data['train'], V, args, iter_num, device, ctx, rank,
+                                world_size)
+        scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
+        if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
+            raise ValueError(f"the gradients are not finite at iteration {iter_num + 1} (norm {grad_norm}): "
+                             f"training diverged; lower --lr or --weight_decay, or clip harder "
+                             f"(--grad_clip); the last checkpoint saved is finite")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         bar.update()
 
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            rec = dict(iter=iter_num, loss=all_mean([train_loss], world_size)[0], lr=lr, grad_norm=grad_norm)
-            t0 = log_step(log, bar, rec, iter_num, args.log_interval, tokens_per_iter, t0)
+            loss = torch.tensor(train_loss, dtype=torch.float64)
+            if ddp:  # the mean over ranks, reduced on the run's device (NCCL refuses CPU tensors)
+                loss = loss.to(device)
+                dist.all_reduce(loss)
+                loss /= world_size
+            rec = dict(iter=iter_num, loss=loss.item(), lr=lr, grad_norm=grad_norm)
+            now = time.time()
+            rec['tokens_per_s'] = ((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / (now - t0)
+            t0 = now
+            write_log(log, rec)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             select_loss = evaluate(model, data['select'], 'select', select_offsets, args, V, device, ctx,
                                    rank, world_size)
@@ -373,8 +430,9 @@ def main(argv=None):
                 bar.write(f"iter {iter_num}: select loss {select_loss:.4f}" + (' (best)' if improved else ''))
                 save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of)
     bar.close()
+
     train_time = time.time() - t_start
-    results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=dtype,
+    results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=args.dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
                    best_select_loss=best['loss'], best_iter=best['iter'], last_iter=iter_num,
                    converged=stopped_early(iter_num, best, args), tokens_per_iter=tokens_per_iter,
@@ -385,8 +443,20 @@ def main(argv=None):
     if master:
         log.close()
         report(results, args, raw_model, data['val'], meta, device)
-    teardown_distributed()
+    if ddp:
+        dist.barrier()  # no rank tears down while another still writes
+        dist.destroy_process_group()
     return results
+
+
+def get_lr(it, args):
+    """Linear warmup, then cosine decay from --lr to --min_lr at --lr_decay_iters (nanoGPT's)."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / (args.warmup_iters + 1)
+    if it > args.lr_decay_iters:
+        return args.min_lr
+    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
 def load_best(raw_model, best_weights, out_dir, residual_of):

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from model import check_vocab, file_hash, load_lm
-from runtime import atomic_write, finite
-from tokenizer import build_tokenizer, tokenizer_meta
+from plumbing import atomic_write, finite
+from data.tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
 # rates, recipes), so that val and test are only ever reported
@@ -76,7 +76,7 @@ def write_dataset(out_dir, docs, tokenizer, force=False):
 
 
 def write_text(text, path):
-    """Atomic text write (runtime.atomic_write)."""
+    """Atomic text write (plumbing.atomic_write)."""
     def write(tmp):
         with open(tmp, 'w') as f:
             f.write(text)

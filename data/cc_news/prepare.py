@@ -16,7 +16,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 from data import prepare  # noqa: E402
-from runtime import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
+from plumbing import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
 
 
 def load_articles(name, max_docs):

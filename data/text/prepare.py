@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 from data import prepare  # noqa: E402
-from runtime import ArgumentParser, check, check_writable, run_main  # noqa: E402
+from plumbing import ArgumentParser, check, check_writable, run_main  # noqa: E402
 
 
 def read_documents(paths):

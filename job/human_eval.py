@@ -4,9 +4,9 @@ continuations from two systems, in random order and without names, and pick the 
 'equal'). Attention checks pit a system against the real continuation; raters who prefer the
 system there more often than allowed are dropped.
 
-    python human_eval.py export --samples out/samples.json --systems joint,base --out_dir out/human_eval
+    python job/human_eval.py export --samples out/samples.json --systems joint,base --out_dir out/human_eval
         -> items.csv and items.jsonl for raters; key.json stays with you
-    python human_eval.py score --key out/human_eval/key.json --votes votes.csv [--per_vote]
+    python job/human_eval.py score --key out/human_eval/key.json --votes votes.csv [--per_vote]
         votes.csv columns: rater,item,choice   (choice: A, B or equal)
 
 Each item is decided by the majority of its raters' votes (the paper: 3 raters per item, "one
@@ -21,9 +21,11 @@ import json
 import math
 import os
 import random
+import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from data import write_json
-from runtime import ArgumentParser, at_least, check_writable, run_main
+from plumbing import ArgumentParser, at_least, check_writable, run_main
 
 
 def binomial_p_value(wins, losses):

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from energy import load_energy
-from model import file_hash, load_lm
+from model import file_hash, load_checkpoint, load_lm
 
 METRIC_HELP = 'rep-N (sequence repetition), tr-W (token repetition in a window), div, coh, logp'
 
@@ -282,6 +282,15 @@ def same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     return (a.config, a.pool, a.context) == (b.config, b.pool, b.context) and sa.keys() == sb.keys() and \
         all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def load_any_energy(path, lm_path=None, device='cpu'):
+    """(energy in eval mode, checkpoint) of either kind: an NCE-trained Energy (energy.load_energy)
+    or a MetricEnergy, E = mu . f (extensions/metric_ebm.py): the same interface to the scripts."""
+    ckpt = load_checkpoint(path)
+    if ckpt['kind'] == 'metric_energy':
+        return load_metric_energy(ckpt, path, lm_path, device), ckpt
+    return load_energy(path, lm_path, device)
 
 
 def load_metric_energy(ckpt, path, lm_path=None, device='cpu'):

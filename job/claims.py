@@ -26,16 +26,18 @@ otherwise. Model comparisons are per prefix on the test split (paired: every mod
 same continuations), a joint model always at its conservative, high-PPL end. C6 and C7 use a
 bootstrap over prefixes (their statistics are not per-prefix means).
 
-    python claims.py --out_dir out
+    python job/claims.py --out_dir out
 """
 
 import math
 import os
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from data import read_json, write_json, write_text
-from runtime import ArgumentParser, run_main
+from plumbing import ArgumentParser, run_main
 
 Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided
 

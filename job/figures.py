@@ -13,8 +13,8 @@ out/samples.json (sample.py). PNGs land beside them:
                              (reproduce.py --ordering)
 
 Titles carry the claim each figure measures (claims.json, when present).
-    python figures.py --out_dir out
-    python figures.py --out_dir out --copy_to assets/figures     # the small copies README shows
+    python job/figures.py --out_dir out
+    python job/figures.py --out_dir out --copy_to assets/figures     # the small copies README shows
 
 matplotlib is this script's own dependency (run.sh installs it); nothing else in rebm needs it.
 """
@@ -23,10 +23,12 @@ import argparse
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 
-from runtime import run_main
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from plumbing import run_main
 
 # the paper's Fig. 3 colours: real text red, BASE LM black, the joint model green
 KINDS = {'gold': ('real text', 'tab:red'), 'base': ('BASE LM', 'black'), 'joint': ('JOINT', 'tab:green'),

@@ -28,10 +28,10 @@ A 512^3 matmul probe runs first: where bf16 is emulated (an AVX2-only CPU: ~40x 
 fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taking minutes. The
 JSON also records the CPU's ATen capability and its avx2/avx512f/avx512_bf16/amx_bf16 flags.
 
-    python bench.py                   # CPU: ~4 minutes on 2 idle cores
-    python bench.py --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
+    python job/bench.py                   # CPU: ~4 minutes on 2 idle cores
+    python job/bench.py --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
                                       # instead of 8, so its sampling figures are not comparable
-    python bench.py --device cuda     # GPU
+    python job/bench.py --device cuda     # GPU
 
 Each figure is the median of --repeats timed runs after --warmup untimed ones (the matmul peak:
 the fastest run); the runs of the variants being compared alternate, so that load from other
@@ -40,24 +40,26 @@ line of stdout; the same JSON is written (atomically) to --out.
 """
 
 import json
+import os
 import resource
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 import torch.nn.functional as F
 
 from data import load_meta, load_split, write_json
 from energy import Energy, joint_sample, sample_log_weights, score, score_continuations
 from estimate_ppl import logz_bounds
-from metrics import MetricEnergy, fit_mu
+from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
-from runtime import (ArgumentParser, at_least, autocast, check_heads, check_writable, configure_optimizer,
+from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable,
                      pick_device, run_main)
 from train_lm import batch_offsets, get_batch
 
@@ -147,6 +149,14 @@ def lm_config(args, meta):
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 
 
+def adamw(model, lr, device, weight_decay=0.1):
+    """The trainers' optimizer: AdamW, weight decay on matrices only, fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), fused=device.startswith('cuda'))
+
+
 def cpu_flags():
     """What decides CPU speed per precision: ATen's vector ISA, and whether bf16 has hardware
     matmuls (avx512_bf16, amx_bf16) or is emulated (~40x slower than fp32 on AVX2 alone)."""
@@ -189,7 +199,7 @@ def train_step_fn(args, device, meta, dtype, train_data):
     """One iteration of train_lm.py (grad_accum=1, no logging) on a fresh model, as a closure."""
     torch.manual_seed(args.seed)
     model = GPT(lm_config(args, meta)).to(device)
-    optimizer = configure_optimizer(model, 2e-3, 0.1, (0.9, 0.99), device)  # train_lm.py's defaults
+    optimizer = adamw(model, 2e-3, device)  # train_lm.py's defaults
     it = 0
 
     def step():
@@ -289,7 +299,7 @@ def bench_energy(args, device, meta):
                     n_head=args.n_head, n_embd=args.n_embd, causal=False)
     energy = Energy(cfg).to(device)
     x = torch.randint(meta['vocab_size'], (2 * B, P + L), device=device)
-    optimizer = configure_optimizer(energy, 3e-4, 0.1, (0.9, 0.99), device)  # nce_train.py's defaults
+    optimizer = adamw(energy, 3e-4, device)  # nce_train.py's defaults
 
     def forward():
         with torch.no_grad():

@@ -16,9 +16,9 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
-    python reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
-    python reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
-    python reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
+    python job/reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
+    python job/reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
+    python job/reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
 """
 
 import importlib.util
@@ -29,24 +29,25 @@ import subprocess
 import sys
 import time
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
 from data import read_json, write_json
 from energy import Energy
 from model import GPTConfig
-from runtime import DTYPES, ArgumentParser, check_writable, pick_device, rerun_command, run_main
+from plumbing import DTYPES, ArgumentParser, check_writable, pick_device, rerun_command, run_main
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stages run from the repo root
 FIX = 'delete it to rerun its stage'
 
 # Sizes and budgets (README has the stage timings). Everything tuned (each LM's early stopping,
 # the energy's, n, MLM length, TaiLr's gamma) looked at the selection split, never at val or test,
-# except the BIT's ALiBi and NCE lr 1e-4, picked on val before the protocol (EXPERIMENTS.md).
+# except the BIT's ALiBi and NCE lr 1e-4, picked on val before the protocol (docs/experiments.md).
 # The paper's protocol: every LM trains until its selection loss stops improving (by more than
 # min_delta for `patience` evaluations), its best weights kept (best.pt); sizes small enough that
 # this happens within the CPU budget, in the paper's structure: BALM = LM + UNIT parameters,
-# RALM's residual the LM's shape, the BIT smaller than the UNIT (EXPERIMENTS.md, 2026-11-26 late).
+# RALM's residual the LM's shape, the BIT smaller than the UNIT (docs/experiments.md, 2026-11-26 late).
 DEFAULT = dict(
     # the cosine decay ends at step 3000; then min_lr until the plateau rule stops it (6000: a cap)
     lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=6000,
@@ -57,11 +58,11 @@ DEFAULT = dict(
     neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024),
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
     # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
-    # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (EXPERIMENTS.md)
+    # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (docs/experiments.md)
     mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=3000, eval_interval=500, alibi=True, patience=0,
              min_delta=0, snapshots=''),  # the LM's flags otherwise
     # TaiLr (seed 002): the base LM fine-tuned at its final lr until the selection NLL stops improving;
-    # gamma chosen on the selection split (EXPERIMENTS.md)
+    # gamma chosen on the selection split (docs/experiments.md)
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
     metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
@@ -72,7 +73,7 @@ DEFAULT = dict(
               eval_prefixes=1024, patience=2),
     # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
-    # (EXPERIMENTS.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
+    # (docs/experiments.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
     # (a check of the exact one) from 128 samples, the calibration on 8 prefixes (the budget's sizes)
     ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32,
              step_every=16, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
@@ -165,7 +166,7 @@ class Pipeline:
         t0 = time.time()
         # Ctrl-C is for this process alone: it kills the stage (safe: every write is atomic and every
         # stage resumes) and says the one command that continues, rather than the stage's own
-        proc = subprocess.Popen([sys.executable] + cmd, cwd=HERE,
+        proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         try:
             rc = proc.wait()
@@ -224,7 +225,7 @@ def get_args(argv=None):
 def check_data_dir(args):
     """--data_dir: prepared data of --tokenizer (used as it is), or a folder the Shakespeare
     preparation may write into: new, or holding only what it writes. Never the user's own text."""
-    d = os.path.join(HERE, args.data_dir)
+    d = os.path.join(ROOT, args.data_dir)
     meta_path = os.path.join(d, 'meta.json')
     if os.path.exists(meta_path):
         tokenizer = read_json(meta_path, 'delete the data dir and rerun').get('tokenizer')
@@ -246,7 +247,7 @@ def main(argv=None):
     args = get_args(argv)
     pick_device(args.device)  # every stage would fail on it
     cfg, out = args.cfg, args.out_dir
-    check_writable(os.path.join(HERE, out), '--out_dir')
+    check_writable(os.path.join(ROOT, out), '--out_dir')
     check_data_dir(args)
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'))
@@ -260,7 +261,7 @@ def main(argv=None):
     pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir,
                          '--tokenizer', args.tokenizer] + common,
              os.path.join(args.data_dir, 'meta.json'))
-    vocab = read_json(os.path.join(HERE, args.data_dir, 'meta.json'),
+    vocab = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'),
                       'delete the data dir and rerun')['vocab_size']
     lm_ckpt = path('lm', 'best.pt')  # every later stage uses the LMs' best weights on the selection split
 
@@ -287,7 +288,7 @@ def main(argv=None):
         metric = [f"METRICS={path('metrics', 'energy.pt')}",
                   f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
     evaluate(stage, path, lm_ckpt, neg, cfg, metric)
-    pipe.run('claims', ['claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
+    pipe.run('claims', ['job/claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples'])
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
@@ -338,7 +339,7 @@ def metric_energies(stage, path, lm_ckpt, neg, mc):
     """The talk's metric energy E = mu . f (metric_ebm.py), fitted on the selection split: on the
     metrics alone (metrics/energy.pt) and with the BIT energy as one more metric (the talk's
     aggregation: energy_aggregate.pt); then the talk's table of decoding methods on test."""
-    stage('metrics', ['metric_ebm.py', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']),
+    stage('metrics', ['extensions/metric_ebm.py', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']),
                       '--gen_len', str(neg['gen_len']), '--energy_metric', f"BIT={path('bit', 'best.pt')}",
                       '--out_dir', path('metrics'), '--table', '--compare', f"BIT={path('bit', 'best.pt')}",
                       '--extra_lm', f"TAILR={path('tailr', 'best.pt')}", '--force']
@@ -390,11 +391,11 @@ def figures(pipe, out, args):
         return
     readme = not args.quick and args.out_dir == 'out'  # the default run's figures and claims are README's
     pipe.run('figures',
-             ['figures.py', '--out_dir', out] + (['--copy_to', 'assets/figures'] if readme else []),
+             ['job/figures.py', '--out_dir', out] + (['--copy_to', 'assets/figures'] if readme else []),
              os.path.join(out, 'fig3_loglik.png'), ['claims'] + (['ordering'] if args.ordering else []))
     if readme:
         write_json(read_json(os.path.join(out, 'claims.json'), FIX),
-                   os.path.join(HERE, 'assets', 'claims.json'))
+                   os.path.join(ROOT, 'assets', 'claims.json'))
 
 
 # Stage times of the default run relative to the LM's, from README's run (2026-11-27, bf16

@@ -13,8 +13,8 @@ text's on the selection split (moment matching, metrics.py). Then:
   would sample another distribution), each metric's mean and its gap to real text, SE over
   prefixes.
 
-    python metric_ebm.py --lm out/lm/best.pt --out_dir out/metrics
-    python metric_ebm.py --lm out/lm/best.pt --energy_metric BIT=out/bit/best.pt \
+    python extensions/metric_ebm.py --lm out/lm/best.pt --out_dir out/metrics
+    python extensions/metric_ebm.py --lm out/lm/best.pt --energy_metric BIT=out/bit/best.pt \
         --table --compare BIT=out/bit/best.pt
 
 Writes out_dir/energy.pt (loads wherever an energy does; with --energy_metric also
@@ -24,15 +24,18 @@ results.json and results.txt.
 
 import math
 import os
+import sys
 
-import runtime  # before torch: it sets OpenMP's wait policy, read once as torch loads (runtime.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
 from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json, write_text
 from energy import joint_sample, load_energy
-from metrics import METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, metric_energy_state, parse_metrics
+from extensions.metrics import (METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, load_any_energy,
+                                metric_energy_state, parse_metrics)
 from model import file_hash, load_lm, save_checkpoint
-from runtime import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
                      precision, progress, rng, run_main, setup)
 
 
@@ -183,7 +186,7 @@ def load_all(args, device):
     names = parse_metrics(args.metrics, meta['vocab_size'], args.gen_len)
     specs = [s.split('=', 1) for s in args.energy_metric]
     energy = MetricEnergy(names, lm, {n: load_energy(p, args.lm, device)[0] for n, p in specs}).to(device)
-    compare = {n: load_energy(p, args.lm, device)[0] for n, p in (s.split('=', 1) for s in args.compare)}
+    compare = {n: load_any_energy(p, args.lm, device)[0] for n, p in (s.split('=', 1) for s in args.compare)}
     extra = {n: load_lm(p, device, meta=meta)[0] for n, p in (s.split('=', 1) for s in args.extra_lm)}
     models = {'LM': lm, **{f'energy {n}': e for n, e in {**energy.energies, **compare}.items()},
               **{f'LM {n}': e for n, e in extra.items()}}

@@ -1,8 +1,17 @@
 """
-What every script needs around the method, in one place: threads on a shared machine, the device,
-the precision (from what the hardware has), DDP from torchrun's environment, random streams, the
-optimizer and its schedule, progress bars, and the one-line error exit. Nothing here is specific
-to the paper. Scripts import it before torch: see openmp_wait_policy.
+Plumbing: a reader may skip this file. Nothing here is the method or specific to the paper; it
+is what lets the scripts run on any machine and fail with one clear line:
+
+    threads        OpenMP's wait policy, decided before torch loads (openmp_wait_policy)
+    device, dtype  pick_device, choose_dtype: the precision from what the hardware has
+    DDP            setup / teardown_distributed for the scripts that are not trainers (the two
+                   trainers show theirs inline, as nanoGPT's train.py does)
+    seeds          rng_seed, rng: one rule for every random stream
+    bad input      ArgumentParser, check*, memory and disk checks: one `error:` line, before any work
+    writes         atomic_write, finite (JSON has no NaN)
+    entry point    run_main: one-line errors (REBM_DEBUG=1 shows the traceback), Ctrl-C hints
+
+Scripts import it first: see openmp_wait_policy.
 """
 
 import argparse
@@ -52,7 +61,7 @@ def openmp_wait_policy(environ=os.environ, busy=cores_in_use):
     machine, but beside another busy process the spinning threads take the cores the work needs
     (this 2-core CPU trained 3x slower than with one thread beside a busy loop; two such runs
     8-17x slower each). Where other processes keep a core busy as the run starts, the threads
-    sleep instead (PASSIVE: as fast as one thread there, EXPERIMENTS.md). That changes when threads
+    sleep instead (PASSIVE: as fast as one thread there, docs/experiments.md). That changes when threads
     wait, not what they compute: the same numbers either way (tested), unlike a thread count that
     followed the load."""
     if 'OMP_WAIT_POLICY' in environ:
@@ -74,7 +83,6 @@ if WAIT_POLICY:
 
 import torch  # noqa: E402  (after the wait policy: OpenMP reads it once, as torch loads it)
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 if WAIT_POLICY:
@@ -156,7 +164,10 @@ def autocast(device, dtype):
 
 def check_training_flags(args):
     """The optimisation flags both trainers share, in range (fp16 trains with a GradScaler, which
-    needs CUDA), and --out_dir writable; --lr_decay_iters defaults to --max_iters."""
+    needs CUDA), heads that divide the width, and --out_dir writable; --lr_decay_iters defaults to
+    --max_iters."""
+    if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
+        check_heads(args.n_embd, args.n_head)
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
     check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
     check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
@@ -207,15 +218,6 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
-def all_mean(values, world_size):
-    """Average a list of floats over processes (identity for one process)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if world_size > 1:
-        dist.all_reduce(t)
-        t /= world_size
-    return t.tolist()
-
-
 # -----------------------------------------------------------------------------
 # random streams: one rule for every seed in rebm
 
@@ -233,27 +235,7 @@ def rng(seed, purpose, split='', index=0, device='cpu'):
 
 
 # -----------------------------------------------------------------------------
-# optimisation
-
-def configure_optimizer(model, lr, weight_decay, betas, device):
-    """AdamW; weight decay on matrices only (not on biases, LayerNorms), fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.startswith('cuda'))
-
-
-def setup_training(args):
-    """A trainer's start: the device (DDP under torchrun), the training precision and the seed of
-    this process's dropout; --grad_accum checked to split evenly over the processes."""
-    rank, world_size, device = setup(args.device)
-    dtype, ctx = precision(device, args.dtype, 'train', verbose=rank == 0)
-    args.dtype = dtype  # recorded with the flags in every checkpoint: a --resume continues in it
-    if args.grad_accum % world_size:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))
-    return rank, world_size, device, dtype, ctx
-
+# --resume: the flags given must agree with the run it continues
 
 def given_flags(argv=None):
     """The names of the flags on the command line (argv, or sys.argv): what a --resume checks."""
@@ -273,67 +255,16 @@ def resumed_dtype(dtype, saved, path):
     return saved
 
 
-def check_resumed_flags(args, given, saved, fixed, path, what):
+def check_resumed_flags(args, argv, saved, fixed, path, what):
     """A --resume continues the `what` saved at path (saved: its flags) in its precision: a flag
-    given (`given`) among `fixed` that contradicts it is refused, as is a contradicting --dtype."""
+    on the command line (argv) among `fixed` that contradicts it is refused, as is a contradicting
+    --dtype."""
     args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
-    for name in sorted(set(fixed) & given):
+    for name in sorted(set(fixed) & given_flags(argv)):
         if name in saved and getattr(args, name) != saved[name]:
             raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
                              f"--resume continues that {what}; drop the flag, or start a new run in "
                              f"another --out_dir")
-
-
-def prepare_training(raw_model, ckpt, args, device, dtype, world_size):
-    """The optimizer, the GradScaler (active for fp16 only) and the model to call (compiled,
-    wrapped in DDP); with a checkpoint, optimizer, scaler and RNG continue where it stopped."""
-    raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
-    scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
-    if ckpt:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        scaler.load_state_dict(ckpt['scaler'])
-        torch.set_rng_state(ckpt['rng_state'])  # dropout draws continue too
-    model = torch.compile(raw_model) if args.compile else raw_model
-    if world_size > 1:
-        model = DistributedDataParallel(
-            model, device_ids=[int(device.split(':')[1])] if device.startswith('cuda') else None)
-    return model, optimizer, scaler
-
-
-def optimizer_step(model, optimizer, scaler, grad_clip, step):
-    """Clip the (unscaled) gradients, step, clear them; returns the gradient norm before clipping.
-    A non-finite norm (the same on every rank: the gradients are all-reduced) stops the run before
-    the step reaches the weights: the last checkpoint stays finite. fp16's GradScaler skips such
-    steps itself while it calibrates, so there it is let through."""
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf')).item()
-    if not math.isfinite(grad_norm) and not scaler.is_enabled():
-        raise ValueError(f"the gradients are not finite at iteration {step + 1} (norm {grad_norm}): training "
-                         f"diverged; lower --lr or --weight_decay, or clip harder (--grad_clip); the last "
-                         f"checkpoint saved is finite")
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-def set_lr(optimizer, it, args):
-    """Sets the learning rate of step it (get_lr) on every parameter group; returns it."""
-    lr = get_lr(it, args)
-    for group in optimizer.param_groups:
-        group['lr'] = lr
-    return lr
-
-
-def get_lr(it, args):
-    """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / (args.warmup_iters + 1)
-    if it > args.lr_decay_iters:
-        return args.min_lr
-    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
 # -----------------------------------------------------------------------------
@@ -341,16 +272,6 @@ def get_lr(it, args):
 
 def progress(iterable=None, quiet=False, **kw):
     return tqdm(iterable, disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True, **kw)
-
-
-def log_step(log, bar, rec, iter_num, log_interval, tokens_per_iter, t0):
-    """A logging step's line of log.jsonl: rec (this step's numbers, averaged over ranks) and the
-    tokens per second since t0, the last logging step; the loss on the bar. Returns the next t0."""
-    now = time.time()
-    rec['tokens_per_s'] = ((iter_num - 1) % log_interval + 1) * tokens_per_iter / (now - t0)
-    write_log(log, rec)
-    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-    return now
 
 
 def write_log(log, rec):
@@ -391,12 +312,15 @@ def finite(obj):
 # -----------------------------------------------------------------------------
 # bad input: one line naming the flag or file, found before any work or write
 
+DEBUG_HELP = "Bad input stops with one 'error:' line; REBM_DEBUG=1 in the environment shows the traceback."
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (an unknown flag, 'abc' for an int) are one `error:` line through
     run_main, like every other bad input, instead of the usage text and exit status 2."""
 
     def __init__(self, **kw):
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEBUG_HELP, **kw)
 
     def error(self, message):
         raise ValueError(f"{message} (see {self.prog} --help)")
@@ -491,6 +415,12 @@ def check_memory(nbytes, what, fix, device='cpu'):
                          f"{avail / 2**30:.1f} GiB available{where}: {fix}")
 
 
+def check_training_memory(config, rows, device, what,
+                          fix="lower --batch_size (--grad_accum keeps the batch)"):
+    """Refuses a training step of `rows` sequences that could not fit (training_memory)."""
+    check_memory(training_memory(config, rows, device), what, fix, device)
+
+
 def training_memory(config, batch_size, device='cpu'):
     """Bytes a training step of a GPT-shaped model holds at least: weights, gradients and AdamW's
     two moments (16 per parameter, fp32), and what autograd keeps: ~16 (B, T, C) tensors and the
@@ -533,17 +463,16 @@ def os_error_text(e):
 
 def run_main(main, resume_hint=None):
     """A script's entry point: bad input, and a file that cannot be read or written, exit with one
-    `error:` line, not a traceback. Ctrl-C exits with one `interrupted:` line that says what was
-    saved and the command that resumes: resume_hint(argv) (default: nothing was saved, rerun)."""
+    `error:` line, not a traceback (REBM_DEBUG=1: the traceback, for a bug behind a ValueError).
+    Ctrl-C exits with one `interrupted:` line that says what was saved and the command that
+    resumes: resume_hint(argv) (default: nothing was saved, rerun)."""
     argv = sys.argv[1:]
     try:
         main(argv)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        sys.exit(f"error: {os_error_text(e)}")
-    except torch.OutOfMemoryError:
-        sys.exit("error: out of GPU memory: lower the batch size (--batch_size, --chunk or --max_rows)")
+    except (ValueError, OSError, torch.OutOfMemoryError):
+        if os.environ.get('REBM_DEBUG', '0') not in ('', '0'):
+            raise
+        one_line_error()
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
         try:
@@ -553,3 +482,11 @@ def run_main(main, resume_hint=None):
         print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr,
               flush=True)
         sys.exit(130)
+
+
+def one_line_error():
+    """The exception being handled, as one `error:` line and exit status 1."""
+    e = sys.exc_info()[1]
+    if isinstance(e, torch.OutOfMemoryError):
+        sys.exit("error: out of GPU memory: lower the batch size (--batch_size, --chunk or --max_rows)")
+    sys.exit(f"error: {os_error_text(e) if isinstance(e, OSError) else e}")
