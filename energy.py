@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, KVCache, check_vocab, file_hash, load_checkpoint, load_lm
+from model import GPT, GPTConfig, KVCache, check_vocab, file_hash, load_checkpoint, load_lm, load_weights
 
 POOLS = ('continuation', 'all')
 
@@ -159,7 +159,7 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
             if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
                 raise ValueError(f"{init_from} was pretrained with another vocabulary than this data")
             energy = Energy(GPTConfig(**dict(ckpt['config'], **changes)), pool, context)
-            energy.body.load_state_dict(ckpt['model'])
+            load_weights(energy.body, ckpt['model'], init_from)
         else:
             cfg = dict(block_size=block_size or lm_cfg.block_size, n_layer=lm_cfg.n_layer,
                        n_head=lm_cfg.n_head, n_embd=lm_cfg.n_embd, bias=lm_cfg.bias, **changes)
@@ -188,7 +188,10 @@ def load_energy(path, lm_path=None, device='cpu'):
         raise ValueError(f"energy {path} is the residual of another LM ({ckpt['lm_path']}, hash "
                          f"{ckpt['lm_hash']}) than {lm_path}: pass the LM it was trained with")
     energy = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
-    energy.load_state_dict(ckpt['model'])
+    load_weights(energy, ckpt['model'], path)
+    if not all(torch.isfinite(p).all() for p in energy.parameters()):
+        raise ValueError(f"{path} holds non-finite weights (its training diverged): "
+                         "retrain it with a lower --lr")
     return energy.to(device).eval(), ckpt
 
 

@@ -350,18 +350,21 @@ def check_args(args):
         raise ValueError("--num_samples and --sweep values must be at least 2 "
                          "(the upper bound needs leave-one-out)")
     at_least(args, 0, 'calib_prefixes')
-    if args.calib_prefixes and args.calib_samples < 2 * args.num_samples:
-        raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples "
-                         f"({2 * args.num_samples}): the calibration cuts its reference into groups of n "
-                         f"(or pass --calib_prefixes 0)")
     if args.per_step is not None:
         at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
     # a batch's samples (int64 tokens) and their -E (float64, per energy): held at once
     per_sample = 8 * args.gen_len + 8 * max(1, len(args.energy))
     n_max = max([args.num_samples] + args.sweep)
     check_memory(args.chunk * n_max * per_sample, f"--num_samples/--sweep {n_max} x --chunk {args.chunk}",
-                 "lower them (or --chunk)")
-    if args.calib_prefixes:
+                 "lower --num_samples/--sweep (or --chunk)")
+    if args.calib_prefixes:  # the reference: at least 2 groups of n samples, held at once
+        check_memory(2 * args.num_samples * per_sample, f"--num_samples {args.num_samples} (calibrated "
+                     f"against --calib_samples >= 2 x {args.num_samples})",
+                     "lower --num_samples (or pass --calib_prefixes 0)")
+        if args.calib_samples < 2 * args.num_samples:
+            raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples "
+                             f"({2 * args.num_samples}): the calibration cuts its reference into groups of n "
+                             f"(or pass --calib_prefixes 0)")
         check_memory(args.calib_samples * per_sample, f"--calib_samples {args.calib_samples}", "lower it")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force, also=[os.path.splitext(args.out)[0] + '.txt'])

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import atomic_write
+from plumbing import atomic_writes, not_a_file
 
 
 @dataclass
@@ -479,7 +479,33 @@ def flops_per_token(config, num_params):
 
 def save_checkpoint(obj, path):
     """torch.save, atomically: a kill mid-write leaves the previous checkpoint intact."""
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    save_checkpoints([(obj, path)])
+
+
+def save_checkpoints(saves):
+    """Each (obj, path) of saves torch.saved, together (plumbing.atomic_writes): the disk checked
+    for all of them first, every one written to a temp file, then each renamed into place in
+    order. A full disk leaves every previous checkpoint as it was."""
+    atomic_writes([(path, lambda tmp, obj=obj: torch.save(obj, tmp), saved_bytes(obj))
+                   for obj, path in saves])
+
+
+def saved_bytes(obj):
+    """About the size of torch.save(obj): its tensors' storages, 1 KiB for each one's zip record,
+    64 KiB for the pickle of the rest."""
+    storages = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            storages[o.untyped_storage().data_ptr(), o.untyped_storage().nbytes()] = 1
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+    walk(obj)
+    return sum(n for _, n in storages) + 2**10 * len(storages) + 2**16
 
 
 def load_checkpoint(path, map_location='cpu'):
@@ -487,7 +513,9 @@ def load_checkpoint(path, map_location='cpu'):
         raise ValueError(f"{path} is a folder, not a checkpoint: "
                          f"give the file, e.g. {os.path.join(path, 'ckpt.pt')}")
     if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {path} does not exist: train one first (train_lm.py / nce_train.py)")
+        raise ValueError(f"checkpoint {path} {not_a_file(path)}: "
+                         + ("train one first (train_lm.py / nce_train.py)" if not os.path.exists(path)
+                            else "give a train_lm.py or nce_train.py checkpoint"))
     with open(path, 'rb') as f:
         if f.read(4) != b'PK\x03\x04':  # the zip archive torch.save writes (truncated ones too)
             raise ValueError(f"{path} is not a checkpoint (not the zip archive torch.save writes): "
@@ -525,6 +553,17 @@ def check_vocab(ckpt, meta, path):
                          f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
 
 
+def load_weights(model, state, path, strict=True):
+    """model.load_state_dict(state); a checkpoint whose weights do not fit its own config (edited
+    or damaged) is refused in one line naming the file."""
+    try:
+        return model.load_state_dict(state, strict=strict)
+    except RuntimeError as e:
+        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+        raise ValueError(f"{path}: its weights do not match its config ({detail[:160]}): the file was "
+                         f"edited or damaged; retrain it or restore a copy") from None
+
+
 def load_lm(path, device='cpu', meta=None, kind='lm'):
     """A GPT (or RALM) from a train_lm.py checkpoint, in eval mode; with meta, checked against
     that data. kind='mlm' loads a masked-LM body instead."""
@@ -541,11 +580,11 @@ def load_lm(path, device='cpu', meta=None, kind='lm'):
             raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), "
                              "which is missing or changed")
         model = RALM(config, load_lm(base_path)[0])
-        missing = model.load_state_dict(ckpt['model'], strict=False).missing_keys
+        missing = load_weights(model, ckpt['model'], path, strict=False).missing_keys
         assert all(k.startswith('base.') for k in missing), missing
     else:
         model = GPT(config)
-        model.load_state_dict(ckpt['model'])
+        load_weights(model, ckpt['model'], path)
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise ValueError(f"{path} holds non-finite weights (its training diverged): "
                          "retrain it with a lower --lr")

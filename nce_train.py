@@ -37,10 +37,10 @@ from tqdm import tqdm
 
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
-from model import load_checkpoint, save_checkpoint
+from model import GPTConfig, load_checkpoint, save_checkpoints
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
-                      check_training_memory, checkpoint_hint, choose_dtype, pick_device, rng, rng_seed,
-                      run_main, write_log)
+                      check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
+                      rng_seed, run_main, write_log)
 
 
 def get_args(argv=None):
@@ -162,7 +162,7 @@ def nce_batch(data, neg, rows, neg_idx, device):
 
 def choose(n_rows, K, B, M, seed, split, it):
     """Rows of batch `it` and M distinct negatives of each, uniformly: a function of (seed, split, it)."""
-    g = rng(seed, 'nce_pairs', split, it)
+    g = torch.Generator().manual_seed(rng_seed(seed, 'nce_pairs', split, it))
     rows = torch.randint(n_rows, (B,), generator=g).numpy()  # (B,) prefixes, with replacement
     neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()  # (B, M) of the K stored
     return rows, neg_idx
@@ -239,10 +239,12 @@ def build(args, meta, length, rows):
     if args.resume:
         model, ckpt = load_energy(ckpt_path, args.lm)
         model.train()
+        check_memory_of(model.config, rows, args)
     elif os.path.exists(os.path.join(args.out_dir, 'best.pt')):
         raise ValueError(f"{os.path.join(args.out_dir, 'best.pt')} exists "
                          f"(an energy kept by an earlier run): choose another --out_dir or delete it")
     else:
+        check_memory_of(planned_config(args), rows, args)  # before any weight is allocated
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool,
                                    context=args.context, dropout=args.dropout), None
@@ -250,9 +252,25 @@ def build(args, meta, length, rows):
         raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
                          f"{model.config.block_size}: regenerate shorter negatives or give the energy a "
                          f"larger block")
-    check_training_memory(model.config, rows, pick_device(args.device),
-                          f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair")
     return model, ckpt
+
+
+def planned_config(args):
+    """The shape of the energy build_energy will make, read before it allocates a weight: that of
+    --init_from's model or of the LM, with the size flags of a BIT from scratch (a UNIT refuses
+    them)."""
+    src = load_checkpoint(args.init_from or args.lm)['config']
+    sizes = {} if args.init_from or args.energy == 'unit' else dict(
+        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    return GPTConfig(**dict(src, **{k: v for k, v in sizes.items() if v is not None}))
+
+
+def check_memory_of(config, rows, args):
+    """A training step of the energy config on `rows` sequences must fit (as train_lm.py checks)."""
+    check_training_memory(config, rows, pick_device(args.device),
+                          f"training an energy of n_layer {config.n_layer}, n_embd {config.n_embd} on "
+                          f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
+                          "lower --batch_size (--grad_accum keeps the batch) or the energy's size")
 
 
 def report(results, log, out_dir):
@@ -268,11 +286,11 @@ def report(results, log, out_dir):
 
 def save(state, improved, optimizer, scaler, out_dir):
     """ckpt.pt, the latest state (for --resume), and best.pt when the held-out loss improved: the
-    energy to use, since NCE overfits the finite negatives and the last one may be worse."""
-    if improved:
-        save_checkpoint(state, os.path.join(out_dir, 'best.pt'))
-    save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                         rng_state=torch.get_rng_state()), os.path.join(out_dir, 'ckpt.pt'))
+    energy to use, since NCE overfits the finite negatives and the last one may be worse. Saved
+    together (save_checkpoints): the disk is checked for both first, and ckpt.pt goes in first."""
+    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                   rng_state=torch.get_rng_state()), os.path.join(out_dir, 'ckpt.pt'))]
+    save_checkpoints(saves + ([(state, os.path.join(out_dir, 'best.pt'))] if improved else []))
 
 
 def main(argv=None):
@@ -310,7 +328,7 @@ def main(argv=None):
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
                                   fused=device.startswith('cuda'))
-    scaler = torch.amp.GradScaler(enabled=args.dtype == 'float16')
+    scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')
     if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
@@ -340,9 +358,7 @@ def main(argv=None):
         scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
         if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
-            raise ValueError(f"the gradients are not finite at iteration {iter_num + 1} (norm {grad_norm}): "
-                             f"training diverged; lower --lr or --weight_decay, or clip harder "
-                             f"(--grad_clip); the last checkpoint saved is finite")
+            raise ValueError(diverged(iter_num, grad_norm, args.out_dir))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)

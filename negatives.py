@@ -18,7 +18,9 @@ seeded by (seed, split, chunk), so a killed run resumes where it stopped and end
 byte-identical files.
 """
 
+import errno
 import os
+import shutil
 
 import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
@@ -29,8 +31,11 @@ import torch.nn.functional as F
 from data import (SPLITS, check_fits, load_lm_and_data, load_negatives, load_split, read_negatives_meta,
                   window_tokens, windows, write_json)
 from model import file_hash, proposal_logprobs
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_writable, progress,
-                     precision, rerun_command, rng, run_main, setup, teardown_distributed)
+from plumbing import (DTYPES, ArgumentParser, at_least, atomic_write, check, check_free_space, check_memory,
+                     check_writable, disk_full, progress, precision, rerun_command, rng, run_main, setup,
+                     teardown_distributed)
+
+MAX_SAMPLES = 2**16  # stored continuations per prefix: beyond it a mistyped size, not an experiment
 
 
 @torch.no_grad()
@@ -80,8 +85,13 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     # all checked before out_dir is created: a folder made with bad flags would refuse the fixed rerun
     at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')
+    check(args, 'num_samples', lambda v: v <= MAX_SAMPLES,
+          f"at most {MAX_SAMPLES:,} (the paper stores 16 or 128 per prefix)")
     check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
     check(args, 'temperature', lambda v: 0 <= v < float('inf'), 'a finite number >= 0 (0: greedy)')
+    # a chunk's samples come back at once: int64 tokens, float32 log P_LM and log q per token
+    check_memory(args.chunk * args.num_samples * 16 * args.gen_len,
+                 f"--num_samples {args.num_samples} x --chunk {args.chunk}", "lower them")
     check_writable(args.out_dir, '--out_dir')
     return args
 
@@ -100,9 +110,11 @@ def main(argv=None):
     if len(offsets) == 0:
         raise ValueError(f"the {args.split} split is shorter than {P + L} tokens: "
                          "lower --prefix_len/--gen_len")
-    itemsize = np.dtype(meta['dtype']).itemsize
-    check_free_space(args.out_dir, len(offsets) * K * (L * itemsize + 8) + len(offsets) * 8, '--out_dir')
     N, n_chunks = len(offsets), (len(offsets) + args.chunk - 1) // args.chunk
+    # every file, before any is created: tokens, log P_LM and log q of the samples, the two of the
+    # real continuations, offsets, done; 64 KiB for meta.json and the last block of each file
+    itemsize = np.dtype(meta['dtype']).itemsize
+    check_free_space(args.out_dir, N * K * (L * itemsize + 8) + N * 24 + n_chunks + 2**16, '--out_dir')
     settings = dict(lm_path=args.lm, lm_hash=file_hash(args.lm), data_dir=data_dir, split=args.split,
                     prefix_len=P, gen_len=L, stride=args.stride, num_prefixes=N, num_samples=K,
                     top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, chunk=args.chunk,
@@ -153,17 +165,49 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
                                  f"use another --out_dir or delete it")
             fresh = old != settings
         if fresh:
-            os.makedirs(out_dir, exist_ok=True)
-            np.save(os.path.join(out_dir, 'offsets.npy'), offsets)
-            shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'),
-                          logq=((N, K), 'float32'), pos_logp=((N,), 'float32'), pos_logq=((N,), 'float32'),
-                          done=((n_chunks,), 'uint8'))
-            for name, (shape, dtype) in shapes.items():
-                np.memmap(os.path.join(out_dir, f'{name}.bin'), dtype=dtype, mode='w+', shape=shape).flush()
-            write_json(dict(settings, complete=False), meta_path)
+            create_outputs(out_dir, settings, offsets, n_chunks)
     if world_size > 1:
         dist.barrier()
     return load_negatives(out_dir, mode='r+')
+
+
+def create_outputs(out_dir, settings, offsets, n_chunks):
+    """The empty output files, their disk space reserved now (a full disk is found here, not as a
+    crash of a later write into a memmap), then meta.json; on a full disk none of them stays."""
+    N, K, L = settings['num_prefixes'], settings['num_samples'], settings['gen_len']
+    shapes = dict(tokens=((N, K, L), settings['dtype']), logp=((N, K), 'float32'), logq=((N, K), 'float32'),
+                  pos_logp=((N,), 'float32'), pos_logq=((N,), 'float32'), done=((n_chunks,), 'uint8'))
+    made = not os.path.exists(out_dir)
+
+    def save_offsets(tmp):
+        with open(tmp, 'wb') as f:  # np.save of a path would add '.npy' to the temp file's name
+            np.save(f, offsets)
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        atomic_write(os.path.join(out_dir, 'offsets.npy'), save_offsets)
+        for name, (shape, dtype) in shapes.items():
+            reserve(os.path.join(out_dir, f'{name}.bin'), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        write_json(dict(settings, complete=False), os.path.join(out_dir, 'meta.json'))
+    except OSError as e:
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, disk_full(out_dir), out_dir) from None
+        raise
+
+
+def reserve(path, size):
+    """A file of `size` zero bytes whose blocks are allocated now (posix_fallocate), where the
+    system can (elsewhere a sparse file, as np.memmap makes)."""
+    with open(path, 'wb') as f:
+        f.truncate(size)
+        try:
+            if size:
+                os.posix_fallocate(f.fileno(), 0, size)
+        except (AttributeError, OSError) as e:  # no posix_fallocate, or a file system without it
+            if getattr(e, 'errno', None) == errno.ENOSPC:
+                raise
 
 
 def chunks_done(out_dir):

@@ -7,9 +7,10 @@ is what lets the scripts run on any machine and fail with one clear line:
     DDP            setup / teardown_distributed for the scripts that are not trainers (the two
                    trainers show theirs inline, as nanoGPT's train.py does)
     seeds          rng_seed, rng: one rule for every random stream
-    bad input      ArgumentParser, check*, memory and disk checks: one `error:` line, before any work
-    writes         atomic_write, finite (JSON has no NaN)
-    entry point    run_main: one-line errors (REBM_DEBUG=1 shows the traceback), Ctrl-C hints
+    bad input      ArgumentParser, check*, memory, disk and time checks: one `error:` line, before any work
+    writes         atomic_write(s), finite (JSON has no NaN), disk_full: the one line of a full disk
+    entry point    run_main: one-line errors (REBM_DEBUG=1 shows the traceback), Ctrl-C (and SIGTERM)
+                   hints, the output folders of a failed run that saved nothing removed
 
 Scripts import it first: see openmp_wait_policy.
 """
@@ -163,9 +164,9 @@ def autocast(device, dtype):
 
 
 def check_training_flags(args):
-    """The optimisation flags both trainers share, in range (fp16 trains with a GradScaler, which
-    needs CUDA), heads that divide the width, and --out_dir writable; --lr_decay_iters defaults to
-    --max_iters."""
+    """The optimisation flags both trainers share, in range, heads that divide the width, and
+    --out_dir writable (and removed if the run creates it and then fails before saving anything);
+    --lr_decay_iters defaults to --max_iters."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
@@ -173,10 +174,8 @@ def check_training_flags(args):
     check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
     for name in ('dropout', 'beta1', 'beta2'):
         check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
-    if args.dtype == 'float16' and not pick_device(args.device).startswith('cuda'):
-        raise ValueError("--dtype float16 trains with a GradScaler, which needs CUDA: pass --device cuda, or "
-                         "--dtype bfloat16 or float32")
     check_writable(args.out_dir, '--out_dir')
+    new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt'))  # a run that fails before saving leaves none
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
 
 
@@ -281,21 +280,50 @@ def write_log(log, rec):
         log.flush()
 
 
-def atomic_write(path, write):
-    """write(tmp), then rename tmp to path: a reader never sees half a file, and a failed write (full
-    disk, Ctrl-C) leaves the previous file as it was and no temp file behind; an OSError names path."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
+def atomic_write(path, write, nbytes=None):
+    """write(tmp), then rename tmp to path (atomic_writes, for one file of about nbytes if known)."""
+    atomic_writes([(path, write, nbytes)])
+
+
+def atomic_writes(writes):
+    """write(tmp) for each (path, write, nbytes) of writes, then each tmp renamed to its path, in
+    order: a reader never sees half a file, and a failed write (full disk, Ctrl-C) leaves every
+    previous file as it was and no temp file behind. Where every size is known (nbytes, else None)
+    the disk is checked for all of them first. An OSError names the path; a full disk is the one
+    disk-full line."""
+    if all(n is not None for *_, n in writes):
+        check_disk(writes[0][0], sum(n for *_, n in writes))
+    tmps = []
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        for path, write, nbytes in writes:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            tmps.append(f"{path}.{os.getpid()}.tmp")
+            write(tmps[-1])
+        for (path, *_), tmp in zip(writes, tmps):
+            os.replace(tmp, path)
     except BaseException as e:  # Ctrl-C too
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        written = os.path.getsize(tmps[-1]) if tmps and os.path.exists(tmps[-1]) else 0
+        full = tmps and out_of_space(e, path, nbytes and max(0, nbytes - written))  # before the temps go
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         if not isinstance(e, (OSError, RuntimeError)):  # a full disk is a RuntimeError inside torch.save
             raise
+        if full:
+            raise OSError(errno.ENOSPC, disk_full(path), path) from None
         raise OSError(getattr(e, 'errno', None) or errno.EIO,
                       f"cannot write {path} ({getattr(e, 'strerror', None) or e})", path) from None
+
+
+def out_of_space(e, path, remaining=None):
+    """Whether a write to path failed for want of disk space: ENOSPC, or, from a writer that says
+    so without an errno (torch.save's 'enforce fail ... unexpected pos', numpy's 'N requested and
+    M written'), less free than the `remaining` bytes to write (None: unknown) and 1 MiB."""
+    if getattr(e, 'errno', None) == errno.ENOSPC:
+        return True
+    if not isinstance(e, (RuntimeError, OSError)) or getattr(e, 'errno', None):
+        return False
+    return free_space(path) < (remaining or 0) + 2**20
 
 
 def finite(obj):
@@ -382,13 +410,45 @@ def check_new(path, flag, force, also=()):
                          f"or choose another {flag}")
 
 
-def check_free_space(path, nbytes, flag):
-    d = nearest_existing(path)
-    free = shutil.disk_usage(d).free
+def not_a_file(path):
+    """Why path cannot be read as an input file ('' if it can): it does not exist, is a folder, or
+    is not a regular file (/dev/null, a pipe: 'does not exist' would send the user looking for it)."""
+    if not os.path.exists(path):
+        return 'does not exist'
+    if os.path.isdir(path):
+        return 'is a folder, not a file'
+    return '' if os.path.isfile(path) else 'is not a regular file (a device, a pipe or a socket)'
+
+
+# ---- a full disk: one line everywhere, found before the write where the size is known ----
+
+def disk_full(path, needed=None, free=None):
+    """The one disk-full line (ENOSPC), with the sizes where they are known."""
+    if needed is None:
+        return (f"the disk holding {path} is full: free some space and rerun "
+                f"(what was written before is intact)")
+    mb = lambda n: f"{n / 1e6:.{1 if n >= 1e5 else 3}f} MB"
+    return f"the disk holding {path} is full: {mb(needed)} needed, {mb(free)} free"
+
+
+def free_space(path):
+    """Bytes free on the disk that holds path (or would: its nearest existing folder)."""
+    return shutil.disk_usage(nearest_existing(path)).free
+
+
+def check_disk(path, nbytes):
+    """Refuses a write of about nbytes to path that the disk cannot hold, before it starts: an
+    OSError (ENOSPC) with the one disk-full line and its sizes."""
+    free = free_space(path)
     if free < nbytes:
-        raise ValueError(f"{flag} {path}: needs {nbytes / 2**20:.1f} MiB "
-                         f"but {d} has {free / 2**20:.1f} MiB free: "
-                         f"free some space or choose another path")
+        raise OSError(errno.ENOSPC, disk_full(path, nbytes, free) + ": free some space and rerun", path)
+
+
+def check_free_space(path, nbytes, flag):
+    """check_disk for the output a flag names, as bad input: before any work."""
+    free = free_space(path)
+    if free < nbytes:
+        raise ValueError(f"{flag}: {disk_full(path, nbytes, free)}: free some space or choose another {flag}")
 
 
 def available_memory(device='cpu'):
@@ -405,14 +465,21 @@ def available_memory(device='cpu'):
         return None
 
 
+# the share of the available memory a run may plan to fill: the rest is room for the rest of the
+# machine and for what the estimates miss (a run estimated at 21 GiB of 22.4 available died)
+MEMORY_SHARE = 0.8
+
+
 def check_memory(nbytes, what, fix, device='cpu'):
-    """Refuses work whose arrays alone need more memory than the device has available now: one
-    line with both numbers and the fix (nothing checked where available_memory cannot tell)."""
+    """Refuses work whose arrays alone need more than MEMORY_SHARE of the memory the device has
+    available now: one line with the numbers and the fix (nothing checked where
+    available_memory cannot tell)."""
     avail = available_memory(device)
-    if avail is not None and nbytes > avail:
+    if avail is not None and nbytes > MEMORY_SHARE * avail:
         where = f' on {device}' if device != 'cpu' else ''
-        raise ValueError(f"{what} needs ~{nbytes / 2**30:.1f} GiB of memory, more than the "
-                         f"{avail / 2**30:.1f} GiB available{where}: {fix}")
+        raise ValueError(f"{what} needs ~{nbytes / 2**30:,.1f} GiB of memory, more than the "
+                         f"{MEMORY_SHARE * avail / 2**30:.1f} GiB it may use ({MEMORY_SHARE:.0%} of the "
+                         f"{avail / 2**30:.1f} GiB available{where}): {fix}")
 
 
 def check_training_memory(config, rows, device, what,
@@ -425,12 +492,49 @@ def training_memory(config, batch_size, device='cpu'):
     """Bytes a training step of a GPT-shaped model holds at least: weights, gradients and AdamW's
     two moments (16 per parameter, fp32), and what autograd keeps: ~16 (B, T, C) tensors and the
     attention weights (B, nh, T, T) per layer, and the logits (B, T, V) twice, in fp32 on a CPU and
-    at 2 bytes on a GPU (its autocast, bf16 or fp16: a lower bound in fp32 too)."""
+    at 2 bytes on a GPU (its autocast, bf16 or fp16: a lower bound in fp32 too); and the batch's
+    int64 tokens and targets. Measured (train_lm.py, CPU, fp32, one step and one evaluation: peak
+    RSS above that of a 1-sequence run): 0.99x this for 2 layers 32 wide, block 16, B 20k-60k (the
+    narrow model the probe ran out of memory with), 0.6-0.8x for 2-8 layers 64-256 wide, block
+    128-256, B 64-512. What it misses is left to check_memory's MEMORY_SHARE."""
     c, B = config, batch_size
     params = 12 * c.n_layer * c.n_embd ** 2 + (c.vocab_size + c.block_size) * c.n_embd
     acts = (c.n_layer * B * c.block_size * (16 * c.n_embd + 2 * c.n_head * c.block_size)
             + 2 * B * c.block_size * c.vocab_size)
-    return 16 * params + (2 if device.startswith('cuda') else 4) * acts
+    return 16 * params + (2 if device.startswith('cuda') else 4) * acts + 16 * B * (c.block_size + 1)
+
+
+# -----------------------------------------------------------------------------
+# time: a size that makes a run of hours is said before the work, and beyond TIME_LIMIT_S needs --force
+
+TIME_LIMIT_S = 3600
+# forward FLOP/s (2 x parameters per token), crude: this 2-core CPU in fp32 beside a busy process
+# sampled from a KV cache at 1-17 GFLOP/s and scored whole sequences at 8-43 GFLOP/s (2-6 layers,
+# 32-384 wide, 512 rows per call; the narrow models slowest); a GPU is taken as 100x faster
+SAMPLE_FLOPS, SCORE_FLOPS, GPU_SPEEDUP = 5e9, 3e10, 100
+
+
+def forward_seconds(sampled, scored, device='cpu'):
+    """A crude estimate (within a few x) of the seconds that `sampled` FLOPs of token-by-token
+    sampling and `scored` FLOPs of scoring whole sequences take on device."""
+    seconds = sampled / SAMPLE_FLOPS + scored / SCORE_FLOPS
+    return seconds / GPU_SPEEDUP if device.startswith('cuda') else seconds
+
+
+def check_time(seconds, what, force):
+    """Says the estimate of work of a minute or more before it starts; beyond TIME_LIMIT_S only
+    with --force (a mistyped size must not run for days unasked)."""
+    if seconds > TIME_LIMIT_S and not force:
+        raise ValueError(f"{what} would take ~{duration(seconds)} by a crude estimate, beyond the "
+                         f"{duration(TIME_LIMIT_S)} that runs unasked: lower it, or pass --force to run it")
+    if seconds >= 60:
+        print(f"{what}: ~{duration(seconds)} by a crude estimate", flush=True)
+
+
+def duration(seconds):
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.0f} days"
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
 # -----------------------------------------------------------------------------
@@ -441,13 +545,27 @@ def rerun_command(argv, add=()):
     return shlex.join(['python', sys.argv[0], *argv, *[a for a in add if a not in argv]])
 
 
+def checkpoint_iter(path):
+    """The iteration a trainer's checkpoint holds (mmap: no wait on a big one)."""
+    return torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+
+
+def diverged(iter_num, grad_norm, out_dir):
+    """A trainer's line for a step whose gradients are not finite: what to change, and what is
+    kept (out_dir/ckpt.pt, where an evaluation saved one)."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    kept = (f"the last checkpoint saved ({path}, iteration {checkpoint_iter(path)}) is finite"
+            if os.path.exists(path) else "nothing was saved (no evaluation came before)")
+    return (f"the gradients are not finite at iteration {iter_num + 1} (norm {grad_norm}): training "
+            f"diverged; lower --lr or --weight_decay, or clip harder (--grad_clip); {kept}")
+
+
 def checkpoint_hint(argv, path, max_iters, every):
     """A trainer's Ctrl-C line: the iteration its checkpoint holds and the command that continues it."""
     if not os.path.exists(path):
         return (f"nothing was saved yet (the first checkpoint comes at iteration {every}); "
                 f"rerun: {rerun_command(argv)}")
-    # mmap: no wait on a big one
-    it = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+    it = checkpoint_iter(path)
     return (f"{path} holds iteration {it} of {max_iters} (saved every {every}); "
             f"resume with: {rerun_command(argv, ['--resume'])}")
 
@@ -456,25 +574,57 @@ def os_error_text(e):
     text = str(e.strerror or e)
     if e.filename and str(e.filename) not in text:
         text = f"{text}: {e.filename}"
-    if e.errno == errno.ENOSPC:
-        return text + ": free some space and rerun (what was written before is intact)"
+    if e.errno == errno.ENOSPC:  # already the one disk-full line (check_disk, atomic_writes), or made so
+        return text if ' is full: ' in text else disk_full(e.filename or 'the output')
     return text + ": check the path and its permissions"
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+# folders a run is about to create, with the files that make one worth keeping (new_folder)
+NEW_FOLDERS = []
+
+
+def new_folder(path, keep):
+    """path does not exist yet: if the run then fails before it saved one of `keep` there, run_main
+    removes it, and the rerun starts clean (no empty output folder, no log of nothing stays)."""
+    if not os.path.exists(path):
+        NEW_FOLDERS.append((path, keep))
+
+
+def remove_new_folders():
+    """What new_folder promised, on rank 0 (the one that writes): a folder with a subfolder or a
+    file of `keep` stays."""
+    if int(os.environ.get('RANK', 0)) > 0:
+        return
+    for path, keep in NEW_FOLDERS:
+        if os.path.isdir(path) and not any(os.path.isdir(os.path.join(path, f)) or f in keep
+                                           for f in os.listdir(path)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_main(main, resume_hint=None):
     """A script's entry point: bad input, and a file that cannot be read or written, exit with one
     `error:` line, not a traceback (REBM_DEBUG=1: the traceback, for a bug behind a ValueError).
     Ctrl-C exits with one `interrupted:` line that says what was saved and the command that
-    resumes: resume_hint(argv) (default: nothing was saved, rerun)."""
+    resumes: resume_hint(argv) (default: nothing was saved, rerun). SIGTERM (kill, a scheduler)
+    is a Ctrl-C. A failed run removes the output folders it created and saved nothing in
+    (new_folder)."""
     argv = sys.argv[1:]
+    NEW_FOLDERS.clear()
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         main(argv)
     except (ValueError, OSError, torch.OutOfMemoryError):
+        remove_new_folders()
         if os.environ.get('REBM_DEBUG', '0') not in ('', '0'):
             raise
         one_line_error()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut this line short
+            signal.signal(sig, signal.SIG_IGN)
         try:
             hint = resume_hint(argv) if resume_hint else None
         except (Exception, KeyboardInterrupt):  # e.g. flags that do not parse: the rerun hint is right

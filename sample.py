@@ -131,6 +131,10 @@ def unique_ngrams(texts, n):
     return 100.0 * len(set(grams)) / len(grams) if grams else None  # None: no n-gram (JSON has no NaN)
 
 
+FORCE_HELP = (f'replace --out if it exists; run sampling estimated (crudely, check_sampling_time) to take '
+              f'more than {plumbing.duration(plumbing.TIME_LIMIT_S)}, which is refused without it')
+
+
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
@@ -167,7 +171,7 @@ def get_args(argv=None):
     a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
     a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
     a('--out', default='out/samples.json')
-    a('--force', action='store_true', help='replace --out if it exists')
+    a('--force', action='store_true', help=FORCE_HELP)
     a('--device', default='auto')
     a('--dtype', default='auto', choices=DTYPES,
       help='autocast dtype of sampling and of scoring (auto: from the hardware and the widths)')
@@ -175,7 +179,7 @@ def get_args(argv=None):
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n', 'chunk', 'max_rows')
-    at_least(args, 0, 'top_k', 'table_k', 'print_prefixes')
+    at_least(args, 0, 'top_k', 'table_k', 'table_prefixes', 'print_prefixes')
     if args.logz_samples == 1 or args.logz_samples < 0:
         raise ValueError(f"--logz_samples {args.logz_samples}: "
                          "0 (off) or at least 2 (the bounds need leave-one-out)")
@@ -223,6 +227,7 @@ def main(argv=None):
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
         prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
     check_fits(prefixes.size(1) + args.gen_len, {'LM': lm, 'energy': energy})
+    check_sampling_time(lm, energy, *prefixes.shape, args, device)
     g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
     B = min(args.chunk, prefixes.size(0))
@@ -244,6 +249,22 @@ def main(argv=None):
     print("mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
           f"; -> {args.out}")
     return report
+
+
+def check_sampling_time(lm, energy, B, P, args, device):
+    """Says how long sampling B prefixes of P tokens takes, by a crude estimate from its forward
+    tokens (plumbing.forward_seconds), before it starts; beyond plumbing.TIME_LIMIT_S only with
+    --force. Sequences sampled and scored: n (Algorithm 1) and --logz_samples per prefix, and
+    candidates x m completions for each Table-3 view and each step of --autoregressive."""
+    L, C = args.gen_len, min(args.candidates, lm.config.vocab_size)
+    rows = B * (args.n + args.logz_samples)
+    sampled, scored = rows * L, rows * (P + L)
+    views = (min(B, args.table_prefixes) if args.table_k else 0) + (B * L if args.autoregressive else 0)
+    sampled, scored = sampled + views * C * args.m * L, scored + views * C * args.m * (P + L)
+    seconds = plumbing.forward_seconds(2 * lm.num_params() * sampled,
+                                       2 * sum(p.numel() for p in energy.parameters()) * scored, device)
+    plumbing.check_time(seconds, f"sampling {B} prefixes with --n {args.n}"
+                        + (f", --m {args.m}" if views else ''), args.force)
 
 
 def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):

@@ -1,7 +1,7 @@
 """
 MLE training of a GPT: the base LM P_LM that the residual energy corrects (and, later, the
 BALM/RALM baselines and the masked-LM pretraining of the BIT energy); --objective tailr trains or
-fine-tunes an LM with TaiLr instead (seed 002: tailr_loss).
+fine-tunes an LM with TaiLr instead (Ji et al., ICLR 2023: tailr_loss).
 
     python train_lm.py --data_dir data/shakespeare --out_dir out/lm               # CPU
     python train_lm.py --data_dir data/shakespeare_gpt2 --n_layer 12 ...          # one GPU
@@ -33,11 +33,11 @@ from tqdm import tqdm
 from data import load_meta, load_split, write_json
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
-from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoint,
+from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoints,
                    width_for_params)
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
-                      check_training_memory, checkpoint_hint, choose_dtype, pick_device, rng, rng_seed,
-                      run_main, write_log)
+                      check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
+                      rng_seed, run_main, write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -77,7 +77,7 @@ def get_args(argv=None):
            'the base LM, whose vocabulary gains a [MASK] row)')
     a('--objective', default='lm', choices=['lm', 'mlm', 'tailr'],
       help="lm: next-token MLE (base LM, BALM); mlm: BERT-style masked LM of a bidirectional body "
-           "(the BIT energy's pretraining, energy.py); tailr: next-token TaiLr (tailr_loss, seed 002)")
+           "(the BIT energy's pretraining, energy.py); tailr: next-token TaiLr (tailr_loss, Ji et al. 2023)")
     a('--gamma', type=float, default=None,
       help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
     # model
@@ -131,7 +131,7 @@ def add_training_flags(a):
     a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
     a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'],
       help="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
-           "on a CPU bf16 where it has bf16 units)")
+           "on a CPU bf16 where it has bf16 units; float16 on a CPU is emulated, slow, for tests)")
     a('--compile', action='store_true', help='torch.compile the model')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true', help='no progress bar')
@@ -177,7 +177,7 @@ def check_args(args, argv):
 
 
 def tailr_loss(logits, targets, gamma):
-    """TaiLr (seed 002, the talk's "TVD for LM fine-tuning"; Ji et al., ICLR 2023): each token's
+    """TaiLr (the talk's "TVD for LM fine-tuning"; Ji et al., ICLR 2023): each token's
     log-likelihood weighted by p / (gamma + (1 - gamma) p), p the model's own probability of that
     token, the weight held constant (stop-gradient). gamma = 1 weights by p: the gradient of the
     total variation distance, which lets go of tokens the model finds unlikely; gamma -> 0 is MLE.
@@ -190,10 +190,15 @@ def tailr_loss(logits, targets, gamma):
 # -----------------------------------------------------------------------------
 # data
 
+def stream(seed, purpose, split, index):
+    """The random stream of one batch (plumbing.rng_seed: distinct for each purpose, split, index)."""
+    return torch.Generator().manual_seed(rng_seed(seed, purpose, split, index))
+
+
 def batch_offsets(n_tokens, block_size, n, seed, split, it):
     """Start offsets of the n windows of batch `it` of a split: a function of (seed, split, it)
     only, which is what makes --resume exact and DDP see the same global batch as one process."""
-    return torch.randint(n_tokens - block_size - 1, (n,), generator=rng(seed, 'windows', split, it))
+    return torch.randint(n_tokens - block_size - 1, (n,), generator=stream(seed, 'windows', split, it))
 
 
 def get_batch(data, offsets, block_size, device):
@@ -220,7 +225,7 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
     batches = offsets.split(args.batch_size)
     for i in range(rank, len(batches), world_size):
         x, y = make_batch(data, batches[i], args.block_size, device, args.objective, vocab_size,
-                          rng(args.seed, 'mlm_mask', split, i))
+                          stream(args.seed, 'mlm_mask', split, i))
         with ctx:
             _, loss = model(x, y)
         n = (y >= 0).sum().item()
@@ -363,7 +368,7 @@ def main(argv=None):
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
                                   fused=device.startswith('cuda'))
-    scaler = torch.amp.GradScaler(enabled=args.dtype == 'float16')
+    scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')
     if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
@@ -395,9 +400,7 @@ def main(argv=None):
         scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
         if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
-            raise ValueError(f"the gradients are not finite at iteration {iter_num + 1} (norm {grad_norm}): "
-                             f"training diverged; lower --lr or --weight_decay, or clip harder "
-                             f"(--grad_clip); the last checkpoint saved is finite")
+            raise ValueError(diverged(iter_num, grad_norm, args.out_dir))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -479,7 +482,7 @@ def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world
     offsets = batch_offsets(len(train), args.block_size, B * args.grad_accum, args.seed, 'train', iter_num)
     train_loss = 0.0
     for m in range(rank, args.grad_accum, world_size):
-        mask_rng = rng(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m)
+        mask_rng = stream(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m)
         x, y = make_batch(train, offsets[m * B:(m + 1) * B], args.block_size, device, args.objective, V,
                           mask_rng)
         if world_size > 1:  # all-reduce the gradients only on the last micro-batch
@@ -506,17 +509,19 @@ def stopped_early(iter_num, best, args):
 
 def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of):
     """ckpt.pt: everything --resume needs; best.pt: the weights at the lowest selection loss;
-    iter_N.pt at the iterations of --snapshots. Each write is atomic."""
+    iter_N.pt at the iterations of --snapshots. Saved together (save_checkpoints): the disk is
+    checked for all of them first, and ckpt.pt goes in first, so a --resume can always continue."""
     state = dict(kind='mlm' if args.objective == 'mlm' else 'lm', objective=args.objective, gamma=args.gamma,
                  model=weights_of(raw_model, residual_of), residual_of=residual_of,
                  config=asdict(raw_model.config), args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
+    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                   rng_state=torch.get_rng_state()), os.path.join(args.out_dir, 'ckpt.pt'))]
     if improved:
-        save_checkpoint(state, os.path.join(args.out_dir, 'best.pt'))
+        saves.append((state, os.path.join(args.out_dir, 'best.pt')))
     if iter_num in args.snapshots:
-        save_checkpoint(state, os.path.join(args.out_dir, f'iter_{iter_num}.pt'))
-    save_checkpoint(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                         rng_state=torch.get_rng_state()), os.path.join(args.out_dir, 'ckpt.pt'))
+        saves.append((state, os.path.join(args.out_dir, f'iter_{iter_num}.pt')))
+    save_checkpoints(saves)
 
 
 def weights_of(raw_model, residual_of):

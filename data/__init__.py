@@ -9,15 +9,18 @@ The on-disk format of a prepared corpus, shared by every data/<corpus>/prepare.p
 meta.json is written last, so a data dir that has one is complete.
 """
 
+import errno
 import json
 import os
 import shlex
+import shutil
+import tempfile
 
 import numpy as np
 import torch
 
 from model import check_vocab, file_hash, load_lm
-from plumbing import atomic_write, finite
+from plumbing import atomic_write, check_free_space, disk_full, finite, not_a_file, out_of_space
 from data.tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
@@ -67,12 +70,49 @@ def write_dataset(out_dir, docs, tokenizer, force=False):
             raise ValueError(f"{out_dir} already holds other prepared data "
                              "(models trained on it depend on it): "
                              f"pass --force to replace it, or choose another --out_dir")
-    os.makedirs(out_dir, exist_ok=True)
-    for split, ids in arrays.items():
-        path = os.path.join(out_dir, f'{split}.bin')
-        atomic_write(path, ids.tofile)
-    write_json(meta, os.path.join(out_dir, 'meta.json'))
+    # the splits and meta.json appear together or not at all: written into a temporary folder
+    # beside out_dir, then moved in; on failure that folder goes, and the folders this run made
+    check_free_space(out_dir, sum(a.nbytes for a in arrays.values()) + 2**16, '--out_dir')
+    made, parent = first_missing(out_dir), os.path.dirname(os.path.abspath(out_dir))
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(out_dir))}.', dir=parent)
+        for split, ids in arrays.items():
+            ids.tofile(os.path.join(tmp, f'{split}.bin'))
+        write_json(meta, os.path.join(tmp, 'meta.json'))
+        move_into(tmp, out_dir)
+    except BaseException as e:
+        full = out_of_space(e, parent)  # before the partial files go
+        for d in (tmp, made):
+            if d and os.path.isdir(d):
+                shutil.rmtree(d, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, disk_full(out_dir), out_dir) from None
+        raise
     return meta
+
+
+def first_missing(path):
+    """The outermost folder of path that does not exist yet (None: path exists)."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
+def move_into(tmp, out_dir):
+    """A prepared dataset in folder tmp moved to out_dir (renames: no disk space needed). Into an
+    existing folder, file by file: its old meta.json goes first and the new one comes last, so a
+    reader never takes a mix of old and new splits for a complete dataset."""
+    if not os.path.exists(out_dir):
+        os.rename(tmp, out_dir)
+        return
+    if os.path.exists(os.path.join(out_dir, 'meta.json')):
+        os.remove(os.path.join(out_dir, 'meta.json'))
+    for f in sorted(os.listdir(tmp), key=lambda f: f == 'meta.json'):
+        os.replace(os.path.join(tmp, f), os.path.join(out_dir, f))
+    os.rmdir(tmp)
 
 
 def write_text(text, path):
@@ -85,8 +125,8 @@ def write_text(text, path):
 
 def read_json(path, fix='restore or regenerate it'):
     """A JSON file, or one error line naming it."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} does not exist: {fix}")
+    if not_a_file(path):
+        raise ValueError(f"{path} {not_a_file(path)}: {fix}")
     try:
         with open(path) as f:
             return json.load(f)

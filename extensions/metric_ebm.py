@@ -1,5 +1,5 @@
 """
-The talk's residual EBM from evaluation metrics (seed 002; Ji et al., ICLR 2024), fitted without
+The talk's residual EBM from evaluation metrics (Ji et al., ICLR 2024), fitted without
 training: E(x) = mu . f(x), mu chosen so that the joint model's expected metrics equal real
 text's on the selection split (moment matching, metrics.py). Then:
 
@@ -30,11 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
-from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json, write_text
+from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
+                  write_text)
 from energy import joint_sample, load_energy
 from extensions.metrics import (METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, load_any_energy,
                                 metric_energy_state, parse_metrics)
-from model import file_hash, load_lm, save_checkpoint
+from model import file_hash, load_lm, save_checkpoints
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
                      precision, progress, rng, run_main, setup)
 
@@ -53,7 +54,7 @@ def get_args(argv=None):
     a('--check_splits', default='val,test', help="splits whose moments are checked, not fitted ('': none)")
     a('--check_prefixes', type=int, default=128)
     a('--table', action='store_true', help="the talk's metrics table of decoding methods on --table_split")
-    a('--table_split', default='test')
+    a('--table_split', default='test', choices=SPLITS)
     a('--table_prefixes', type=int, default=256)
     a('--compare', nargs='*', default=[], metavar='NAME=CKPT', help='energies in the table (Algorithm 1)')
     a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT', help='LMs in the table (temperature 1)')
@@ -79,6 +80,9 @@ def get_args(argv=None):
         if not all(spec.partition('=')):
             raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
     args.check_splits = [s for s in args.check_splits.split(',') if s]
+    if any(s not in SPLITS for s in args.check_splits):
+        raise ValueError(f"--check_splits {','.join(args.check_splits)}: must be comma-separated names of "
+                         f"{', '.join(SPLITS)} (or '' for none)")
     # held at once: float64 features (B, pool, K) of every split, a chunk of samples with their energies
     K = len(args.metrics.split(',')) + len(args.energy_metric)
     prefixes = args.prefixes + args.check_prefixes * len(args.check_splits)
@@ -217,9 +221,10 @@ def main(argv=None):
     fits = {'energy': MetricEnergy(energy.names, lm)}
     if energy.energies:
         fits['energy_aggregate'] = energy
-    res, text = dict(dtype=edtype), []
+    res, text, saves = dict(dtype=edtype), [], []
     for name, e in fits.items():
-        res[name] = fit(e, pools, args, meta, files)
+        res[name], state = fit(e, pools, args, meta, files)
+        saves.append((state, os.path.join(args.out_dir, f'{name}.pt')))
         text.append(f"{name}.pt: " + format_moments(res[name]))
     if args.table:
         joint = dict(compare, METRICS=fits['energy'])
@@ -227,6 +232,7 @@ def main(argv=None):
             joint['METRICS+' + '+'.join(energy.energies)] = energy
         res['table'] = table(lm, extra, joint, data_dir, meta, split_offsets, args, ctx, ectx)
         text.append(format_table(res['table']['rows'], res['table']['metrics']))
+    save_checkpoints(saves)  # the energies with their results, not before the table has worked
     write_json(res, os.path.join(args.out_dir, 'results.json'))
     write_text('\n\n'.join(text) + '\n', os.path.join(args.out_dir, 'results.txt'))
     print('\n\n'.join(text) + f"\n-> {args.out_dir}")
@@ -235,18 +241,16 @@ def main(argv=None):
 
 def fit(e, pools, args, meta, files):
     """mu of the metric energy e (its first K columns of the pools) by moment matching on the
-    selection split, set in e and saved as out_dir/<name>.pt; the report of every split."""
+    selection split, set in e; the report of every split, and the checkpoint to save."""
     K, names = e.num_metrics, e.feature_names()
     mu, steps = fit_mu(pools['select'][0][:, :K], pools['select'][1][..., :K], names)
     e.mu.copy_(mu)
-    name = 'energy_aggregate' if e.energies else 'energy'
     how = dict(split='select', prefixes=pools['select'][0].size(0), pool=args.pool,
                prefix_len=args.prefix_len, gen_len=args.gen_len, seed=args.seed)
     state = metric_energy_state(e, args.lm, file_hash(args.lm), meta, files if e.energies else {}, how)
-    save_checkpoint(state, os.path.join(args.out_dir, f'{name}.pt'))
     splits = {s: split_report(f_data[:, :K], f_pool[..., :K], mu, names, args.gen_len)
               for s, (f_data, f_pool) in pools.items()}
-    return dict(metrics=names, mu=mu.tolist(), newton_steps=steps, splits=splits)
+    return dict(metrics=names, mu=mu.tolist(), newton_steps=steps, splits=splits), state
 
 
 def table(lm, extra, compare, data_dir, meta, split_offsets, args, ctx, ectx):

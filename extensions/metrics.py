@@ -1,5 +1,5 @@
 """
-A residual energy built from evaluation metrics and fitted without training (seed 002: Ji et al.,
+A residual energy built from evaluation metrics and fitted without training (Ji et al.,
 ICLR 2024). Among all distributions p(y|x) whose expected metrics equal real text's,
 
     E_x E_{y~p(.|x)}[f_k(x, y)] = E_x E_{y~data}[f_k(x, y)]   for k = 1..K            (constraints)

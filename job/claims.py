@@ -13,7 +13,7 @@ results.json). Writes claims.json and claims.txt:
     C7  the difference of log-likelihood means, own samples minus real text, smaller under the
         joint model than under the base LM                              (Fig. 3)
 
-And, when the main job fitted the talk's metric energy (seed 002, metric_ebm.py):
+And, when the main job fitted the talk's metric energy (Ji et al., ICLR 2024; metric_ebm.py):
 
     T1  JOINT METRICS's conservative PPL below the base LM's (guaranteed where mu was fitted)
     T2  JOINT METRICS+BIT below JOINT BIT (the talk's aggregation of evaluation functions)
@@ -161,7 +161,12 @@ def lm_convergence(out_dir):
 
 def measure(out_dir, split='test', seed=0):
     """claims.json's content from a finished main job's folder."""
-    ppl = read_json(os.path.join(out_dir, 'ppl.json'), 'run estimate_ppl.py (reproduce.py runs it)')
+    path = os.path.join(out_dir, 'ppl.json')
+    ppl = read_json(path, 'run estimate_ppl.py (reproduce.py runs it)')
+    if not isinstance(ppl, dict) or not isinstance(ppl.get('splits'), dict) or not ppl['splits']:
+        raise ValueError(f"{path} holds no split: rerun estimate_ppl.py (reproduce.py runs it)")
+    if split not in ppl['splits']:
+        raise ValueError(f"--split {split}: {path} has only {', '.join(ppl['splits'])}")
     samples = read_json(os.path.join(out_dir, 'samples.json'), 'run sample.py (reproduce.py runs it)')
     res = ppl['splits'][split]
     L = res['gen_len']
@@ -180,7 +185,7 @@ def measure(out_dir, split='test', seed=0):
 
 
 def talk_claims(lp, res, L):
-    """T1-T3 (seed 002): the metric energy's gain, the aggregation, and the Pythagorean prediction."""
+    """T1-T3 (Ji et al.'s talk): the metric energy's gain, the aggregation, and the Pythagorean prediction."""
     out = dict(T1=compare(lp, 'JOINT METRICS', 'BASE LM', L))
     if 'JOINT METRICS+BIT' in lp:
         out['T2'] = compare(lp, 'JOINT METRICS+BIT', 'JOINT BIT', L)

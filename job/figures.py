@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from plumbing import run_main
+from plumbing import check_writable, run_main
 
 # the paper's Fig. 3 colours: real text red, BASE LM black, the joint model green
 KINDS = {'gold': ('real text', 'tab:red'), 'base': ('BASE LM', 'black'), 'joint': ('JOINT', 'tab:green'),
@@ -189,6 +189,8 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.copy_to is not None:  # refused before any PNG is written
+        check_writable(args.copy_to, '--copy_to')
     plt = load_pyplot()
     ppl = read_json(os.path.join(args.out_dir, 'ppl.json'), 'estimate_ppl.py')
     samples = read_json(os.path.join(args.out_dir, 'samples.json'), 'sample.py')

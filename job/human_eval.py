@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from data import write_json
-from plumbing import ArgumentParser, at_least, check_writable, run_main
+from plumbing import ArgumentParser, at_least, check_writable, not_a_file, run_main
 
 
 def binomial_p_value(wins, losses):
@@ -114,8 +114,8 @@ def plurality(tally):
 # files: one clear error for a missing or malformed one
 
 def load_json(path, flag, hint):
-    if not os.path.isfile(path):
-        raise ValueError(f"{flag} {path} does not exist: {hint}")
+    if not_a_file(path):
+        raise ValueError(f"{flag} {path} {not_a_file(path)}: {hint}")
     try:
         with open(path) as f:
             return json.load(f)
@@ -134,8 +134,9 @@ def check_key(key, path):
 
 
 def read_votes(path, key):
-    if not os.path.isfile(path):
-        raise ValueError(f"--votes {path} does not exist: give the CSV of votes (columns rater,item,choice)")
+    if not_a_file(path):
+        raise ValueError(f"--votes {path} {not_a_file(path)}: give the CSV of votes "
+                         "(columns rater,item,choice)")
     try:
         with open(path, newline='', encoding='utf-8-sig') as f:  # -sig: a spreadsheet's BOM is not a column
             reader = csv.DictReader(f)
@@ -147,7 +148,9 @@ def read_votes(path, key):
         raise ValueError(f"--votes {path} is not a readable CSV ({e}): columns rater,item,choice") from None
     for rater, item, choice in votes:
         if rater is None or item not in key['items'] or choice not in ('A', 'B', 'equal'):
-            raise ValueError(f"bad vote ({rater}, {item}, {choice}) in {path}: "
+            shown = ', '.join(str(v) if v is None or v.isprintable() else repr(v)  # a NUL escaped, not echoed
+                              for v in (rater, item, choice))
+            raise ValueError(f"bad vote ({shown}) in {path}: "
                              "item must be in the key and choice A, B or equal")
     return votes
 

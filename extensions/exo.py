@@ -1,0 +1,218 @@
+"""
+EXO: the residual energy folded back into an LM (Haozhe Ji's talk; Ji et al., "Towards Efficient
+Exact Optimization of Language Model Alignment", ICML 2024). The joint model of Deng et al.
+(ICLR 2020, Eq. 2), pi*(y|x) ∝ P_LM(y|x) exp(-E(x, y)), is EXO's target
+pi*_{beta_r}(y|x) ∝ pi_sft(y|x) exp(r(x, y) / beta_r) with pi_sft = P_LM, r = -E and beta_r = 1.
+A copy pi_theta of the LM is fine-tuned towards it on K samples y_1..y_K ~ pi_sft(.|x) per
+training prefix x, by the reverse KL between two distributions over the K (the talk's L_exo):
+
+    p_f(i) = softmax_i(beta_pi log(pi_theta(y_i|x) / pi_sft(y_i|x)))      the policy's
+    p_r(i) = softmax_i(r(x, y_i) / beta_r)                                 the reward's
+    L_exo = E_x E_{y_1..K} KL(p_f || p_r);   L_dpo-rw = E_x E_{y_1..K} [-sum_i p_r(i) log p_f(i)]
+
+As K grows, the gradient of L_exo tends to that of KL(pi_theta^{beta_pi} || pi*_{beta_r}) (the
+talk's "unbiased gradient", pi_theta^{beta_pi} ∝ pi_sft (pi_theta / pi_sft)^{beta_pi}), and that
+of L_dpo-rw (--loss dpo, the talk's comparison) to the forward KL's; with beta_pi = beta_r = 1
+the minimiser over a free policy is the joint model itself (both tested by exact enumeration in
+test_all.py). The result samples at LM speed and has an exact perplexity: best.pt is an LM
+checkpoint that every script loads (estimate_ppl.py --extra_lm EXO=.../best.pt).
+
+Selection (best.pt) on the selection split: the lowest estimate of KL(pi_theta || pi*) =
+E_{y~pi_theta}[log pi_theta - log P_LM + E] + log Z, from --eval_samples samples of pi_theta per
+prefix, log Z = log mean exp(-E) over as many LM samples (Eq. 4's T_n, biased low). The KL to
+the base LM, E_{pi_theta}[log pi_theta - log P_LM], is reported beside it, on val and test too.
+
+    python extensions/exo.py --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
+        --prefix_len 14 --gen_len 8 --out_dir out-addition/exo
+"""
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
+from energy import score_continuations
+from extensions.metrics import load_any_energy
+from model import file_hash, load_lm, save_checkpoint
+from plumbing import ArgumentParser, at_least, check, check_writable, rng, run_main, setup
+
+
+def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', log_w=None):
+    """L_exo (the talk's reverse KL(p_f || p_r)) or L_dpo-rw (the cross-entropy of p_f under
+    p_r: the forward KL up to a constant) for each row of (B, K) log-probs of K continuations
+    under pi_theta and pi_sft and their rewards r = -E. log_w (B, K): log-weights of the K
+    continuations in both softmaxes, e.g. log pi_sft(y) over an enumeration of every y: then
+    L_exo is exactly KL(pi_theta^{beta_pi} || pi*_{beta_r}), the K -> infinity limit. Returns (B,)."""
+    f = beta_pi * (logp_theta - logp_sft)
+    g = reward / beta_r
+    if log_w is not None:
+        f, g = f + log_w, g + log_w
+    log_pf, log_pr = F.log_softmax(f, -1), F.log_softmax(g, -1)
+    if loss == 'exo':
+        return (log_pf.exp() * (log_pf - log_pr)).sum(-1)
+    if loss == 'dpo':
+        return -(log_pr.exp() * log_pf).sum(-1)
+    raise ValueError(f"unknown loss '{loss}': use exo or dpo")
+
+
+def continuation_logprob(lm, prefix, y):
+    """log pi(y_k | x) (B, K) of continuations y (B, K, L) of prefix (B, P): sequence_logprob."""
+    (B, K, L), P = y.shape, prefix.size(1)
+    x = torch.cat([prefix[:, None].expand(-1, K, -1), y], 2).flatten(0, 1)
+    return lm.sequence_logprob(x, P).view(B, K)
+
+
+def exo_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
+    """The loss of one batch of prefixes (B, P): K untruncated samples of pi_sft each, their
+    rewards -E, then exo_loss (mean over the batch)."""
+    with torch.no_grad():
+        y = sft.generate(prefix, gen_len, num_samples=K, generator=g)[0]  # (B, K, L)
+        logp_sft = continuation_logprob(sft, prefix, y)
+        reward = -score_continuations(energy, prefix, y, prefix.size(1), nullcontext()).float()
+    logp_theta = continuation_logprob(policy, prefix, y)
+    return exo_loss(logp_theta, logp_sft, reward, args.beta_pi, args.beta_r, args.loss).mean()
+
+
+@torch.no_grad()
+def kl_estimates(policy, sft, energy, prefixes, gen_len, m, g, batch=64):
+    """Mean over prefixes (N, P) of E_{y~pi_theta}[log pi_theta - log P_LM] (the KL to the base
+    LM) and of the same plus E(x, y) + log Z(x) (the KL to the joint model; log Z = log mean
+    exp(-E) over m LM samples, Eq. 4's T_n). m samples of each."""
+    to_base, to_joint = [], []
+    for pre in prefixes.split(batch):
+        y = policy.generate(pre, gen_len, num_samples=m, generator=g)[0]
+        ratio = (continuation_logprob(policy, pre, y) - continuation_logprob(sft, pre, y)).double()
+        e = score_continuations(energy, pre, y, pre.size(1), nullcontext())
+        y0 = sft.generate(pre, gen_len, num_samples=m, generator=g)[0]
+        e0 = score_continuations(energy, pre, y0, pre.size(1), nullcontext())
+        log_z = torch.logsumexp(-e0, 1) - math.log(m)
+        to_base.append(ratio.mean(1))
+        to_joint.append((ratio + e).mean(1) + log_z)
+    return torch.cat(to_base).mean().item(), torch.cat(to_joint).mean().item()
+
+
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__)
+    a = p.add_argument
+    a('--lm', required=True, help='the base LM pi_sft = P_LM (train_lm.py best.pt); pi_theta starts as it')
+    a('--energy', required=True,
+      help='E, the reward r = -E (nce_train.py best.pt or metric_ebm.py energy.pt)')
+    a('--data_dir', default=None, help='default: the data the LM was trained on')
+    a('--out_dir', required=True, help='best.pt (an LM checkpoint), results.json, log')
+    a('--prefix_len', type=int, default=128, help='x: tokens of the prefix')
+    a('--gen_len', type=int, default=64, help='y: tokens of the continuation')
+    a('--loss', default='exo', choices=['exo', 'dpo'],
+      help='exo: L_exo (reverse KL); dpo: L_dpo-rw (forward KL)')
+    a('--K', type=int, default=8, help='LM samples per training prefix')
+    a('--beta_pi', type=float, default=1.0, help="the policy's scale (1: the joint model's)")
+    a('--beta_r', type=float, default=1.0, help="the reward's temperature (1: the joint model's)")
+    a('--batch_size', type=int, default=16, help='prefixes per step')
+    a('--lr', type=float, default=1e-4)
+    a('--max_iters', type=int, default=300)
+    a('--eval_interval', type=int, default=50)
+    a('--patience', type=int, default=0, help='stop after this many evaluations without a better best.pt')
+    a('--eval_prefixes', type=int, default=256, help='selection prefixes that choose best.pt')
+    a('--eval_samples', type=int, default=16, help="pi_theta's (and the LM's) samples per eval prefix")
+    a('--device', default='cpu')
+    a('--seed', type=int, default=1337)
+    a('--quiet', action='store_true')
+    args = p.parse_args(argv)
+    at_least(args, 1, 'prefix_len', 'gen_len', 'batch_size', 'max_iters', 'eval_interval', 'eval_prefixes')
+    at_least(args, 2, 'K', 'eval_samples')
+    at_least(args, 0, 'patience')
+    for name in ('beta_pi', 'beta_r', 'lr'):
+        check(args, name, lambda v: 0 < v < math.inf, 'positive')
+    check_writable(args.out_dir, '--out_dir')
+    return args
+
+
+def load_models(args, device):
+    """(pi_sft frozen, pi_theta trainable: a copy of it, the energy, data_dir, meta)."""
+    sft, ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
+    if ckpt.get('residual_of'):
+        raise ValueError(f"{args.lm} is a RALM: EXO fine-tunes a plain GPT LM "
+                         "(train_lm.py without --residual_of)")
+    energy = load_any_energy(args.energy, args.lm, device)[0]
+    policy = load_lm_and_data(args.lm, data_dir, device)[0].train()
+    for p in list(sft.parameters()) + list(energy.parameters()):
+        p.requires_grad_(False)
+    check_fits(args.prefix_len + args.gen_len, dict(LM=sft))
+    return sft, policy, energy, ckpt, data_dir, meta
+
+
+def prefixes_of(data_dir, meta, split, args, count=None, device='cpu'):
+    """Token windows' prefixes (N, P) of a split, evenly spaced (count of them), and all offsets."""
+    data = load_split(data_dir, split, meta)
+    offsets = windows(data, args.prefix_len, args.gen_len, max_windows=count)
+    if len(offsets) == 0:
+        raise ValueError(f"the {split} split is shorter than --prefix_len + --gen_len")
+    return data, offsets, window_tokens(data, offsets, args.prefix_len).to(device)
+
+
+def main(argv=None):
+    args = get_args(argv)
+    device = setup(args.device)[2]
+    torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
+    sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)
+    train, train_offsets, _ = prefixes_of(data_dir, meta, 'train', args)
+    sel = prefixes_of(data_dir, meta, 'select', args, args.eval_prefixes, device)[2]
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    state = dict(ckpt, objective=f'exo ({args.loss})', exo=dict(vars(args), lm_hash=file_hash(args.lm)))
+    state = {k: v for k, v in state.items() if k not in ('optimizer', 'scaler', 'rng_state')}
+    curve, best, t0 = [], None, time.time()
+    os.makedirs(args.out_dir, exist_ok=True)
+    for it in range(args.max_iters + 1):
+        if it % args.eval_interval == 0 or it == args.max_iters:
+            policy.eval()
+            kl_base, kl_joint = kl_estimates(policy, sft, energy, sel, args.gen_len, args.eval_samples,
+                                             rng(args.seed, 'exo eval', 'select', 0, device))
+            policy.train()
+            curve.append(dict(iter=it, select_kl_to_base=kl_base, select_kl_to_joint=kl_joint))
+            if best is None or kl_joint < best['select_kl_to_joint']:
+                best = curve[-1]
+                save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
+                                os.path.join(args.out_dir, 'best.pt'))
+            if not args.quiet:
+                print(f"iter {it}: select KL to base {kl_base:.4f}, KL to joint {kl_joint:.4f}"
+                      f"{' (best)' if best is curve[-1] else ''}", flush=True)
+            stale = args.patience and it - best['iter'] >= args.patience * args.eval_interval
+            if it == args.max_iters or stale:
+                break
+        g = rng(args.seed, 'exo batch', 'train', it, device)
+        pick = torch.randint(len(train_offsets), (args.batch_size,), generator=g).numpy()
+        prefix = window_tokens(train, train_offsets[np.sort(pick)], args.prefix_len).to(device)
+        loss = exo_step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+    report(args, sft, energy, data_dir, meta, curve, best, time.time() - t0, device)
+
+
+def report(args, sft, energy, data_dir, meta, curve, best, seconds, device):
+    """best.pt's KL to the base LM and to the joint model on val and test (reported only), and
+    results.json."""
+    policy = load_lm(os.path.join(args.out_dir, 'best.pt'), device, meta)[0]
+    final = {}
+    for split in ('val', 'test'):
+        pre = prefixes_of(data_dir, meta, split, args, args.eval_prefixes, device)[2]
+        final[split] = dict(zip(('kl_to_base', 'kl_to_joint'),
+                                kl_estimates(policy, sft, energy, pre, args.gen_len, args.eval_samples,
+                                             rng(args.seed, 'exo eval', split, 0, device))))
+    write_json(dict(args=vars(args), best_iter=best['iter'], best=best, curve=curve, final=final,
+                    params=policy.num_params(), train_seconds=round(seconds, 1)),
+               os.path.join(args.out_dir, 'results.json'))
+    print(f"best.pt: iter {best['iter']}; KL to base / to joint: " +
+          ", ".join(f"{s} {v['kl_to_base']:.4f} / {v['kl_to_joint']:.4f}" for s, v in final.items()))
+
+
+if __name__ == '__main__':
+    run_main(main)
