@@ -16,7 +16,7 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
-    python job/reproduce.py                      # ~41 min on 2 CPU cores with bf16 units (README)
+    python job/reproduce.py                      # ~26 min on 2 CPU cores with bf16 units (README)
     python job/reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
     python job/reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
     python job/reproduce.py --data addition      # a task with a known answer, and EXO (docs/addition.md)
