@@ -63,8 +63,8 @@ import negatives  # noqa: E402
 import plumbing  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
-from data import (load_meta, load_negatives, load_split, negatives_command, read_negatives_meta,  # noqa: E402
-                  window_tokens, windows, write_json)
+from data import (batch_offsets, load_meta, load_negatives, load_split, negatives_command,  # noqa: E402
+                  read_negatives_meta, window_tokens, windows, write_json)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 from energy import (Energy, build_energy, energy_state, joint_sample, load_energy, mlm_mask,  # noqa: E402
@@ -1201,7 +1201,7 @@ def test_early_stopping_keeps_the_best(lm_corpus, tmp_path):
     assert ckpt['iter_num'] == res['best_iter'] and os.path.exists(os.path.join(out, 'iter_10.pt'))
     args = train_lm.get_args(['--data_dir', lm_corpus, '--out_dir', str(tmp_path / 'x'), *TRAIN_FLAGS])
     data = load_split(lm_corpus, 'select', meta)
-    offsets = train_lm.batch_offsets(len(data), args.block_size, args.eval_iters * args.batch_size, args.seed,
+    offsets = batch_offsets(len(data), args.block_size, args.eval_iters * args.batch_size, args.seed,
                                      'select', 0)
     again = train_lm.evaluate(best, data, 'select', offsets, args, meta['vocab_size'], 'cpu',
                               contextlib.nullcontext())

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from data import load_meta, load_split, write_json
+from data import batch_offsets, get_batch, load_meta, load_split, write_json
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoints,
@@ -193,18 +193,6 @@ def tailr_loss(logits, targets, gamma):
 def stream(seed, purpose, split, index):
     """The random stream of one batch (plumbing.rng_seed: distinct for each purpose, split, index)."""
     return torch.Generator().manual_seed(rng_seed(seed, purpose, split, index))
-
-
-def batch_offsets(n_tokens, block_size, n, seed, split, it):
-    """Start offsets of the n windows of batch `it` of a split: a function of (seed, split, it)
-    only, which is what makes --resume exact and DDP see the same global batch as one process."""
-    return torch.randint(n_tokens - block_size - 1, (n,), generator=stream(seed, 'windows', split, it))
-
-
-def get_batch(data, offsets, block_size, device):
-    x = torch.from_numpy(np.stack([data[i:i + block_size + 1].astype(np.int64) for i in offsets.tolist()]))
-    x = x.to(device, non_blocking=True)
-    return x[:, :-1], x[:, 1:]
 
 
 def make_batch(data, offsets, block_size, device, objective='lm', vocab_size=None, g=None):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from model import check_vocab, file_hash, load_lm
-from plumbing import atomic_write, check_free_space, disk_full, finite, not_a_file, out_of_space
+from plumbing import atomic_write, check_free_space, disk_full, finite, not_a_file, out_of_space, rng
 from data.tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
@@ -210,6 +210,19 @@ def windows(data, prefix_len, gen_len, stride=None, max_windows=None):
     if max_windows and len(offsets) > max_windows:
         offsets = offsets[np.linspace(0, len(offsets) - 1, max_windows).round().astype(int)]
     return offsets.astype(np.int64)
+
+
+def batch_offsets(n_tokens, block_size, n, seed, split, it):
+    """Start offsets of the n windows of batch `it` of a split: a function of (seed, split, it)
+    only, which is what makes --resume exact and DDP see the same global batch as one process."""
+    return torch.randint(n_tokens - block_size - 1, (n,), generator=rng(seed, 'windows', split, it))
+
+
+def get_batch(data, offsets, block_size, device):
+    """The windows at offsets as (inputs, next-token targets), each (B, block_size), on device."""
+    x = torch.from_numpy(np.stack([data[i:i + block_size + 1].astype(np.int64) for i in offsets.tolist()]))
+    x = x.to(device, non_blocking=True)
+    return x[:, :-1], x[:, 1:]
 
 
 def window_tokens(data, offsets, length):

@@ -52,7 +52,7 @@ import plumbing  # first: threads' wait policy, read once as torch loads (plumbi
 import torch
 import torch.nn.functional as F
 
-from data import load_meta, load_split, write_json
+from data import batch_offsets, get_batch, load_meta, load_split, write_json
 from energy import Energy, joint_sample, sample_log_weights, score, score_continuations
 from estimate_ppl import logz_bounds
 from extensions.metrics import MetricEnergy, fit_mu
@@ -61,7 +61,6 @@ from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
 from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable,
                      pick_device, run_main)
-from train_lm import batch_offsets, get_batch
 
 
 def get_args(argv=None):
