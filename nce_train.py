@@ -40,7 +40,7 @@ from energy import POOLS, build_energy, energy_state, load_energy
 from model import GPTConfig, load_checkpoint, save_checkpoints
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
                       check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng_seed, run_main, write_log)
+                      rng, rng_seed, run_main, write_log)
 
 
 def get_args(argv=None):
@@ -162,7 +162,7 @@ def nce_batch(data, neg, rows, neg_idx, device):
 
 def choose(n_rows, K, B, M, seed, split, it):
     """Rows of batch `it` and M distinct negatives of each, uniformly: a function of (seed, split, it)."""
-    g = torch.Generator().manual_seed(rng_seed(seed, 'nce_pairs', split, it))
+    g = rng(seed, 'nce_pairs', split, it)
     rows = torch.randint(n_rows, (B,), generator=g).numpy()  # (B,) prefixes, with replacement
     neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()  # (B, M) of the K stored
     return rows, neg_idx

@@ -37,7 +37,7 @@ from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint
                    width_for_params)
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
                       check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng_seed, run_main, write_log)
+                      rng, rng_seed, run_main, write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -190,11 +190,6 @@ def tailr_loss(logits, targets, gamma):
 # -----------------------------------------------------------------------------
 # data
 
-def stream(seed, purpose, split, index):
-    """The random stream of one batch (plumbing.rng_seed: distinct for each purpose, split, index)."""
-    return torch.Generator().manual_seed(rng_seed(seed, purpose, split, index))
-
-
 def make_batch(data, offsets, block_size, device, objective='lm', vocab_size=None, g=None):
     """Inputs and targets of one micro-batch: next tokens (lm), or masked positions (mlm, masks
     drawn from the generator g; the [MASK] id is vocab_size, one past the data's tokens)."""
@@ -213,7 +208,7 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
     batches = offsets.split(args.batch_size)
     for i in range(rank, len(batches), world_size):
         x, y = make_batch(data, batches[i], args.block_size, device, args.objective, vocab_size,
-                          stream(args.seed, 'mlm_mask', split, i))
+                          rng(args.seed, 'mlm_mask', split, i))
         with ctx:
             _, loss = model(x, y)
         n = (y >= 0).sum().item()
@@ -470,7 +465,7 @@ def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world
     offsets = batch_offsets(len(train), args.block_size, B * args.grad_accum, args.seed, 'train', iter_num)
     train_loss = 0.0
     for m in range(rank, args.grad_accum, world_size):
-        mask_rng = stream(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m)
+        mask_rng = rng(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m)
         x, y = make_batch(train, offsets[m * B:(m + 1) * B], args.block_size, device, args.objective, V,
                           mask_rng)
         if world_size > 1:  # all-reduce the gradients only on the last micro-batch
