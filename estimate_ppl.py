@@ -187,8 +187,10 @@ def calibrate(log_w, n, L):
     ref = (ref_lo + ref_hi) / 2
     lo, hi = logz_bounds(log_w[..., :N // n * n].unflatten(-1, (N // n, n)))  # (..., B, groups)
     covered = (lo <= ref[..., None]) & (ref[..., None] <= hi)
-    return dict(n=n, reference_samples=N, bias_lower=((lo.mean(-1) - ref) / L).mean(-1).tolist(),
-                bias_upper=((hi.mean(-1) - ref) / L).mean(-1).tolist(),
+    lower, upper = (lo.mean(-1) - ref) / L, (hi.mean(-1) - ref) / L  # (..., B): per prefix
+    return dict(n=n, reference_samples=N, bias_lower=lower.mean(-1).tolist(),
+                bias_upper=upper.mean(-1).tolist(),
+                bias_lower_per_prefix=lower.tolist(), bias_upper_per_prefix=upper.tolist(),
                 bracketed=covered.double().mean((-2, -1)).tolist(),
                 reference_width=(ref_hi - ref_lo).abs().mean(-1).tolist())
 
@@ -209,7 +211,8 @@ def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, spl
     per_n = {n: calibrate(log_w, n, L) for n in ns}
     return {name: dict(prefixes=len(offsets), reference_samples=args.calib_samples,
                        **{k: per_n[args.num_samples][k][i]
-                          for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width')},
+                          for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width',
+                                    'bias_lower_per_prefix', 'bias_upper_per_prefix')},
                        by_n={n: {k: c[k][i] for k in ('bias_lower', 'bias_upper', 'bracketed')}
                              for n, c in per_n.items()})
             for i, name in enumerate(energies)}

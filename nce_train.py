@@ -280,8 +280,9 @@ def report(results, log, out_dir):
     best = (f"best loss {results['best_loss']:.4f} at iter {results['best_iter']} -> {best_path}"
             if os.path.exists(best_path)
             else "the held-out loss was never finite (NaN): no best.pt was written")
-    print(f"held-out NCE accuracy {results['held_out_acc']:.3f} on {results['held_out_prefixes']} prefixes "
-          f"(chance 0.5), loss {results['held_out_loss']:.4f}; {results['train_time_s']:.0f}s; {best}")
+    print(f"held-out NCE accuracy of best.pt {results['held_out_acc']:.3f} on {results['held_out_prefixes']} "
+          f"prefixes (chance 0.5), loss {results['held_out_loss']:.4f} (last weights: "
+          f"{results['last_held_out_acc']:.3f}); {results['train_time_s']:.0f}s; {best}")
 
 
 def save(state, improved, optimizer, scaler, out_dir):
@@ -338,7 +339,9 @@ def main(argv=None):
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
 
     iter_num = ckpt['iter_num'] if ckpt else 0
-    best = dict(loss=ckpt['best_loss'], iter=ckpt['best_iter']) if ckpt else dict(loss=float('inf'), iter=0)
+    best = dict(loss=float('inf'), iter=0, eval={})  # eval: the held-out figures of best.pt
+    if ckpt:
+        best = dict(loss=ckpt['best_loss'], iter=ckpt['best_iter'], eval=ckpt.get('best_eval', {}))
     held_rows, held_negs = held_out_pairs(held_neg, M, args)
     tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
@@ -383,13 +386,14 @@ def main(argv=None):
                                  device, ctx, rank, world_size)
             improved = last_eval['held_out_loss'] < best['loss']
             if improved:
-                best.update(loss=last_eval['held_out_loss'], iter=iter_num)
+                best.update(loss=last_eval['held_out_loss'], iter=iter_num, eval=last_eval)
             write_log(log, dict(iter=iter_num, **last_eval))
             if master:
                 bar.write(f"iter {iter_num}: held-out loss {last_eval['held_out_loss']:.4f} acc "
                           f"{last_eval['held_out_acc']:.3f}" + (' (best)' if improved else ''))
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
-                             best_loss=best['loss'], best_iter=best['iter'], negatives=args.negatives)
+                             best_loss=best['loss'], best_iter=best['iter'], best_eval=best['eval'],
+                             negatives=args.negatives)
                 save(state, improved, optimizer, scaler, args.out_dir)
     bar.close()
 
@@ -402,7 +406,8 @@ def main(argv=None):
                    train_time_s=train_time, dtype=args.dtype, tokens_per_s=tokens_per_s,
                    best_loss=best['loss'], best_iter=best['iter'],
                    stopped_early=stopped_early(iter_num, best, args), held_out_prefixes=len(held_rows),
-                   **last_eval)
+                   **{f'last_{k}': v for k, v in last_eval.items()},  # the last weights'
+                   **best['eval'] or {k: math.nan for k in last_eval})  # the kept energy's (best.pt)
     if master:
         report(results, log, args.out_dir)
     if ddp:

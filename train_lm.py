@@ -115,10 +115,10 @@ def add_training_flags(a):
     a('--eval_interval', type=int, default=250,
       help='selection-set loss + checkpoint every this many iterations')
     a('--patience', type=int, default=0,
-      help='early stopping: stop once the selection loss has not improved by more than --min_delta for this '
-           'many evaluations (0: off); best.pt always holds the weights of the lowest selection loss')
-    a('--min_delta', type=float, default=0.0,
-      help='early stopping: the smallest improvement that counts (nats/token)')
+      help='early stopping: stop once the lowest selection loss has improved by less than --min_rel_delta '
+           'over the last this many evaluations (0: off); best.pt always holds the lowest loss\'s weights')
+    a('--min_rel_delta', type=float, default=0.0,
+      help='early stopping: the smallest relative improvement that counts (0.001: 0.1%%; 0: any)')
     a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
                                       '(the ordering figure: models along the training run)')
     a('--eval_iters', type=int, default=20, help='selection-set batches per periodic evaluation')
@@ -157,7 +157,7 @@ def check_args(args, argv):
     before any work: one line naming the flag."""
     at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'max_iters',
              'lr_decay_iters', 'eval_interval', 'eval_iters', 'log_interval', 'match_params')
-    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip', 'patience', 'min_delta',
+    at_least(args, 0, 'warmup_iters', 'num_samples', 'weight_decay', 'grad_clip', 'patience', 'min_rel_delta',
              'final_eval_windows')
     try:
         args.snapshots = sorted({int(i) for i in args.snapshots.split(',') if i.strip()})
@@ -361,8 +361,8 @@ def main(argv=None):
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
 
     iter_num = ckpt['iter_num'] if ckpt else 0
-    # best: the lowest selection loss (best.pt); ref: the last one that improved by more than min_delta
-    best = ckpt['best'] if ckpt and 'best' in ckpt else dict(loss=math.inf, iter=0, ref=math.inf, ref_iter=0)
+    # best: the lowest selection loss (best.pt); trail: the lowest loss after each evaluation
+    best = ckpt['best'] if ckpt and 'trail' in ckpt.get('best', {}) else dict(loss=math.inf, iter=0, trail=[])
     V, select_offsets = meta['vocab_size'], fixed_select_offsets(len(data['select']), args)
     tokens_per_iter = args.batch_size * args.grad_accum * args.block_size
     if master:
@@ -374,7 +374,7 @@ def main(argv=None):
     best_weights = None  # every rank keeps its own copy (reading best.pt back would race rank 0's write)
     bar = tqdm(total=args.max_iters, initial=iter_num, dynamic_ncols=True,
                disable=args.quiet or not master or not sys.stderr.isatty())
-    while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
+    while iter_num < args.max_iters and not stopped_early(best, args):
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
@@ -409,8 +409,7 @@ def main(argv=None):
             if improved:
                 best.update(loss=select_loss, iter=iter_num)
                 best_weights = {k: v.detach().clone() for k, v in weights_of(raw_model, residual_of).items()}
-            if select_loss < best['ref'] - args.min_delta:
-                best.update(ref=select_loss, ref_iter=iter_num)
+            best['trail'].append(best['loss'])
             write_log(log, dict(iter=iter_num, tokens=iter_num * tokens_per_iter, select_loss=select_loss))
             if master:
                 bar.write(f"iter {iter_num}: select loss {select_loss:.4f}" + (' (best)' if improved else ''))
@@ -421,7 +420,7 @@ def main(argv=None):
     results = dict(params=raw_model.num_params(), iters=iter_num, train_time_s=train_time, dtype=args.dtype,
                    tokens_per_s=(iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9),
                    best_select_loss=best['loss'], best_iter=best['iter'], last_iter=iter_num,
-                   converged=stopped_early(iter_num, best, args), tokens_per_iter=tokens_per_iter,
+                   converged=stopped_early(best, args), tokens_per_iter=tokens_per_iter,
                    curve=learning_curve(args.out_dir) if master else [])
     if args.final_eval:  # val and test of the best weights, the ones every later stage uses
         load_best(raw_model, best_weights, args.out_dir, residual_of)
@@ -483,11 +482,15 @@ def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world
 # -----------------------------------------------------------------------------
 # early stopping and what is kept
 
-def stopped_early(iter_num, best, args):
-    """Early stopping (the paper's protocol for every LM): the selection loss has not improved by
-    more than --min_delta for --patience evaluations. A run that ends this way has converged on
-    the selection split."""
-    return args.patience > 0 and iter_num - best['ref_iter'] >= args.patience * args.eval_interval
+def stopped_early(best, args):
+    """Early stopping, this project's protocol for every LM (the paper trains for fixed budgets): stop
+    once the lowest selection loss has improved by less than --min_rel_delta, relative, over the
+    last --patience evaluations. Measured from the best loss so far, so a run still improving by
+    small steps that add up goes on; with --min_rel_delta 0, stop when the best step is --patience
+    evaluations old. `converged` in results.json: this rule fired (not --max_iters)."""
+    trail = best['trail']  # the lowest selection loss after each evaluation
+    return (args.patience > 0 and len(trail) > args.patience
+            and trail[-1] >= trail[-1 - args.patience] * (1 - args.min_rel_delta))
 
 
 def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improved, residual_of):

@@ -221,16 +221,19 @@ def check_feasible(f_data, f_pool, names):
 def fit_mu(f_data, f_pool, names=None, log_p0=None, tol=1e-10, max_steps=100, accept=1e-6):
     """mu* = argmin of the dual (Newton with backtracking; D is convex). Stops when every moment
     gap is below tol x (1 + |target|), or, once no step lowers D any more (float64 sums over a
-    large pool stall near 1e-10), below accept x (1 + |target|). Returns (mu (K,), Newton steps)."""
+    large pool stall near 1e-10) or after max_steps steps, below accept x (1 + |target|); each
+    verdict is on the gaps at the mu returned. Returns (mu (K,), Newton steps)."""
     f_data, f_pool = f_data.double(), f_pool.double()
     K = f_data.size(1)
     check_feasible(f_data, f_pool, names or [str(k) for k in range(K)])
     mu = torch.zeros(K, dtype=torch.float64, device=f_data.device)
     scale = 1 + f_data.mean(0).abs()
-    for step in range(max_steps):
+    for step in range(max_steps + 1):  # the last pass only measures the gaps at the last step's mu
         D, g, H = dual(mu, f_data, f_pool, log_p0)
         if (g.abs() <= tol * scale).all():
             return mu, step
+        if step == max_steps:
+            break
         try:
             delta = -torch.linalg.solve(H, g)  # Newton: H delta = -grad D (and grad D = g)
         except torch.linalg.LinAlgError:
@@ -246,7 +249,7 @@ def fit_mu(f_data, f_pool, names=None, log_p0=None, tol=1e-10, max_steps=100, ac
     gap = (g.abs() / scale).max().item()
     if gap <= accept:
         return mu, step
-    raise ValueError(f"moment matching did not converge in {step + 1} Newton steps (largest gap {gap:.2e}): "
+    raise ValueError(f"moment matching did not converge in {step} Newton steps (largest gap {gap:.2e}): "
                      f"the metrics may be collinear or the pool too small; drop a metric or raise --pool")
 
 

@@ -84,11 +84,11 @@ def fig2_left_bounds(ax, ppl, split, claims):
     ax.axhline(res['base_ppl'], color='black', lw=0.8, label='BASE LM')
     ax.set_ylim(top=max(ax.get_ylim()[1], res['base_ppl'] * 1.002))  # the BASE LM line stays in view
     ax.set_xscale('log', base=2)
-    c = claims['claims']['C5'] if claims else None
+    c = claims['claims'].get('C5') if claims else None
     ax.set(xlabel='n samples per prefix', ylabel='PPL',
            title=f"Fig. 2 left: PPL bounds vs n ({split}, {res['num_prefixes']} prefixes)"
-                 + (f"\nC5: range narrows by {num(c['diff'], '.4f')} "
-                    f"({num(c['se'], '.4f')} SE) nats/token" if c else ''))
+                 + (f"\nC5: n_ref log Z - E[lower] {num(c['below_reference']['diff'], '+.5f')}, "
+                    f"E[upper] - it {num(c['above_reference']['diff'], '+.5f')} nats/token" if c else ''))
     ax.legend(fontsize=7)
 
 
@@ -105,7 +105,8 @@ def fig2_right_ngrams(ax, claims):
     ax.set_xticks(range(len(c['n'])), [str(n) for n in c['n']])
     ax.set(xlabel='n (characters)', ylabel='unique n-grams (%)', ylim=(0, 122),
            title=f"Fig. 2 right: unique character n-grams ({c['prefixes']} prefixes)\n"
-                 f"C6: joint - base (n = 4, 6, 8) {num(c['diff'], '+.2f')} ({num(c['se'], '.2f')} SE) points")
+                 f"C6: joint - base (n = 4, 6, 8) {num(c['diff'], '+.2f')} ({num(c['se'], '.2f')} SE, "
+                 f"permutation p {num(c.get('p'), '.3f')}) points")
     ax.legend(fontsize=7, loc='upper center', ncol=len(kinds))  # above the bars, which reach 100
 
 

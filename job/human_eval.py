@@ -11,9 +11,11 @@ system there more often than allowed are dropped.
 
 Each item is decided by the majority of its raters' votes (the paper: 3 raters per item, "one
 continuation better if it gets more votes"). Reports, for system 1 over system 2, over items: the
-preference rate (strictly better), the not-worse rate (better or equal), and the one-sided
-binomial p-value of items won against items lost (equal items dropped). --per_vote counts votes
-instead; export refuses to replace an existing key.json unless --force.
+preference rate (strictly better) with the one-sided binomial p-value of items won against items
+not won (equal items count as not won, as in the paper's Table 2), and the not-worse rate (better
+or equal) with a one-sided sign test of items won against items lost (equal items set aside; see
+score()). --per_vote counts votes instead; export refuses to replace an existing key.json unless
+--force.
 """
 
 import csv
@@ -30,8 +32,9 @@ from plumbing import ArgumentParser, at_least, check_writable, not_a_file, run_m
 
 def binomial_p_value(wins, losses):
     """P(X >= wins) for X ~ Binomial(wins + losses, 1/2): one-sided test of 'no preference'.
-    score() passes ties as losses (non-wins), as the paper's Table 2 does: its BASE LM vs BALM
-    p = 0.88 is P(X >= 156) for X ~ Binomial(333, 1/2)."""
+    score()'s p_value passes ties as losses (non-wins), as the paper's Table 2 does: its BASE LM
+    vs BALM p = 0.88 is P(X >= 156) for X ~ Binomial(333, 1/2); its not_worse_p_value leaves
+    ties out (a sign test)."""
     n = wins + losses
     return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
 
@@ -65,12 +68,20 @@ def score(key, votes, max_failed_checks=0, per_vote=False):
     goes to the option among s1, s2 and 'equal' with strictly the most votes; with no strict
     plurality (s1 and s2 tied, or 'equal' tied with the leader) or an 'equal' plurality, the item
     is equal. Without 'equal' votes this is exactly the paper's rule. Items with no remaining
-    vote are left out (counted in unvoted_items). The one-sided binomial test is over items (votes
-    on one item are not independent): wins against non-wins, equal items counted as non-wins,
-    as the paper's Table 2.
+    vote are left out (counted in unvoted_items). Both one-sided tests are over items (votes on
+    one item are not independent):
+      p_value, for 'preferred': wins against non-wins, equal items counted as non-wins, as the
+        paper's Table 2; null P(win) = 1/2 (conservative for no preference: P(win) = (1 - t) / 2
+        then, t the tie rate).
+      not_worse_p_value, for 'not_worse': a sign test, P(X >= wins) for X ~ Binomial(wins +
+        losses, 1/2), equal items set aside. Null: no preference, P(win) = P(loss), ties at any
+        rate. The not-worse share itself has no fixed null value: with no preference and tie rate
+        t it is (1 + t) / 2, t unknown, so testing it against 1/2 would find a preference in ties
+        alone. Given the number of non-tied items, wins are Binomial(., 1/2) under the null
+        whatever t is, and a large win count means a not-worse share above (1 + t) / 2.
 
-    per_vote: every counted vote is a unit instead (wins, losses, ties and the test over votes);
-    its p-value is too small, since raters of one item agree more often than independent votes
+    per_vote: every counted vote is a unit instead (wins, losses, ties and both tests over votes);
+    their p-values are too small, since raters of one item agree more often than independent votes
     would. The report's 'unit' says which ('item' or 'vote')."""
     s1, s2 = key['systems']
     failed, seen = {}, set()
@@ -101,7 +112,8 @@ def score(key, votes, max_failed_checks=0, per_vote=False):
     return dict(system=s1, versus=s2, unit='vote' if per_vote else 'item', n=n, votes=num_votes,
                 wins=wins, losses=losses, ties=ties, unvoted_items=unvoted, dropped_raters=dropped,
                 preferred=wins / n if n else float('nan'), not_worse=(wins + ties) / n if n else float('nan'),
-                p_value=binomial_p_value(wins, losses + ties))
+                p_value=binomial_p_value(wins, losses + ties),
+                not_worse_p_value=binomial_p_value(wins, losses))
 
 
 def plurality(tally):
@@ -186,7 +198,7 @@ def main(argv=None):
     s.add_argument('--max_failed_checks', type=int, default=0,
                    help='drop raters failing more checks than this')
     s.add_argument('--per_vote', action='store_true',
-                   help='count votes, not items decided by majority (p-value too small)')
+                   help='count votes, not items decided by majority (p-values too small)')
     s.add_argument('--out', default=None, help='JSON report (default: beside the votes)')
     args = p.parse_args(argv)
     if args.cmd == 'export':
@@ -240,10 +252,12 @@ def run_score(args):
     unit = (f"{report['n']} items (each decided by the majority of its raters; {report['votes']} votes)"
             if report['unit'] == 'item'
             else f"{report['n']} votes (per vote: votes on one item are not independent)")
-    print(f"{report['system']} vs {report['versus']}: preferred {100 * report['preferred']:.1f}%, "
-          f"not worse {100 * report['not_worse']:.1f}% of {unit}; "
-          f"one-sided binomial p = {report['p_value']:.3g} "
-          f"over {report['unit']}s; dropped raters: {report['dropped_raters'] or 'none'}")
+    print(f"{report['system']} vs {report['versus']}, of {unit}:\n"
+          f"  preferred {100 * report['preferred']:.1f}%, one-sided binomial p = {report['p_value']:.3g} "
+          f"(won vs not won over {report['unit']}s)\n"
+          f"  not worse {100 * report['not_worse']:.1f}%, one-sided sign test p = "
+          f"{report['not_worse_p_value']:.3g} (won vs lost, equal {report['unit']}s set aside)\n"
+          f"  dropped raters: {report['dropped_raters'] or 'none'}")
 
 
 if __name__ == '__main__':
