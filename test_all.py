@@ -4686,6 +4686,8 @@ CLI_TABLE = [
     ('bench-repeats-0', [*B, '--repeats', '0'], '--repeats 0'),
     ('bench-batch-size-0', [*B, '--batch_size', '0'], '--batch_size 0'),
     ('bench-heads-do-not-divide', [*B, '--n_embd', '33'], '--n_embd 33'),
+    ('bench-energy-heads-do-not-divide', [*B, '--n_head', '3', '--n_embd', '48', '--energy_embd', '128'],
+     '--energy_embd 128'),
     ('bench-prompt-too-long', [*B, '--prompt_len', '60'], '--prompt_len 60'),
     ('bench-block-longer-than-data', [*B, '--block_size', '4000', '--prompt_len', '16'], '--block_size'),
     ('bench-data-dir-missing', [*B, '--data_dir', '{root}/nowhere'], 'nowhere'),

@@ -9,9 +9,11 @@ process:
 - sampling:    K continuations of each of B prompts with GPT.generate (the prompts' KV cache is
                computed once and shared by their K samples), in fp32 and bf16 autocast, vs a
                naive sampler without a cache that re-runs the model over the whole sequence for
-               every new token of every sample (nanoGPT's generate);
+               every new token of every sample (nanoGPT's generate); the cached one's fp32 MFU;
 - energy:      the BIT energy's forward (sequences/s at prefix 128 + continuation 64) and one
-               binary-NCE training step (positives and negatives in one forward), tokens/s;
+               binary-NCE training step (positives and negatives in one forward), tokens/s, and
+               the fp32 MFU of each (with train's and sampling's: each stage's MFU at the job's
+               sizes when run with the job's --n_layer --n_head --n_embd --block_size);
 - estimation:  log Z estimation (LM samples drawn and scored per second) and joint sampling
                (Algorithm 1) at n = 10^3 and 10^4 samples, with the process's peak memory: both
                run in chunks, so memory should stay flat as n grows;
@@ -39,6 +41,7 @@ processes hits them alike. Prints a table, then one JSON object with every figur
 line of stdout; the same JSON is written (atomically) to --out.
 """
 
+import dataclasses
 import json
 import os
 import resource
@@ -100,6 +103,9 @@ def get_args(argv=None):
              'sample_prompts', 'prompt_len', 'num_samples', 'new_tokens')
     at_least(args, 0, 'threads', 'warmup', 'matmul_size')
     check_heads(args.n_embd, args.n_head)
+    if args.energy_embd % args.n_head:
+        raise ValueError(f"--energy_embd {args.energy_embd} is not a multiple of --n_head {args.n_head} (the "
+                         f"energy takes the LM's heads): pick a multiple, e.g. {args.n_head * 32}")
     if args.prompt_len + args.new_tokens > args.block_size:
         raise ValueError(f"--prompt_len {args.prompt_len} + --new_tokens {args.new_tokens} "
                          f"exceeds --block_size {args.block_size}")
@@ -194,6 +200,12 @@ def bench_matmul_peak(args, device, dtypes):
     return dict(matmul_size=n, **{f'matmul_gflops_{name}': 2 * n ** 3 / dt[name] / 1e9 for name in dtypes})
 
 
+def forward_flops_per_token(config, num_params, context):
+    """Forward FLOPs per token: a third of flops_per_token's (forward + backward), attention over
+    `context` positions."""
+    return flops_per_token(dataclasses.replace(config, block_size=context), num_params) / 3
+
+
 def train_step_fn(args, device, meta, dtype, train_data):
     """One iteration of train_lm.py (grad_accum=1, no logging) on a fresh model, as a closure."""
     torch.manual_seed(args.seed)
@@ -249,7 +261,7 @@ def bench_train(args, device, meta, peak):
 
 
 @torch.no_grad()
-def bench_sampling(args, device, meta, dtypes):
+def bench_sampling(args, device, meta, dtypes, peak_fp32):
     B, P, K, L = args.sample_prompts, args.prompt_len, args.num_samples, args.new_tokens
     torch.manual_seed(args.seed)
     model = GPT(lm_config(args, meta)).to(device).eval()  # random weights: speed does not depend on them
@@ -280,6 +292,9 @@ def bench_sampling(args, device, meta, dtypes):
         sampling_samples_per_s_naive=n / t_naive, sampling_tokens_per_s_naive=n * L / t_naive,
         sampling_speedup=t_naive / t_cached,
         sampling_token_forwards_ratio=work_naive / work_cached,
+        # MFU: the cached sampler's token-forwards at their mean context, against the fp32 matmul peak
+        sampling_mfu_cached=work_cached * forward_flops_per_token(
+            model.config, model.num_params(non_embedding=True), P + L // 2) / t_cached / (peak_fp32 * 1e9),
     )
     if 'bf16' in dtypes:
         t_bf16 = dt['cached_bf16']
@@ -289,7 +304,7 @@ def bench_sampling(args, device, meta, dtypes):
     return res
 
 
-def bench_energy(args, device, meta):
+def bench_energy(args, device, meta, peak_fp32):
     """Energy forward (sequences/s at prefix 128 + continuation 64) and NCE training tokens/s
     (one binary-NCE step of nce_train.py: positives and negatives in one forward)."""
     P, L, B = 128, 64, args.batch_size
@@ -312,8 +327,16 @@ def bench_energy(args, device, meta):
         optimizer.zero_grad(set_to_none=True)
 
     dt = timeit(dict(forward=forward, nce_step=nce_step), device, args.warmup, args.repeats)
+    # the matmul weights: the body's token embedding is a lookup here (no LM head runs)
+    tokens = 2 * B * (P + L)
+    emb = energy.body.transformer
+    N = energy.num_params() - emb.wte.weight.numel() - emb.wpe.weight.numel()
     return dict(energy_forward_seqs_per_s=2 * B / dt['forward'],
-                nce_train_tokens_per_s=2 * B * (P + L) / dt['nce_step'])
+                nce_train_tokens_per_s=tokens / dt['nce_step'],
+                # MFU against the fp32 matmul peak (fp32 runs): bidirectional, attention over all P + L
+                energy_forward_mfu=tokens * forward_flops_per_token(cfg, N, P + L) / dt['forward']
+                / (peak_fp32 * 1e9),
+                nce_train_mfu=tokens * flops_per_token(cfg, N) / dt['nce_step'] / (peak_fp32 * 1e9))
 
 
 def bench_estimation(args, device, meta):
@@ -489,8 +512,8 @@ def main(argv=None):
                                else [])
     peak = run('matmul_peak', bench_matmul_peak, dtypes)
     run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes})
-    run('sampling', bench_sampling, meta, dtypes)
-    run('energy', bench_energy, meta)
+    run('sampling', bench_sampling, meta, dtypes, peak['matmul_gflops_fp32'])
+    run('energy', bench_energy, meta, peak['matmul_gflops_fp32'])
     run('estimation', bench_estimation, meta)
     run('estimate', bench_estimate, meta, dtypes)
     run('metric_fit', bench_metric_fit, meta)
