@@ -362,7 +362,7 @@ def main(argv=None):
 
     iter_num = ckpt['iter_num'] if ckpt else 0
     # best: the lowest selection loss (best.pt); trail: the lowest loss after each evaluation
-    best = ckpt['best'] if ckpt and 'trail' in ckpt.get('best', {}) else dict(loss=math.inf, iter=0, trail=[])
+    best = {'trail': [], **ckpt['best']} if ckpt and 'best' in ckpt else dict(loss=math.inf, iter=0, trail=[])
     V, select_offsets = meta['vocab_size'], fixed_select_offsets(len(data['select']), args)
     tokens_per_iter = args.batch_size * args.grad_accum * args.block_size
     if master:
