@@ -59,11 +59,17 @@ def verdict(diff, se):
     return True if z > Z_SIG else False if z < -Z_SIG else None
 
 
+def mean_se(d):
+    """Mean and SE over prefixes of per-prefix values d."""
+    d = np.asarray(d, dtype=np.float64)
+    return dict(diff=float(d.mean()), se=float(d.std(ddof=1) / math.sqrt(len(d))))
+
+
 def paired(d):
     """Mean and SE over prefixes of per-prefix differences d, with the verdict."""
-    d = np.asarray(d, dtype=np.float64)
-    mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
-    return dict(diff=mean, se=se, z=mean / se if se > 0 else None, holds=verdict(mean, se), prefixes=len(d))
+    res = mean_se(d)
+    mean, se = res['diff'], res['se']
+    return dict(res, z=mean / se if se > 0 else None, holds=verdict(mean, se), prefixes=len(d))
 
 
 def log_probs(split):
@@ -102,7 +108,7 @@ def claim_c4(per_step):
     res = paired(seg[:, 0] - last)
     res.update(first_positions=per_step['position'][0], early_gain=float(seg[:, 0].mean()),
                last_step_gain_exact=float(last.mean()),
-               last_step_gain_se=float(last.std(ddof=1) / math.sqrt(len(last))))
+               last_step_gain_se=mean_se(last)['se'])
     return res
 
 
@@ -133,10 +139,14 @@ def jackknife(stat, num_prefixes):
     return stat(idx), se
 
 
+def ngrams(text, n):
+    return [text[i:i + n] for i in range(len(text) - n + 1)]
+
+
 def unique_ngrams(texts, n):
     """% of distinct character n-grams among all character n-grams of the texts, pooled (the
     paper's Fig. 2 right counts word n-grams the same way)."""
-    return pooled_unique([[t[i:i + n] for i in range(len(t) - n + 1)] for t in texts])
+    return pooled_unique([ngrams(t, n) for t in texts])
 
 
 def pooled_unique(grams):
@@ -157,8 +167,7 @@ def claim_c6(samples, seed, reps=1000):
     recs = samples['samples']
     kinds = [k for k in ('gold', 'base', 'joint') if k in recs[0]]
     texts = {k: [r[k] for r in recs] for k in kinds}
-    grams = {k: {n: [[t[i:i + n] for i in range(len(t) - n + 1)] for t in texts[k]] for n in C6_N}
-             for k in ('joint', 'base')}
+    grams = {k: {n: [ngrams(t, n) for t in texts[k]] for n in C6_N} for k in ('joint', 'base')}
 
     def stat(idx, swap=None):  # swap: per prefix, whether its joint and base samples trade places
         swap = np.zeros(len(recs), bool) if swap is None else swap
@@ -258,7 +267,7 @@ def claim_t3(gain, kl, e_real, T_n, high):
     margin = T3_MARGIN * float(kl.mean())
     lo, hi = res['diff'] - Z_SIG * res['se'], res['diff'] + Z_SIG * res['se']
     res.update(margin=margin, predicted_gain=float(kl.mean()), measured_gain=float(gain.mean()),
-               moment_transfer=paired(-kl - T_n - e_real), bound_width=paired(high - T_n),
+               moment_transfer=mean_se(-kl - T_n - e_real), bound_width=mean_se(high - T_n),
                holds=True if -margin < lo and hi < margin else False if lo > margin or hi < -margin else None)
     return res
 
