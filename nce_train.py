@@ -40,7 +40,7 @@ from energy import POOLS, build_energy, energy_state, load_energy
 from model import GPTConfig, load_checkpoint, save_checkpoints
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
                       check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng, rng_seed, run_main, write_log)
+                      rng, rng_seed, rng_states, run_main, set_rng_states, write_log)
 
 
 def get_args(argv=None):
@@ -285,12 +285,12 @@ def report(results, log, out_dir):
           f"{results['last_held_out_acc']:.3f}); {results['train_time_s']:.0f}s; {best}")
 
 
-def save(state, improved, optimizer, scaler, out_dir):
+def save(state, improved, optimizer, scaler, device, out_dir):
     """ckpt.pt, the latest state (for --resume), and best.pt when the held-out loss improved: the
     energy to use, since NCE overfits the finite negatives and the last one may be worse. Saved
     together (save_checkpoints): the disk is checked for both first, and ckpt.pt goes in first."""
     saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                   rng_state=torch.get_rng_state()), os.path.join(out_dir, 'ckpt.pt'))]
+                   **rng_states(device)), os.path.join(out_dir, 'ckpt.pt'))]
     save_checkpoints(saves + ([(state, os.path.join(out_dir, 'best.pt'))] if improved else []))
 
 
@@ -333,7 +333,7 @@ def main(argv=None):
     if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
-        torch.set_rng_state(ckpt['rng_state'])
+        set_rng_states(ckpt, device)
     model = torch.compile(raw_model) if args.compile else raw_model
     if ddp:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
@@ -394,7 +394,7 @@ def main(argv=None):
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
                              best_loss=best['loss'], best_iter=best['iter'], best_eval=best['eval'],
                              negatives=args.negatives)
-                save(state, improved, optimizer, scaler, args.out_dir)
+                save(state, improved, optimizer, scaler, device, args.out_dir)
     bar.close()
 
     if not last_eval:  # resumed at max_iters: nothing was evaluated in this run

@@ -37,7 +37,7 @@ from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint
                    width_for_params)
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
                       check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng, rng_seed, run_main, write_log)
+                      rng, rng_seed, rng_states, run_main, set_rng_states, write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -355,7 +355,7 @@ def main(argv=None):
     if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
-        torch.set_rng_state(ckpt['rng_state'])
+        set_rng_states(ckpt, device)
     model = torch.compile(raw_model) if args.compile else raw_model
     if ddp:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
@@ -501,8 +501,9 @@ def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improv
                  model=weights_of(raw_model, residual_of), residual_of=residual_of,
                  config=asdict(raw_model.config), args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
-    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                   rng_state=torch.get_rng_state()), os.path.join(args.out_dir, 'ckpt.pt'))]
+    device = str(next(raw_model.parameters()).device)
+    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), **rng_states(device)),
+              os.path.join(args.out_dir, 'ckpt.pt'))]
     if improved:
         saves.append((state, os.path.join(args.out_dir, 'best.pt')))
     if iter_num in args.snapshots:

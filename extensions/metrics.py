@@ -105,8 +105,9 @@ class MetricEnergy(nn.Module):
         super().__init__()
         self.names, self.lm = list(names), lm.eval()
         self.energies = nn.ModuleDict(energies or {})
+        device = lm.lm_head.weight.device  # mu on the LM's: a MetricEnergy made on a GPU scores there
         mu = torch.zeros(self.num_metrics, dtype=torch.float64) if mu is None else mu.double()
-        self.register_buffer('mu', mu)
+        self.register_buffer('mu', mu.to(device))
         self.config = lm.config  # its block_size bounds the sequences (each energy's is checked on load)
 
     @property
