@@ -6025,8 +6025,9 @@ def readme_table_rows():
 
 def test_readme_numbers_come_from_the_committed_run():
     """Every number of README's Table 1 (params, val and test PPL or joint range, gain and SE,
-    reduction), the LMs' stopping steps, and the addition section's accuracies equal the committed
-    JSON of the run they describe (assets/results.json, claims.json, accuracy_addition.json)."""
+    reduction), the LMs' stopping steps, the main job's times and the addition section's accuracies
+    equal the committed JSON of the run they describe (assets/results.json, claims.json,
+    results_avx2_fp32.json, gpu_h100.json, accuracy_addition.json)."""
     readme, rows = readme_table_rows()
     res = json.load(open(os.path.join(ROOT, 'assets', 'results.json')))
     lms = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['lms']
@@ -6045,6 +6046,11 @@ def test_readme_numbers_come_from_the_committed_run():
     ratio = runs['BALM', 'test']['gain_nats_per_token'] / runs['JOINT BIT', 'test']['gain_nats_per_token']
     prose = ' '.join(readme.split())
     assert f"{c1['diff']:.4f} (SE {c1['se']:.4f})" in prose and f"{ratio:.0f} times JOINT BIT's" in prose
+    minutes = lambda t: sum(s for stage, s in t.items() if not stage.startswith('ord_')) / 60  # not Fig. 4's
+    fp32 = json.load(open(os.path.join(ROOT, 'assets', 'results_avx2_fp32.json')))['timings_s']
+    gpu = json.load(open(os.path.join(ROOT, 'assets', 'gpu_h100.json')))['main_job']['stage_seconds']
+    assert (f"{minutes(res['timings_s']):.0f} min on the 2-core CPU" in prose
+            and f"{minutes(fp32):.0f} there in fp32" in prose and f"H100, {minutes(gpu):.1f} min" in prose)
     for name, m in lms.items():  # "BASE LM (...; step 4,000)"
         if name in ('BASE', 'RALM', 'BALM'):
             assert re.search(rf'^\| {name}[^|]*step {m["best_step"]:,}\)', readme, re.M), name
