@@ -40,7 +40,7 @@ from energy import POOLS, build_energy, energy_state, load_energy
 from model import GPTConfig, load_checkpoint, save_checkpoints
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
                       check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng, rng_seed, rng_states, run_main, set_rng_states, write_log)
+                      rng, rng_seed, run_main, write_log)
 
 
 def get_args(argv=None):
@@ -285,12 +285,12 @@ def report(results, log, out_dir):
           f"{results['last_held_out_acc']:.3f}); {results['train_time_s']:.0f}s; {best}")
 
 
-def save(state, improved, optimizer, scaler, device, out_dir):
+def save(state, improved, optimizer, scaler, out_dir):
     """ckpt.pt, the latest state (for --resume), and best.pt when the held-out loss improved: the
     energy to use, since NCE overfits the finite negatives and the last one may be worse. Saved
     together (save_checkpoints): the disk is checked for both first, and ckpt.pt goes in first."""
-    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                   **rng_states(device)), os.path.join(out_dir, 'ckpt.pt'))]
+    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict()),
+              os.path.join(out_dir, 'ckpt.pt'))]
     save_checkpoints(saves + ([(state, os.path.join(out_dir, 'best.pt'))] if improved else []))
 
 
@@ -308,7 +308,7 @@ def main(argv=None):
     master = rank == 0
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # dropout: a stream of its own per rank
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init (DDP then copies rank 0's)
     # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
     args.dtype, why = choose_dtype(device, args.dtype, 'train')
     ctx = (nullcontext() if args.dtype == 'float32'
@@ -330,10 +330,9 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
                                   fused=device.startswith('cuda'))
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')
-    if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
+    if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
-        set_rng_states(ckpt, device)
     model = torch.compile(raw_model) if args.compile else raw_model
     if ddp:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
@@ -394,7 +393,7 @@ def main(argv=None):
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
                              best_loss=best['loss'], best_iter=best['iter'], best_eval=best['eval'],
                              negatives=args.negatives)
-                save(state, improved, optimizer, scaler, device, args.out_dir)
+                save(state, improved, optimizer, scaler, args.out_dir)
     bar.close()
 
     if not last_eval:  # resumed at max_iters: nothing was evaluated in this run
@@ -435,13 +434,15 @@ def held_out_pairs(held_neg, M, args):
 
 def train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, world_size):
     """Forward and backward of this process's micro-batches of step iter_num: B positives and M
-    negatives of each (Eq. 3, or the ranking loss); returns their mean (loss, acc, E+, E-)."""
+    negatives of each (Eq. 3, or the ranking loss); returns their mean (loss, acc, E+, E-). Rows and
+    dropout draws are a function of the seed and the micro-batch, as in train_lm.py."""
     B, K = args.batch_size, neg['meta']['num_samples']
     rows, neg_idx = choose(len(neg['offsets']), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
     n_micro = args.grad_accum // world_size  # this process's micro-batches
     stats = np.zeros(4)
     for m in range(rank, args.grad_accum, world_size):
         r, j = rows[m * B:(m + 1) * B], neg_idx[m * B:(m + 1) * B]
+        torch.manual_seed(rng_seed(args.seed, 'dropout', 'train', iter_num * args.grad_accum + m))
         if world_size > 1:  # all-reduce the gradients only on the last micro-batch
             model.require_backward_grad_sync = m + world_size >= args.grad_accum
         with ctx:  # positives and their negatives in one forward

@@ -6,7 +6,7 @@ is what lets the scripts run on any machine and fail with one clear line:
     device, dtype  pick_device, choose_dtype: the precision from what the hardware has
     DDP            setup / teardown_distributed for the scripts that are not trainers (the two
                    trainers show theirs inline, as nanoGPT's train.py does)
-    seeds          rng_seed, rng: one rule for every random stream; rng_states for --resume
+    seeds          rng_seed, rng: one rule for every random stream
     bad input      ArgumentParser, check*, memory, disk and time checks: one `error:` line, before any work
     writes         atomic_write(s), finite (JSON has no NaN), disk_full: the one line of a full disk
     entry point    run_main: one-line errors (REBM_DEBUG=1 shows the traceback), Ctrl-C (and SIGTERM)
@@ -231,19 +231,6 @@ def rng_seed(seed, purpose, split='', index=0):
 
 def rng(seed, purpose, split='', index=0, device='cpu'):
     return torch.Generator(device).manual_seed(rng_seed(seed, purpose, split, index))
-
-
-def rng_states(device):
-    """The global generators' states that a --resume restores: the CPU's, and on a GPU the GPU's,
-    which dropout there draws from."""
-    gpu = {'cuda_rng_state': torch.cuda.get_rng_state(device)} if device.startswith('cuda') else {}
-    return dict(rng_state=torch.get_rng_state(), **gpu)
-
-
-def set_rng_states(ckpt, device):
-    torch.set_rng_state(ckpt['rng_state'])
-    if device.startswith('cuda') and 'cuda_rng_state' in ckpt:
-        torch.cuda.set_rng_state(ckpt['cuda_rng_state'], device)
 
 
 # -----------------------------------------------------------------------------

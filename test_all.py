@@ -30,7 +30,6 @@ import copy
 import csv
 import errno
 import importlib.util
-import inspect
 import io
 import itertools
 import json
@@ -1273,27 +1272,12 @@ def test_resume_is_exact(lm_corpus, tmp_path):
         assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
 
 
-def test_resume_restores_the_gpu_generator(monkeypatch):
-    """On a GPU dropout draws from the GPU's generator: the checkpoint carries its state and
-    --resume restores it (the suite on an H100 found both trainers' resume inexact with dropout;
-    test_resume_is_exact checks it there, job/gpu_check.sh). The GPU's generator is faked here."""
-    state, restored = torch.arange(16, dtype=torch.uint8), []
-    monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda device: state + int(device[-1]))
-    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda s, device: restored.append((s, device)))
-    saved = plumbing.rng_states('cuda:1')
-    assert torch.equal(saved['cuda_rng_state'], state + 1)
-    assert 'cuda_rng_state' not in plumbing.rng_states('cpu')
-    plumbing.set_rng_states(saved, 'cuda:1')
-    [(s, device)] = restored
-    assert torch.equal(s, state + 1) and device == 'cuda:1'
-    for script in (train_lm, nce_train):  # both trainers save and restore through them
-        src = inspect.getsource(script)
-        assert '**rng_states(' in src and 'set_rng_states(ckpt, device)' in src and 'get_rng_state' not in src
-
-
 def test_ddp_matches_single_process(lm_corpus, tmp_path):
+    """2 processes and one see the same batches and dropout draws (each a function of the
+    micro-batch: a rank's own stream would differ, and a --resume would restore rank 0's on every
+    rank), and end with the same weights."""
     flags = ['--data_dir', lm_corpus, '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1',
-             '--grad_accum', '2', *TRAIN_FLAGS]
+             '--grad_accum', '2', '--dropout', '0.1', *TRAIN_FLAGS]
     ddp, single, r1, ls = run_ddp_and_single('train_lm.py', train_lm.main, flags, tmp_path)
     with open(os.path.join(ddp, 'results.json')) as f:
         rd = json.load(f)
@@ -2078,7 +2062,7 @@ def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
     flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'],
              '--held_out_negatives', fox_negatives['select'],
              '--max_iters', '6', '--eval_interval', '3', '--log_interval', '1', '--grad_accum', '2',
-             *NCE_FLAGS, '--lr', '1e-2']
+             '--dropout', '0.1', *NCE_FLAGS, '--lr', '1e-2']
     ddp, single, r1, ls = run_ddp_and_single('nce_train.py', nce_train.main, flags, tmp_path)
     assert max(ls.values()) - min(ls.values()) > 1e-3  # the energy trains: the curve is not flat
     with open(os.path.join(ddp, 'results.json')) as f:
@@ -2130,8 +2114,8 @@ def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
     stopped at that iteration (training is a function of the seed), with the --dropout given."""
     flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'],
              '--held_out_negatives', fox_negatives['select'],
-             '--eval_interval', '2', '--log_interval', '1', '--lr', '3e-2', '--lr_decay_iters', '12',
-             '--dropout', '0.05', *NCE_FLAGS]
+             '--eval_interval', '2', '--log_interval', '1', '--lr', '5e-2', '--lr_decay_iters', '12',
+             '--dropout', '0.05', *NCE_FLAGS]  # an lr at which the held-out loss is lowest before the end
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
     res = nce_train.main(['--out_dir', a, '--max_iters', '12', *flags])
     _, vals = read_log(a)

@@ -37,7 +37,7 @@ from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint
                    width_for_params)
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
                       check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng, rng_seed, rng_states, run_main, set_rng_states, write_log)
+                      rng, rng_seed, run_main, write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -332,7 +332,7 @@ def main(argv=None):
     master = rank == 0
     if args.grad_accum % world_size:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
-    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init and dropout: a stream per rank
+    torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init (DDP then copies rank 0's)
     # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
     args.dtype, why = choose_dtype(device, args.dtype, 'train')
     ctx = (nullcontext() if args.dtype == 'float32'
@@ -352,10 +352,9 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
                                   fused=device.startswith('cuda'))
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')
-    if ckpt:  # --resume: optimizer, scaler and the dropout draws continue where they stopped
+    if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
-        set_rng_states(ckpt, device)
     model = torch.compile(raw_model) if args.compile else raw_model
     if ddp:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
@@ -457,14 +456,16 @@ def fixed_select_offsets(n, args):
 
 
 def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world_size):
-    """Forward and backward of this process's micro-batches of step iter_num (a function of the
-    seed and the step, so --resume and DDP see the same batches); returns their mean loss."""
+    """Forward and backward of this process's micro-batches of step iter_num: batches, masks and
+    dropout draws are a function of the seed and the micro-batch, so that --resume (on any device)
+    and DDP see what one uninterrupted process sees; returns their mean loss."""
     B = args.batch_size
     n_micro = args.grad_accum // world_size  # this process's micro-batches
     offsets = batch_offsets(len(train), args.block_size, B * args.grad_accum, args.seed, 'train', iter_num)
     train_loss = 0.0
     for m in range(rank, args.grad_accum, world_size):
         mask_rng = rng(args.seed, 'mlm_mask', 'train', iter_num * args.grad_accum + m)
+        torch.manual_seed(rng_seed(args.seed, 'dropout', 'train', iter_num * args.grad_accum + m))
         x, y = make_batch(train, offsets[m * B:(m + 1) * B], args.block_size, device, args.objective, V,
                           mask_rng)
         if world_size > 1:  # all-reduce the gradients only on the last micro-batch
@@ -501,8 +502,7 @@ def save_states(raw_model, optimizer, scaler, args, meta, iter_num, best, improv
                  model=weights_of(raw_model, residual_of), residual_of=residual_of,
                  config=asdict(raw_model.config), args=vars(args), iter_num=iter_num, best=best,
                  meta=dict(meta, data_dir=args.data_dir))
-    device = str(next(raw_model.parameters()).device)
-    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), **rng_states(device)),
+    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict()),
               os.path.join(args.out_dir, 'ckpt.pt'))]
     if improved:
         saves.append((state, os.path.join(args.out_dir, 'best.pt')))
