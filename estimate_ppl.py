@@ -24,14 +24,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from budget import check_memory
 from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
                   write_text)
 from energy import sample_log_weights, score, score_continuations
 from extensions.metrics import kl_to_lm, load_any_energy, share_energies
 from model import file_hash, load_lm
 from data.tokenizer import load_tokenizer
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
-                     check_writable, precision, progress, rng, run_main, setup, teardown_distributed)
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_new, check_writable,
+                      precision, progress, rng, run_main, setup, teardown_distributed)
 
 
 def leave_one_out_lse(lw):

@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from budget import check_training_memory
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy
 from model import GPTConfig, load_checkpoint, save_checkpoints
-from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
-                      check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng, rng_seed, run_main, write_log)
+from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags, checkpoint_hint,
+                      choose_dtype, diverged, pick_device, rng, rng_seed, run_main, write_log)
 
 
 def get_args(argv=None):

@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from budget import check_memory
 from data import (SPLITS, check_fits, load_lm_and_data, load_negatives, load_split, read_negatives_meta,
                   window_tokens, windows, write_json)
 from model import file_hash, proposal_logprobs
-from plumbing import (DTYPES, ArgumentParser, at_least, atomic_write, check, check_free_space, check_memory,
-                     check_writable, disk_full, progress, precision, rerun_command, rng, run_main, setup,
-                     teardown_distributed)
+from plumbing import (DTYPES, ArgumentParser, at_least, atomic_write, check, check_free_space, check_writable,
+                      disk_full, progress, precision, rerun_command, rng, run_main, setup,
+                      teardown_distributed)
 
 MAX_SAMPLES = 2**16  # stored continuations per prefix: beyond it a mistyped size, not an experiment
 

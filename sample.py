@@ -27,11 +27,12 @@ import plumbing  # first: threads' wait policy, read once as torch loads (plumbi
 import numpy as np
 import torch
 
+from budget import TIME_LIMIT_S, check_memory, check_time, duration, forward_seconds
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
 from energy import gumbel_keys, joint_sample, sample_log_weights, score, score_continuations
 from extensions.metrics import load_any_energy  # an NCE energy or the talk's metric energy
-from plumbing import (DTYPES, ArgumentParser, at_least, check_free_space, check_memory, check_new,
-                     check_writable, precision, progress, rng, run_main, setup)
+from plumbing import (DTYPES, ArgumentParser, at_least, check_free_space, check_new, check_writable,
+                      precision, progress, rng, run_main, setup)
 from data.tokenizer import load_tokenizer
 
 
@@ -132,7 +133,7 @@ def unique_ngrams(texts, n):
 
 
 FORCE_HELP = (f'replace --out if it exists; run sampling estimated (crudely, check_sampling_time) to take '
-              f'more than {plumbing.duration(plumbing.TIME_LIMIT_S)}, which is refused without it')
+              f'more than {duration(TIME_LIMIT_S)}, which is refused without it')
 
 
 def get_args(argv=None):
@@ -253,7 +254,7 @@ def main(argv=None):
 
 def check_sampling_time(lm, energy, B, P, args, device):
     """Says how long sampling B prefixes of P tokens takes, by a crude estimate from its forward
-    tokens (plumbing.forward_seconds), before it starts; beyond plumbing.TIME_LIMIT_S only with
+    tokens (forward_seconds), before it starts; beyond TIME_LIMIT_S only with
     --force. Sequences sampled and scored: n (Algorithm 1) and --logz_samples per prefix, and
     candidates x m completions for each Table-3 view and each step of --autoregressive."""
     L, C = args.gen_len, min(args.candidates, lm.config.vocab_size)
@@ -261,9 +262,9 @@ def check_sampling_time(lm, energy, B, P, args, device):
     sampled, scored = rows * L, rows * (P + L)
     views = (min(B, args.table_prefixes) if args.table_k else 0) + (B * L if args.autoregressive else 0)
     sampled, scored = sampled + views * C * args.m * L, scored + views * C * args.m * (P + L)
-    seconds = plumbing.forward_seconds(2 * lm.num_params() * sampled,
+    seconds = forward_seconds(2 * lm.num_params() * sampled,
                                        2 * sum(p.numel() for p in energy.parameters()) * scored, device)
-    plumbing.check_time(seconds, f"sampling {B} prefixes with --n {args.n}"
+    check_time(seconds, f"sampling {B} prefixes with --n {args.n}"
                         + (f", --m {args.m}" if views else ''), args.force)
 
 

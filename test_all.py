@@ -61,6 +61,7 @@ from extensions import metric_ebm, metrics  # noqa: E402
 import nce_train  # noqa: E402
 import negatives  # noqa: E402
 import plumbing  # noqa: E402
+import budget  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
 from data import (batch_offsets, load_meta, load_negatives, load_split, negatives_command,  # noqa: E402
@@ -5035,11 +5036,11 @@ def test_memory_check_leaves_headroom(monkeypatch):
     """The probe's train_lm.py --batch_size 100000 passed the check (21 GiB estimated, 22.4 GiB
     available) and died: work above 80% of the available memory is refused."""
     config = GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32)
-    need = plumbing.training_memory(config, 100000)
-    monkeypatch.setattr(plumbing, 'available_memory', lambda device='cpu': int(need * 22.4 / 21))
+    need = budget.training_memory(config, 100000)
+    monkeypatch.setattr(budget, 'available_memory', lambda device='cpu': int(need * 22.4 / 21))
     with pytest.raises(ValueError, match=r'GiB of memory, more than the .* GiB it may use \(80% of the'):
-        plumbing.check_training_memory(config, 100000, 'cpu', '--batch_size 100000')
-    plumbing.check_training_memory(config, 75000, 'cpu', '--batch_size 75000')
+        budget.check_training_memory(config, 100000, 'cpu', '--batch_size 100000')
+    budget.check_training_memory(config, 75000, 'cpu', '--batch_size 75000')
 
 
 def test_sampling_time_is_said_up_front(tmp_path, capsys):
@@ -5879,15 +5880,15 @@ def test_check_memory_on_a_gpu(monkeypatch):
         return 8 * 2**30, 80 * 2**30
     monkeypatch.setattr(torch.cuda, 'mem_get_info', mem_get_info)
     monkeypatch.setenv('LOCAL_RANK', '3')
-    plumbing.check_memory(6 * 2**30, 'x', 'fix', 'cuda')
+    budget.check_memory(6 * 2**30, 'x', 'fix', 'cuda')
     with pytest.raises(ValueError, match=r'~7.0 GiB of memory, more than the 6.4 GiB it may use '
                                          r'\(80% of the 8.0 GiB available on cuda:1\)'):
-        plumbing.check_memory(7 * 2**30, 'x', 'fix', 'cuda:1')
+        budget.check_memory(7 * 2**30, 'x', 'fix', 'cuda:1')
     assert asked == [3, 'cuda:1']
     config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
-    gpu, cpu = plumbing.training_memory(config, 12, 'cuda'), plumbing.training_memory(config, 12)
+    gpu, cpu = budget.training_memory(config, 12, 'cuda'), budget.training_memory(config, 12)
     assert 16 * config.n_layer * 12 * 768 * 2 < gpu < cpu < 2 * gpu  # GPT-2 small, nanoGPT's batch
-    plumbing.check_memory(1e30, 'x', 'fix', 'mps')  # nothing to read there: not checked
+    budget.check_memory(1e30, 'x', 'fix', 'mps')  # nothing to read there: not checked
 
 
 def test_resume_keeps_the_precision_of_the_run(lm_corpus, tmp_path, monkeypatch):
@@ -6050,7 +6051,7 @@ def test_readme_numbers_come_from_the_committed_run():
         assert phrase in ' '.join(said.split()), (phrase, said)
 
 
-MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'plumbing.py',
+MODULES = {'budget.py', 'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'plumbing.py',
            'data/__init__.py', 'job/__init__.py', 'extensions/__init__.py'}  # job/figures.py is a script
 # the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z,
 # and so does addition_eval.py's P(correct sum) of the joint model

@@ -30,14 +30,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from budget import check_training_memory
 from data import batch_offsets, get_batch, load_meta, load_split, write_json
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoints,
                    width_for_params)
-from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags,
-                      check_training_memory, checkpoint_hint, choose_dtype, diverged, pick_device,
-                      rng, rng_seed, run_main, write_log)
+from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags, checkpoint_hint,
+                      choose_dtype, diverged, pick_device, rng, rng_seed, run_main, write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.

@@ -30,14 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
+from budget import check_memory
 from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
                   write_text)
 from energy import joint_sample, load_energy
 from extensions.metrics import (METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, load_any_energy,
                                 metric_energy_state, parse_metrics)
 from model import file_hash, load_lm, save_checkpoints
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
-                     precision, progress, rng, run_main, setup)
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
+                      rng, run_main, setup)
 
 
 def get_args(argv=None):
