@@ -19,6 +19,7 @@ and `sample_log_weights`, Eq. 4's weights -E of n LM samples per prefix. `joint_
 Algorithm 1 (sample.algorithm_1, tested equal) in chunks, for any n in bounded memory.
 """
 
+import math
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 
@@ -294,3 +295,28 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
     out['base'], out['base_energy'] = base
     out['ess'] = torch.exp(2 * lse - lse2)  # Kish: (sum w)^2 / sum w^2
     return out
+
+
+# -----------------------------------------------------------------------------
+# log Z, the normaliser of each prefix, from LM samples (Eq. 4)
+
+def leave_one_out_lse(lw):
+    """log sum_{j != i} exp(lw_j) for every i along the last dim, combined from prefix and suffix
+    log-cum-sum-exps: no log(S - w_i), which cancels catastrophically when w_i dominates S."""
+    ninf = torch.full_like(lw[..., :1], float('-inf'))
+    before = torch.cat([ninf, torch.logcumsumexp(lw, -1)[..., :-1]], -1)  # (..., n): log sum_{j<i}
+    after = torch.cat([torch.logcumsumexp(lw.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)  # sum_{j>i}
+    return torch.logaddexp(before, after)
+
+
+def logz_bounds(log_w):
+    """(lower, upper) estimates of log E[w] from log-weights log_w (..., n), log_w = -E(x_i) with
+    x_i ~ P_LM: T_n and (2n-1) T_n - 2(n-1) T_{n-1}, T_{n-1} the mean of the n leave-one-out
+    estimates (Eq. 4; Nowozin 2018). Computed in float64 log space over the last dim."""
+    n = log_w.size(-1)
+    if n < 2:
+        raise ValueError(f"the log Z bounds need at least 2 samples, got {n}")
+    lw = log_w.double()
+    T_n = torch.logsumexp(lw, -1) - math.log(n)  # (...)
+    T_n1 = (leave_one_out_lse(lw) - math.log(n - 1)).mean(-1)  # (...) the mean of n estimates from n-1
+    return T_n, (2 * n - 1) * T_n - 2 * (n - 1) * T_n1

@@ -27,21 +27,12 @@ import torch.distributed as dist
 from budget import check_memory
 from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
                   write_text)
-from energy import sample_log_weights, score, score_continuations
+from energy import logz_bounds, sample_log_weights, score, score_continuations
 from extensions.metrics import kl_to_lm, load_any_energy, share_energies
 from model import file_hash, load_lm
 from data.tokenizer import load_tokenizer
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_new, check_writable,
                       precision, progress, rng, run_main, setup, teardown_distributed)
-
-
-def leave_one_out_lse(lw):
-    """log sum_{j != i} exp(lw_j) for every i along the last dim, combined from prefix and suffix
-    log-cum-sum-exps: no log(S - w_i), which cancels catastrophically when w_i dominates S."""
-    ninf = torch.full_like(lw[..., :1], float('-inf'))
-    before = torch.cat([ninf, torch.logcumsumexp(lw, -1)[..., :-1]], -1)  # (..., n): log sum_{j<i}
-    after = torch.cat([torch.logcumsumexp(lw.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)  # sum_{j>i}
-    return torch.logaddexp(before, after)
 
 
 def mc_se(log_w):
@@ -50,19 +41,6 @@ def mc_se(log_w):
     lw = log_w.double()
     w = torch.exp(lw - lw.amax(-1, keepdim=True))
     return w.std(-1) / (w.mean(-1) * math.sqrt(log_w.size(-1)))
-
-
-def logz_bounds(log_w):
-    """(lower, upper) estimates of log E[w] from log-weights log_w (..., n), log_w = -E(x_i) with
-    x_i ~ P_LM: T_n and (2n-1) T_n - 2(n-1) T_{n-1}, T_{n-1} the mean of the n leave-one-out
-    estimates (Eq. 4; Nowozin 2018). Computed in float64 log space over the last dim."""
-    n = log_w.size(-1)
-    if n < 2:
-        raise ValueError(f"the log Z bounds need at least 2 samples, got {n}")
-    lw = log_w.double()
-    T_n = torch.logsumexp(lw, -1) - math.log(n)  # (...)
-    T_n1 = (leave_one_out_lse(lw) - math.log(n - 1)).mean(-1)  # (...) the mean of n estimates from n-1
-    return T_n, (2 * n - 1) * T_n - 2 * (n - 1) * T_n1
 
 
 # -----------------------------------------------------------------------------

@@ -4,8 +4,18 @@ training split, the positive x+ is its real continuation and the negative x- one
 LM samples (negatives.py), drawn uniformly each time. Because the noise distribution is P_LM and
 the model is P_LM exp(-E), the NCE classifier's logit log P_joint - log P_LM reduces to -E:
 
-    binary (Eq. 3):  loss = softplus(E(x+)) + softplus(-E(x-))
-    ranking:         loss = -log softmax(-E(x+), -E(x-_1), ..., -E(x-_M))[0]   (M negatives)
+    ranking (default): loss = -log softmax(-E(x+), -E(x-_1), ..., -E(x-_M))[0]   (M negatives)
+    binary (Eq. 3):    loss = softplus(E(x+)) + softplus(-E(x-))
+
+The ranking form uses every stored sample of a prefix at once. Where the LM is often right, most
+samples equal the real continuation: such a tie carries no gradient in the ranking loss (its two
+logits cancel), while the binary loss spends a step pushing the same sequence both ways. Identical
+sequences of a batch are scored once (nce_batch): the same loss, at the cost of the distinct ones.
+
+best.pt and early stopping follow what the energy is for (--select gain): the joint model's
+log-likelihood of the held-out prefixes' real continuations, relative to the LM's,
+-E(x+) - log Z (Eq. 2), with log Z from their K stored samples at Eq. 4's conservative end. The
+NCE loss, which ties dominate, is reported beside it.
 
 With truncated negatives (negatives.py --top_k/--top_p/--temperature) the noise is the proposal
 q, not P_LM, and the logit is -E + log P_LM - log q: the stored log-probs of every negative and
@@ -17,7 +27,7 @@ of every real continuation under both give that correction, applied automaticall
 
 Batches are a function of (seed, iteration), so --resume is exact and DDP sees the same global
 batch as one process. Writes out_dir/ckpt.pt (the latest state, for --resume), best.pt (the energy
-at the lowest held-out NCE loss: the one to use, since NCE on a finite set of negatives overfits),
+at its best held-out figure: the one to use, since NCE on a finite set of negatives overfits),
 log.jsonl and results.json; checkpoints are written atomically.
 """
 
@@ -37,7 +47,7 @@ from tqdm import tqdm
 
 from budget import check_training_memory
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
-from energy import POOLS, build_energy, energy_state, load_energy
+from energy import POOLS, build_energy, energy_state, load_energy, logz_bounds
 from model import GPTConfig, load_checkpoint, save_checkpoints
 from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags, checkpoint_hint,
                       choose_dtype, diverged, pick_device, rng, rng_seed, run_main, write_log)
@@ -49,7 +59,7 @@ def get_args(argv=None):
     a('--lm', default='out/lm/best.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
     a('--held_out_negatives', required=True,
-      help="negatives.py output for held-out prefixes, whose NCE loss chooses best.pt: the selection split "
+      help="negatives.py output for held-out prefixes, which choose best.pt (--select): the selection split "
            "('select', carved from the training documents), so that val and test are only reported")
     a('--out_dir', default='out/energy')
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
@@ -64,8 +74,14 @@ def get_args(argv=None):
     a('--n_embd', type=int, default=None)
     a('--dropout', type=float, default=None,
       help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
-    a('--loss', default='binary', choices=['binary', 'ranking'])
+    a('--loss', default='ranking', choices=['binary', 'ranking'],
+      help='ranking: cross-entropy over [x+, all M negatives] (no gradient from a negative equal to x+); '
+           'binary: Eq. 3, one negative per positive')
     a('--num_neg', type=int, default=None, help='ranking: negatives per positive (default: all K stored)')
+    a('--select', default='gain', choices=['gain', 'loss'],
+      help="what chooses best.pt and early stopping on the held-out prefixes: gain, the joint model's "
+           "log-likelihood of their real continuations over the LM's (Eq. 2, log Z at Eq. 4's upper end); "
+           "loss, the NCE loss")
     a('--batch_size', type=int, default=16, help='positives per micro-batch per process')
     a('--grad_accum', type=int, default=1, help='micro-batches per iteration, summed over processes')
     a('--max_iters', type=int, default=1000)
@@ -95,7 +111,7 @@ def get_args(argv=None):
 
 # what a resumed energy is: a flag given with --resume must agree with the run it continues
 RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', 'n_embd', 'dropout',
-                'loss', 'num_neg')
+                'loss', 'num_neg', 'select')
 
 
 def check_resume(args, argv):
@@ -151,13 +167,21 @@ def log_ratios(neg, rows, neg_idx, device='cpu'):
 
 
 def nce_batch(data, neg, rows, neg_idx, device):
-    """(B*(1+M), P+L) tokens: the B positives, then for each row its M negatives (prefix + sample)."""
+    """The distinct sequences of a batch and where each pair's sequences are among them: tokens
+    (U, P+L) of the B positives and their M negatives (prefix + sample), each distinct sequence
+    once, and pos (B,), negs (B, M) indices into them. Most LM samples of an easy prefix are the
+    real continuation itself, or one another: scored once and gathered back (e[pos], e[negs]),
+    the loss and its gradient are exactly those of scoring every copy, at the cost of the
+    distinct ones (on addition, ~4 of 17 sequences per prefix)."""
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
-    pos = window_tokens(data, neg['offsets'][rows], P + L)  # (B, P+L) the real text
-    samples = torch.from_numpy(neg['tokens'][rows[:, None], neg_idx].astype(np.int64))  # (B, M, L)
-    prefix = pos[:, None, :P].expand(-1, samples.size(1), -1)  # (B, M, P)
-    negs = torch.cat([prefix, samples], dim=2).flatten(0, 1)  # (B*M, P+L)
-    return torch.cat([pos, negs]).to(device)
+    pos = window_tokens(data, neg['offsets'][rows], P + L).numpy()  # (B, P+L) the real text
+    samples = neg['tokens'][rows[:, None], neg_idx].astype(np.int64)  # (B, M, L)
+    prefix = np.broadcast_to(pos[:, None, :P], samples.shape[:2] + (P,))  # (B, M, P)
+    seqs = np.concatenate([pos, np.concatenate([prefix, samples], 2).reshape(-1, P + L)])  # (B(1+M), P+L)
+    uniq, inverse = np.unique(seqs, axis=0, return_inverse=True)
+    inverse = torch.from_numpy(inverse.reshape(-1)).to(device)
+    B = len(rows)
+    return torch.from_numpy(uniq).to(device), inverse[:B], inverse[B:].view(B, -1)
 
 
 def choose(n_rows, K, B, M, seed, split, it):
@@ -170,26 +194,41 @@ def choose(n_rows, K, B, M, seed, split, it):
 
 @torch.no_grad()
 def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, rank=0, world_size=1):
-    """Loss, accuracy and mean energies on fixed held-out pairs, sharded over ranks, reduced."""
+    """On fixed held-out prefixes, sharded over ranks and reduced: the NCE loss and accuracy of
+    their pairs, the mean energies, and the joint model's gain over the LM on their real
+    continuations, log P_joint(x+) - log P_LM(x+) = -E(x+) - log Z (Eq. 2), per token. log Z comes
+    from all K stored samples of each prefix by Eq. 4 (importance-weighted by P_LM/q if they are
+    truncated): at its upper end the gain is the conservative one Table 1 reports (`held_out_gain`),
+    at T_n the optimistic one (`held_out_gain_high`). The gain is the joint log-likelihood of
+    real text up to the energy-free log P_LM(x+): what the energy is for, and what --select gain
+    chooses best.pt by."""
     model.eval()
-    P = neg['meta']['prefix_len']
-    sums = torch.zeros(5, dtype=torch.float64)
+    P, L, K = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples']
+    sums = torch.zeros(7, dtype=torch.float64)
     starts = list(range(0, len(rows), batch_size))
     for s in starts[rank::world_size]:
         r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
+        every = np.broadcast_to(np.arange(K), (len(r), K))  # all K samples of each prefix: log Z
+        tokens, pos, negs = nce_batch(data, neg, r, every, device)
         with ctx:
-            e = model(nce_batch(data, neg, r, j, device), P)
-        e_pos, e_neg = e[:len(r)], e[len(r):].view(len(r), -1)  # (b,), (b, M)
-        l, acc = nce_loss(e_pos, e_neg, loss, *log_ratios(neg, r, j, device))
+            e = model(tokens, P).float()
+        e_pos, e_all = e[pos], e[negs]  # (b,), (b, K)
+        l, acc = nce_loss(e_pos, e_all.gather(1, torch.from_numpy(j).to(device)), loss,
+                          *log_ratios(neg, r, j, device))
+        d_all = log_ratios(neg, r, every, device)[1]
+        z_low, z_high = logz_bounds(-e_all if d_all is None else d_all - e_all)
+        gain, gain_high = (-e_pos.double() - z_high) / L, (-e_pos.double() - z_low) / L
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
-                              e_neg.mean(1).sum().item(), len(r)], dtype=torch.float64)
+                              e_all.mean(1).sum().item(), gain.sum().item(), gain_high.sum().item(),
+                              len(r)], dtype=torch.float64)
     if world_size > 1:  # on the run's device: NCCL refuses CPU tensors
         sums = sums.to(device)
         dist.all_reduce(sums)
     model.train()
-    n = sums[4].item()
+    n = sums[-1].item()
     return dict(held_out_loss=sums[0].item() / n, held_out_acc=sums[1].item() / n,
-                held_out_e_pos=sums[2].item() / n, held_out_e_neg=sums[3].item() / n)
+                held_out_e_pos=sums[2].item() / n, held_out_e_neg=sums[3].item() / n,
+                held_out_gain=sums[4].item() / n, held_out_gain_high=sums[5].item() / n)
 
 
 def load_pairs(args):
@@ -277,12 +316,18 @@ def report(results, log, out_dir):
     log.close()
     write_json(results, os.path.join(out_dir, 'results.json'))
     best_path = os.path.join(out_dir, 'best.pt')
-    best = (f"best loss {results['best_loss']:.4f} at iter {results['best_iter']} -> {best_path}"
+    best = (f"best.pt from iter {results['best_iter']} (by held-out {results['select']}) -> {best_path}"
             if os.path.exists(best_path)
-            else "the held-out loss was never finite (NaN): no best.pt was written")
-    print(f"held-out NCE accuracy of best.pt {results['held_out_acc']:.3f} on {results['held_out_prefixes']} "
-          f"prefixes (chance 0.5), loss {results['held_out_loss']:.4f} (last weights: "
-          f"{results['last_held_out_acc']:.3f}); {results['train_time_s']:.0f}s; {best}")
+            else "the held-out figures were never finite (NaN): no best.pt was written")
+    print(f"best.pt on {results['held_out_prefixes']} held-out prefixes: joint gain over the LM "
+          f"{results['held_out_gain']:.5f} nats/token (Eq. 4's upper log Z; {results['held_out_gain_high']:.5f} "
+          f"at T_n), NCE loss {results['held_out_loss']:.4f}, accuracy {results['held_out_acc']:.3f} "
+          f"(last weights: gain {results['last_held_out_gain']:.5f}); {results['train_time_s']:.0f}s; {best}")
+
+
+def selected(ev, select):
+    """--select's figure of a held-out evaluation, lower is better: -gain, or the NCE loss."""
+    return -ev['held_out_gain'] if select == 'gain' else ev['held_out_loss']
 
 
 def save(state, improved, optimizer, scaler, out_dir):
@@ -338,9 +383,10 @@ def main(argv=None):
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
 
     iter_num = ckpt['iter_num'] if ckpt else 0
-    best = dict(loss=float('inf'), iter=0, eval={})  # eval: the held-out figures of best.pt
+    best = dict(value=float('inf'), iter=0, eval={})  # value: --select's, lower is better; eval: best.pt's
     if ckpt:
-        best = dict(loss=ckpt['best_loss'], iter=ckpt['best_iter'], eval=ckpt.get('best_eval', {}))
+        best = dict(value=ckpt.get('best_value', ckpt.get('best_loss')), iter=ckpt['best_iter'],
+                    eval=ckpt.get('best_eval', {}))
     held_rows, held_negs = held_out_pairs(held_neg, M, args)
     tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
@@ -383,15 +429,17 @@ def main(argv=None):
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
                                  device, ctx, rank, world_size)
-            improved = last_eval['held_out_loss'] < best['loss']
+            value = selected(last_eval, args.select)
+            improved = value < best['value']
             if improved:
-                best.update(loss=last_eval['held_out_loss'], iter=iter_num, eval=last_eval)
+                best.update(value=value, iter=iter_num, eval=last_eval)
             write_log(log, dict(iter=iter_num, **last_eval))
             if master:
-                bar.write(f"iter {iter_num}: held-out loss {last_eval['held_out_loss']:.4f} acc "
-                          f"{last_eval['held_out_acc']:.3f}" + (' (best)' if improved else ''))
+                bar.write(f"iter {iter_num}: held-out gain {last_eval['held_out_gain']:.5f} nats/token, "
+                          f"NCE loss {last_eval['held_out_loss']:.4f}, acc {last_eval['held_out_acc']:.3f}"
+                          + (' (best)' if improved else ''))
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
-                             best_loss=best['loss'], best_iter=best['iter'], best_eval=best['eval'],
+                             best_value=best['value'], best_iter=best['iter'], best_eval=best['eval'],
                              negatives=args.negatives)
                 save(state, improved, optimizer, scaler, args.out_dir)
     bar.close()
@@ -403,7 +451,7 @@ def main(argv=None):
     tokens_per_s = (iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9)
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num,
                    train_time_s=train_time, dtype=args.dtype, tokens_per_s=tokens_per_s,
-                   best_loss=best['loss'], best_iter=best['iter'],
+                   select=args.select, best_value=best['value'], best_iter=best['iter'],
                    stopped_early=stopped_early(iter_num, best, args), held_out_prefixes=len(held_rows),
                    **{f'last_{k}': v for k, v in last_eval.items()},  # the last weights'
                    **best['eval'] or {k: math.nan for k in last_eval})  # the kept energy's (best.pt)
@@ -445,9 +493,10 @@ def train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, 
         torch.manual_seed(rng_seed(args.seed, 'dropout', 'train', iter_num * args.grad_accum + m))
         if world_size > 1:  # all-reduce the gradients only on the last micro-batch
             model.require_backward_grad_sync = m + world_size >= args.grad_accum
-        with ctx:  # positives and their negatives in one forward
-            e = model(nce_batch(train, neg, r, j, device), neg['meta']['prefix_len'])  # (B (1 + M),)
-        e_pos, e_neg = e[:B], e[B:].view(B, M)  # (B,), (B, M)
+        tokens, pos, negs = nce_batch(train, neg, r, j, device)
+        with ctx:  # positives and their negatives in one forward, each distinct sequence once
+            e = model(tokens, neg['meta']['prefix_len'])  # (U,)
+        e_pos, e_neg = e[pos], e[negs]  # (B,), (B, M)
         loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
         scaler.scale(loss / n_micro).backward()
         stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
@@ -455,8 +504,8 @@ def train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, 
 
 
 def stopped_early(iter_num, best, args):
-    """Early stopping as the LMs' (train_lm.py): the held-out loss has not improved for --patience
-    evaluations; best.pt holds the energy at its lowest."""
+    """Early stopping: --select's held-out figure has not improved for --patience evaluations;
+    best.pt holds the energy at its best."""
     return bool(args.patience) and iter_num - best['iter'] >= args.patience * args.eval_interval
 
 

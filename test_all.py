@@ -68,10 +68,10 @@ from data import (batch_offsets, load_meta, load_negatives, load_split, negative
                   read_negatives_meta, window_tokens, windows, write_json)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from energy import (Energy, build_energy, energy_state, joint_sample, load_energy, mlm_mask,  # noqa: E402
-                    sample_log_weights, score, score_continuations)
-from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, leave_one_out_lse,  # noqa: E402
-                          logz_bounds, mc_se, per_step, per_step_report, summarize)
+from energy import (Energy, build_energy, energy_state, joint_sample, leave_one_out_lse,  # noqa: E402
+                    load_energy, logz_bounds, mlm_mask, sample_log_weights, score, score_continuations)
+from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, mc_se, per_step,  # noqa: E402
+                          per_step_report, summarize)
 import model as model_module  # noqa: E402
 from model import (GPT, RALM, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm,  # noqa: E402
                    proposal_logprobs, save_checkpoint, width_for_params)
@@ -462,6 +462,12 @@ def run_ddp_and_single(script, main, flags, tmp_path):
     for it in vs:
         assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
     return ddp, single, r1, ls
+
+
+def held_out_log(out_dir):
+    """{iter: the held-out evaluation's record} of an nce_train.py log.jsonl."""
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return {r['iter']: r for r in map(json.loads, f) if 'held_out_loss' in r}
 
 
 def read_log(out_dir):
@@ -2110,19 +2116,23 @@ def test_nce_resume_is_exact(lm_corpus, tmp_path):
         assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
 
 
-def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
-    """best.pt holds the energy at the lowest held-out NCE loss: the same weights as a run
-    stopped at that iteration (training is a function of the seed), with the --dropout given."""
-    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'],
+@pytest.mark.parametrize('select', ['gain', 'loss'])
+def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path, select):
+    """best.pt holds the energy at the best held-out figure of --select (the joint gain, highest;
+    the NCE loss, lowest): the same weights as a run stopped at that iteration (training is a
+    function of the seed), with the --dropout given."""
+    flags = ['--lm', lm_ckpt, '--negatives', fox_negatives['train'], '--select', select,
              '--held_out_negatives', fox_negatives['select'],
              '--eval_interval', '2', '--log_interval', '1', '--lr', '5e-2', '--lr_decay_iters', '12',
              '--dropout', '0.05', *NCE_FLAGS]  # an lr at which the held-out loss is lowest before the end
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
     res = nce_train.main(['--out_dir', a, '--max_iters', '12', *flags])
-    _, vals = read_log(a)
+    vals = {it: -ev['held_out_gain'] if select == 'gain' else ev['held_out_loss']
+            for it, ev in held_out_log(a).items()}  # lower is better
     best_iter = min(vals, key=vals.get)
+    assert len(set(vals.values())) == len(vals)  # no tie decides best_iter
     assert (sorted(vals) == list(range(2, 13, 2)) and res['best_iter'] == best_iter
-            and res['best_loss'] == res['held_out_loss'] == vals[best_iter])
+            and res['best_value'] == vals[best_iter] and res['select'] == select)
     accs = {r['iter']: r['held_out_acc'] for r in map(json.loads, open(os.path.join(a, 'log.jsonl')))
             if 'held_out_acc' in r}
     assert res['held_out_acc'] == accs[best_iter] and res['last_held_out_acc'] == accs[12]  # best.pt's
@@ -2144,11 +2154,88 @@ def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path):
             stop = it
             break
     res = nce_train.main(['--out_dir', str(tmp_path / 'c'), '--max_iters', '12', '--patience', '1', *flags])
-    assert (res['iters'], res['best_iter'], res['best_loss']) == (stop, best_so_far[1], best_so_far[0])
+    assert (res['iters'], res['best_iter'], res['best_value']) == (stop, best_so_far[1], best_so_far[0])
     assert res['stopped_early'] == (stop - best_so_far[1] >= 2)
     if best_so_far[1] == best_iter:
         early = load_checkpoint(str(tmp_path / 'c' / 'best.pt'))['model']
         assert all((early[k] - best['model'][k]).abs().max().item() <= 1e-6 for k in early)
+
+
+def fox_pairs(fox_negatives, split):
+    """The negatives of `split` as a writable dict (tokens copied) and the split's tokens."""
+    neg = dict(load_negatives(fox_negatives[split]), tokens=np.array(load_negatives(fox_negatives[split])['tokens']))
+    data_dir = neg['meta']['data_dir']
+    return neg, load_split(data_dir, split, load_meta(data_dir))
+
+
+@pytest.mark.parametrize('kind', ['binary', 'ranking'])
+def test_nce_batch_scores_each_distinct_sequence_once(fox_negatives, eval_ckpts, lm_ckpt, kind):
+    """Negatives equal to one another, to the real continuation, and a prefix drawn twice: nce_batch
+    runs each distinct sequence once, and the loss and its gradient gathered from them equal those
+    of scoring all B (1 + M) sequences."""
+    neg, data = fox_pairs(fox_negatives, 'train')
+    P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
+    real = window_tokens(data, neg['offsets'], P + L)[:, P:].numpy()
+    neg['tokens'][:, 1] = neg['tokens'][:, 0]
+    neg['tokens'][::2, 2] = real[::2]
+    rows, neg_idx = np.array([0, 1, 2, 3, 0]), np.tile([2, 0, 1], (5, 1))
+    B, M = neg_idx.shape
+    full = torch.cat([window_tokens(data, neg['offsets'][rows], P + L),
+                      torch.cat([window_tokens(data, neg['offsets'][rows], P)[:, None].expand(-1, M, -1),
+                                 torch.from_numpy(neg['tokens'][rows[:, None], neg_idx].astype(np.int64))],
+                                2).flatten(0, 1)])  # (B (1 + M), P + L): every copy
+    tokens, pos, negs = nce_train.nce_batch(data, neg, rows, neg_idx, 'cpu')
+    assert torch.equal(tokens[pos], full[:B]) and torch.equal(tokens[negs].flatten(0, 1), full[B:])
+    assert len(tokens) == len(torch.unique(full, dim=0)) <= B * (1 + M) - 8  # 5 + 2 + 1 copies at least
+    energy = load_energy(eval_ckpts['bit'], lm_path=lm_ckpt)[0]
+
+    def loss_and_grads(e_pos, e_neg):
+        energy.zero_grad()
+        loss, acc = nce_train.nce_loss(e_pos, e_neg, kind)
+        loss.backward()
+        return loss.item(), acc.item(), [p.grad.clone() for p in energy.parameters()]
+
+    e = energy(full, P)
+    l1, a1, g1 = loss_and_grads(e[:B], e[B:].view(B, M))
+    e = energy(tokens, P)
+    l2, a2, g2 = loss_and_grads(e[pos], e[negs])
+    assert abs(l1 - l2) < 1e-6 and a1 == a2 and l1 > 0
+    assert all((a - b).abs().max().item() < 1e-6 for a, b in zip(g1, g2))
+    assert max(g.abs().max().item() for g in g1) > 1e-3  # a gradient to compare
+
+
+@pytest.mark.parametrize('truncated', [False, True])
+def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, tmp_path, truncated):
+    """nce_train.evaluate's joint gain, -E(x+) - log Z per token with log Z from the K stored
+    samples at Eq. 4's upper end (T_n for the optimistic end), against each sequence scored
+    alone and the bounds in float64 numpy loops; with top-k negatives log Z is importance-weighted
+    by P_LM / q. The NCE loss of the same pairs against nce_loss on every copy."""
+    if truncated:
+        negatives.main(['--lm', lm_ckpt, '--split', 'select', '--out_dir', str(tmp_path / 'topk'), '--top_k', '3',
+                        *NEG_FLAGS])
+        fox_negatives = dict(select=str(tmp_path / 'topk'))
+    neg, data = fox_pairs(fox_negatives, 'select')
+    P, L, K = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples']
+    energy = load_energy(eval_ckpts['bit'], lm_path=lm_ckpt)[0]
+    rows, neg_idx = np.arange(7), np.tile([1, 2], (7, 1))
+    ev = nce_train.evaluate(energy, data, neg, rows, neg_idx, 3, 'ranking', 'cpu', contextlib.nullcontext())
+    gains, highs, losses = [], [], []
+    for r in rows:
+        x = window_tokens(data, neg['offsets'][r:r + 1], P + L)
+        with torch.no_grad():
+            e_pos = energy(x, P).double().item()
+            e = np.array([energy(torch.cat([x[:, :P], torch.from_numpy(neg['tokens'][r, k:k + 1].astype(np.int64))],
+                                           1), P).double().item() for k in range(K)])
+        d = np.array(neg['logp'][r], dtype=np.float64) - np.array(neg['logq'][r], dtype=np.float64)
+        low, high = ref_bounds(d - e)
+        gains.append((-e_pos - high) / L)
+        highs.append((-e_pos - low) / L)
+        losses.append(math.log1p(sum(math.exp(-e[k] + d[k] - (-e_pos + float(neg['pos_logp'][r] - neg['pos_logq'][r])))
+                                     for k in (1, 2))) if truncated else
+                      math.log1p(sum(math.exp(e_pos - e[k]) for k in (1, 2))))
+    assert abs(ev['held_out_gain'] - np.mean(gains)) < 1e-5 and abs(ev['held_out_gain_high'] - np.mean(highs)) < 1e-5
+    assert ev['held_out_gain'] < ev['held_out_gain_high']  # the upper log Z is the conservative end
+    assert abs(ev['held_out_loss'] - np.mean(losses)) < 1e-5
 
 
 # =============================================================================
@@ -5409,7 +5496,7 @@ def test_nce_results_are_finite_and_best_exists(cli_artifacts):
     """The fixture's short NCE run: results.json parses strictly and the best.pt it names exists."""
     res = json.load(open(os.path.join(cli_artifacts['nce'], 'results.json')),
                     parse_constant=lambda c: pytest.fail(f'{c} in results.json'))
-    assert math.isfinite(res['best_loss']) and os.path.exists(cli_artifacts['energy'])
+    assert math.isfinite(res['best_value']) and os.path.exists(cli_artifacts['energy'])
 
 
 # ---- each case below is one test id ----
