@@ -3992,6 +3992,106 @@ def test_addition_eval_against_brute_force(addition_run, tmp_path):
         assert joint['exact'] <= joint['oracle_exact'] and joint['digit'] <= joint['oracle_digit']
 
 
+def hand_built_decoding():
+    """Two problems, continuations of 2 tokens A, B, C (the last a stand-in for the end of text),
+    their log P_LM and energies chosen so that majority vote, log-prob reranking and the joint mode
+    pick different continuations. gold: B, then C; (exact, digit) of A B C: (0 1) (1 1) (0 0), then
+    (0 0) (0 0) (1 1)."""
+    A, B, C = [1, 2], [1, 3], [4, 2]
+    x = torch.tensor([[A, B, B, A, C], [C, C, B, A, B]])
+    logp = torch.tensor([[-3., -1, -1, -3, -0.5], [-2., -2, -4, -1, -4]], dtype=torch.float64)
+    E = torch.tensor([[-1., 0, 0, -1, 3], [-3., -3, 0, 2, 0]], dtype=torch.float64)
+    return x, logp, E, torch.tensor([B, C])
+
+
+def test_addition_decoders_on_hand_built_samples():
+    """Each decoder's pick among the first n, known by hand (hand_built_decoding). Problem 0 at
+    n = 5: majority vote A (A and B tie at 2: the first to occur), reranking C (argmax log P_LM),
+    the joint mode B (argmax log P_LM - E: -2, -1, -3.5; argmax -E alone would be A), the oracle B;
+    at n = 3 majority B. Problem 1: majority C (its own counts; counted over both problems B would
+    win), reranking A, mode C."""
+    x, logp, E, gold = hand_built_decoding()
+    lm = addition_eval.lm_decoders(x, logp, gold, [1, 3, 5])
+    joint = addition_eval.joint_decoders(x, logp, E, gold, [1, 3, 5], torch.Generator().manual_seed(0))
+    want = {'majority_5': [(0, 1), (1, 1)], 'rerank_5': [(0, 0), (0, 0)], 'oracle_5': [(1, 1), (1, 1)],
+            'majority_3': [(1, 1), (1, 1)], 'rerank_3': [(1, 1), (1, 1)], 'mode_5': [(1, 1), (1, 1)],
+            'mode_3': [(1, 1), (1, 1)], 'majority_1': [(0, 1), (1, 1)], 'rerank_1': [(0, 1), (1, 1)],
+            'oracle_1': [(0, 1), (1, 1)], 'mode_1': [(0, 1), (1, 1)], 'a1_1': [(0, 1), (1, 1)]}
+    cols = {**lm, **joint}
+    for key, pairs in want.items():
+        got = list(zip(cols[f'{key}_exact'].tolist(), cols[f'{key}_digit'].tolist()))
+        assert got == [(float(e), float(d)) for e, d in pairs], (key, got)
+    ids, first = addition_eval.distinct(x)  # each sample's first repeat in its problem, by flat index
+    assert len(first) == 6 and first[ids.flatten()].tolist() == [0, 1, 1, 0, 4, 5, 5, 7, 8, 7]
+
+
+def test_addition_algorithm_1_resamples_by_energy():
+    """Algorithm 1 among the first 5 of problem 0 (hand_built_decoding), over 4,000 independent
+    draws: B (E = 0, twice) is picked with probability 2 / (2 e + 2 + e^-3) = 0.267 and C with
+    e^-3 / (...) = 0.0067 (Deng et al. 2020, Algorithm 1: ∝ exp(-E), counted by multiplicity)."""
+    x, logp, E, gold = hand_built_decoding()
+    N = 4000
+    cols = addition_eval.joint_decoders(x[:1].expand(N, -1, -1), logp[:1].expand(N, -1), E[:1].expand(N, -1),
+                                        gold[:1].expand(N, -1), [5], torch.Generator().manual_seed(0))
+    w = torch.tensor([math.e, 1, 1, math.e, math.exp(-3)])
+    for got, p in ((cols['a1_5_exact'].mean().item(), (w[1] + w[2]) / w.sum()),
+                   (1 - cols['a1_5_digit'].mean().item(), w[4] / w.sum())):
+        assert abs(got - p) < 4 * math.sqrt(p * (1 - p) / N), (got, p)
+
+
+def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypatch):
+    """The decoders' rows of addition_eval.main with a random BIT energy, recomputed from the
+    samples it drew: log P_LM by a float64 forward, E of every sample (none skipped as a
+    repeat), majority vote by collections.Counter (ties: first encountered), reranking, the
+    joint mode and the oracle by Python loops over the first n."""
+    d, lm_path = addition_run
+    drawn = collections.defaultdict(list)
+    lm_columns = addition_eval.lm_columns
+
+    def record(lm, pre, gold, ns, top_k, g):
+        out, samples = lm_columns(lm, pre, gold, ns, top_k, g)
+        drawn[id(lm)].append((pre, gold, *samples))
+        return out, samples
+
+    monkeypatch.setattr(addition_eval, 'lm_columns', record)
+    out, png = tmp_path / 'acc.json', tmp_path / 'acc.png'
+    plot = ['--plot', str(png)] if importlib.util.find_spec('matplotlib') else []  # CI has no matplotlib
+    addition_eval.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--ns', '1,4', '--num_prefixes', '16',
+                        '--batch', '8', '--out', str(out), '--quiet'] + plot)
+    rows = {(r['model'], r['method']): r for r in json.loads(out.read_text())['rows']}
+    pre, gold, x, logp = (torch.cat(t) for t in zip(*next(iter(drawn.values()))))
+    B, m, L = x.shape
+    seq = torch.cat([pre.repeat_interleave(m, 0), x.flatten(0, 1)], 1)
+    lp = logprobs64(load_lm(lm_path)[0], seq[:, :-1])[:, 7:].gather(-1, seq[:, 8:, None]).sum((1, 2))
+    lp = lp.view(B, m)
+    assert torch.allclose(logp, lp, atol=1e-4)
+    energy = metrics.load_any_energy(str(d / 'bit.pt'), lm_path, 'cpu')[0]
+    E = score_continuations(energy, pre, x, 8, contextlib.nullcontext())
+    hit = x == gold[:, None]
+    score = dict(exact=hit.all(-1).double(), digit=hit[..., :-1].double().mean(-1))  # (B, m) each
+    for n in (1, 4):
+        picks = dict(majority=[], rerank=[], mode=[])
+        for b in range(B):
+            cont = [tuple(c) for c in x[b, :n].tolist()]
+            picks['majority'].append(cont.index(collections.Counter(cont).most_common(1)[0][0]))
+            picks['rerank'].append(max(range(n), key=lambda i: lp[b, i].item()))
+            picks['mode'].append(max(range(n), key=lambda i: lp[b, i].item() - E[b, i].item()))
+        want = {(k, s): v[torch.arange(B), picks[k]].mean().item() for k in picks for s, v in score.items()}
+        for model, method, k in (('BASE LM', 'majority vote', 'majority'),
+                                 ('BASE LM', 'log-prob rerank', 'rerank'), ('JOINT', 'joint mode', 'mode')):
+            for s in score:
+                assert rows[model, f'{method}, n = {n}'][s] == pytest.approx(want[k, s]), (method, n, s)
+        for s, v in score.items():
+            oracle = v[:, :n].amax(1).mean().item()
+            assert rows['BASE LM', f'oracle, n = {n}'][s] == pytest.approx(oracle)
+            assert rows['JOINT', f'Algorithm 1, n = {n}'][f'oracle_{s}'] == pytest.approx(oracle)
+            assert rows['JOINT', f'Algorithm 1, n = {n}'][s] <= oracle
+    # the fixture's samples tell the decoders apart (per digit), so a swap of two of them fails (the
+    # random energy's scale dwarfs log P_LM's here: a mode by -E alone is hand_built_decoding's case)
+    assert len({want[k, 'digit'] for k in picks}) == 3, want
+    assert not plot or png.stat().st_size > 0
+
+
 def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
     """Bad flags and a corpus that holds no problems stop the new scripts with one clear message."""
     d, lm_path = addition_run
@@ -4383,7 +4483,9 @@ def test_reproduce_quick_addition_end_to_end(tmp_path):
     acc = json.load(open(out / 'accuracy.json'))
     assert (acc['prefix_len'], acc['gen_len']) == (14, 8)
     joint = [r for r in acc['rows'] if r['model'] == 'JOINT']
-    assert [r['n'] for r in joint] == [1, 5, 20]
+    assert [r['n'] for r in joint if r['method'].startswith('Algorithm 1')] == [1, 5, 20]
+    exo_methods = {r['method'] for r in acc['rows'] if r['model'] == 'EXO'}
+    assert {'majority vote, n = 20', 'log-prob rerank, n = 20', 'oracle, n = 20'} <= exo_methods
     assert all(r['exact'] <= r['oracle_exact'] and r['p_correct_low'] <= r['p_correct_high'] for r in joint)
     with pytest.raises(ValueError, match='char-level'):
         reproduce_args(['--data', 'addition', '--tokenizer', 'gpt2'])

@@ -2,16 +2,20 @@
 Accuracy with a known answer (data/addition/prepare.py): how often each model writes the correct
 sum of a test problem, and how much probability it puts on it.
 
-- BASE LM and every --extra_lm (BALM, an EXO-distilled LM from extensions/exo.py): greedy
+- BASE LM and every --extra_lm (BALM, an EXO-distilled LM from extensions/exo.py, TaiLr): greedy
   (temperature 0) and one untruncated sample; the exact probability of the correct sum,
-  exp log P_LM(c | x).
-- JOINT (the LM reweighted by --energy, Eq. 2 of Deng et al., ICLR 2020): Algorithm 1 (Section
-  3.3) at each n of --ns: of max(ns) LM samples per problem, the first n, one resampled
-  ∝ exp(-E) (Gumbel-max, as sample.algorithm_1 and energy.joint_sample draw it); the
-  best-of-n oracle (any of the n samples correct; its best per-digit accuracy). Its probability
-  on the correct sum, exp(log P_LM(c|x) - E(x, c) - log Z(x)), is a range: log Z from the
+  exp log P_LM(c | x); and, at each n of --ns, decoders that choose among the first n of max(ns)
+  samples of that LM (untruncated, or its top-k with --top_k): majority vote (the most frequent
+  continuation; a tie goes to the one that occurs first among the n), reranking by the LM's
+  log-probability (argmax log P_LM, the protocol of verifier papers, Cobbe et al. 2021), and the
+  best-of-n oracle (any of the n correct; its best per-digit accuracy).
+- JOINT (the LM reweighted by --energy, Eq. 2 of Deng et al., ICLR 2020), among the same first n
+  samples of the base LM: Algorithm 1 (Section 3.3), one resampled ∝ exp(-E) (Gumbel-max, as
+  sample.algorithm_1 and energy.joint_sample draw it), and the joint model's mode among them,
+  argmax log P_LM - E; each row also holds the oracle of those samples. Its probability on the
+  correct sum, exp(log P_LM(c|x) - E(x, c) - log Z(x)), is a range: log Z from max(ns)
   untruncated samples by Eq. 4's two estimates (estimate_ppl.logz_bounds), T_n (low) giving the
-  high end of the probability.
+  high end of the probability. The energy scores each distinct continuation of a problem once.
 
 Accuracy: exact match (every digit and the end of text) and per-digit (the N + 1 sum digits),
 means over --num_prefixes test problems with their standard errors. Cost: LM samples per answer
@@ -63,35 +67,93 @@ def mean_se(x):
     return x.mean().item(), (x.std() / math.sqrt(len(x))).item() if len(x) > 1 else float('nan')
 
 
+def distinct(x):
+    """Samples x (B, m, L) -> ids (B, m), equal exactly where two samples of one problem are the
+    same continuation (ids are unique across problems), and first (U,): for each id, the
+    flat index (into B * m) of its first sample."""
+    B, m, L = x.shape
+    problem = torch.arange(B, device=x.device).repeat_interleave(m)[:, None]
+    uniq, ids = torch.unique(torch.cat([problem, x.reshape(B * m, L)], 1), dim=0, return_inverse=True)
+    first = torch.full((len(uniq),), B * m, device=x.device).scatter_reduce(
+        0, ids, torch.arange(B * m, device=x.device), 'amin')
+    return ids.view(B, m), first
+
+
+def majority_vote(ids):
+    """ids (B, n) of distinct() -> (B,) the index of a most frequent continuation among the n; a tie
+    goes to the continuation that occurs first (argmax returns the first maximum, and the
+    first sample with the top count is the first occurrence of the earliest tied continuation)."""
+    count = torch.bincount(ids.flatten())[ids]  # (B, n): how often each sample's continuation occurs
+    return count.argmax(1)
+
+
+def lm_decoders(x, logp, gold, ns):
+    """Per-problem columns of an LM's decoders among the first n of its samples x (B, m, L) with
+    log P_LM logp (B, m), for each n of ns: majority vote, reranking by the LM's log-probability
+    (argmax log P_LM, the protocol of verifier papers, Cobbe et al. 2021), the best-of-n oracle
+    (any of the n correct; its best per-digit accuracy)."""
+    ex, dg = scores(x, gold)
+    ids, rows, out = distinct(x)[0], torch.arange(x.size(0), device=x.device), {}
+    for n in ns:
+        for how, i in (('majority', majority_vote(ids[:, :n])), ('rerank', logp[:, :n].argmax(1))):
+            out[f'{how}_{n}_exact'], out[f'{how}_{n}_digit'] = ex[rows, i], dg[rows, i]
+        out[f'oracle_{n}_exact'], out[f'oracle_{n}_digit'] = ex[:, :n].amax(1), dg[:, :n].amax(1)
+    return out
+
+
+def joint_decoders(x, logp, E, gold, ns, g):
+    """Per-problem columns of the joint model's decoders among the first n of the LM's samples x
+    (B, m, L), log P_LM logp (B, m) and energies E (B, m), for each n of ns: Algorithm 1 of Deng et
+    al. (2020), one sample resampled ∝ exp(-E) (Gumbel-max, as sample.algorithm_1 and
+    energy.joint_sample draw it), and the joint model's mode among the samples, argmax
+    log P_LM - E (Eq. 2 up to log Z)."""
+    ex, dg = scores(x, gold)
+    rows, out = torch.arange(x.size(0), device=x.device), {}
+    for n in ns:
+        for how, i in (('a1', gumbel_keys(-E[:, :n], g).argmax(1)), ('mode', (logp - E)[:, :n].argmax(1))):
+            out[f'{how}_{n}_exact'], out[f'{how}_{n}_digit'] = ex[rows, i], dg[rows, i]
+    return out
+
+
 @torch.no_grad()
-def lm_columns(lm, pre, gold, g):
-    """Per-problem columns of one LM: greedy and sampled exact/digit scores, log P(correct sum)."""
+def lm_columns(lm, pre, gold, ns, top_k, g):
+    """Per-problem columns of one LM: greedy and sampled exact/digit scores, log P(correct sum),
+    and lm_decoders over max(ns) samples of it (top-k where top_k); also returns the samples
+    and their log P_LM (untruncated), ((B, m, L), (B, m))."""
     L = gold.size(1)
     out = {}
     for how, temp in (('greedy', 0), ('sampled', 1.0)):
         ex, dg = scores(lm.generate(pre, L, temperature=temp, generator=g)[0], gold)
         out[f'{how}_exact'], out[f'{how}_digit'] = ex[:, 0], dg[:, 0]
     out['logp_correct'] = lm.sequence_logprob(torch.cat([pre, gold], 1), pre.size(1)).double()
-    return out
+    x, logp = lm.generate(pre, L, num_samples=max(ns), top_k=top_k or None, generator=g)
+    logp = logp.double().sum(-1)
+    out.update(lm_decoders(x, logp, gold, ns))
+    return out, (x, logp)
+
+
+def energies(energy, pre, x, P):
+    """E (B, m) of the samples x (B, m, L) of the prompts pre (B, P): each distinct continuation of
+    a problem scored once (on addition most samples repeat the sum)."""
+    B, m, L = x.shape
+    ids, first = distinct(x)
+    e = score_continuations(energy, pre[first // m], x.reshape(B * m, L)[first, None], P, nullcontext())
+    return e[:, 0][ids]
 
 
 @torch.no_grad()
-def joint_columns(lm, energy, pre, gold, ns, top_k, g):
-    """Per-problem columns of the joint model: Algorithm 1 at each n (the first n of max(ns)
-    samples), the best-of-n oracle, and log P_joint(correct sum) low/high (Eq. 2 with Eq. 4's
-    log Z bounds over max(ns) untruncated samples)."""
-    P, L, m = pre.size(1), gold.size(1), max(ns)
-    x = lm.generate(pre, L, num_samples=m, top_k=top_k or None, generator=g)[0]  # (B, m, L)
-    E = score_continuations(energy, pre, x, P, nullcontext())  # (B, m)
+def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g):
+    """Per-problem columns of the joint model: joint_decoders over the base LM's samples (x,
+    logp) = samples, the best-of-n oracle of those samples, and log P_joint(correct sum)
+    low/high (Eq. 2 with Eq. 4's log Z bounds over max(ns) untruncated samples)."""
+    (P, L), (x, logp) = (pre.size(1), gold.size(1)), samples
+    E = energies(energy, pre, x, P)
+    out = joint_decoders(x, logp, E, gold, ns, g)
     ex, dg = scores(x, gold)
-    rows, out = torch.arange(pre.size(0)), {}
     for n in ns:
-        i = gumbel_keys(-E[:, :n], g).argmax(1)  # a draw ∝ exp(-E) among the first n
-        out[f'a1_{n}_exact'], out[f'a1_{n}_digit'] = ex[rows, i], dg[rows, i]
         out[f'oracle_{n}_exact'], out[f'oracle_{n}_digit'] = ex[:, :n].amax(1), dg[:, :n].amax(1)
     if top_k:  # log Z needs samples of P_LM itself
-        x = lm.generate(pre, L, num_samples=m, generator=g)[0]
-        E = score_continuations(energy, pre, x, P, nullcontext())
+        E = energies(energy, pre, lm.generate(pre, L, num_samples=max(ns), generator=g)[0], P)
     z_low, z_high = logz_bounds(-E)
     e_gold = score_continuations(energy, pre, gold[:, None], P, nullcontext())[:, 0]
     logp = lm.sequence_logprob(torch.cat([pre, gold], 1), P).double()
@@ -99,31 +161,39 @@ def joint_columns(lm, energy, pre, gold, ns, top_k, g):
     return out
 
 
+LM_DECODERS = {'majority': 'majority vote', 'rerank': 'log-prob rerank', 'oracle': 'oracle'}
+JOINT_DECODERS = {'a1': 'Algorithm 1', 'mode': 'joint mode'}
+
+
 def rows_of(name, cols, ns, params):
-    """The table's rows (dicts) from per-problem columns."""
+    """The table's rows (dicts) from per-problem columns: an LM's greedy, sampled and each of
+    LM_DECODERS at each n; the joint model's JOINT_DECODERS at each n, each row with the
+    best-of-n oracle of its samples and the range of P(correct sum)."""
     def acc(prefix):
         (e, e_se), (d, d_se) = mean_se(cols[f'{prefix}_exact']), mean_se(cols[f'{prefix}_digit'])
         return dict(exact=e, exact_se=e_se, digit=d, digit_se=d_se)
 
     if name == 'JOINT':
         p_low, p_high = (cols[f'logp_correct_{end}'].exp().mean().item() for end in ('low', 'high'))
-        return [dict(model=name, method=f'Algorithm 1, n = {n}', n=n, lm_samples=n, params=params,
-                     **acc(f'a1_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
+        return [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
+                     **acc(f'{key}_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
                      oracle_digit=mean_se(cols[f'oracle_{n}_digit'])[0], p_correct_low=p_low,
-                     p_correct_high=p_high) for n in ns]
+                     p_correct_high=p_high) for key, method in JOINT_DECODERS.items() for n in ns]
     p = cols['logp_correct'].exp().mean().item()
-    return [dict(model=name, method=how, n=1, lm_samples=1, params=params, **acc(how), p_correct=p)
-            for how in ('greedy', 'sampled')]
+    return ([dict(model=name, method=how, n=1, lm_samples=1, params=params, **acc(how), p_correct=p)
+             for how in ('greedy', 'sampled')] +
+            [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
+                  **acc(f'{key}_{n}'), p_correct=p) for key, method in LM_DECODERS.items() for n in ns])
 
 
 def format_table(rows):
-    lines = [f"{'model':<10} {'method':<20} {'LM samples':>10} {'exact (SE)':>16} {'per digit (SE)':>16} "
+    lines = [f"{'model':<10} {'method':<24} {'LM samples':>10} {'exact (SE)':>16} {'per digit (SE)':>16} "
              f"{'oracle exact':>12} {'P(correct)':>15}"]
     for r in rows:
         p = (f"{r['p_correct_low']:.3f}-{r['p_correct_high']:.3f}" if 'p_correct_low' in r
              else f"{r['p_correct']:.3f}")
         oracle = f"{r['oracle_exact']:.3f}" if 'oracle_exact' in r else ''
-        lines.append(f"{r['model']:<10} {r['method']:<20} {r['lm_samples']:>10} "
+        lines.append(f"{r['model']:<10} {r['method']:<24} {r['lm_samples']:>10} "
                      f"{r['exact']:>8.3f} ({r['exact_se']:.3f}) {r['digit']:>8.3f} ({r['digit_se']:.3f}) "
                      f"{oracle:>12} {p:>15}")
     return '\n'.join(lines)
@@ -139,8 +209,8 @@ def get_args(argv=None):
     a('--data_dir', default=None, help="default: the data the LM was trained on")
     a('--split', default='test', choices=SPLITS, help='val and test are only reported')
     a('--num_prefixes', type=int, default=1000, help='problems (evenly spaced over the split)')
-    a('--ns', default='1,5,20,80', help="Algorithm 1's numbers of LM samples")
-    a('--top_k', type=int, default=0, help="Algorithm 1's proposal: top-k of the LM (0: untruncated)")
+    a('--ns', default='1,4,16,64', help='LM samples per answer of the decoders that choose among samples')
+    a('--top_k', type=int, default=0, help="the LMs' samples (Algorithm 1's proposal): top-k (0: all)")
     a('--batch', type=int, default=64, help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
@@ -154,7 +224,7 @@ def get_args(argv=None):
     try:
         args.ns = sorted({int(n) for n in args.ns.split(',')})
     except ValueError:
-        raise ValueError(f"--ns {args.ns}: give comma-separated integers, e.g. 1,5,20,80") from None
+        raise ValueError(f"--ns {args.ns}: give comma-separated integers, e.g. 1,4,16,64") from None
     if args.ns[0] < 1 or (args.energy and args.ns[-1] < 2):
         raise ValueError(f"--ns {args.ns}: each at least 1, the largest at least 2 (log Z needs 2 samples)")
     for spec in args.extra_lm:
@@ -182,11 +252,12 @@ def main(argv=None):
     for b, batch in enumerate(x.split(args.batch)):
         pre, gold = batch[:, :P], batch[:, P:]
         for name, model in lms.items():
-            cols[name].append(lm_columns(model, pre, gold, rng(args.seed, f'addition {name}', args.split, b,
-                                                               device)))
-        if energy:
-            cols['JOINT'].append(joint_columns(lm, energy, pre, gold, args.ns, args.top_k,
-                                               rng(args.seed, 'addition joint', args.split, b, device)))
+            c, samples = lm_columns(model, pre, gold, args.ns, args.top_k,
+                                    rng(args.seed, f'addition {name}', args.split, b, device))
+            cols[name].append(c)
+            if energy and name == 'BASE LM':  # the joint model chooses among the base LM's samples
+                cols['JOINT'].append(joint_columns(lm, energy, pre, gold, samples, args.ns, args.top_k,
+                                                   rng(args.seed, 'addition joint', args.split, b, device)))
     rows = []
     for name, parts in cols.items():
         merged = {k: torch.cat([c[k] for c in parts]).cpu() for k in parts[0]}
@@ -207,25 +278,31 @@ def main(argv=None):
 
 
 def plot(rows, path, split='test'):
-    """Exact match against LM samples per answer: each LM (greedy, sampled) a point, Algorithm 1 a
-    curve over n, its best-of-n oracle dashed."""
+    """Exact match against LM samples per answer: each LM's greedy and one sample as points, and a
+    curve over n for each decoder that chooses among n samples (an LM's majority vote, log-prob
+    rerank and best-of-n oracle; the joint model's Algorithm 1 and mode), a color per model."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    joint = [r for r in rows if r['model'] == 'JOINT']
-    if joint:
-        ns = [r['n'] for r in joint]
-        ax.plot(ns, [r['exact'] for r in joint], 'o-', label='Algorithm 1 (LM + energy)')
-        ax.plot(ns, [r['oracle_exact'] for r in joint], 'o--', color='grey', label='best-of-n oracle')
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    models = list(dict.fromkeys(r['model'] for r in rows))
+    color = {m: f'C{i}' for i, m in enumerate(models)}
+    style = {'majority vote': 's-', 'log-prob rerank': '^--', 'oracle': '.:', 'Algorithm 1': 'o-',
+             'joint mode': 'D-.'}
+    curves = {}
     for r in rows:
-        if r['model'] != 'JOINT':
-            ax.plot(1, r['exact'], 'v' if r['method'] == 'greedy' else 's',
-                    label=f"{r['model']} ({r['method']})")
+        method = r['method'].split(', n = ')[0]
+        if method in style:
+            curves.setdefault((r['model'], method), []).append((r['n'], r['exact']))
+        else:
+            ax.plot(1, r['exact'], 'v' if method == 'greedy' else 'x', color=color[r['model']],
+                    label=f"{r['model']} ({method})")
+    for (model, method), pts in curves.items():
+        ax.plot(*zip(*pts), style[method], color=color[model], markersize=4, label=f'{model} {method}')
     ax.set_xscale('log')
     ax.set_xlabel('LM samples per answer')
     ax.set_ylabel(f'exact match ({split})')
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc='center left', bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

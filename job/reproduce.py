@@ -151,7 +151,7 @@ ADDITION = dict(
     # EXO's lr: 1e-5 of 1e-5, 3e-5, 1e-4, by the selection split's KL(pi_theta || joint) (docs/addition.md)
     exo=dict(K=8, batch_size=16, max_iters=600, lr=1e-5, eval_interval=100, eval_prefixes=256,
              eval_samples=16),
-    accuracy=dict(num_prefixes=1000, ns='1,5,20,80'),
+    accuracy=dict(num_prefixes=1000, ns='1,4,16,64'),
 )
 ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
     {k: v for k, v in QUICK.items() if k not in ('metrics', 'ordering')}, data=ADDITION['data'],
@@ -386,7 +386,7 @@ def exo(script, path, lm_ckpt, neg, cfg):
 
 def accuracy(script, path, lm_ckpt, cfg):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
-    model, Algorithm 1 at each n (extensions/addition_eval.py), and its figure."""
+    model, the decoders among n LM samples at each n (extensions/addition_eval.py), and its figure."""
     script('accuracy', ['extensions/addition_eval.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'),
                         '--extra_lm', f"BALM={path('balm', 'best.pt')}", f"EXO={path('exo', 'best.pt')}",
                         f"TAILR={path('tailr', 'best.pt')}", '--out', path('accuracy.json'),
