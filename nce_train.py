@@ -184,6 +184,19 @@ def nce_batch(data, neg, rows, neg_idx, device):
     return torch.from_numpy(uniq).to(device), inverse[:B], inverse[B:].view(B, -1)
 
 
+def untied_rows(data, neg, chunk=65536):
+    """The training prefixes (indices) with at least one stored sample unlike their real
+    continuation. In the ranking loss a prefix whose samples all equal x+ has a constant loss,
+    log(1 + M), and no gradient: drawing only the others gives the same gradient direction with
+    every row of a batch informative (on addition a third of the prefixes are such ties)."""
+    P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
+    keep = []
+    for s in range(0, len(neg['offsets']), chunk):
+        real = window_tokens(data, neg['offsets'][s:s + chunk], P + L)[:, P:].numpy()  # (c, L)
+        keep.append(s + np.flatnonzero((neg['tokens'][s:s + chunk] != real[:, None]).any(-1).any(-1)))
+    return np.concatenate(keep)
+
+
 def choose(n_rows, K, B, M, seed, split, it):
     """Rows of batch `it` and M distinct negatives of each, uniformly: a function of (seed, split, it)."""
     g = rng(seed, 'nce_pairs', split, it)
@@ -366,6 +379,10 @@ def main(argv=None):
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
+    pool = untied_rows(train, neg) if args.loss == 'ranking' else np.arange(len(neg['offsets']))
+    if len(pool) == 0:
+        raise ValueError(f"every stored sample in {args.negatives} equals its prefix's real continuation: the "
+                         f"ranking loss has nothing to learn from; use --loss binary or sample more negatives")
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M))
     raw_model.to(device)
     # AdamW, weight decay on matrices only; the GradScaler scales fp16's loss (a no-op otherwise)
@@ -392,8 +409,8 @@ def main(argv=None):
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
         print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, "
-              f"{args.loss} NCE with {M} negative(s), {len(neg['offsets'])} train prefixes x "
-              f"{neg['meta']['num_samples']} samples, {world_size} process(es)")
+              f"{args.loss} NCE with {M} negative(s), {len(pool)} of {len(neg['offsets'])} train prefixes "
+              f"(those with a gradient) x {neg['meta']['num_samples']} samples, {world_size} process(es)")
     log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
     t0, t_start, start_iter, last_eval = time.time(), time.time(), iter_num, {}
     bar = tqdm(total=args.max_iters, initial=iter_num, dynamic_ncols=True,
@@ -402,7 +419,7 @@ def main(argv=None):
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        stats = train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, world_size)
+        stats = train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size)
         scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
         if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
@@ -480,12 +497,14 @@ def held_out_pairs(held_neg, M, args):
     return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, args.seed, 'held_out', 0)[1]
 
 
-def train_step(model, scaler, train, neg, M, args, iter_num, device, ctx, rank, world_size):
-    """Forward and backward of this process's micro-batches of step iter_num: B positives and M
-    negatives of each (Eq. 3, or the ranking loss); returns their mean (loss, acc, E+, E-). Rows and
-    dropout draws are a function of the seed and the micro-batch, as in train_lm.py."""
+def train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size):
+    """Forward and backward of this process's micro-batches of step iter_num: B positives (from the
+    training prefixes `pool`) and M negatives of each (Eq. 3, or the ranking loss); returns their
+    mean (loss, acc, E+, E-). Rows and dropout draws are a function of the seed and the
+    micro-batch, as in train_lm.py."""
     B, K = args.batch_size, neg['meta']['num_samples']
-    rows, neg_idx = choose(len(neg['offsets']), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
+    rows, neg_idx = choose(len(pool), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
+    rows = pool[rows]
     n_micro = args.grad_accum // world_size  # this process's micro-batches
     stats = np.zeros(4)
     for m in range(rank, args.grad_accum, world_size):

@@ -1220,6 +1220,18 @@ def test_early_stopping_keeps_the_best(lm_corpus, tmp_path):
     assert not res['converged'] and res['last_iter'] == 20
 
 
+@pytest.mark.parametrize('script', ['train_lm', 'nce_train'])
+def test_a_stopping_rule_that_cannot_fire_is_refused(script, tmp_path):
+    """--patience 2 at --eval_interval 500 needs 3 evaluations: --max_iters 1000 would force
+    `converged: false` (RALM and TaiLr on addition were configured so): one line naming the fix."""
+    common = ['--out_dir', str(tmp_path / 'o'), '--eval_interval', '500', '--patience', '2']
+    args = dict(train_lm=['--data_dir', str(tmp_path)], nce_train=['--negatives', 'n', '--held_out_negatives', 'h'])
+    with pytest.raises(ValueError, match=r'--patience 2 can never stop a run of --max_iters 1000.*at least 1500'):
+        getattr(sys.modules[script], 'get_args')([*args[script], *common, '--max_iters', '1000'])
+    assert getattr(sys.modules[script], 'get_args')([*args[script], *common, '--max_iters', '1500']).patience == 2
+    assert not os.path.exists(tmp_path / 'o')
+
+
 def test_stopping_rule_counts_from_the_best_loss():
     """The stopping rule compares the lowest loss now with the lowest loss --patience evaluations
     ago (relative threshold). The BASE LM of the 2026-11-27 run (issue 30) improved 1.5927 ->
@@ -2202,6 +2214,27 @@ def test_nce_batch_scores_each_distinct_sequence_once(fox_negatives, eval_ckpts,
     assert abs(l1 - l2) < 1e-6 and a1 == a2 and l1 > 0
     assert all((a - b).abs().max().item() < 1e-6 for a, b in zip(g1, g2))
     assert max(g.abs().max().item() for g in g1) > 1e-3  # a gradient to compare
+
+
+def test_ranking_draws_only_prefixes_with_a_gradient(fox_negatives, eval_ckpts, lm_ckpt):
+    """untied_rows keeps exactly the prefixes with a stored sample unlike their real continuation;
+    a prefix whose samples all equal it has the constant ranking loss log(1 + M) and a zero
+    gradient, so leaving it out changes no gradient direction."""
+    neg, data = fox_pairs(fox_negatives, 'train')
+    P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
+    real = window_tokens(data, neg['offsets'], P + L)[:, P:].numpy()
+    neg['tokens'][::3] = real[::3, None]  # every third prefix: all K samples are x+
+    neg['tokens'][1, 1] = real[1]  # one sample of x+ among others: still informative
+    expected = [i for i in range(len(real)) if any((neg['tokens'][i, k] != real[i]).any() for k in range(3))]
+    assert nce_train.untied_rows(data, neg, chunk=7).tolist() == expected and 0 not in expected and 1 in expected
+    energy = load_energy(eval_ckpts['bit'], lm_path=lm_ckpt)[0]
+    tokens, pos, negs = nce_train.nce_batch(data, neg, np.array([0, 3]), np.tile([0, 1, 2], (2, 1)), 'cpu')
+    assert len(tokens) == 2
+    e = energy(tokens, P)
+    loss, _ = nce_train.nce_loss(e[pos], e[negs], 'ranking')
+    loss.backward()
+    assert abs(loss.item() - math.log(4)) < 1e-6
+    assert all(p.grad is None or p.grad.abs().max().item() == 0 for p in energy.parameters())
 
 
 @pytest.mark.parametrize('truncated', [False, True])

@@ -61,7 +61,9 @@ DEFAULT = dict(
             min_rel_delta=0.001, snapshots='500,1000,2000'),
     balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
-    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024),
+    # the committed run's recipe (binary NCE on 2 negatives, chunks of 32 prefixes, best.pt by the NCE loss),
+    # kept until this job is rerun with the ranking recipe that addition chose (docs/addition.md)
+    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024, chunk=32),
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
     # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
     # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (docs/experiments.md)
@@ -74,9 +76,9 @@ DEFAULT = dict(
     metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
     # each energy early-stopped as the LMs (its best.pt is the same: steps after it are not used)
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024,
-             patience=2),
+             patience=2, loss='binary', select='loss'),
     unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200,
-              eval_prefixes=1024, patience=2),
+              eval_prefixes=1024, patience=2, loss='binary', select='loss'),
     # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
     # (docs/experiments.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
@@ -340,12 +342,12 @@ def main(argv=None):
         pipe.run(name, cmd + common + ['--device', args.device], done, deps)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
-        exo(script, path, lm_ckpt, neg, cfg)
+        exo(script, path, lm_ckpt, neg, cfg, stronger_energy(path))
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     pipe.run('claims', ['job/claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'])
     if 'accuracy' in cfg:
-        accuracy(script, path, lm_ckpt, cfg)
+        accuracy(script, path, lm_ckpt, cfg, stronger_energy(path))
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
@@ -376,22 +378,30 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
               path(f'{name}.json'), ['lm', 'bit'])
 
 
-def exo(script, path, lm_ckpt, neg, cfg):
+def stronger_energy(path):
+    """'bit' or 'unit': the energy whose joint model gains more on the selection split's held-out
+    prefixes (nce_train.py's held_out_gain): the one EXO distils and the accuracy table uses."""
+    gain = {k: read_json(path(k, 'results.json'), FIX)['held_out_gain'] for k in ('bit', 'unit')}
+    return max(gain, key=gain.get)
+
+
+def exo(script, path, lm_ckpt, neg, cfg, energy):
     """EXO (Ji et al., ICML 2024, from the talk): a copy of the LM fine-tuned towards the joint model
-    LM + BIT by the reverse KL over K LM samples per prefix, best.pt chosen on the selection split."""
-    script('exo', ['extensions/exo.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'),
+    LM + `energy` by the reverse KL over K LM samples per prefix, best.pt chosen on the selection split."""
+    script('exo', ['extensions/exo.py', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
                    '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                   '--out_dir', path('exo')] + flags(cfg['exo']), path('exo', 'results.json'), ['lm', 'bit'])
+                   '--out_dir', path('exo')] + flags(cfg['exo']), path('exo', 'results.json'), ['lm', energy])
 
 
-def accuracy(script, path, lm_ckpt, cfg):
+def accuracy(script, path, lm_ckpt, cfg, energy):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
-    model, the decoders among n LM samples at each n (extensions/addition_eval.py), and its figure."""
-    script('accuracy', ['extensions/addition_eval.py', '--lm', lm_ckpt, '--energy', path('bit', 'best.pt'),
+    model, and of the joint model LM + `energy` by each decoder among n LM samples
+    (extensions/addition_eval.py), and its figure."""
+    script('accuracy', ['extensions/addition_eval.py', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
                         '--extra_lm', f"BALM={path('balm', 'best.pt')}", f"EXO={path('exo', 'best.pt')}",
                         f"TAILR={path('tailr', 'best.pt')}", '--out', path('accuracy.json'),
                         '--plot', path('fig_accuracy.png'), '--force'] + flags(cfg['accuracy']),
-           path('accuracy.json'), ['lm', 'bit', 'balm', 'exo', 'tailr'])
+           path('accuracy.json'), ['lm', energy, 'balm', 'exo', 'tailr'])
 
 
 def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, deps):
@@ -400,7 +410,7 @@ def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, 
     for split, count in (('train', train_prefixes), ('select', select_prefixes)):
         stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split,
                                   '--out_dir', path(f'{name}_{split}'), '--max_prefixes', str(count)]
-              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples')}),
+              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples', 'chunk') if k in neg}),
               path(f'{name}_{split}', 'meta.json'), deps, path(f'{name}_{split}'))
 
 
@@ -508,23 +518,25 @@ def print_estimate(timings, default):
 
 
 def report(out, timings, data_dir):
-    """results.json: the Table-1 rows, the calibration of the log Z bounds, the held-out NCE
-    accuracies and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
+    """results.json: the Table-1 rows, the calibration of the log Z bounds, the energies' held-out
+    gains and NCE accuracies, and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
     ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
     keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
     lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
-    nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX)['held_out_acc'] for k in ('bit', 'unit')}
+    nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX) for k in ('bit', 'unit')}
+    gain, acc = ({k: r[f'held_out_{f}'] for k, r in nce.items()} for f in ('gain', 'acc'))
     test = ppl['splits']['test']
-    write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_nce_acc=nce, timings_s=timings,
+    write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_gain=gain, held_out_nce_acc=acc,
+                    timings_s=timings,
                     claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
                     calibration=test.get('calibration'), num_samples=test['num_samples'],
                     num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))
     print(f"\nTable 1 ({data_dir}; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
-    print(f"held-out NCE accuracy (selection split): BIT {nce['bit']:.3f}, UNIT {nce['unit']:.3f}; "
-          f"stage times (s): {timings}")
+    print(f"held-out joint gain over the LM (selection split, nats/token): BIT {gain['bit']:.5f}, UNIT "
+          f"{gain['unit']:.5f}; NCE accuracy BIT {acc['bit']:.3f}, UNIT {acc['unit']:.3f}; stage times (s): {timings}")
     if os.path.exists(os.path.join(out, 'metrics', 'results.txt')):
         print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, "
               "and the decoding methods' metrics\n"
