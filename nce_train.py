@@ -26,9 +26,10 @@ of every real continuation under both give that correction, applied automaticall
     torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
 
 Batches are a function of (seed, iteration), so --resume is exact and DDP sees the same global
-batch as one process. Writes out_dir/ckpt.pt (the latest state, for --resume), best.pt (the energy
-at its best held-out figure: the one to use, since NCE on a finite set of negatives overfits),
-log.jsonl and results.json; checkpoints are written atomically.
+batch as one process with the same --grad_accum (default: one micro-batch per process). Writes
+out_dir/ckpt.pt (the latest state, for --resume), best.pt (the energy at its best held-out figure:
+the one to use, since NCE on a finite set of negatives overfits), log.jsonl and results.json;
+checkpoints are written atomically.
 """
 
 import math
@@ -49,8 +50,10 @@ from budget import check_training_memory
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
 from energy import POOLS, build_energy, energy_state, load_energy, logz_bounds
 from model import GPTConfig, load_checkpoint, save_checkpoints
-from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags, checkpoint_hint,
-                      choose_dtype, diverged, pick_device, rng, rng_seed, run_main, write_log)
+from plumbing import (ArgumentParser, at_least, check_new_run, check_resumed_flags, check_resumed_iters,
+                      check_training_flags, checkpoint_hint, choose_dtype, diverged, lock_folder,
+                      micro_batches, missing_checkpoint, one_job, pick_device, rng, rng_seed, run_main,
+                      write_log)
 
 
 def get_args(argv=None):
@@ -83,7 +86,8 @@ def get_args(argv=None):
            "log-likelihood of their real continuations over the LM's (Eq. 2, log Z at Eq. 4's upper end); "
            "loss, the NCE loss")
     a('--batch_size', type=int, default=16, help='positives per micro-batch per process')
-    a('--grad_accum', type=int, default=1, help='micro-batches per iteration, summed over processes')
+    a('--grad_accum', type=int, default=None,
+      help='micro-batches per iteration, summed over processes (default: one per process)')
     a('--max_iters', type=int, default=1000)
     a('--lr', type=float, default=3e-4)
     a('--min_lr', type=float, default=3e-5)
@@ -109,20 +113,24 @@ def get_args(argv=None):
     return args
 
 
-# what a resumed energy is: a flag given with --resume must agree with the run it continues
+# what a resumed energy is, and the flags that change a run's numbers: a flag given with --resume
+# must agree with the run it continues (left out, it takes the checkpoint's value)
 RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', 'n_embd', 'dropout',
-                'loss', 'num_neg', 'select')
+                'loss', 'num_neg', 'select', 'seed', 'negatives', 'held_out_negatives', 'lr', 'min_lr',
+                'warmup_iters', 'lr_decay_iters', 'batch_size', 'grad_accum', 'weight_decay', 'beta1', 'beta2',
+                'grad_clip', 'eval_interval', 'eval_prefixes', 'patience')
 
 
 def check_resume(args, argv):
     """--resume continues the checkpoint's energy: a flag given that contradicts it is refused."""
     path = os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.exists(path):
-        raise ValueError(f"--resume: {path} does not exist: drop --resume to start a new run")
+        raise missing_checkpoint(args.out_dir)
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'energy':
         return  # build() says what it holds instead
-    check_resumed_flags(args, argv, ckpt.get('args', {}), RESUME_FIXED, path, 'energy')
+    check_resumed_flags(args, argv, ckpt.get('args', {}), RESUME_FIXED, path, 'run')
+    check_resumed_iters(args.max_iters, ckpt['iter_num'], path)
 
 
 def check_args(args, argv):
@@ -257,6 +265,9 @@ def load_pairs(args):
         raise ValueError(f"--held_out_negatives {args.held_out_negatives} holds prefixes of the "
                          f"{neg['meta']['split']} split, which --negatives trains on: held-out pairs must "
                          f"not be training prefixes (negatives.py --split select)")
+    if neg['meta']['split'] != 'train':  # the energy learns on them: val and test are only reported
+        raise ValueError(f"--negatives {args.negatives} were made from the {neg['meta']['split']} split: "
+                         f"the energy trains on the train split (negatives.py --split train)")
     for key in ('prefix_len', 'gen_len', 'data_dir'):
         if held_neg['meta'][key] != neg['meta'][key]:
             raise ValueError(f"train and held-out negatives differ in {key} ({neg['meta'][key]} vs "
@@ -285,17 +296,12 @@ def negatives_per_pair(args, neg, held_neg):
 def build(args, meta, length, rows):
     """The energy to train and, with --resume, the checkpoint it continues; it must see
     sequences of `length` tokens, `rows` of them per micro-batch."""
-    ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not args.resume and os.path.exists(ckpt_path):
-        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     if args.resume:
-        model, ckpt = load_energy(ckpt_path, args.lm)
+        model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
         model.train()
         check_memory_of(model.config, rows, args)
-    elif os.path.exists(os.path.join(args.out_dir, 'best.pt')):
-        raise ValueError(f"{os.path.join(args.out_dir, 'best.pt')} exists "
-                         f"(an energy kept by an earlier run): choose another --out_dir or delete it")
     else:
+        check_new_run(args.out_dir)  # best.pt as much as ckpt.pt
         check_memory_of(planned_config(args), rows, args)  # before any weight is allocated
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool,
@@ -352,8 +358,10 @@ def save(state, improved, optimizer, scaler, out_dir):
     save_checkpoints(saves + ([(state, os.path.join(out_dir, 'best.pt'))] if improved else []))
 
 
+@one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
+    lock_folder(args.out_dir)  # one job per folder
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
     device = pick_device(args.device)
     ddp = int(os.environ.get('RANK', -1)) != -1
@@ -364,8 +372,7 @@ def main(argv=None):
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     master = rank == 0
-    if args.grad_accum % world_size:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
+    args.grad_accum = micro_batches(args.grad_accum, world_size)  # default: one per process
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init (DDP then copies rank 0's)
     # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
     args.dtype, why = choose_dtype(device, args.dtype, 'train')

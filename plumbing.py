@@ -18,6 +18,8 @@ Scripts import it first: see openmp_wait_policy.
 
 import argparse
 import errno
+import fcntl
+import functools
 import json
 import math
 import os
@@ -262,15 +264,112 @@ def resumed_dtype(dtype, saved, path):
 
 
 def check_resumed_flags(args, argv, saved, fixed, path, what):
-    """A --resume continues the `what` saved at path (saved: its flags) in its precision: a flag
-    on the command line (argv) among `fixed` that contradicts it is refused, as is a contradicting
-    --dtype."""
+    """A --resume continues the `what` saved at path (saved: its flags) in its precision, as the
+    uninterrupted run would have gone on: a flag among `fixed` (those that change the numbers) on
+    the command line (argv) that contradicts it is refused, as is a contradicting --dtype; one left
+    out takes the checkpoint's value. A path contradicts only if it names another file."""
     args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
-    for name in sorted(set(fixed) & given_flags(argv)):
-        if name in saved and getattr(args, name) != saved[name]:
+    given = given_flags(argv)
+    for name in sorted(n for n in fixed if n in saved):
+        if name not in given:
+            setattr(args, name, saved[name])
+        elif not same_value(getattr(args, name), saved[name]):
             raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
                              f"--resume continues that {what}; drop the flag, or start a new run in "
                              f"another --out_dir")
+
+
+def same_value(a, b):
+    """a == b, or two paths to one file or folder."""
+    if a == b:
+        return True
+    return (isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b)
+            and os.path.samefile(a, b))
+
+
+def check_resumed_iters(max_iters, it, path):
+    """--max_iters of a --resume: not below the iteration `it` that the checkpoint at path holds."""
+    if max_iters < it:
+        raise ValueError(f"--max_iters {max_iters} is below the {it} iterations {path} holds: --resume "
+                         f"goes on from there; pass --max_iters {it} or more")
+
+
+# -----------------------------------------------------------------------------
+# a trainer's --out_dir: one job at a time, and what an earlier run kept there never replaced
+
+KEPT = ('ckpt.pt', 'best.pt', 'results.json')  # a trainer's outputs worth keeping
+
+
+def check_new_run(out_dir):
+    """A new run (no --resume) must not replace what an earlier one kept in out_dir: best.pt as
+    much as ckpt.pt."""
+    ckpt = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(ckpt):
+        raise ValueError(f"{ckpt} exists: pass --resume to continue it or choose another --out_dir")
+    kept = [f for f in KEPT if os.path.exists(os.path.join(out_dir, f))]
+    if kept:
+        raise ValueError(f"{os.path.join(out_dir, kept[0])} exists (kept by an earlier run; without its "
+                         f"ckpt.pt there is nothing to resume): choose another --out_dir, or delete it first")
+
+
+def missing_checkpoint(out_dir):
+    """The line of a --resume whose out_dir/ckpt.pt does not exist (ValueError)."""
+    ckpt = os.path.join(out_dir, 'ckpt.pt')
+    kept = [f for f in KEPT if os.path.exists(os.path.join(out_dir, f))]
+    if kept:
+        return ValueError(f"--resume: {ckpt} does not exist (nothing to resume), and {out_dir} holds "
+                          f"{' and '.join(kept)} of an earlier run: start a new run in another --out_dir")
+    return ValueError(f"--resume: {ckpt} does not exist: drop --resume to start a new run")
+
+
+LOCKS = {}  # descriptor -> the folder it holds locked (lock_folder)
+
+
+def lock_folder(path, flag='--out_dir'):
+    """One job per output folder at a time: path (checked writable, created) locked with flock,
+    which the kernel drops when the process ends, killed with -9 included: no stale lock. On rank 0
+    only (torchrun's processes are one job); a filesystem without locks goes unlocked."""
+    if int(os.environ.get('RANK', 0)) > 0:
+        return
+    check_writable(path, flag)
+    for folder in (path, first_missing(path)):  # removed if the job fails before it wrote anything there
+        if folder not in {p for p, _ in NEW_FOLDERS}:  # a trainer's is there already, with what it keeps
+            new_folder(folder, keep=())
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise ValueError(f"{flag} {path} is in use by another job (one job per folder): wait for it to "
+                             f"end, or choose another {flag}") from None
+        return
+    LOCKS[fd] = path
+
+
+def one_job(main):
+    """main, with the folders it locked (lock_folder) unlocked however it ends (in a test's process too)."""
+    @functools.wraps(main)
+    def locked_main(*args, **kwargs):
+        held = set(LOCKS)
+        try:
+            return main(*args, **kwargs)
+        finally:
+            for fd in set(LOCKS) - held:
+                del LOCKS[fd]
+                os.close(fd)
+    return locked_main
+
+
+def micro_batches(grad_accum, world_size):
+    """--grad_accum, the micro-batches of an iteration over all processes: by default one per
+    process (nanoGPT scales its accumulation by the world size too), given, a multiple of them."""
+    grad_accum = grad_accum or world_size
+    if grad_accum % world_size:
+        raise ValueError(f"--grad_accum {grad_accum} must be a multiple of the {world_size} processes "
+                         f"(left out: one micro-batch per process)")
+    return grad_accum
 
 
 # -----------------------------------------------------------------------------
@@ -383,6 +482,14 @@ def nearest_existing(path):
     """path, or the nearest of its parents that exists (where it would be created)."""
     d = os.path.abspath(path)
     while not os.path.exists(d):
+        d = os.path.dirname(d)
+    return d
+
+
+def first_missing(path):
+    """The outermost folder that creating path creates (path itself if its parent exists)."""
+    d = os.path.abspath(path)
+    while not os.path.exists(os.path.dirname(d)):
         d = os.path.dirname(d)
     return d
 
@@ -546,6 +653,8 @@ def run_main(main, resume_hint=None):
     except KeyboardInterrupt:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut this line short
             signal.signal(sig, signal.SIG_IGN)
+        if int(os.environ.get('RANK', 0)) > 0:  # under torchrun rank 0 says it, once
+            sys.exit(130)
         try:
             hint = resume_hint(argv) if resume_hint else None
         except (Exception, KeyboardInterrupt):  # e.g. flags that do not parse: the rerun hint is right
@@ -555,9 +664,19 @@ def run_main(main, resume_hint=None):
         sys.exit(130)
 
 
+def wait_for_rank_0(seconds=10):
+    """Bad input under torchrun, found alike by every rank: rank 0 says it, once. This rank waits
+    for torchrun to end it once rank 0 has (quietly: its SIGTERM is no Ctrl-C here); it says it
+    itself only if rank 0 goes on (input that only this rank found bad)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+    time.sleep(seconds)
+
+
 def one_line_error():
     """The exception being handled, as one `error:` line and exit status 1."""
     e = sys.exc_info()[1]
+    if isinstance(e, ValueError) and int(os.environ.get('RANK', 0)) > 0:
+        wait_for_rank_0()
     if isinstance(e, torch.OutOfMemoryError):
         sys.exit("error: out of GPU memory: lower the batch size (--batch_size, --chunk or --max_rows)")
     sys.exit(f"error: {os_error_text(e) if isinstance(e, OSError) else e}")

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import csv
 import errno
+import fcntl
 import importlib.util
 import io
 import itertools
@@ -2093,6 +2094,46 @@ def test_nce_ddp_matches_single_process(lm_ckpt, fox_negatives, tmp_path):
     assert md.keys() == ms.keys()
     for k in ms:
         assert (md[k] - ms[k]).abs().max().item() < 1e-4, k
+
+
+@pytest.mark.parametrize('script', ['train_lm.py', 'nce_train.py'])
+def test_torchrun_as_documented(script, lm_corpus, lm_ckpt, fox_negatives, tmp_path):
+    """`torchrun --standalone --nproc_per_node N SCRIPT ...` runs as docs/using.md writes it, without
+    --grad_accum: by default one micro-batch per process (it stopped at the old default of 1). A bad
+    flag there is one `error:` line, from rank 0, and a nonzero exit: no rank's traceback (torchrun's
+    own report of the failed process follows)."""
+    flags = {'train_lm.py': ['--data_dir', lm_corpus, '--final_eval', '0', *TRAIN_FLAGS],
+             'nce_train.py': ['--lm', lm_ckpt, '--negatives', fox_negatives['train'],
+                              '--held_out_negatives', fox_negatives['select'], *NCE_FLAGS]}[script]
+    torchrun = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', script,
+                '--max_iters', '2', '--eval_interval', '2', *flags, '--device', 'cpu']
+    res = run_script([*torchrun, '--out_dir', str(tmp_path / 'out')])
+    assert res.returncode == 0 and '2 process(es)' in res.stdout, res.stderr[-3000:]
+    assert load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['args']['grad_accum'] == 2
+    res = run_script([*torchrun, '--out_dir', str(tmp_path / 'bad'), '--lr', '-1'])
+    errors = [line for line in res.stderr.splitlines() if line.startswith('error:')]
+    assert res.returncode != 0 and errors == ['error: --lr -1.0: must be a positive number'], res.stderr
+    assert f'{script}", line' not in res.stderr and not (tmp_path / 'bad').exists()
+
+
+def test_one_job_per_folder_and_no_stale_lock(tmp_path):
+    """A folder that a job holds (lock_folder: the trainers', reproduce.py's --out_dir) is refused to
+    a second job with one line; a job killed with kill -9 leaves no stale lock behind."""
+    d = str(tmp_path / 'out')
+    hold = ('import sys, time, plumbing; plumbing.lock_folder(sys.argv[1]); print("locked", flush=True); '
+            'time.sleep(120)')
+    holder = subprocess.Popen([sys.executable, '-c', hold, d], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'locked'
+        with pytest.raises(ValueError, match=f'--out_dir {d} is in use by another job'):
+            plumbing.lock_folder(d)
+    finally:
+        holder.kill()  # SIGKILL: nothing of it runs
+        holder.wait()
+    held = dict(plumbing.LOCKS)
+    plumbing.one_job(plumbing.lock_folder)(d)  # free again; and released as the job returns
+    assert plumbing.LOCKS == held
+    plumbing.one_job(plumbing.lock_folder)(d)
 
 
 def test_nce_resume_is_exact(lm_corpus, tmp_path):
@@ -4651,7 +4692,8 @@ class CliEvil:
 def cli_artifacts(tmp_path_factory):
     """Everything the rows point at, built once: {name: path}, all under A['root']."""
     root = tmp_path_factory.mktemp('cli')
-    A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_select', 'nce', 'neg_incomplete',
+    A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_select', 'neg_val', 'nce',
+                                    'neg_incomplete',
                                     'neg_bad',
                                     'bad_meta', 'he', 'repro', 'new')}
     A['root'] = str(root)
@@ -4662,7 +4704,8 @@ def cli_artifacts(tmp_path_factory):
     train_lm.main(['--data_dir', A['data'], '--out_dir', A['lm'], '--max_iters', '2', '--eval_interval', '2',
                    '--final_eval', '0', *CLI_TRAIN])
     A['ckpt'] = os.path.join(A['lm'], 'ckpt.pt')
-    for split, extra in (('train', ['--max_prefixes', '20']), ('select', [])):
+    for split, extra in (('train', ['--max_prefixes', '20']), ('select', []),
+                         ('val', ['--max_prefixes', '4'])):
         negatives.main(['--lm', A['ckpt'], '--split', split, '--out_dir', A[f'neg_{split}'], '--chunk', '8',
                         *CLI_NEG, *extra])
     nce_train.main(['--lm', A['ckpt'], '--negatives', A['neg_train'], '--held_out_negatives', A['neg_select'],
@@ -4715,10 +4758,13 @@ def cli_artifacts(tmp_path_factory):
     return A
 
 
+CLI_HELD = []  # the descriptor of the folder that 'another job' holds locked while the rows run
+
+
 def cli_broken_files(A, root):
     """The rows' broken or wrong files: a checkpoint whose config disagrees with its weights, a
     damaged cached wheel, ppl.json without splits or with only test, a vote with a NUL byte, the
-    main job's JSON for figures.py."""
+    main job's JSON for figures.py, trainers' folders with best.pt but no ckpt.pt, a folder in use."""
     ck = load_checkpoint(A['ckpt'])
     ck['config']['n_embd'] = 64  # its weights are 32 wide
     A['bad_config'] = str(root / 'bad_config.pt')
@@ -4735,6 +4781,13 @@ def cli_broken_files(A, root):
     A['figs'] = str(root / 'figs')
     os.makedirs(A['figs'])
     fake_main_job_json(A['figs'])
+    for name in ('lm', 'nce'):  # an earlier run's best.pt, its 3x larger ckpt.pt deleted to save space
+        A[f'{name}_best_only'] = shutil.copytree(A[name], str(root / f'{name}_best_only'))
+        os.remove(os.path.join(A[f'{name}_best_only'], 'ckpt.pt'))
+    A['busy'] = str(root / 'busy')  # a folder that another job holds (lock_folder's flock)
+    os.makedirs(A['busy'])
+    CLI_HELD.append(os.open(A['busy'], os.O_RDONLY))
+    fcntl.flock(CLI_HELD[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 # (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path,
@@ -5022,6 +5075,37 @@ CLI_TABLE = [
      '--copy_to {file} is a file'),
     ('sample-table-prefixes-negative', [*S, '--table_prefixes', '-1'], '--table_prefixes -1'),
     ('he-score-vote-with-nul', [*HS, '--votes', '{votes_nul}'], "bad vote (r1, '0\\x00', A)"),
+    # issue 40: a --resume that would drift from the run it continues, best.pt without ckpt.pt, one
+    # job per folder, training negatives of another split
+    ('train-resume-other-seed', [*T, '--out_dir', '{lm}', '--resume', '--seed', '7'],
+     '--seed 7 contradicts {lm}/ckpt.pt (seed 1337)'),
+    ('train-resume-other-lr', [*T, '--out_dir', '{lm}', '--resume', '--lr', '0.01'], '--lr 0.01 contradicts'),
+    ('train-resume-other-data', [*T, '--out_dir', '{lm}', '--resume', '--data_dir', '{bad_meta}'],
+     '--data_dir {bad_meta} contradicts'),
+    ('train-resume-other-grad-accum', [*T, '--out_dir', '{lm}', '--resume', '--grad_accum', '2'],
+     '--grad_accum 2 contradicts'),
+    ('train-resume-max-iters-below', [*T, '--out_dir', '{lm}', '--resume', '--max_iters', '1'],
+     '--max_iters 1 is below the 2 iterations'),
+    ('train-best-without-ckpt', [*T, '--out_dir', '{lm_best_only}'],
+     '{lm_best_only}/best.pt exists (kept by an earlier run'),
+    ('train-resume-best-without-ckpt', [*T, '--out_dir', '{lm_best_only}', '--resume'],
+     'does not exist (nothing to resume), and {lm_best_only} holds best.pt'),
+    ('train-out-dir-in-use', [*T, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    ('nce-resume-other-seed', [*E, '--out_dir', '{nce}', '--resume', '--seed', '7'],
+     '--seed 7 contradicts {nce}/ckpt.pt (seed 1337)'),
+    ('nce-resume-other-lr', [*E, '--out_dir', '{nce}', '--resume', '--lr', '0.01'], '--lr 0.01 contradicts'),
+    ('nce-resume-other-negatives', [*E, '--out_dir', '{nce}', '--resume', '--negatives', '{neg_val}'],
+     '--negatives {neg_val} contradicts'),
+    ('nce-resume-max-iters-below', [*E, '--out_dir', '{nce}', '--resume', '--max_iters', '1'],
+     '--max_iters 1 is below the 2 iterations'),
+    ('nce-best-without-ckpt', [*E, '--out_dir', '{nce_best_only}'],
+     '{nce_best_only}/best.pt exists (kept by an earlier run'),
+    ('nce-resume-best-without-ckpt', [*E, '--out_dir', '{nce_best_only}', '--resume'],
+     'does not exist (nothing to resume), and {nce_best_only} holds best.pt'),
+    ('nce-out-dir-in-use', [*E, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    ('nce-negatives-from-val', [*E, '--negatives', '{neg_val}'],
+     '--negatives {neg_val} were made from the val split'),
+    ('repro-out-dir-in-use', [*R, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
 ]
 
 # One python process runs every row: the script as __main__ (its run_main included), argv set,
@@ -5708,14 +5792,13 @@ def train_lm_bad(lm_corpus, lm_ckpt, tmp_path_factory):
                                 tmp / 'existing'),
         'resume_missing': (train(lm_corpus, tmp / 'none', '--resume'), 'does not exist', None),
         'resume_truncated': (train(lm_corpus, tmp / 'corrupt', '--resume'), 'corrupt or truncated', None),
-        'resume_other_vocabulary': (train(other, tmp / 'existing2', '--resume'), 'another vocabulary',
-                                    tmp / 'existing2'),
+        'resume_other_data': (train(other, tmp / 'existing2', '--resume'), '--data_dir', tmp / 'existing2'),
         'test_split_too_short': (train(short, tmp / 'o3'), 'test split has', None),
     })
 
 
 @pytest.mark.parametrize('case', ['missing_data', 'empty_data', 'existing_checkpoint', 'resume_missing',
-                                  'resume_truncated', 'resume_other_vocabulary', 'test_split_too_short'])
+                                  'resume_truncated', 'resume_other_data', 'test_split_too_short'])
 def test_train_lm_bad_input(train_lm_bad, case):
     check_bad_case(*train_lm_bad[case])
 
@@ -6133,15 +6216,19 @@ def test_resume_keeps_the_precision_of_the_run(lm_corpus, tmp_path, monkeypatch)
 
 
 def test_diverging_training_stops_and_keeps_finite_checkpoints(lm_corpus, tmp_path):
-    """A run that diverges (resumed with --lr 1e30) ends with one line naming the divergence and the
-    flags, and its last checkpoint, from before the divergence, is untouched and finite;
+    """A run that diverges (resumed at the lr of 1e30 its checkpoint was given: --resume refuses a
+    contradicting --lr) ends with one line naming the divergence and the flags, and its last
+    checkpoint, from before the divergence, is untouched and finite;
     --weight_decay inf and --final_eval_windows -1 are refused before any work."""
     out = tmp_path / 'lr'
     argv = ['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--eval_interval', '2',
             '--final_eval', '0', *TRAIN_FLAGS]
     assert run_script([*argv, '--max_iters', '4']).returncode == 0
+    ckpt = load_checkpoint(str(out / 'ckpt.pt'))
+    ckpt['args'].update(lr=1e30, min_lr=1e30)  # what --resume continues (past --lr_decay_iters too)
+    torch.save(ckpt, out / 'ckpt.pt')
     saved = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
-    res = run_script([*argv, '--max_iters', '8', '--resume', '--lr', '1e30'])
+    res = run_script([*argv, '--max_iters', '8', '--resume'])
     assert_clean_error(res, 'diverged', '--lr')
     assert {name: (out / name).read_bytes() for name in saved} == saved
     for name in saved:

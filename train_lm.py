@@ -7,8 +7,9 @@ fine-tunes an LM with TaiLr instead (Ji et al., ICLR 2023: tailr_loss).
     python train_lm.py --data_dir data/shakespeare_gpt2 --n_layer 12 ...          # one GPU
     torchrun --standalone --nproc_per_node 8 train_lm.py ...                      # DDP
 
-Batches are a pure function of (seed, iteration): the global batch of an iteration is the same
-whatever the number of processes, and --resume continues exactly where the checkpoint stopped.
+Batches are a pure function of (seed, iteration): for a given --grad_accum (default: one
+micro-batch per process) the global batch of an iteration is the same whatever the number of
+processes, and --resume continues exactly where the checkpoint stopped.
 The periodic evaluation uses the selection split ('select', carved from the training documents);
 val and test are evaluated once, at the end, and only reported. Writes out_dir/ckpt.pt
 (atomically, at every evaluation), out_dir/log.jsonl and out_dir/results.json.
@@ -36,8 +37,10 @@ from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, file_hash, load_checkpoint, load_lm, save_checkpoints,
                    width_for_params)
-from plumbing import (ArgumentParser, at_least, check_resumed_flags, check_training_flags, checkpoint_hint,
-                      choose_dtype, diverged, pick_device, rng, rng_seed, run_main, write_log)
+from plumbing import (ArgumentParser, at_least, check_new_run, check_resumed_flags, check_resumed_iters,
+                      check_training_flags, checkpoint_hint, choose_dtype, diverged, lock_folder,
+                      micro_batches, missing_checkpoint, one_job, pick_device, rng, rng_seed, run_main,
+                      write_log)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -101,7 +104,8 @@ def get_args(argv=None):
 def add_training_flags(a):
     """Optimisation, evaluation and system flags (a: the parser's add_argument)."""
     a('--batch_size', type=int, default=16, help='sequences per micro-batch per process')
-    a('--grad_accum', type=int, default=1, help='micro-batches per iteration, summed over processes')
+    a('--grad_accum', type=int, default=None,
+      help='micro-batches per iteration, summed over processes (default: one per process)')
     a('--max_iters', type=int, default=2000)
     a('--lr', type=float, default=2e-3, help='peak learning rate')
     a('--min_lr', type=float, default=2e-4, help='learning rate at the end of the cosine decay')
@@ -141,15 +145,23 @@ def check_resume(args, argv):
     """--resume continues the checkpoint's model: a flag given that contradicts it is refused."""
     path = os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.exists(path):
-        raise ValueError(f"--resume: {path} does not exist: drop --resume to start a new run")
+        raise missing_checkpoint(args.out_dir)
     ckpt = load_checkpoint(path)
     if ckpt['kind'] not in ('lm', 'mlm'):
         return  # build_model says what it holds instead
-    saved = dict(ckpt['config'], objective=ckpt.get('objective', ckpt['kind']), gamma=ckpt.get('gamma'),
-                 dtype=ckpt.get('args', {}).get('dtype'))
+    saved = dict(ckpt.get('args', {}), **ckpt['config'], objective=ckpt.get('objective', ckpt['kind']),
+                 gamma=ckpt.get('gamma'), dtype=ckpt.get('args', {}).get('dtype'))
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    check_resumed_flags(args, argv, saved, shape, path, 'model')
+    check_resumed_flags(args, argv, saved, shape | set(RESUME_FIXED), path, 'run')
+    check_resumed_iters(args.max_iters, ckpt['iter_num'], path)
+
+
+# the flags beside the model's shape that change a run's numbers: a --resume keeps the checkpoint's
+RESUME_FIXED = ('seed', 'data_dir', 'lr', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'batch_size',
+                'grad_accum', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'dropout', 'eval_interval',
+                'eval_iters', 'patience', 'min_rel_delta', 'final_eval_windows', 'residual_of', 'init_from',
+                'match_params')
 
 
 def check_args(args, argv):
@@ -251,12 +263,11 @@ def build_model(args, meta):
     wins over the flags). New: a GPT, or a RALM on the frozen --residual_of LM (Eq. 6),
     optionally starting from --init_from's weights."""
     mlm, ckpt_path = args.objective == 'mlm', os.path.join(args.out_dir, 'ckpt.pt')
-    if not args.resume and os.path.exists(ckpt_path):
-        raise ValueError(f"{ckpt_path} exists: pass --resume to continue it or choose another --out_dir")
     if args.resume:
         model, ckpt = load_lm(ckpt_path, meta=meta, kind='mlm' if mlm else 'lm')
         args.residual_of = (ckpt.get('residual_of') or [None])[0]
         return model.train(), ckpt
+    check_new_run(args.out_dir)  # best.pt as much as ckpt.pt
     if args.residual_of and mlm:
         raise ValueError("--residual_of trains a RALM, a causal LM: it does not go with --objective mlm")
     if args.match_params:
@@ -318,8 +329,10 @@ def load_data(args):
 
 # -----------------------------------------------------------------------------
 
+@one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
+    lock_folder(args.out_dir)  # one job per folder
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
     device = pick_device(args.device)
     ddp = int(os.environ.get('RANK', -1)) != -1
@@ -330,8 +343,7 @@ def main(argv=None):
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     master = rank == 0
-    if args.grad_accum % world_size:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world_size} processes")
+    args.grad_accum = micro_batches(args.grad_accum, world_size)  # default: one per process
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init (DDP then copies rank 0's)
     # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
     args.dtype, why = choose_dtype(device, args.dtype, 'train')

@@ -37,7 +37,8 @@ import torch
 from data import read_json, write_json
 from energy import Energy
 from model import GPTConfig
-from plumbing import DTYPES, ArgumentParser, check_writable, pick_device, rerun_command, run_main
+from plumbing import (DTYPES, ArgumentParser, check_writable, lock_folder, one_job, pick_device,
+                      rerun_command, run_main)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stages run from the repo root
 FIX = 'delete it to rerun its stage'
@@ -294,12 +295,13 @@ def check_data_dir(args):
     check_writable(d, '--data_dir')
 
 
+@one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
     pick_device(args.device)  # every stage would fail on it
     cfg, out = args.cfg, args.out_dir
-    check_writable(os.path.join(ROOT, out), '--out_dir')
     check_data_dir(args)
+    lock_folder(os.path.join(ROOT, out), '--out_dir')  # one job per folder (checked writable first)
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
