@@ -4175,6 +4175,9 @@ def check_claims_from_run(out):
                 and m['best_step'] <= m['last_step'])
     for c in claims['claims'].values():
         assert c['holds'] in (True, False, None) and 'diff' in c and 'se' in c
+        assert c['p'] is None or 0 <= c['p'] <= c['p_holm'] <= 1
+        assert c['holds_holm'] in (None, c['holds'])  # Holm only makes verdicts not significant
+    assert claims['multiplicity']['method'].startswith('Holm') and claims['multiplicity']['family']
     test = json.load(open(out / 'ppl.json'))['splits']['test']
     cols, L, n = test['per_prefix'], test['gen_len'], str(test['num_samples'])
     joint = (np.array(cols['lm_logp']) - np.array(cols['energy']['BIT'])
