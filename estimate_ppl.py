@@ -152,23 +152,28 @@ def to_json(cols):
 # -----------------------------------------------------------------------------
 # calibration: how far the n-sample bounds are from log Z
 
-def calibrate(log_w, n, L):
-    """Bias of the n-sample bounds of Eq. 4, measured against a reference from all N samples of
-    log_w (..., B, N) (many more than n): the N samples are cut into N // n disjoint groups of
-    n, the mean of a bound over groups estimates its expectation, and bias = that minus the
-    reference log Z, per token (/ L) and averaged over the B prefixes. Theorem 2 makes the
-    lower bias negative and, for n large enough, the upper one positive; at small n with
-    heavy-tailed weights both are negative. Also: the fraction of (prefix, group) ranges that
-    contain the reference, and how wide the reference's own range is (it should be << the
-    biases it measures)."""
+def calibrate(log_w, log_w_ref, n, L):
+    """Bias of the n-sample bounds of Eq. 4, against a reference log Z independent of them: the
+    groups' samples log_w (..., B, N) are cut into N // n disjoint groups of n, and the mean of a
+    bound over groups estimates its expectation; the reference is Eq. 4's range from the n_ref
+    samples log_w_ref (..., B, n_ref) drawn apart (from the groups' own samples the reference
+    would be >= every group's lower bound by Jensen, and the lower side could not come out
+    negative). Each side against the reference end that is hard to pass: bias_lower = E[lower] -
+    ref_lower, bias_upper = E[upper] - ref_upper (ref_lower <= log Z in expectation, ref_upper >= it
+    for n_ref large: Theorem 2), per token (/ L), per prefix and averaged over the B prefixes.
+    Theorem 2 makes the lower bias negative and, for n large enough, the upper one positive; at small
+    n with heavy-tailed weights both are negative. Also: the share of (prefix, group) ranges that
+    contain the reference's midpoint, and the reference's own width (it should be << the biases)."""
     N = log_w.size(-1)
-    ref_lo, ref_hi = logz_bounds(log_w)
+    if N // n < 1:
+        raise ValueError(f"calibrating n = {n} needs at least {n} samples per prefix, got {N}")
+    ref_lo, ref_hi = logz_bounds(log_w_ref)
     ref = (ref_lo + ref_hi) / 2
     lo, hi = logz_bounds(log_w[..., :N // n * n].unflatten(-1, (N // n, n)))  # (..., B, groups)
     covered = (lo <= ref[..., None]) & (ref[..., None] <= hi)
-    lower, upper = (lo.mean(-1) - ref) / L, (hi.mean(-1) - ref) / L  # (..., B): per prefix
-    return dict(n=n, reference_samples=N, bias_lower=lower.mean(-1).tolist(),
-                bias_upper=upper.mean(-1).tolist(),
+    lower, upper = (lo.mean(-1) - ref_lo) / L, (hi.mean(-1) - ref_hi) / L  # (..., B): per prefix
+    return dict(n=n, reference_samples=log_w_ref.size(-1), group_samples=N // n * n,
+                bias_lower=lower.mean(-1).tolist(), bias_upper=upper.mean(-1).tolist(),
                 bias_lower_per_prefix=lower.tolist(), bias_upper_per_prefix=upper.tolist(),
                 bracketed=covered.double().mean((-2, -1)).tolist(),
                 reference_width=(ref_hi - ref_lo).abs().mean(-1).tolist())
@@ -176,19 +181,22 @@ def calibrate(log_w, n, L):
 
 def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, split):
     """calibrate() on an evenly spaced subset of the split's prefixes, for every energy and for
-    every power-of-two n up to N / 8 (the default n included), in nats per token."""
+    every power-of-two n up to N / 8 (the default n included), in nats per token: N = calib_samples
+    samples per prefix for the groups and as many more, drawn from another stream, for the reference."""
     P, L, B = args.prefix_len, args.gen_len, args.calib_prefixes
     offsets = offsets[np.linspace(0, len(offsets) - 1, min(B, len(offsets))).round().astype(int)]
-    log_w = []
+    log_w = dict(groups=[], reference=[])
     for s in progress(range(0, len(offsets), args.chunk), quiet=args.quiet, desc=f'calibration ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P).to(device)
-        g = rng(args.seed, 'calibration', split, s, device)
-        log_w.append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, ctx, g,
-                                        args.max_rows, ectx=ectx))
-    log_w = torch.cat(log_w, dim=1)  # (energies, B, N)
+        for part, stream in (('groups', 'calibration'), ('reference', 'calibration reference')):
+            log_w[part].append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, ctx,
+                                                  rng(args.seed, stream, split, s, device), args.max_rows,
+                                                  ectx=ectx))
+    groups, ref = (torch.cat(log_w[part], dim=1) for part in ('groups', 'reference'))  # (energies, B, N)
     ns = sorted({2 ** k for k in range(1, 20) if 2 ** k <= args.calib_samples // 8} | {args.num_samples})
-    per_n = {n: calibrate(log_w, n, L) for n in ns}
+    per_n = {n: calibrate(groups, ref, n, L) for n in ns}
     return {name: dict(prefixes=len(offsets), reference_samples=args.calib_samples,
+                       independent_reference=True,
                        **{k: per_n[args.num_samples][k][i]
                           for k in ('bias_lower', 'bias_upper', 'bracketed', 'reference_width',
                                     'bias_lower_per_prefix', 'bias_upper_per_prefix')},
@@ -225,7 +233,8 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     """Fig. 1: base and joint PPL per segment of the continuation (between consecutive grid
     points; every = 1: per position), the joint's conservative range and its per-prefix gain over
     the LM (log Z(x_<=t2) - log Z(x_<=t1) at the bounds' midpoint, nats/token) with SE over
-    prefixes; the last step exact (the vocabulary enumerated), and estimated again from
+    prefixes, and per prefix its range (low: low numerator over high denominator; claims.py's
+    C4); the last step exact (the vocabulary enumerated), and estimated again from
     last_step_samples samples. The bounds bracket log Z in expectation (Theorem 2), not in every
     draw: the estimate must lie within a few Monte-Carlo SE (mc_se) of the exact value."""
     P, L = args.prefix_len, args.gen_len
@@ -240,6 +249,7 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     step_high = seg_lp + hi[:, 1:] - lo[:, :-1]
     mid = (lo + hi) / 2
     seg_gain = (mid[:, 1:] - mid[:, :-1]) / width  # (B, segments) nats/token over the LM
+    gain_low, gain_high = (lo[:, 1:] - hi[:, :-1]) / width, (hi[:, 1:] - lo[:, :-1]) / width  # its range
     exact_logz = last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
     exact_last = lp[:, -1] + lo[:, -1] - exact_logz
     log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, ctx, g, args.max_rows, P,
@@ -256,7 +266,8 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
                 base_ppl=per_token_ppl(seg_lp), joint_ppl_low=per_token_ppl(step_high),
                 joint_ppl_high=per_token_ppl(step_low),
                 gain=seg_gain.mean(0).tolist(), gain_se=(seg_gain.std(0) / math.sqrt(x.size(0))).tolist(),
-                per_prefix_gain=seg_gain.tolist(),
+                per_prefix_gain=seg_gain.tolist(), per_prefix_gain_low=gain_low.tolist(),
+                per_prefix_gain_high=gain_high.tolist(),
                 per_prefix_last_step_gain_exact=(lo[:, -1] - exact_logz).tolist(),
                 last_step_exact_ppl=math.exp(-exact_last.mean().item()),
                 last_step_base_ppl=math.exp(-lp[:, -1].mean().item()))
@@ -290,7 +301,7 @@ def get_args(argv=None):
     a('--calib_prefixes', type=int, default=16,
       help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
     a('--calib_samples', type=int, default=2048,
-      help='LM samples per prefix of the calibration reference (n_ref)')
+      help='LM samples per prefix of the calibration reference (n_ref), and as many more for its groups')
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
     a('--out', default='out/ppl.json',
@@ -345,7 +356,8 @@ def check_args(args):
                      "lower --num_samples (or pass --calib_prefixes 0)")
         if args.calib_samples < 2 * args.num_samples:
             raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples "
-                             f"({2 * args.num_samples}): the calibration cuts its reference into groups of n "
+                             f"({2 * args.num_samples}): the calibration cuts as many samples into groups "
+                             f"of n "
                              f"(or pass --calib_prefixes 0)")
         check_memory(args.calib_samples * per_sample, f"--calib_samples {args.calib_samples}", "lower it")
     check_writable(args.out, '--out', folder=False)
@@ -397,7 +409,8 @@ def format_calibration(calib, num_samples, gains):
     lines = []
     for name, c in calib.items():
         se = gains.get(name)
-        lines.append(f"calibration {name}: n = {num_samples} vs n_ref = {c['reference_samples']} "
+        lines.append(f"calibration {name}: n = {num_samples} vs an independent n_ref = "
+                     f"{c['reference_samples']} "
                      f"on {c['prefixes']} prefixes: bias of the lower bound {c['bias_lower']:+.5f}, "
                      f"upper {c['bias_upper']:+.5f} nats/token"
                      + (f" (gain SE {se:.5f})" if se else '')

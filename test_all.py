@@ -2445,8 +2445,9 @@ def test_calibrate_matches_exact_bias():
         exact['hi'] += prob * hi
         exact['bracketed'] += prob * (lo <= log_z <= hi)
     B, N = 2, 200_000
-    draws = torch.multinomial(p, B * N, replacement=True, generator=torch.Generator().manual_seed(0))
-    c = calibrate(log_vals[draws].view(1, B, N), n, L)
+    draws, ref = (torch.multinomial(p, B * N, replacement=True, generator=torch.Generator().manual_seed(s))
+                  for s in (0, 1))
+    c = calibrate(log_vals[draws].view(1, B, N), log_vals[ref].view(1, B, N), n, L)
     assert exact['lo'] - log_z < -0.1 and abs(exact['hi'] - log_z) > 0.05  # both biased at this small n
     assert abs(c['bias_lower'][0] - (exact['lo'] - log_z) / L) < 0.005
     assert abs(c['bias_upper'][0] - (exact['hi'] - log_z) / L) < 0.005
@@ -2673,6 +2674,11 @@ def test_per_step_report_combines_the_bounds():
                        rtol=1e-12)
     assert np.allclose(rep['joint_ppl_low'], torch.exp(-(lp + hi[:, 1:] - lo[:, :-1]).mean(0)).numpy(),
                        rtol=1e-12)
+    # per prefix, the gain's range over the LM (claims.py's C4): low numerator over high denominator
+    assert np.allclose(rep['per_prefix_gain_low'], (lo[:, 1:] - hi[:, :-1]).numpy(), rtol=0, atol=1e-12)
+    assert np.allclose(rep['per_prefix_gain_high'], (hi[:, 1:] - lo[:, :-1]).numpy(), rtol=0, atol=1e-12)
+    assert np.all(np.array(rep['per_prefix_gain_low']) <= np.array(rep['per_prefix_gain'])) and np.all(
+        np.array(rep['per_prefix_gain']) <= np.array(rep['per_prefix_gain_high']))
 
 
 # estimate_ppl.py's command line, on a tiny trained LM and a random energy
@@ -3984,6 +3990,69 @@ def test_exo_step_loss_float64_reference():
     assert abs(got.item() - (pf * np.log(pf / pr)).sum(1).mean()) < 1e-5
 
 
+def exo_kl_case(dropout=0.0):
+    """A tiny LM (3 tokens), a perturbed copy as pi_theta and a random energy; continuations of 3
+    tokens after 2 prefixes of 2, so every one of the 27 can be enumerated."""
+    sft = tiny_gpt(vocab_size=3, block_size=8, seed=4, dropout=dropout)
+    policy = copy.deepcopy(sft)
+    with torch.no_grad():
+        policy.lm_head.weight.add_(0.2 * torch.randn(policy.lm_head.weight.shape,
+                                                     generator=torch.Generator().manual_seed(5)))
+    torch.manual_seed(6)
+    energy = Energy(GPTConfig(block_size=8, vocab_size=4, n_layer=1, n_head=2, n_embd=16,
+                              causal=False)).eval()
+    with torch.no_grad():
+        energy.head.weight.normal_(0, 1.0)
+    return sft, policy, energy, torch.tensor([[0, 1], [2, 2]])
+
+
+def test_exo_kl_estimates_match_enumeration():
+    """kl_estimates against every continuation enumerated in float64: KL(pi_theta || P_LM), and the
+    reverse KL(pi_theta || pi*) and forward KL(pi* || pi_theta) to the joint model pi* ∝ P_LM exp(-E),
+    each within Monte-Carlo error of the exact value at both ends of log Z's range (log Z from
+    logz_table's own LM samples, the same whatever the policy), low <= high."""
+    sft, policy, energy, prefix = exo_kl_case()
+    y = torch.tensor(list(itertools.product(range(3), repeat=3)))[None].expand(2, -1, -1)  # (2, 27, 3)
+    with torch.no_grad():
+        lsft, lpi = (exo.continuation_logprob(m, prefix, y).double() for m in (sft, policy))
+        E = score_continuations(energy, prefix, y, 2, NULL).double()
+    assert torch.allclose(lsft.exp().sum(1), torch.ones(2, dtype=torch.float64), atol=1e-5)
+    log_z = torch.logsumexp(lsft - E, 1)
+    joint = lsft - E - log_z[:, None]
+    exact = dict(kl_to_base=(lpi.exp() * (lpi - lsft)).sum(1).mean().item(),
+                 kl_reverse=(lpi.exp() * (lpi - joint)).sum(1).mean().item(),
+                 kl_forward=(joint.exp() * (joint - lpi)).sum(1).mean().item())
+    assert min(exact.values()) > 0.05
+    table = exo.logz_table(sft, energy, prefix, 3, 8192, 8192, torch.Generator().manual_seed(7))
+    assert table['logz_samples'] == 8192 and torch.all(table['low'] <= table['high'])
+    assert torch.allclose(table['low'], log_z, atol=0.01) and torch.allclose(table['high'], log_z, atol=0.01)
+    got = exo.kl_estimates(policy, sft, energy, table, 3, 8192, torch.Generator().manual_seed(8))
+    assert abs(got['kl_to_base'] - exact['kl_to_base']) < 0.02, (got, exact)
+    for kl in ('kl_reverse', 'kl_forward'):
+        assert got[f'{kl}_low'] <= got[f'{kl}_high']
+        for end in ('low', 'high'):
+            assert abs(got[f'{kl}_{end}'] - exact[kl]) < 0.02, (kl, got, exact)
+
+
+def test_exo_policy_forward_in_eval_mode():
+    """With dropout in the LM, pi_theta's forward runs in eval mode in the loss and the estimates:
+    at step 0 (pi_theta = pi_sft) p_f is uniform, so L_exo = KL(uniform || p_r) exactly (float64
+    reference), and the KL to the base LM is 0; the policy's mode is restored after each."""
+    sft, _, energy, prefix = exo_kl_case(dropout=0.5)
+    policy = copy.deepcopy(sft).train()
+    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo')
+    got = exo.exo_step_loss(policy, sft, energy, prefix, 6, 3, args, torch.Generator().manual_seed(1))
+    y = sft.generate(prefix, 3, num_samples=6, generator=torch.Generator().manual_seed(1))[0]
+    with torch.no_grad():
+        log_pr = torch.log_softmax(-score_continuations(energy, prefix, y, 2, NULL).double(), 1)
+    assert abs(got.item() - (math.log(1 / 6) - log_pr).mean(1).mean().item()) < 1e-5
+    assert policy.training
+    table = exo.logz_table(sft, energy, prefix, 3, 16, 8, torch.Generator().manual_seed(2))
+    kl = exo.kl_estimates(policy, sft, energy, table, 3, 8, torch.Generator().manual_seed(3))
+    assert kl['kl_to_base'] == 0
+    assert policy.training
+
+
 def test_addition_problems_are_sums_in_disjoint_splits():
     """Every document is `a+b=c` with c = a + b, zero-padded to fixed widths; no problem (nor its
     mirror b+a) is in two splits or twice in one; --chain 1 makes every digit pair sum to 9."""
@@ -4178,7 +4247,9 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--K', '1'], '--K 1'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--beta_r', '0'], 'positive')]
+                         '--beta_r', '0'], 'positive'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8')]
     for main, argv, match in cases:
         with pytest.raises(ValueError, match=match):
             main(argv)
@@ -4192,11 +4263,17 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
     exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
               '--out_dir', str(out), '--K', '4', '--batch_size', '4', '--max_iters', '4',
               '--eval_interval', '2',
-              '--eval_prefixes', '8', '--eval_samples', '4', '--lr', '1e-2', '--quiet'])
+              '--eval_prefixes', '8', '--eval_samples', '4', '--logz_samples', '32', '--forward_samples', '8',
+              '--lr', '1e-2', '--quiet'])
     res = json.loads((out / 'results.json').read_text())
     assert [c['iter'] for c in res['curve']] == [0, 2, 4]
-    assert res['best']['select_kl_to_joint'] == min(c['select_kl_to_joint'] for c in res['curve'])
+    assert res['selected_by'] == 'kl_reverse_high'
+    assert (res['logz_samples'], res['forward_samples']) == (32, 8)
+    assert res['best']['select_kl_reverse_high'] == min(c['select_kl_reverse_high'] for c in res['curve'])
     assert res['curve'][0]['select_kl_to_base'] == 0  # pi_theta starts as the LM
+    curve = [{k.removeprefix('select_'): v for k, v in c.items()} for c in res['curve']]
+    for kl in curve + [*res['final'].values()]:  # both KLs to the joint model, each a range
+        assert kl['kl_reverse_low'] <= kl['kl_reverse_high'] and kl['kl_forward_low'] <= kl['kl_forward_high']
     load_lm(str(out / 'best.pt'))
     estimate_ppl.main(['--lm', lm_path, '--extra_lm', f"EXO={out / 'best.pt'}", '--splits', 'test',
                        '--prefix_len', '8', '--gen_len', '5', '--max_prefixes', '4', '--num_samples', '4',
@@ -4359,6 +4436,9 @@ def check_claims_from_run(out):
                 and m['best_step'] <= m['last_step'])
     for c in claims['claims'].values():
         assert c['holds'] in (True, False, None) and 'diff' in c and 'se' in c
+        assert c['p'] is None or 0 <= c['p'] <= c['p_holm'] <= 1
+        assert c['holds_holm'] in (None, c['holds'])  # Holm only makes verdicts not significant
+    assert claims['multiplicity']['method'].startswith('Holm') and claims['multiplicity']['family']
     test = json.load(open(out / 'ppl.json'))['splits']['test']
     cols, L, n = test['per_prefix'], test['gen_len'], str(test['num_samples'])
     joint = (np.array(cols['lm_logp']) - np.array(cols['energy']['BIT'])
@@ -4474,22 +4554,27 @@ def test_model_claims_decide_both_ways():
 
 
 def test_c4_c5_c7_decide_both_ways():
-    """C4 (early per-step gain above the last step's), C5 (the expected bounds bracket the
-    reference) and C7 (the joint model's log-likelihoods closer to real text's) each on data where
-    they must hold and where they must fail."""
+    """C4 (early per-step gain above the last step's, from the early gain's conservative end), C5
+    (the expected bounds bracket the reference) and C7 (the joint model's log-likelihoods closer to
+    real text's) each on data where they must hold and where they must fail."""
     rng = np.random.default_rng(3)
-    step = lambda early, last: dict(per_prefix_gain=np.c_[early, early].tolist(), position=[16, 32],
-                                    per_prefix_last_step_gain_exact=last.tolist())
+    step = lambda low, high, last: dict(per_prefix_gain=np.c_[(low + high) / 2, high].tolist(),
+                                        position=[16, 32], per_prefix_gain_low=np.c_[low, low].tolist(),
+                                        per_prefix_gain_high=np.c_[high, high].tolist(),
+                                        per_prefix_last_step_gain_exact=last.tolist())
     big, small = rng.normal(0.1, 0.01, 50), rng.normal(0.0, 0.01, 50)
-    assert claims.claim_c4(step(big, small))['holds'] is True
-    assert claims.claim_c4(step(small, big))['holds'] is False
+    assert claims.claim_c4(step(big, big + 0.01, small))['holds'] is True
+    assert claims.claim_c4(step(small - 0.01, small, big))['holds'] is False
     calib = lambda lo, hi: {'BIT': dict(bias_lower_per_prefix=lo.tolist(), bias_upper_per_prefix=hi.tolist(),
-                                        reference_samples=1024, bracketed=0.1)}
+                                        reference_samples=1024, bracketed=0.1, independent_reference=True)}
     neg, pos = rng.normal(-1e-3, 1e-4, 16), rng.normal(1e-3, 1e-4, 16)
     c5 = claims.claim_c5(calib(neg, pos), 'BIT')
     assert c5['holds'] is True and c5['below_reference']['diff'] > 0 and c5['above_reference']['diff'] > 0
     assert claims.claim_c5(calib(neg, neg), 'BIT')['holds'] is False  # small n: the upper bias < 0
     assert claims.claim_c5(calib(neg, rng.normal(0, 1e-4, 16)), 'BIT')['holds'] in (None, False)
+    assert claims.claim_c5(calib(rng.normal(0, 1e-4, 16), pos), 'BIT')['holds'] in (None, False)
+    with pytest.raises(ValueError, match='rerun it'):  # a reference from the groups' own samples
+        claims.claim_c5({'BIT': dict(calib(neg, pos)['BIT'], independent_reference=False)}, 'BIT')
 
     def c7(gap):
         recs = [dict(lm_logp=dict(gold=-50.0, base=-40.0 + rng.normal(), joint=-50.0 + gap + rng.normal()),
@@ -4516,6 +4601,184 @@ def test_t3_is_an_equivalence_test_of_its_two_terms():
     assert claims.claim_t3(exact, kl, e_real, T_n, high)['holds'] is True
     assert claims.claim_t3(kl + 0.02 + rng.normal(0, 0.001, n), kl, e_real, T_n, high)['holds'] is False
     assert claims.claim_t3(kl + rng.normal(0, 0.05, n), kl, e_real, T_n, high)['holds'] is None
+
+
+def test_c6_c7_studentised_permutation_brute_force():
+    """C6's and C7's p-values: each permutation (joint and base swapped in a random half of the
+    prefixes, from the seed's stream) divided by its own jackknife SE, recomputed here with sets
+    of n-grams and claims.jackknife; the observed statistic and SE are those of the plain
+    definitions."""
+    rng = np.random.default_rng(5)
+    N, reps, seed = 10, 40, 7
+    data = c6_samples(rng, N, 0.3, 0.6)
+    for r in data['samples']:
+        r.update(lm_logp=dict(gold=-20.0, base=-15.0 + 3 * rng.normal(), joint=-18.0 + rng.normal()),
+                 gold_energy=0.0, joint_energy=0.2 * rng.normal())
+    J, B = ([r[k] for r in data['samples']] for k in ('joint', 'base'))
+    a = np.array([r['lm_logp']['base'] - r['lm_logp']['gold'] for r in data['samples']])
+    b = np.array([r['lm_logp']['joint'] - r['joint_energy'] - r['lm_logp']['gold'] for r in data['samples']])
+
+    def c6_stat(swap):
+        pick = lambda idx, n, first: [claims.ngrams(((B if s else J) if first else (J if s else B))[i], n)
+                                      for i, s in zip(idx, swap[idx])]
+        return lambda idx: float(np.mean([claims.pooled_unique(pick(idx, n, True))
+                                          - claims.pooled_unique(pick(idx, n, False)) for n in claims.C6_N]))
+    c7_stat = lambda swap: lambda idx: float(abs(np.where(swap, b, a)[idx].mean())
+                                             - abs(np.where(swap, a, b)[idx].mean()))
+    swaps = np.random.default_rng(seed).random((reps, N)) < 0.5
+    for got, stat in ((claims.claim_c6(data, seed, reps), c6_stat),
+                      (claims.claim_c7(data, seed, reps), c7_stat)):
+        diff, se = claims.jackknife(stat(np.zeros(N, bool)), N)
+        null = [(lambda d, s: d / s)(*claims.jackknife(stat(s), N)) for s in swaps]
+        p = (1 + sum(abs(x) >= abs(diff / se) - 1e-12 for x in null)) / (1 + reps)
+        assert abs(got['diff'] - diff) < 1e-9 and abs(got['se'] - se) < 1e-9 and got['p'] == p, (diff, se, p)
+        assert got['holds'] is claims.decide(diff, p)
+
+
+def test_c4_holds_from_the_conservative_end_not_the_midpoint():
+    """C4 where the early gain's midpoint is above the last step's by many SE but its conservative
+    (low) end is not (wide bounds of log Z at k = 0, the bias of the midpoint the issue found): not
+    significant; it needs the low end above the last step."""
+    rng = np.random.default_rng(8)
+    last = rng.normal(0.0, 0.01, 60)
+    mid = rng.normal(0.05, 0.01, 60)
+    per_step = dict(per_prefix_gain=np.c_[mid, mid].tolist(), position=[1, 2],
+                    per_prefix_gain_low=np.c_[mid - 0.06, mid].tolist(),
+                    per_prefix_gain_high=np.c_[mid + 0.06, mid].tolist(),
+                    per_prefix_last_step_gain_exact=last.tolist())
+    c4 = claims.claim_c4(per_step)
+    assert c4['holds'] is None and c4['p'] == 1.0 and abs(c4['early_gain'] - mid.mean()) < 1e-12
+    assert abs(c4['early_gain_low'] - (mid.mean() - 0.06)) < 1e-12
+    per_step['per_prefix_gain_low'] = np.c_[mid - 0.02, mid].tolist()
+    c4 = claims.claim_c4(per_step)
+    assert c4['holds'] is True and abs(c4['diff'] - (mid - 0.02 - last).mean()) < 1e-12
+    with pytest.raises(ValueError, match='rerun it'):
+        claims.claim_c4({k: v for k, v in per_step.items() if k != 'per_prefix_gain_low'})
+
+
+def test_untruncated_claims_say_when_they_repeat_the_truncated_ones():
+    """C6u and C7u on the same texts as C6 and C7 (top-k dropped no sampled token) are marked
+    same_as and counted once by Holm, with C6's verdict; on other texts they are not."""
+    rng = np.random.default_rng(9)
+    data = c6_samples(rng, 30, 0.2, 0.8)
+    for r in data['samples']:
+        r.update(lm_logp=dict(gold=-20.0, base=-15.0 + rng.normal(), joint=-19.0 + rng.normal()),
+                 gold_energy=0.0, joint_energy=0.0)
+    cs = dict(C6=claims.claim_c6(data, 0, 100), C7=claims.claim_c7(data, 0, 100))
+    cs.update(claims.untruncated_claims(data, copy.deepcopy(data), 0))
+    assert cs['C6u']['same_as'] == 'C6' and cs['C7u']['same_as'] == 'C7'
+    assert cs['C6u']['same_samples_share'] == 1
+    assert claims.correct(cs)['family'] == ['C6', 'C7']
+    assert cs['C6u']['holds_holm'] is cs['C6']['holds_holm'] is True
+    assert 'C6u = C6' in claims.format_claims(dict(claims=cs, lms={}))
+    other = copy.deepcopy(data)
+    other['samples'][0]['joint'] = 'x' * 24
+    u = claims.untruncated_claims(data, other, 0)
+    assert 'same_as' not in u['C6u'] and abs(u['C6u']['same_samples_share'] - 29 / 30) < 1e-12
+
+
+def t_density_pvalue(t, df):
+    """Two-sided P(|T| >= t) of Student's t by integrating its density in float64 (Simpson's rule
+    on [0, |t|] after the substitution that makes the interval finite): a reference for claims.t_pvalue."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    x = np.linspace(0.0, abs(t), 20001)
+    f = np.exp(log_c - (df + 1) / 2 * np.log1p(x ** 2 / df))
+    h = x[1] - x[0]
+    inside = h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+    return 1 - 2 * inside
+
+
+def test_student_t_pvalue_and_critical_value():
+    """claims.t_pvalue against the closed forms at 1 and 2 degrees of freedom, numerical integration
+    of the density, the table's t_0.975 of 7 df (2.3646) and the normal limit; t_critical inverts
+    it. With 8 prefixes (7 df) a claim is decided at |t| > 2.43, not 2: |z| > 2 is an 8.6% test."""
+    for t in (0.3, 1.0, 2.5, 12.0):
+        assert abs(claims.t_pvalue(t, 1) - (1 - 2 / math.pi * math.atan(t))) < 1e-14
+        assert abs(claims.t_pvalue(-t, 2) - (1 - t / math.sqrt(2 + t * t))) < 1e-14
+        for df in (3, 4, 7, 30, 255):
+            assert abs(claims.t_pvalue(t, df) - t_density_pvalue(t, df)) < 1e-9, (t, df)
+    assert abs(claims.t_pvalue(2.364624, 7) - 0.05) < 1e-6
+    assert abs(claims.t_pvalue(2.0, 100000) - claims.t_pvalue(2.0)) < 1e-5
+    assert abs(claims.t_pvalue(2.0, 7) - 0.0856) < 1e-4
+    for df in (3, 7, None):
+        assert abs(claims.t_pvalue(claims.t_critical(df), df) - claims.ALPHA) < 1e-9
+    assert abs(claims.t_critical(None) - 2.0) < 1e-9 and 2.42 < claims.t_critical(7) < 2.44
+    d = 0.01 * np.array([1.0, -1, 1, -1, 1, -1, 1, -1]) * math.sqrt(7 / 8)  # sd 0.01 exactly
+    res = claims.paired(d + 2.2 * 0.01 / math.sqrt(8))  # z = 2.2 over 8 prefixes
+    assert abs(res['z'] - 2.2) < 1e-12 and res['df'] == 7 and res['holds'] is None  # |z| > 2 was 'holds'
+    with pytest.raises(ValueError, match='positive integer df'):
+        claims.t_pvalue(1.0, 0)
+
+
+def test_holm_matches_the_closure_principle():
+    """claims.holm's adjusted p-values equal those of the closed testing procedure with Bonferroni
+    tests of every intersection (Holm 1979), by brute force over all subsets; correct() decides
+    each claim by them, counts a repeated claim (same_as) once and gives it its original's result."""
+    rng = np.random.default_rng(0)
+    for m in (1, 3, 6):
+        for _ in range(20):
+            p = list(rng.uniform(0, 0.1, m) ** rng.uniform(0.5, 2))
+            closure = [max(min(1.0, len(S) * min(p[j] for j in S))
+                           for r in range(1, m + 1) for S in itertools.combinations(range(m), r) if i in S)
+                       for i in range(m)]
+            assert np.allclose(claims.holm(p), closure, rtol=0, atol=1e-15)
+    cs = dict(A=dict(p=0.001, holds=True), B=dict(p=0.03, holds=False), C=dict(p=0.02, holds=True),
+              D=dict(p=0.02, holds=True, same_as='C'), E=dict(p=None, holds=None))
+    fam = claims.correct(cs)
+    assert fam['family'] == ['A', 'B', 'C'] and fam['method'].startswith('Holm')
+    assert cs['A']['p_holm'] == 0.003 and cs['A']['holds_holm'] is True
+    assert cs['C']['p_holm'] == 0.04 and cs['C']['holds_holm'] is True  # 2 x 0.02 < 0.0455
+    assert cs['B']['p_holm'] == 0.04 and cs['B']['holds_holm'] is False
+    assert cs['D']['p_holm'] == 0.04 and cs['D']['holds_holm'] is True
+    assert cs['E']['p_holm'] is None and cs['E']['holds_holm'] is None
+    cs = dict(A=dict(p=0.025, holds=True), B=dict(p=0.03, holds=True))
+    claims.correct(cs)
+    assert cs['A']['holds'] is True and cs['A']['holds_holm'] is None  # 2 x 0.025 > 0.0455
+    assert cs['B']['p_holm'] == 0.05 and cs['B']['holds_holm'] is None
+
+
+def exact_bound_means(log_vals, p, n):
+    """E[T_n] and E[upper] (Eq. 4) of n draws of weights taking the values exp(log_vals) with
+    probabilities p, exactly: a finite sum over the multinomial counts of the n draws."""
+    lo_m = hi_m = 0.0
+    for c in itertools.product(range(n + 1), repeat=len(p)):
+        if sum(c) == n:
+            prob = (math.factorial(n) / math.prod(math.factorial(k) for k in c)
+                    * math.prod(q ** k for q, k in zip(p, c)))
+            lo, hi = (t.item() for t in logz_bounds(log_vals.repeat_interleave(torch.tensor(c))))
+            lo_m, hi_m = lo_m + prob * lo, hi_m + prob * hi
+    return lo_m, hi_m
+
+
+def test_c5_reference_independent_of_the_groups_decides_both_ways():
+    """C5 on calibrate()'s output for weights whose bounds' biases are known exactly
+    (exact_bound_means): it holds where both expected bounds are off log Z the right way, fails
+    where the upper bound's bias is negative (small n, a rare large weight), and is not
+    significant where n is as large as the reference's; there the lower side comes out negative
+    for some prefixes, which a reference from the groups' own samples (Jensen: it is above every
+    group's mean lower bound) never allowed."""
+    def draw(vals, p, B, N, seed):
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.multinomial(torch.tensor(p), B * N, True, generator=g)
+        return torch.tensor(vals, dtype=torch.float64)[idx].view(1, B, N)
+    def case(vals, p, n, B=16, N=4096):
+        c = calibrate(draw(vals, p, B, N, 1), draw(vals, p, B, N, 2), n, 1)
+        sides = {k: c[k][0] for k in ('bias_lower_per_prefix', 'bias_upper_per_prefix')}
+        return claims.claim_c5({'BIT': dict(sides, reference_samples=N, bracketed=0.0,
+                                            independent_reference=True)}, 'BIT')
+    mild, heavy = ([0.0, 1.0, -1.0], [0.4, 0.3, 0.3]), ([0.0, 6.0], [0.99, 0.01])
+    lo, hi = exact_bound_means(torch.tensor(mild[0], dtype=torch.float64), mild[1], 8)
+    assert lo < math.log(0.4 + 0.3 * math.e + 0.3 / math.e) < hi  # both biases the right way
+    c5 = case(*mild, 8)
+    assert c5['holds'] is True and c5['df'] == 15, c5
+    assert abs(c5['below_reference']['diff'] - (math.log(0.4 + 0.3 * math.e + 0.3 / math.e) - lo)) < 0.01
+    assert exact_bound_means(torch.tensor(heavy[0], dtype=torch.float64), heavy[1], 8)[1] < math.log(
+        0.99 + 0.01 * math.exp(6.0)) - 0.5
+    assert case(*heavy, 8)['holds'] is False  # E[upper] below log Z by 0.9 nats
+    same = case(*mild, 2048, B=32)
+    assert same['holds'] is None and same['p'] > claims.ALPHA
+    c = calibrate(draw(*mild, 32, 4096, 1), draw(*mild, 32, 4096, 2), 2048, 1)
+    assert max(c['bias_lower_per_prefix'][0]) > 0  # reference - E[lower] < 0 for some prefix
 
 
 def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
@@ -6363,9 +6626,10 @@ def test_readme_numbers_come_from_the_committed_run():
 MODULES = {'budget.py', 'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'plumbing.py',
            'data/__init__.py', 'job/__init__.py', 'extensions/__init__.py'}  # job/figures.py is a script
 # the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z,
-# and so does addition_eval.py's P(correct sum) of the joint model
+# and so do addition_eval.py's P(correct sum) of the joint model and exo.py's KLs to it
 METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'},
-                ('extensions/addition_eval.py', 'estimate_ppl.py'): {'logz_bounds'}}
+                ('extensions/addition_eval.py', 'estimate_ppl.py'): {'logz_bounds'},
+                ('extensions/exo.py', 'estimate_ppl.py'): {'logz_bounds'}}
 MAX_FUNCTION_LINES = 60  # the def line included
 # the trainers' main keep their loop in sight, top to bottom, as nanoGPT's train.py does
 TRAINER_MAIN_LINES = {'train_lm.py:main': 125, 'nce_train.py:main': 125}

@@ -17,10 +17,19 @@ the minimiser over a free policy is the joint model itself (both tested by exact
 test_all.py). The result samples at LM speed and has an exact perplexity: best.pt is an LM
 checkpoint that every script loads (estimate_ppl.py --extra_lm EXO=.../best.pt).
 
-Selection (best.pt) on the selection split: the lowest estimate of KL(pi_theta || pi*) =
-E_{y~pi_theta}[log pi_theta - log P_LM + E] + log Z, from --eval_samples samples of pi_theta per
-prefix, log Z = log mean exp(-E) over as many LM samples (Eq. 4's T_n, biased low). The KL to
-the base LM, E_{pi_theta}[log pi_theta - log P_LM], is reported beside it, on val and test too.
+Estimates (kl_estimates), per sequence and averaged over prefixes, on the selection split and on
+val and test, with pi_theta's forward in eval mode (dropout off, as in training: at step 0 pi_theta
+= pi_sft exactly and p_f is uniform):
+
+    reverse KL(pi_theta || pi*) = E_{y~pi_theta}[log pi_theta - log P_LM + E] + log Z
+    forward KL(pi* || pi_theta) = E_{y~pi*}[log P_LM - E - log pi_theta] - log Z
+    KL(pi_theta || P_LM)        = E_{y~pi_theta}[log pi_theta - log P_LM]
+
+log Z(x) once per prefix, before training, from --logz_samples (1,024) LM samples drawn apart from
+pi_theta (logz_table): Eq. 4's T_n (biased low) and its upper end, so each KL is a range (`_low`,
+`_high`). E_{pi*} by self-normalised importance sampling over the first --forward_samples of those
+LM samples (weights exp(-E)). best.pt: the lowest KL that the loss minimises (reverse for exo,
+forward for dpo; log Z fixed per prefix, either end chooses the same), the other reported beside it.
 
     python extensions/exo.py --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
         --prefix_len 14 --gen_len 8 --out_dir out-addition/exo
@@ -30,7 +39,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
@@ -40,6 +49,7 @@ import torch.nn.functional as F
 
 from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
 from energy import score_continuations
+from estimate_ppl import logz_bounds
 from extensions.metrics import load_any_energy
 from model import file_hash, load_lm, save_checkpoint
 from plumbing import ArgumentParser, at_least, check, check_writable, rng, run_main, setup
@@ -70,33 +80,68 @@ def continuation_logprob(lm, prefix, y):
     return lm.sequence_logprob(x, P).view(B, K)
 
 
+@contextmanager
+def eval_mode(model):
+    """model in eval mode (dropout off) inside, its mode restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
+
+
 def exo_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
     """The loss of one batch of prefixes (B, P): K untruncated samples of pi_sft each, their
-    rewards -E, then exo_loss (mean over the batch)."""
+    rewards -E, then exo_loss (mean over the batch). pi_theta's forward in eval mode: with dropout
+    on, pi_theta != pi_sft at step 0 and p_f would not start uniform."""
     with torch.no_grad():
         y = sft.generate(prefix, gen_len, num_samples=K, generator=g)[0]  # (B, K, L)
         logp_sft = continuation_logprob(sft, prefix, y)
         reward = -score_continuations(energy, prefix, y, prefix.size(1), nullcontext()).float()
-    logp_theta = continuation_logprob(policy, prefix, y)
+    with eval_mode(policy):
+        logp_theta = continuation_logprob(policy, prefix, y)
     return exo_loss(logp_theta, logp_sft, reward, args.beta_pi, args.beta_r, args.loss).mean()
 
 
 @torch.no_grad()
-def kl_estimates(policy, sft, energy, prefixes, gen_len, m, g, batch=64):
-    """Mean over prefixes (N, P) of E_{y~pi_theta}[log pi_theta - log P_LM] (the KL to the base
-    LM) and of the same plus E(x, y) + log Z(x) (the KL to the joint model; log Z = log mean
-    exp(-E) over m LM samples, Eq. 4's T_n). m samples of each."""
-    to_base, to_joint = [], []
+def logz_table(sft, energy, prefixes, gen_len, n, m, g, batch=16):
+    """What the KL estimates need of the LM, once per prefix of prefixes (N, P), independent of
+    pi_theta: Eq. 4's range of log Z(x) from n untruncated LM samples (low: T_n, high: the
+    leave-one-out upper end), and the first m of them (tokens, log P_LM, -E) for the forward KL."""
+    parts = []
     for pre in prefixes.split(batch):
-        y = policy.generate(pre, gen_len, num_samples=m, generator=g)[0]
-        ratio = (continuation_logprob(policy, pre, y) - continuation_logprob(sft, pre, y)).double()
-        e = score_continuations(energy, pre, y, pre.size(1), nullcontext())
-        y0 = sft.generate(pre, gen_len, num_samples=m, generator=g)[0]
-        e0 = score_continuations(energy, pre, y0, pre.size(1), nullcontext())
-        log_z = torch.logsumexp(-e0, 1) - math.log(m)
-        to_base.append(ratio.mean(1))
-        to_joint.append((ratio + e).mean(1) + log_z)
-    return torch.cat(to_base).mean().item(), torch.cat(to_joint).mean().item()
+        y = sft.generate(pre, gen_len, num_samples=n, generator=g)[0]  # (b, n, L)
+        neg_e = -score_continuations(energy, pre, y, pre.size(1), nullcontext()).double()
+        low, high = logz_bounds(neg_e)
+        parts.append(dict(low=low, high=high, y=y[:, :m], neg_e=neg_e[:, :m],
+                          logp_sft=continuation_logprob(sft, pre, y[:, :m]).double()))
+    return dict(prefixes=prefixes, logz_samples=n, **{k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+
+
+@torch.no_grad()
+def kl_estimates(policy, sft, energy, table, gen_len, m, g, batch=64):
+    """Means over the prefixes of logz_table `table` of KL(pi_theta || P_LM) and of the reverse and
+    forward KL between pi_theta and the joint model pi*, each a range from log Z's range (reverse:
+    + log Z; forward: - log Z); m samples of pi_theta per prefix, pi_theta in eval mode."""
+    base, rev, fwd = [], [], []
+    with eval_mode(policy):
+        for i in range(0, len(table['prefixes']), batch):
+            pre, cut = table['prefixes'][i:i + batch], slice(i, i + batch)
+            y = policy.generate(pre, gen_len, num_samples=m, generator=g)[0]
+            ratio = (continuation_logprob(policy, pre, y) - continuation_logprob(sft, pre, y)).double()
+            e = score_continuations(energy, pre, y, pre.size(1), nullcontext()).double()
+            base.append(ratio.mean(1))
+            rev.append((ratio + e).mean(1))
+            neg_e, yf = table['neg_e'][cut], table['y'][cut]  # E_{pi*} by weights exp(-E) over LM samples
+            log_joint = table['logp_sft'][cut] + neg_e  # log pi* + log Z
+            log_pi = continuation_logprob(policy, pre, yf).double()
+            fwd.append((torch.softmax(neg_e, 1) * (log_joint - log_pi)).sum(1))
+    base, rev, fwd = torch.cat(base), torch.cat(rev), torch.cat(fwd)
+    mean = lambda v: v.mean().item()
+    return dict(kl_to_base=mean(base), kl_reverse_low=mean(rev + table['low']),
+                kl_reverse_high=mean(rev + table['high']), kl_forward_low=mean(fwd - table['high']),
+                kl_forward_high=mean(fwd - table['low']))
 
 
 def get_args(argv=None):
@@ -120,13 +165,21 @@ def get_args(argv=None):
     a('--eval_interval', type=int, default=50)
     a('--patience', type=int, default=0, help='stop after this many evaluations without a better best.pt')
     a('--eval_prefixes', type=int, default=256, help='selection prefixes that choose best.pt')
-    a('--eval_samples', type=int, default=16, help="pi_theta's (and the LM's) samples per eval prefix")
+    a('--eval_samples', type=int, default=16, help="pi_theta's samples per eval prefix (reverse KL)")
+    a('--logz_samples', type=int, default=1024,
+      help="LM samples per eval prefix for log Z (Eq. 4's range), drawn once before training")
+    a('--forward_samples', type=int, default=128,
+      help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--device', default='cpu')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
     at_least(args, 1, 'prefix_len', 'gen_len', 'batch_size', 'max_iters', 'eval_interval', 'eval_prefixes')
-    at_least(args, 2, 'K', 'eval_samples')
+    at_least(args, 2, 'K', 'eval_samples', 'logz_samples')
+    at_least(args, 1, 'forward_samples')
+    if args.forward_samples > args.logz_samples:
+        raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
+                         f"{args.logz_samples}: the forward KL reuses log Z's LM samples")
     at_least(args, 0, 'patience')
     for name in ('beta_pi', 'beta_r', 'lr'):
         check(args, name, lambda v: 0 < v < math.inf, 'positive')
@@ -135,13 +188,14 @@ def get_args(argv=None):
 
 
 def load_models(args, device):
-    """(pi_sft frozen, pi_theta trainable: a copy of it, the energy, data_dir, meta)."""
+    """(pi_sft frozen, pi_theta trainable: a copy of it in eval mode, dropout off (exo_step_loss),
+    the energy, data_dir, meta)."""
     sft, ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     if ckpt.get('residual_of'):
         raise ValueError(f"{args.lm} is a RALM: EXO fine-tunes a plain GPT LM "
                          "(train_lm.py without --residual_of)")
     energy = load_any_energy(args.energy, args.lm, device)[0]
-    policy = load_lm_and_data(args.lm, data_dir, device)[0].train()
+    policy = load_lm_and_data(args.lm, data_dir, device)[0].eval()
     for p in list(sft.parameters()) + list(energy.parameters()):
         p.requires_grad_(False)
     check_fits(args.prefix_len + args.gen_len, dict(LM=sft))
@@ -163,7 +217,7 @@ def main(argv=None):
     torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
     sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)
     train, train_offsets, _ = prefixes_of(data_dir, meta, 'train', args)
-    sel = prefixes_of(data_dir, meta, 'select', args, args.eval_prefixes, device)[2]
+    sel = eval_table(sft, energy, data_dir, meta, 'select', args, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     state = dict(ckpt, objective=f'exo ({args.loss})', exo=dict(vars(args), lm_hash=file_hash(args.lm)))
     state = {k: v for k, v in state.items() if k not in ('optimizer', 'scaler', 'rng_state')}
@@ -171,18 +225,16 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     for it in range(args.max_iters + 1):
         if it % args.eval_interval == 0 or it == args.max_iters:
-            policy.eval()
-            kl_base, kl_joint = kl_estimates(policy, sft, energy, sel, args.gen_len, args.eval_samples,
-                                             rng(args.seed, 'exo eval', 'select', 0, device))
-            policy.train()
-            curve.append(dict(iter=it, select_kl_to_base=kl_base, select_kl_to_joint=kl_joint))
-            if best is None or kl_joint < best['select_kl_to_joint']:
+            kl = kl_estimates(policy, sft, energy, sel, args.gen_len, args.eval_samples,
+                              rng(args.seed, 'exo eval', 'select', 0, device))
+            curve.append(dict(iter=it, **{f'select_{k}': v for k, v in kl.items()}))
+            if best is None or kl[SELECT[args.loss]] < best[f'select_{SELECT[args.loss]}']:
                 best = curve[-1]
                 save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
                                 os.path.join(args.out_dir, 'best.pt'))
             if not args.quiet:
-                print(f"iter {it}: select KL to base {kl_base:.4f}, KL to joint {kl_joint:.4f}"
-                      f"{' (best)' if best is curve[-1] else ''}", flush=True)
+                print(f"iter {it}: select {format_kl(kl)}{' (best)' if best is curve[-1] else ''}",
+                      flush=True)
             stale = args.patience and it - best['iter'] >= args.patience * args.eval_interval
             if it == args.max_iters or stale:
                 break
@@ -203,15 +255,32 @@ def report(args, sft, energy, data_dir, meta, curve, best, seconds, device):
     policy = load_lm(os.path.join(args.out_dir, 'best.pt'), device, meta)[0]
     final = {}
     for split in ('val', 'test'):
-        pre = prefixes_of(data_dir, meta, split, args, args.eval_prefixes, device)[2]
-        final[split] = dict(zip(('kl_to_base', 'kl_to_joint'),
-                                kl_estimates(policy, sft, energy, pre, args.gen_len, args.eval_samples,
-                                             rng(args.seed, 'exo eval', split, 0, device))))
+        table = eval_table(sft, energy, data_dir, meta, split, args, device)
+        final[split] = kl_estimates(policy, sft, energy, table, args.gen_len, args.eval_samples,
+                                    rng(args.seed, 'exo eval', split, 0, device))
     write_json(dict(args=vars(args), best_iter=best['iter'], best=best, curve=curve, final=final,
-                    params=policy.num_params(), train_seconds=round(seconds, 1)),
+                    selected_by=SELECT[args.loss], logz_samples=args.logz_samples,
+                    forward_samples=args.forward_samples, params=policy.num_params(),
+                    train_seconds=round(seconds, 1)),
                os.path.join(args.out_dir, 'results.json'))
-    print(f"best.pt: iter {best['iter']}; KL to base / to joint: " +
-          ", ".join(f"{s} {v['kl_to_base']:.4f} / {v['kl_to_joint']:.4f}" for s, v in final.items()))
+    print(f"best.pt: iter {best['iter']}, by {SELECT[args.loss]}; "
+          + "; ".join(f"{s} {format_kl(v)}" for s, v in final.items()))
+
+
+SELECT = dict(exo='kl_reverse_high', dpo='kl_forward_high')  # the KL each loss minimises, at its high end
+
+
+def format_kl(kl):
+    """The KL estimates in one line: to the base LM, then reverse and forward to the joint model as ranges."""
+    return (f"KL to base {kl['kl_to_base']:.4f}, reverse KL to joint {kl['kl_reverse_low']:.4f}-"
+            f"{kl['kl_reverse_high']:.4f}, forward {kl['kl_forward_low']:.4f}-{kl['kl_forward_high']:.4f}")
+
+
+def eval_table(sft, energy, data_dir, meta, split, args, device):
+    """logz_table of the split's --eval_prefixes prefixes, from the split's own stream of LM samples."""
+    pre = prefixes_of(data_dir, meta, split, args, args.eval_prefixes, device)[2]
+    return logz_table(sft, energy, pre, args.gen_len, args.logz_samples, args.forward_samples,
+                      rng(args.seed, 'exo log Z', split, 0, device))
 
 
 if __name__ == '__main__':

@@ -6,10 +6,11 @@ results.json). Writes claims.json and claims.txt:
     C1  JOINT BIT's conservative PPL below BALM's                       (Table 1)
     C2  JOINT UNIT's conservative PPL below RALM's (same architecture)  (Table 1)
     C3  JOINT BIT below JOINT UNIT, with fewer parameters               (Table 1)
-    C4  the per-step gain larger early in the continuation than at its last step  (Fig. 1)
-    C5  the log Z bounds' calibration: at the n of Table 1, the n_ref reference log Z lies between
-        the expected lower and upper bounds (Theorem 2; each bound's expectation is its mean over
-        the N / n disjoint groups of the reference's samples)
+    C4  the per-step gain larger early in the continuation than at its last step, the early gain
+        at its conservative end  (Fig. 1)
+    C5  the log Z bounds' calibration: at the n of Table 1, the expected lower bound lies below an
+        n_ref-sample reference log Z and the expected upper bound above it (Theorem 2; each bound's
+        expectation is its mean over groups of n samples drawn apart from the reference's)
     C6  joint samples have more unique n-grams than base samples (characters, n = 4, 6, 8:
         about the paper's 1-2 words; word n-grams of 64 characters are all unique)  (Fig. 2 right)
     C7  the difference of log-likelihood means, own samples minus real text, smaller under the
@@ -24,9 +25,12 @@ And, when the main job fitted the talk's metric energy (Ji et al., ICLR 2024; me
     T3  JOINT METRICS's gain equal to KL(p* || P_LM), the Pythagorean identity's prediction, within
         a margin of half the prediction (an equivalence test); reported as its two terms
 
-A claim holds (true) when its statistic is significant in the paper's direction (|z| > 2, or a
-permutation p-value below the same 4.6%), does not hold (false) when significant the other way,
-and is not significant (null) otherwise: no verdict holds from a non-significant difference.
+A claim holds (true) when its statistic is significant in the paper's direction, does not hold
+(false) when significant the other way, and is not significant (null) otherwise: no verdict holds
+from a non-significant difference. Every claim has a two-sided p-value (`p`): Student's t with
+prefixes - 1 degrees of freedom for a mean or jackknife over prefixes, a studentised permutation
+test for C6 and C7; `holds` decides at ALPHA = 4.55% (the level of |z| > 2) alone, `holds_holm`
+at the same family-wise level over all the claims of the file, by Holm's (1979) step-down method.
 Model comparisons are per prefix on the test split (paired: every model scores the same
 continuations), a joint model always at its conservative, high-PPL end. STATISTICS below says,
 per claim, what is measured, how it is tested, and what it does not show.
@@ -45,18 +49,57 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from data import read_json, write_json, write_text
 from plumbing import ArgumentParser, run_main
 
-Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided
+Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided with many prefixes
 P_SIG = math.erfc(Z_SIG / math.sqrt(2))  # 0.0455: the two-sided p-value of |z| = 2
+ALPHA = P_SIG  # every claim's level, alone (holds) and family-wise (holds_holm)
 T3_MARGIN = 0.5  # T3's equivalence margin, a fraction of the predicted gain
 
 
-def verdict(diff, se):
-    """True / False / None (not significant, or no SE: a single prefix) for a difference measured
-    in the claim's direction."""
-    if not se > 0:
+def t_pvalue(t, df=None):
+    """Two-sided p-value P(|T| >= |t|) of Student's t with df (a positive integer) degrees of
+    freedom; df None: the normal's. The finite sums of Abramowitz and Stegun 26.7.3 (odd df) and
+    26.7.4 (even df) in theta = atan(|t| / sqrt(df)); exact up to rounding for any df."""
+    if not math.isfinite(t):
+        return 0.0 if math.isinf(t) else float('nan')
+    if df is None:
+        return math.erfc(abs(t) / math.sqrt(2))
+    if df < 1 or df != int(df):
+        raise ValueError(f"Student's t needs a positive integer df, got {df}")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:
+        term, total = 1.0, 1.0
+        for j in range(1, df // 2):
+            term *= c2 * (2 * j - 1) / (2 * j)
+            total += term
+        return max(0.0, 1.0 - s * total)
+    term, total = 1.0, 0.0 if df == 1 else 1.0
+    for j in range(1, (df - 1) // 2):
+        term *= c2 * 2 * j / (2 * j + 1)
+        total += term
+    return max(0.0, 1.0 - 2 / math.pi * (theta + s * math.cos(theta) * total))
+
+
+def t_critical(df=None, alpha=ALPHA):
+    """|t| whose two-sided p-value is alpha (bisection on t_pvalue, to 1e-12)."""
+    lo, hi = 0.0, 1e3
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_pvalue(mid, df) > alpha else (lo, mid)
+    return (lo + hi) / 2
+
+
+def decide(diff, p):
+    """True / False / None: significant at ALPHA in the claim's direction / the other / neither."""
+    if p is None or not p < ALPHA:
         return None
-    z = diff / se
-    return True if z > Z_SIG else False if z < -Z_SIG else None
+    return bool(diff > 0)
+
+
+def verdict(diff, se, df=None):
+    """True / False / None (not significant, or no SE: a single prefix) for a difference measured
+    in the claim's direction, by its t-test with df degrees of freedom (None: normal)."""
+    return decide(diff, t_pvalue(diff / se, df)) if se > 0 else None
 
 
 def mean_se(d):
@@ -66,10 +109,40 @@ def mean_se(d):
 
 
 def paired(d):
-    """Mean and SE over prefixes of per-prefix differences d, with the verdict."""
+    """Mean and SE over prefixes of per-prefix differences d, with its one-sample t-test
+    (len(d) - 1 degrees of freedom: 8 prefixes decide at |t| > 2.43, not 2) and the verdict."""
     res = mean_se(d)
-    mean, se = res['diff'], res['se']
-    return dict(res, z=mean / se if se > 0 else None, holds=verdict(mean, se), prefixes=len(d))
+    mean, se, df = res['diff'], res['se'], len(d) - 1
+    p = t_pvalue(mean / se, df) if se > 0 else None
+    return dict(res, z=mean / se if se > 0 else None, df=df, p=p, holds=decide(mean, p), prefixes=len(d))
+
+
+def holm(pvalues):
+    """Holm's (1979) step-down adjusted p-values, in the order given: sorted ascending, the j-th
+    smallest (j = 0, 1, ...) is max over i <= j of min(1, (m - i) p_(i)); a hypothesis is rejected
+    at family-wise level alpha where its adjusted p-value is below alpha."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [None] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def correct(claims):
+    """Each claim's Holm-adjusted p (p_holm) and verdict (holds_holm) over the family of claims with a
+    p-value, a claim that repeats another's test (same_as) counted once and given its result."""
+    family = [k for k, c in claims.items() if c.get('p') is not None and not c.get('same_as')]
+    for k, p in zip(family, holm([claims[k]['p'] for k in family])):
+        claims[k].update(p_holm=p, holds_holm=claims[k]['holds'] if p < ALPHA else None)
+    for c in claims.values():
+        if c.get('same_as'):
+            first = claims[c['same_as']]
+            c.update(p_holm=first.get('p_holm'), holds_holm=first.get('holds_holm'))
+        c.setdefault('p_holm', None)
+        c.setdefault('holds_holm', None)
+    return dict(method='Holm (1979) step-down', alpha=ALPHA, family=family)
 
 
 def log_probs(split):
@@ -100,26 +173,50 @@ def claim_c3(lp, params, L):
     return c3
 
 
+def either_end(low, high):
+    """A claim on a quantity known as a range per prefix (low <= high in expectation): it holds
+    when the low end is significantly positive, fails when the high end is significantly negative.
+    p: that end's two-sided p-value (1 when the range straddles 0); shown: that end's statistic."""
+    lo, hi = paired(low), paired(high)
+    side = lo if lo['diff'] > 0 else hi if hi['diff'] < 0 else None
+    if side is None:  # the mean range straddles 0: neither end can decide
+        return dict(lo, p=1.0, holds=None)
+    decided = lo['holds'] is True if side is lo else hi['holds'] is False
+    return dict(side, holds=(side is lo) if decided else None)
+
+
 def claim_c4(per_step):
-    """The per-token gain over the LM of the first segment of the continuation minus the exact
-    gain at its last step, per prefix."""
-    seg = np.array(per_step['per_prefix_gain'])  # (prefixes, segments)
+    """The per-token gain over the LM of the first segment of the continuation minus the exact gain
+    at its last step, per prefix. The early gain is a range from the bounds of log Z at its two
+    ends (Eq. 4 in Eq. 5: low numerator over high denominator, and the reverse); the claim holds
+    from its conservative (low) end, fails from its high end: no midpoint, whose bias (up to half
+    the bounds' width at each end) is larger at k = 0, in the claim's direction."""
+    if 'per_prefix_gain_low' not in per_step:
+        raise ValueError("ppl.json's per_step has no per_prefix_gain_low (an older estimate_ppl.py): "
+                         "rerun it")
     last = np.array(per_step['per_prefix_last_step_gain_exact'])
-    res = paired(seg[:, 0] - last)
-    res.update(first_positions=per_step['position'][0], early_gain=float(seg[:, 0].mean()),
-               last_step_gain_exact=float(last.mean()),
-               last_step_gain_se=mean_se(last)['se'])
+    low, high = (np.array(per_step[f'per_prefix_gain_{end}'])[:, 0] for end in ('low', 'high'))
+    res = either_end(low - last, high - last)
+    res.update(first_positions=per_step['position'][0], early_gain=float(np.mean(per_step['per_prefix_gain'],
+                                                                                  0)[0]),
+               early_gain_low=float(low.mean()), early_gain_high=float(high.mean()),
+               last_step_gain_exact=float(last.mean()), last_step_gain_se=mean_se(last)['se'])
     return res
 
 
 def claim_c5(calibration, energy):
     """The calibration (Theorem 2) of `energy`'s bounds at the n of Table 1, per calibration prefix:
     reference - E[lower] and E[upper] - reference (nats/token; both positive when the expected
-    range holds the n_ref reference). It holds when both are significantly positive, fails when
-    either is significantly negative (at small n the upper bound's bias is negative too). Shown:
-    the weaker side. Not shown: that one n-sample range holds log Z; per prefix it is narrower
-    than its own bias (`bracketed`: the share of (prefix, group) ranges that hold the reference)."""
+    range holds the reference), the reference from n_ref samples drawn apart from the groups that
+    give E[lower] and E[upper] (estimate_ppl.calibrate): each side can come out either way. Holds
+    when both are significantly positive (t, prefixes - 1 df), fails when either is significantly
+    negative (at small n with heavy tails the upper bound's bias is negative). Shown: the weaker
+    side. Not shown: that one n-sample range holds log Z (`bracketed`: the share of (prefix,
+    group) ranges that hold the reference)."""
     c = calibration[energy]
+    if not c.get('independent_reference'):
+        raise ValueError("ppl.json's calibration has its reference from the groups' own samples "
+                         "(an older estimate_ppl.py): rerun it")
     sides = dict(lower=paired(-np.array(c['bias_lower_per_prefix'])),
                  upper=paired(np.array(c['bias_upper_per_prefix'])))
     verdicts = [r['holds'] for r in sides.values()]
@@ -139,6 +236,12 @@ def jackknife(stat, num_prefixes):
     return stat(idx), se
 
 
+def jackknife_se(loo):
+    """The delete-one jackknife SE from leave-one-out values loo (..., N), along the last dim."""
+    N = loo.shape[-1]
+    return np.sqrt((N - 1) / N * ((loo - loo.mean(-1, keepdims=True)) ** 2).sum(-1))
+
+
 def ngrams(text, n):
     return [text[i:i + n] for i in range(len(text) - n + 1)]
 
@@ -156,49 +259,113 @@ def pooled_unique(grams):
 
 
 C6_N = (4, 6, 8)  # the n-grams of C6; Fig. 2 right also shows n = 2
+PERMUTATIONS = 1000
 
 
-def claim_c6(samples, seed, reps=1000):
+def studentised_permutation(stat_se, num_prefixes, seed, reps):
+    """A studentised permutation test (Janssen 1997; Chung and Romano 2013): stat_se(swap) ->
+    (statistic, its jackknife SE), swap: per prefix, whether its two kinds of samples trade
+    places. Exact under exchangeability of a prefix's two samples and, being studentised,
+    asymptotically valid where only the statistic's mean is equal (equal diversity, different
+    distributions), which the raw difference is not. Returns the statistic, its SE, its t and the
+    two-sided p = (1 + #{|t*| >= |t|}) / (1 + reps) (t and p None without spread: se = 0)."""
+    t_of = lambda d, s: d / s if s > 0 else float('nan')
+    diff, se = stat_se(np.zeros(num_prefixes, bool))
+    if not se > 0:
+        return diff, se, None, None
+    swaps = np.random.default_rng(seed).random((reps, num_prefixes)) < 0.5
+    null = np.nan_to_num(np.array([t_of(*stat_se(s)) for s in swaps]), nan=0.0)
+    t = diff / se
+    return diff, se, t, float((1 + (np.abs(null) >= abs(t) - 1e-12).sum()) / (1 + reps))
+
+
+class PooledGrams:
+    """The character n-grams of each prefix's two texts (kinds a and b) as integer ids, for the
+    pooled share of distinct n-grams (pooled_unique) of either pool under any swap, and its
+    leave-one-prefix-out values, from counts (no set per left-out prefix)."""
+
+    def __init__(self, texts_a, texts_b, n):
+        grams = [[ngrams(t, n) for t in texts] for texts in (texts_a, texts_b)]
+        vocab = {g: i for i, g in enumerate(sorted(set(itertools.chain.from_iterable(
+            itertools.chain.from_iterable(grams)))))}
+        self.V, self.N = len(vocab), len(texts_a)
+        self.kinds = []
+        for per_text in grams:  # per kind: each text's distinct ids, their counts, and the text
+            ids, counts = zip(*[np.unique(np.array([vocab[g] for g in gs], dtype=np.int64),
+                                          return_counts=True) for gs in per_text])
+            owner = np.concatenate([np.full(len(u), i) for i, u in enumerate(ids)]).astype(np.int64)
+            self.kinds.append((np.concatenate(ids).astype(np.int64), np.concatenate(counts), owner,
+                               np.array([len(gs) for gs in per_text], dtype=np.float64)))
+
+    def shares(self, take_b):
+        """(share of the whole pool, leave-one-out shares (N,)) in %, the pool taking prefix i's
+        text of kind b where take_b[i], of kind a elsewhere."""
+        parts = [(ids[m], cnt[m], own[m]) for (ids, cnt, own, _), m in
+                 zip(self.kinds, (~take_b[self.kinds[0][2]], take_b[self.kinds[1][2]]))]
+        ids, cnt, own = (np.concatenate(x) for x in zip(*parts))
+        lengths = np.where(take_b, self.kinds[1][3], self.kinds[0][3])
+        total = np.bincount(ids, weights=cnt, minlength=self.V)
+        distinct, size = float((total > 0).sum()), lengths.sum()
+        only_here = np.bincount(own, weights=(total[ids] == cnt), minlength=self.N)  # ids no other text has
+        with np.errstate(invalid='ignore', divide='ignore'):
+            return 100 * distinct / size, 100 * (distinct - only_here) / (size - lengths)
+
+
+def claim_c6(samples, seed, reps=PERMUTATIONS):
     """Unique character n-grams of the joint samples minus the base samples', averaged over n in
     C6_N, each kind's continuations pooled (as the paper counts them); its jackknife SE over
-    prefixes, and a permutation test: under the null a prefix's joint and base samples are
-    exchangeable, so each permutation swaps them in a random half of the prefixes; p: the share of
-    permutations at least as far from 0 as the data (two-sided)."""
+    prefixes, and a studentised permutation test (studentised_permutation): under the null a
+    prefix's joint and base samples trade places, and each permutation's difference is divided by
+    its own jackknife SE."""
     recs = samples['samples']
     kinds = [k for k in ('gold', 'base', 'joint') if k in recs[0]]
     texts = {k: [r[k] for r in recs] for k in kinds}
-    grams = {k: {n: [ngrams(t, n) for t in texts[k]] for n in C6_N} for k in ('joint', 'base')}
+    pools = [PooledGrams(texts['joint'], texts['base'], n) for n in C6_N]
 
-    def stat(idx, swap=None):  # swap: per prefix, whether its joint and base samples trade places
-        swap = np.zeros(len(recs), bool) if swap is None else swap
-        pick = lambda a, b, n: [grams[b if swap[i] else a][n][i] for i in idx]
-        return float(np.mean([pooled_unique(pick('joint', 'base', n))
-                              - pooled_unique(pick('base', 'joint', n)) for n in C6_N]))
+    def stat_se(swap):
+        whole, loo = np.zeros(2), np.zeros((2, len(recs)))
+        for g in pools:
+            for side, take in enumerate((swap, ~swap)):
+                w, l = g.shares(take)
+                whole[side], loo[side] = whole[side] + w / len(pools), loo[side] + l / len(pools)
+        return float(whole[0] - whole[1]), float(jackknife_se(loo[0] - loo[1]))
 
-    diff, se = jackknife(stat, len(recs))
-    swaps = np.random.default_rng(seed).random((reps, len(recs))) < 0.5
-    every = np.arange(len(recs))
-    null = np.array([stat(every, s) for s in swaps])
-    p = float((1 + (np.abs(null) >= abs(diff) - 1e-12).sum()) / (1 + reps))
+    diff, se, t, p = studentised_permutation(stat_se, len(recs), seed, reps)
     ns = (2,) + C6_N
-    return dict(diff=diff, se=se, z=diff / se if se > 0 else None, p=p, permutations=reps,
-                holds=None if p >= P_SIG else diff > 0, prefixes=len(recs), n=list(ns),
+    return dict(diff=diff, se=se, z=t, p=p, permutations=reps,
+                holds=decide(diff, p), prefixes=len(recs), n=list(ns),
                 top_k=samples.get('args', {}).get('top_k'),
                 unique_pct={k: [unique_ngrams(t, n) for n in ns] for k, t in texts.items()})
 
 
-def claim_c7(samples):
+def claim_c7(samples, seed=0, reps=PERMUTATIONS):
     """|mean(own samples) - mean(real)| of log-likelihoods under the base LM minus the same under
     the joint model (log P_LM - E - log Z; log Z cancels within a prefix), per sequence, with its
-    jackknife SE over prefixes."""
+    jackknife SE over prefixes and a studentised permutation test (studentised_permutation): under
+    the null a prefix's two gaps to real text, the base LM's and the joint model's, trade places."""
     recs = samples['samples']
     base = np.array([r['lm_logp']['base'] - r['lm_logp']['gold'] for r in recs])
     joint = np.array([(r['lm_logp']['joint'] - r['joint_energy']) - (r['lm_logp']['gold'] - r['gold_energy'])
                       for r in recs])
-    diff, se = jackknife(lambda i: float(abs(base[i].mean()) - abs(joint[i].mean())), len(recs))
-    return dict(diff=diff, se=se, z=diff / se if se > 0 else None, holds=verdict(diff, se),
-                prefixes=len(recs), base_diff_of_means=float(base.mean()),
+    N = len(recs)
+
+    def stat_se(swap):
+        a, b = np.where(swap, joint, base), np.where(swap, base, joint)
+        loo = lambda v: (v.sum() - v) / (N - 1)
+        return float(abs(a.mean()) - abs(b.mean())), float(jackknife_se(np.abs(loo(a)) - np.abs(loo(b))))
+
+    diff, se, t, p = studentised_permutation(stat_se, N, seed, reps)
+    return dict(diff=diff, se=se, z=t, p=p,
+                permutations=reps, holds=decide(diff, p), prefixes=N, base_diff_of_means=float(base.mean()),
                 joint_diff_of_means=float(joint.mean()), top_k=samples.get('args', {}).get('top_k'))
+
+
+def same_samples(a, b):
+    """The share of prefixes whose joint and base texts are the same in both samples files."""
+    ra, rb = a['samples'], b['samples']
+    if len(ra) != len(rb):
+        return 0.0
+    return sum(x['joint'] == y['joint'] and x['base'] == y['base'] for x, y in zip(ra, rb)) / len(ra)
 
 
 def lm_convergence(out_dir):
@@ -234,14 +401,30 @@ def measure(out_dir, split='test', seed=0):
         if 'bias_upper_per_prefix' not in next(iter(res['calibration'].values())):
             raise ValueError(f"{path} has no per-prefix calibration (an older estimate_ppl.py): rerun it")
         claims['C5'] = claim_c5(res['calibration'], res['per_step']['energy'])
-    claims.update(C6=claim_c6(samples, seed), C7=claim_c7(samples))
+    claims.update(C6=claim_c6(samples, seed), C7=claim_c7(samples, seed))
     untruncated = os.path.join(out_dir, 'samples_untruncated.json')
     if os.path.exists(untruncated):
-        samples = read_json(untruncated, 'rerun sample.py --top_k 0 (reproduce.py runs it)')
-        claims.update(C6u=claim_c6(samples, seed), C7u=claim_c7(samples))
+        claims.update(untruncated_claims(samples, read_json(untruncated, 'rerun sample.py --top_k 0 '
+                                                                         '(reproduce.py runs it)'), seed))
     if 'JOINT METRICS' in lp:
         claims.update(talk_claims(lp, res, L))
-    return dict(split=split, lms=lm_convergence(out_dir), claims=claims, statistics=STATISTICS)
+    multiplicity = correct(claims)
+    return dict(split=split, lms=lm_convergence(out_dir), claims=claims, multiplicity=multiplicity,
+                statistics=STATISTICS)
+
+
+def untruncated_claims(samples, untruncated, seed):
+    """C6u and C7u, and whether their samples are C6 and C7's: where top-k truncation dropped only
+    tokens that no draw reached (the same generator draws the same texts; on addition the k = 10
+    kept tokens hold every digit), the untruncated texts equal the top-k ones, C6u = C6 and C7u = C7
+    to every digit, and they are not separate evidence (same_as: counted once by Holm)."""
+    share = same_samples(samples, untruncated)
+    out = dict(C6u=claim_c6(untruncated, seed), C7u=claim_c7(untruncated, seed))
+    for name, c in out.items():
+        c['same_samples_share'] = share
+        if share == 1.0:
+            c['same_as'] = name[:2]
+    return out
 
 
 def talk_claims(lp, res, L):
@@ -262,35 +445,55 @@ def claim_t3(gain, kl, e_real, T_n, high):
         gain - KL = mu . (E_p*[f] - f_real) - (high - T_n)
     (KL = -mu . E_p*[f] - T_n over the same n samples), the moment transfer (0 where mu was fitted,
     the identity then exact) minus the bound's width (>= 0). An equivalence test: holds when
-    the 2-SE interval lies within +-T3_MARGIN x the mean prediction, fails when it lies outside."""
+    the t interval at ALPHA (two one-sided tests at ALPHA / 2) lies within +-T3_MARGIN x the mean
+    prediction, fails when it lies outside."""
     res = paired(gain - kl)
     margin = T3_MARGIN * float(kl.mean())
-    lo, hi = res['diff'] - Z_SIG * res['se'], res['diff'] + Z_SIG * res['se']
+    p = equivalence_p(res['diff'], res['se'], margin, res['df'])
+    inside = abs(res['diff']) < margin
     res.update(margin=margin, predicted_gain=float(kl.mean()), measured_gain=float(gain.mean()),
-               moment_transfer=mean_se(-kl - T_n - e_real), bound_width=mean_se(high - T_n),
-               holds=True if -margin < lo and hi < margin else False if lo > margin or hi < -margin else None)
+               moment_transfer=mean_se(-kl - T_n - e_real), bound_width=mean_se(high - T_n), p=p,
+               holds=None if p is None or not p < ALPHA else inside)
     return res
 
 
+def equivalence_p(diff, se, margin, df):
+    """Two-sided-scale p-value of the equivalence decision the estimate leans to: inside the margin,
+    the larger of the two one-sided tests' (Schuirmann's TOST, doubled); outside, the test of lying
+    beyond the nearer margin (doubled). Below ALPHA exactly when the interval diff +- t_crit se lies
+    inside (or outside) +-margin."""
+    if not se > 0:
+        return None
+    if abs(diff) < margin:
+        return max(t_pvalue((diff + margin) / se, df), t_pvalue((margin - diff) / se, df))
+    return t_pvalue((abs(diff) - margin) / se, df)
+
+
 STATISTICS = dict(  # per claim: what is measured, how it is tested, what it does not show
-    C1='per-prefix difference of log-probs (nats/token), JOINT BIT at its high end; paired z; not '
+    C1='per-prefix difference of log-probs (nats/token), JOINT BIT at its high end; paired t; not '
        'shown: the joint model at its true PPL, which lies inside the range',
     C2='the same, JOINT UNIT against RALM', C3='the same, JOINT BIT against JOINT UNIT, and the '
     'parameter counts; a better BIT with more parameters is not significant',
-    C4='gain of the first segment minus the exact last-step gain (Eq. 5), per prefix; paired z',
-    C5='reference log Z (n_ref samples) minus the mean lower bound, and mean upper bound minus it, '
-       'per prefix; both z > 2: holds; not shown: that one n-sample range holds the true log Z',
-    C6='pooled unique character n-grams (n = 4, 6, 8), joint minus base; jackknife SE, permutation '
-       'p (joint and base swapped within prefixes); not shown: that the joint model is more diverse '
-       'than real text',
+    C4='gain of the first segment at its conservative (low) end minus the exact last-step gain (Eq. 5), '
+       'per prefix; paired t (fails from the high end); not shown: the midpoint gain, biased up at k = 0',
+    C5='reference log Z (n_ref samples drawn apart from the groups) minus the mean lower bound, and the '
+       'mean upper bound minus it, per prefix; both significant by t (prefixes - 1 df): holds; not '
+       'shown: that one n-sample range holds the true log Z',
+    C6='pooled unique character n-grams (n = 4, 6, 8), joint minus base; jackknife SE, studentised '
+       'permutation p (joint and base swapped within prefixes, each permutation over its own SE); not '
+       'shown: that the joint model is more diverse than real text',
     C7='|mean log-lik. gap to real text| under the base LM minus under the joint model (nats per '
-       'sequence); jackknife SE; with top-k proposals the gap is mostly truncation (C7u: without)',
-    C6u='C6 with untruncated proposals: samples of the joint model itself',
-    C7u='C7 with untruncated proposals: samples of the joint model itself',
+       'sequence); jackknife SE, studentised permutation p (the two gaps swapped within prefixes); with '
+       'top-k proposals the gap is mostly truncation (C7u: without)',
+    C6u='C6 with untruncated proposals: samples of the joint model itself; same_as C6 where the '
+        'texts are the same (top-k dropped no sampled token): then not separate evidence',
+    C7u='C7 with untruncated proposals: samples of the joint model itself; same_as C7 as C6u',
     T1='as C1, JOINT METRICS against the base LM', T2='as C1, JOINT METRICS+BIT against JOINT BIT',
-    T3='gain minus KL(p*||P_LM) per prefix, an equivalence test with margin half the prediction; '
-       'its terms: moment transfer from the split mu was fitted on, minus the bound width; on test '
-       'it measures the transfer, not the identity (exact where the moments match)')
+    T3='gain minus KL(p*||P_LM) per prefix, an equivalence test (two one-sided t-tests) with margin '
+       'half the prediction; its terms: moment transfer from the split mu was fitted on, minus the '
+       'bound width; on test it measures the transfer, not the identity (exact where the moments match)',
+    holm='p_holm: Holm (1979) step-down adjusted p over every claim with a p-value (a claim with '
+         'same_as counted once); holds_holm: the verdict at family-wise level ALPHA = 4.55%')
 
 CLAIM_TEXT = dict(C1='JOINT BIT below BALM (PPL)', C2='JOINT UNIT below RALM (PPL)',
                   C3='JOINT BIT below JOINT UNIT, fewer params', C4='per-step gain: early > last step',
@@ -304,20 +507,34 @@ UNITS = dict(C1='nats/token', C2='nats/token', C3='nats/token', C4='nats/token',
              T2='nats/token', T3='nats/token')
 
 
+VERDICT = {True: 'holds', False: 'does not hold', None: 'not significant'}
+
+
 def format_claims(result):
-    lines = [f"{'claim':<5} {'what':<44} {'difference (SE)':>22} {'unit':<13} verdict"]
+    """claims.txt: per claim its statistic (SE), p, the verdict alone and Holm's; then T3's terms,
+    C6u / C7u's sameness, and the LMs' stopping."""
+    lines = [f"{'claim':<5} {'what':<44} {'difference (SE)':>24} {'unit':<13} {'p':>7} "
+             f"{'verdict (alone)':<16} verdict (Holm)"]
     for k, c in result['claims'].items():
-        v = {True: 'holds', False: 'does not hold', None: 'not significant'}[c['holds']]
-        if k == 'T3' and c['holds'] is None:
-            v = 'inconclusive'
-        extra = f" (permutation p {c['p']:.3f})" if 'p' in c else ''
-        lines.append(f"{k:<5} {CLAIM_TEXT[k]:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {UNITS[k]:<13} "
-                     f"{v}{extra}")
+        v, vh = VERDICT[c['holds']], VERDICT[c.get('holds_holm')]
+        if k == 'T3':
+            v, vh = (x if h is not None else 'inconclusive'
+                     for x, h in ((v, c['holds']), (vh, c.get('holds_holm'))))
+        p = 'n/a' if c.get('p') is None else f"{c['p']:.4f}"
+        lines.append(f"{k:<5} {CLAIM_TEXT[k]:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {UNITS[k]:<13} {p:>7} "
+                     f"{v:<16} {vh}" + (f" (= {c['same_as']})" if c.get('same_as') else ''))
+    m = result.get('multiplicity')
+    if m:
+        lines.append(f"Holm: {len(m['family'])} claims at family-wise level {m['alpha']:.4f} "
+                     f"({', '.join(m['family'])})")
     if 'T3' in result['claims']:
         t3 = result['claims']['T3']
         lines.append(f"T3's terms: moment transfer {t3['moment_transfer']['diff']:+.5f} "
                      f"({t3['moment_transfer']['se']:.5f}) minus bound width {t3['bound_width']['diff']:.5f} "
                      f"({t3['bound_width']['se']:.5f}); margin +-{t3['margin']:.5f}")
+    if result['claims'].get('C6u', {}).get('same_as'):
+        lines.append("C6u, C7u: the untruncated samples are the top-k samples' texts for every prefix (top-k "
+                     "dropped no token a draw reached), so C6u = C6 and C7u = C7: not separate evidence")
     for name, m in result['lms'].items():
         why = 'converged: the stopping rule fired' if m['converged'] else 'NOT converged: stopped at the cap'
         lines.append(f"{name}: best selection loss {m['best_select_loss']:.4f} at step {m['best_step']} of "
@@ -330,7 +547,7 @@ def get_args(argv=None):
     p.add_argument('--out_dir', default='out',
                    help="the main job's folder (ppl.json, samples.json, lm/, ralm/, balm/)")
     p.add_argument('--split', default='test', help='the split of the model comparisons')
-    p.add_argument('--seed', type=int, default=1337, help="of C6's permutation test")
+    p.add_argument('--seed', type=int, default=1337, help="of C6 and C7's permutation tests")
     return p.parse_args(argv)
 
 

@@ -67,7 +67,7 @@ def fig1_per_step(ax, ppl, split, claims):
                     color='tab:red', marker='x', zorder=3, label='exact last step')
     ax.set(xlabel='position in the continuation', ylabel='gain over the LM, nats/token',
            title=f"Fig. 1: per-step gain ({split}, {ps['num_prefixes']} prefixes)"
-                 + (f"\nC4: first segment - last step = {num(c['diff'], '+.4f')} "
+                 + (f"\nC4: first segment (low end) - last step = {num(c['diff'], '+.4f')} "
                     f"({num(c['se'], '.4f')} SE)" if c else ''))
     ax.legend(fontsize=7)
 

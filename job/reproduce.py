@@ -161,7 +161,8 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
     lm=dict(QUICK['lm'], block_size=66, max_iters=60, eval_interval=30, snapshots=''),
     neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=1600, select_prefixes=64),
     ppl=dict(QUICK['ppl'], step_every=1), samples=dict(QUICK['samples'], m=2),
-    exo=dict(K=4, batch_size=8, max_iters=20, lr=1e-4, eval_interval=10, eval_prefixes=32, eval_samples=4),
+    exo=dict(K=4, batch_size=8, max_iters=20, lr=1e-4, eval_interval=10, eval_prefixes=32, eval_samples=4,
+             logz_samples=64, forward_samples=16),
     accuracy=dict(num_prefixes=64, ns='1,5,20'),
 )
 
