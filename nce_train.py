@@ -117,8 +117,8 @@ def get_args(argv=None):
 # must agree with the run it continues (left out, it takes the checkpoint's value)
 RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', 'n_embd', 'dropout',
                 'loss', 'num_neg', 'select', 'seed', 'negatives', 'held_out_negatives', 'lr', 'min_lr',
-                'warmup_iters', 'lr_decay_iters', 'batch_size', 'grad_accum', 'weight_decay', 'beta1', 'beta2',
-                'grad_clip', 'eval_interval', 'eval_prefixes', 'patience')
+                'warmup_iters', 'lr_decay_iters', 'batch_size', 'grad_accum', 'weight_decay', 'beta1',
+                'beta2', 'grad_clip', 'eval_interval', 'eval_prefixes', 'patience')
 
 
 def check_resume(args, argv):
@@ -180,7 +180,7 @@ def nce_batch(data, neg, rows, neg_idx, device):
     once, and pos (B,), negs (B, M) indices into them. Most LM samples of an easy prefix are the
     real continuation itself, or one another: scored once and gathered back (e[pos], e[negs]),
     the loss and its gradient are exactly those of scoring every copy, at the cost of the
-    distinct ones (on addition, ~4 of 17 sequences per prefix)."""
+    distinct ones (on addition, ~2 of 17 sequences per prefix)."""
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
     pos = window_tokens(data, neg['offsets'][rows], P + L).numpy()  # (B, P+L) the real text
     samples = neg['tokens'][rows[:, None], neg_idx].astype(np.int64)  # (B, M, L)
@@ -203,6 +203,18 @@ def untied_rows(data, neg, chunk=65536):
         real = window_tokens(data, neg['offsets'][s:s + chunk], P + L)[:, P:].numpy()  # (c, L)
         keep.append(s + np.flatnonzero((neg['tokens'][s:s + chunk] != real[:, None]).any(-1).any(-1)))
     return np.concatenate(keep)
+
+
+def training_pool(train, neg, args):
+    """The training prefixes batches are drawn from: untied_rows for the ranking loss, all for binary."""
+    if args.loss == 'binary':
+        return np.arange(len(neg['offsets']))
+    pool = untied_rows(train, neg)
+    if len(pool) == 0:
+        raise ValueError(f"every stored sample in {args.negatives} equals its prefix's real continuation: "
+                         f"the ranking loss has nothing to learn from; use --loss binary or sample more "
+                         f"negatives")
+    return pool
 
 
 def choose(n_rows, K, B, M, seed, split, it):
@@ -339,8 +351,9 @@ def report(results, log, out_dir):
             if os.path.exists(best_path)
             else "the held-out figures were never finite (NaN): no best.pt was written")
     print(f"best.pt on {results['held_out_prefixes']} held-out prefixes: joint gain over the LM "
-          f"{results['held_out_gain']:.5f} nats/token (Eq. 4's upper log Z; {results['held_out_gain_high']:.5f} "
-          f"at T_n), NCE loss {results['held_out_loss']:.4f}, accuracy {results['held_out_acc']:.3f} "
+          f"{results['held_out_gain']:.5f} nats/token (Eq. 4's upper log Z; "
+          f"{results['held_out_gain_high']:.5f} at T_n), NCE loss {results['held_out_loss']:.4f}, "
+          f"accuracy {results['held_out_acc']:.3f} "
           f"(last weights: gain {results['last_held_out_gain']:.5f}); {results['train_time_s']:.0f}s; {best}")
 
 
@@ -386,10 +399,7 @@ def main(argv=None):
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
-    pool = untied_rows(train, neg) if args.loss == 'ranking' else np.arange(len(neg['offsets']))
-    if len(pool) == 0:
-        raise ValueError(f"every stored sample in {args.negatives} equals its prefix's real continuation: the "
-                         f"ranking loss has nothing to learn from; use --loss binary or sample more negatives")
+    pool = training_pool(train, neg, args)
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M))
     raw_model.to(device)
     # AdamW, weight decay on matrices only; the GradScaler scales fp16's loss (a no-op otherwise)

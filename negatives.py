@@ -87,10 +87,10 @@ def get_args(argv=None):
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
-    if args.chunk is None:  # small models decode ~8x faster in 4,096 rows than in 512 (addition)
-        args.chunk = max(1, CHUNK_TOKENS // (args.num_samples * (args.prefix_len + args.gen_len)))
     # all checked before out_dir is created: a folder made with bad flags would refuse the fixed rerun
     at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')
+    if args.chunk is None:  # small models decode ~8x faster in 4,096 rows than in 512 (addition)
+        args.chunk = max(1, CHUNK_TOKENS // (args.num_samples * (args.prefix_len + args.gen_len)))
     check(args, 'num_samples', lambda v: v <= MAX_SAMPLES,
           f"at most {MAX_SAMPLES:,} (the paper stores 16 or 128 per prefix)")
     check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
@@ -137,7 +137,7 @@ def main(argv=None):
         g = rng(args.seed, 'negatives', args.split, c, device)
         with ctx:
             t, lp, lq = lm.generate(real[:, :P], L, num_samples=K, return_proposal=True, generator=g,
-                                    max_rows=max(512, len(real) * K), **proposal)
+                                    max_rows=max(512, CHUNK_TOKENS // (P + L)), **proposal)
             pos_lp, pos_lq = real_logprobs(lm, real, P, **proposal)
         tokens[i0:i1] = t.cpu().numpy()
         logp[i0:i1], logq[i0:i1] = lp.sum(-1).cpu().numpy(), lq.sum(-1).cpu().numpy()

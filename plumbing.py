@@ -168,7 +168,8 @@ def autocast(device, dtype):
 
 def check_training_flags(args):
     """The optimisation flags both trainers share, in range, heads that divide the width, a
-    --patience that can fire within --max_iters, and --out_dir writable (and removed if the run creates it and then fails before saving anything);
+    --patience that can fire within --max_iters, and --out_dir writable (and removed if the run
+    creates it and then fails before saving anything);
     --lr_decay_iters defaults to --max_iters."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
@@ -178,8 +179,8 @@ def check_training_flags(args):
     for name in ('dropout', 'beta1', 'beta2'):
         check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     if args.patience and args.max_iters < (args.patience + 1) * args.eval_interval:
-        raise ValueError(f"--patience {args.patience} can never stop a run of --max_iters {args.max_iters}: the "
-                         f"stopping rule needs {args.patience + 1} evaluations (--eval_interval "
+        raise ValueError(f"--patience {args.patience} can never stop a run of --max_iters {args.max_iters}: "
+                         f"the stopping rule needs {args.patience + 1} evaluations (--eval_interval "
                          f"{args.eval_interval}), so `converged: false` would be forced, not measured; raise "
                          f"--max_iters to at least {(args.patience + 1) * args.eval_interval} or lower "
                          f"--eval_interval")

@@ -1226,10 +1226,12 @@ def test_a_stopping_rule_that_cannot_fire_is_refused(script, tmp_path):
     """--patience 2 at --eval_interval 500 needs 3 evaluations: --max_iters 1000 would force
     `converged: false` (RALM and TaiLr on addition were configured so): one line naming the fix."""
     common = ['--out_dir', str(tmp_path / 'o'), '--eval_interval', '500', '--patience', '2']
-    args = dict(train_lm=['--data_dir', str(tmp_path)], nce_train=['--negatives', 'n', '--held_out_negatives', 'h'])
-    with pytest.raises(ValueError, match=r'--patience 2 can never stop a run of --max_iters 1000.*at least 1500'):
-        getattr(sys.modules[script], 'get_args')([*args[script], *common, '--max_iters', '1000'])
-    assert getattr(sys.modules[script], 'get_args')([*args[script], *common, '--max_iters', '1500']).patience == 2
+    args = dict(train_lm=['--data_dir', str(tmp_path)],
+                nce_train=['--negatives', 'n', '--held_out_negatives', 'h'])[script] + common
+    get_args = getattr(sys.modules[script], 'get_args')
+    with pytest.raises(ValueError, match=r'--patience 2 can never stop .* --max_iters 1000.*least 1500'):
+        get_args([*args, '--max_iters', '1000'])
+    assert get_args([*args, '--max_iters', '1500']).patience == 2
     assert not os.path.exists(tmp_path / 'o')
 
 
@@ -2216,7 +2218,8 @@ def test_nce_keeps_the_best_energy_on_val(lm_ckpt, fox_negatives, tmp_path, sele
 
 def fox_pairs(fox_negatives, split):
     """The negatives of `split` as a writable dict (tokens copied) and the split's tokens."""
-    neg = dict(load_negatives(fox_negatives[split]), tokens=np.array(load_negatives(fox_negatives[split])['tokens']))
+    neg = load_negatives(fox_negatives[split])
+    neg = dict(neg, tokens=np.array(neg['tokens']))
     data_dir = neg['meta']['data_dir']
     return neg, load_split(data_dir, split, load_meta(data_dir))
 
@@ -2267,7 +2270,8 @@ def test_ranking_draws_only_prefixes_with_a_gradient(fox_negatives, eval_ckpts, 
     neg['tokens'][::3] = real[::3, None]  # every third prefix: all K samples are x+
     neg['tokens'][1, 1] = real[1]  # one sample of x+ among others: still informative
     expected = [i for i in range(len(real)) if any((neg['tokens'][i, k] != real[i]).any() for k in range(3))]
-    assert nce_train.untied_rows(data, neg, chunk=7).tolist() == expected and 0 not in expected and 1 in expected
+    assert nce_train.untied_rows(data, neg, chunk=7).tolist() == expected
+    assert 0 not in expected and 1 in expected
     energy = load_energy(eval_ckpts['bit'], lm_path=lm_ckpt)[0]
     tokens, pos, negs = nce_train.nce_batch(data, neg, np.array([0, 3]), np.tile([0, 1, 2], (2, 1)), 'cpu')
     assert len(tokens) == 2
@@ -2285,8 +2289,8 @@ def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, 
     alone and the bounds in float64 numpy loops; with top-k negatives log Z is importance-weighted
     by P_LM / q. The NCE loss of the same pairs against nce_loss on every copy."""
     if truncated:
-        negatives.main(['--lm', lm_ckpt, '--split', 'select', '--out_dir', str(tmp_path / 'topk'), '--top_k', '3',
-                        *NEG_FLAGS])
+        negatives.main(['--lm', lm_ckpt, '--split', 'select', '--out_dir', str(tmp_path / 'topk'),
+                        '--top_k', '3', *NEG_FLAGS])
         fox_negatives = dict(select=str(tmp_path / 'topk'))
     neg, data = fox_pairs(fox_negatives, 'select')
     P, L, K = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples']
@@ -2298,16 +2302,17 @@ def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, 
         x = window_tokens(data, neg['offsets'][r:r + 1], P + L)
         with torch.no_grad():
             e_pos = energy(x, P).double().item()
-            e = np.array([energy(torch.cat([x[:, :P], torch.from_numpy(neg['tokens'][r, k:k + 1].astype(np.int64))],
-                                           1), P).double().item() for k in range(K)])
+            samples = torch.from_numpy(neg['tokens'][r].astype(np.int64))  # (K, L)
+            e = np.array([energy(torch.cat([x[:, :P], samples[k:k + 1]], 1), P).double().item()
+                          for k in range(K)])
         d = np.array(neg['logp'][r], dtype=np.float64) - np.array(neg['logq'][r], dtype=np.float64)
         low, high = ref_bounds(d - e)
         gains.append((-e_pos - high) / L)
         highs.append((-e_pos - low) / L)
-        losses.append(math.log1p(sum(math.exp(-e[k] + d[k] - (-e_pos + float(neg['pos_logp'][r] - neg['pos_logq'][r])))
-                                     for k in (1, 2))) if truncated else
-                      math.log1p(sum(math.exp(e_pos - e[k]) for k in (1, 2))))
-    assert abs(ev['held_out_gain'] - np.mean(gains)) < 1e-5 and abs(ev['held_out_gain_high'] - np.mean(highs)) < 1e-5
+        d_pos = float(neg['pos_logp'][r] - neg['pos_logq'][r]) if truncated else 0.0
+        losses.append(math.log1p(sum(math.exp((d[k] - e[k]) - (d_pos - e_pos)) for k in (1, 2))))
+    assert abs(ev['held_out_gain'] - np.mean(gains)) < 1e-5
+    assert abs(ev['held_out_gain_high'] - np.mean(highs)) < 1e-5
     assert ev['held_out_gain'] < ev['held_out_gain_high']  # the upper log Z is the conservative end
     assert abs(ev['held_out_loss'] - np.mean(losses)) < 1e-5
 
@@ -4132,7 +4137,28 @@ def test_addition_eval_against_brute_force(addition_run, tmp_path):
     for n in (1, 4):
         joint = rows['JOINT', f'Algorithm 1, n = {n}']
         assert joint['p_correct_low'] == pytest.approx(p, rel=1e-5) == joint['p_correct_high']
+        # E = 0: a / (a + b) = P(c) / (P(c) + the share of the 4 samples unlike c), not P(c) itself
+        assert 0 < joint['p_correct'] <= 1
         assert joint['exact'] <= joint['oracle_exact'] and joint['digit'] <= joint['oracle_digit']
+
+
+def test_p_correct_with_the_known_term_exact():
+    """logp_correct_known against a / (a + b) by hand: b the mean of exp(-E) over the samples
+    unlike the answer (0 where every sample is the answer); where Eq. 4 puts all of Z on samples
+    that miss the answer and the energy is sharp, its estimate exceeds 1, this one cannot."""
+    gold = torch.tensor([[1, 2], [3, 4]])
+    x = torch.tensor([[[1, 2], [2, 2], [0, 2]], [[3, 4], [3, 4], [3, 4]]])  # (2 problems, 3 samples, 2)
+    E = torch.tensor([[0.5, 2.0, -1.0], [0.3, 0.3, 0.3]], dtype=torch.float64)
+    log_a = torch.tensor([math.log(0.6) - 0.5, math.log(0.9) - 0.3], dtype=torch.float64)
+    b = (math.exp(-2.0) + math.exp(1.0)) / 3
+    want = [0.6 * math.exp(-0.5) / (0.6 * math.exp(-0.5) + b), 1.0]
+    got = addition_eval.logp_correct_known(log_a, x, E, gold).exp().tolist()
+    assert got == pytest.approx(want, rel=1e-12)
+    # a sharp energy, the answer absent from the samples: Eq. 4's T_n gives P far above 1
+    x_miss, E_miss = x[:1, 1:], torch.tensor([[8.0, 9.0]], dtype=torch.float64)
+    log_a = torch.tensor([math.log(0.05)], dtype=torch.float64)  # P_LM(c) = 0.05, E(c) = 0
+    assert (log_a - logz_bounds(-E_miss)[0]).exp().item() > 100
+    assert 0.9 < addition_eval.logp_correct_known(log_a, x_miss, E_miss, gold[:1]).exp().item() <= 1
 
 
 def hand_built_decoding():
@@ -6573,7 +6599,8 @@ def readme_table_rows():
     """README's Table 1 as {model: [params, val PPL, test PPL, gain (SE), reduction]} (cells as text)."""
     readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
     rows = {}
-    for line in re.findall(r'^\| (?:BASE|RALM|BALM|TaiLr|JOINT).*\|$', readme, re.M):
+    table1 = readme.split('## Where the energy helps')[0]
+    for line in re.findall(r'^\| (?:BASE|RALM|BALM|TaiLr|JOINT).*\|$', table1, re.M):
         cells = [c.strip() for c in line.strip('|').split('|')]
         name = cells[0].split(' (')[0]
         rows[README_MODELS.get(name, name)] = cells[1:]
@@ -6611,25 +6638,38 @@ def test_readme_numbers_come_from_the_committed_run():
     for name, m in lms.items():  # "BASE LM (...; step 4,000)"
         if name in ('BASE', 'RALM', 'BALM'):
             assert re.search(rf'^\| {name}[^|]*step {m["best_step"]:,}\)', readme, re.M), name
+    check_readme_addition(readme)
+
+
+def check_readme_addition(readme):
+    """README's table of decoders on addition: each cell equals assets/accuracy_addition.json's
+    exact match (SE) of that model and decoder, and the P(correct sum) line its probabilities."""
     acc = {(r['model'], r['method']): r for r in
            json.load(open(os.path.join(ROOT, 'assets', 'accuracy_addition.json')))['rows']}
-    pct = lambda v: f"{100 * v:.0f}%"
-    said = re.search(r'Exact sums on test: (.*?)\n\n', readme, re.S).group(1)
-    a1 = acc['JOINT', 'Algorithm 1, n = 80']
-    for phrase in (f"one LM sample {pct(acc['BASE LM', 'sampled']['exact'])}",
-                   f"greedy {pct(acc['BASE LM', 'greedy']['exact'])}", f"n = 80 {pct(a1['exact'])}",
-                   f"EXO-distilled LM {pct(acc['EXO', 'sampled']['exact'])}",
-                   f"{pct(a1['oracle_exact'])} have a correct sum"):
-        assert phrase in ' '.join(said.split()), (phrase, said)
+    cell = lambda m, how: f"{acc[m, how]['exact']:.3f} ({acc[m, how]['exact_se']:.3f})"
+    want = {'LM: greedy / one sample': [cell('BASE LM', 'greedy'), cell('BASE LM', 'sampled')],
+            'LM, of 64: majority vote / log-prob rerank / any correct':
+                [cell('BASE LM', f'{how}, n = 64') for how in ('majority vote', 'log-prob rerank', 'oracle')],
+            'joint model, of 64: Algorithm 1 / its mode':
+                [cell('JOINT', f'{how}, n = 64') for how in ('Algorithm 1', 'joint mode')],
+            'BALM': [cell('BALM', 'greedy')],
+            'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
+    section = readme.split('## Where the energy helps')[1].split('\n## ')[0]
+    rows = {line.split('|')[1].strip(): line for line in section.splitlines() if line.startswith('| ')}
+    for label, cells in want.items():
+        line = next(v for k, v in rows.items() if k.startswith(label))
+        assert ' / '.join(cells) in line, (label, cells, line)
+    p = lambda m, how='greedy': f"{acc[m, how]['p_correct']:.3f}"
+    said = ' '.join(section.split())
+    for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
+                   f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}"):
+        assert phrase in said, (phrase, said)
 
 
 MODULES = {'budget.py', 'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'plumbing.py',
            'data/__init__.py', 'job/__init__.py', 'extensions/__init__.py'}  # job/figures.py is a script
-# the method's own links between scripts, and the names they may take: Table 3 in sample.py needs log Z,
-# and so do addition_eval.py's P(correct sum) of the joint model and exo.py's KLs to it
-METHOD_LINKS = {('sample.py', 'estimate_ppl.py'): {'logz_bounds'},
-                ('extensions/addition_eval.py', 'estimate_ppl.py'): {'logz_bounds'},
-                ('extensions/exo.py', 'estimate_ppl.py'): {'logz_bounds'}}
+# the method's own links between scripts, and the names they may take: none (log Z is energy.logz_bounds)
+METHOD_LINKS = {}
 MAX_FUNCTION_LINES = 60  # the def line included
 # the trainers' main keep their loop in sight, top to bottom, as nanoGPT's train.py does
 TRAINER_MAIN_LINES = {'train_lm.py:main': 125, 'nce_train.py:main': 125}

@@ -13,9 +13,10 @@ sum of a test problem, and how much probability it puts on it.
   samples of the base LM: Algorithm 1 (Section 3.3), one resampled ∝ exp(-E) (Gumbel-max, as
   sample.algorithm_1 and energy.joint_sample draw it), and the joint model's mode among them,
   argmax log P_LM - E; each row also holds the oracle of those samples. Its probability on the
-  correct sum, exp(log P_LM(c|x) - E(x, c) - log Z(x)), is a range: log Z from max(ns)
-  untruncated samples by Eq. 4's two estimates (estimate_ppl.logz_bounds), T_n (low) giving the
-  high end of the probability. The energy scores each distinct continuation of a problem once.
+  correct sum c, P_LM(c|x) exp(-E(x, c)) / Z(x), with Z's term of c exact and the rest from max(ns)
+  untruncated samples (logp_correct_known: never above 1); beside it the range with all of log Z
+  from the samples by Eq. 4's two estimates (energy.logz_bounds), which a sharp energy pushes
+  past 1. The energy scores each distinct continuation of a problem once.
 
 Accuracy: exact match (every digit and the end of text) and per-digit (the N + 1 sum digits),
 means over --num_prefixes test problems with their standard errors. Cost: LM samples per answer
@@ -35,8 +36,7 @@ import plumbing  # first: threads' wait policy, read once as torch loads (plumbi
 import torch
 
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import gumbel_keys, score_continuations
-from estimate_ppl import logz_bounds
+from energy import gumbel_keys, logz_bounds, score_continuations
 from extensions.metrics import load_any_energy
 from model import load_lm
 from plumbing import ArgumentParser, at_least, check_new, check_writable, rng, run_main, setup
@@ -153,12 +153,24 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g):
     for n in ns:
         out[f'oracle_{n}_exact'], out[f'oracle_{n}_digit'] = ex[:, :n].amax(1), dg[:, :n].amax(1)
     if top_k:  # log Z needs samples of P_LM itself
-        E = energies(energy, pre, lm.generate(pre, L, num_samples=max(ns), generator=g)[0], P)
+        x = lm.generate(pre, L, num_samples=max(ns), generator=g)[0]
+        E = energies(energy, pre, x, P)
     z_low, z_high = logz_bounds(-E)
     e_gold = score_continuations(energy, pre, gold[:, None], P, nullcontext())[:, 0]
     logp = lm.sequence_logprob(torch.cat([pre, gold], 1), P).double()
     out['logp_correct_low'], out['logp_correct_high'] = logp - e_gold - z_high, logp - e_gold - z_low
+    out['logp_correct'] = logp_correct_known(logp - e_gold, x, E, gold)
     return out
+
+
+def logp_correct_known(log_a, x, E, gold):
+    """log P_joint(correct sum) (B,) with Z split at the known answer c: Z = a + b, a = P_LM(c)
+    exp(-E(c)) exact (log_a, (B,)), b = E_{x~P_LM}[1{x != c} exp(-E(x))] from the samples x (B, n, L)
+    with energies E (B, n). Eq. 4's estimates put all of Z on the samples: where an energy is sharp
+    and c is rare among them, they miss Z's largest term and exceed 1; a / (a + b) cannot."""
+    other = torch.where(scores(x, gold)[0].bool(), float('-inf'), -E.double())  # the samples unlike c
+    log_b = torch.logsumexp(other, 1) - math.log(x.size(1))
+    return log_a - torch.logaddexp(log_a, log_b)
 
 
 LM_DECODERS = {'majority': 'majority vote', 'rerank': 'log-prob rerank', 'oracle': 'oracle'}
@@ -168,34 +180,36 @@ JOINT_DECODERS = {'a1': 'Algorithm 1', 'mode': 'joint mode'}
 def rows_of(name, cols, ns, params):
     """The table's rows (dicts) from per-problem columns: an LM's greedy, sampled and each of
     LM_DECODERS at each n; the joint model's JOINT_DECODERS at each n, each row with the
-    best-of-n oracle of its samples and the range of P(correct sum)."""
+    best-of-n oracle of its samples, P(correct sum) (logp_correct_known) and its range by Eq. 4."""
     def acc(prefix):
         (e, e_se), (d, d_se) = mean_se(cols[f'{prefix}_exact']), mean_se(cols[f'{prefix}_digit'])
         return dict(exact=e, exact_se=e_se, digit=d, digit_se=d_se)
 
+    p, p_se = mean_se(cols['logp_correct'].exp())
     if name == 'JOINT':
         p_low, p_high = (cols[f'logp_correct_{end}'].exp().mean().item() for end in ('low', 'high'))
         return [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
                      **acc(f'{key}_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
-                     oracle_digit=mean_se(cols[f'oracle_{n}_digit'])[0], p_correct_low=p_low,
-                     p_correct_high=p_high) for key, method in JOINT_DECODERS.items() for n in ns]
-    p = cols['logp_correct'].exp().mean().item()
-    return ([dict(model=name, method=how, n=1, lm_samples=1, params=params, **acc(how), p_correct=p)
-             for how in ('greedy', 'sampled')] +
+                     oracle_digit=mean_se(cols[f'oracle_{n}_digit'])[0], p_correct=p, p_correct_se=p_se,
+                     p_correct_low=p_low, p_correct_high=p_high)
+                for key, method in JOINT_DECODERS.items() for n in ns]
+    return ([dict(model=name, method=how, n=1, lm_samples=1, params=params, **acc(how), p_correct=p,
+                  p_correct_se=p_se) for how in ('greedy', 'sampled')] +
             [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
-                  **acc(f'{key}_{n}'), p_correct=p) for key, method in LM_DECODERS.items() for n in ns])
+                  **acc(f'{key}_{n}'), p_correct=p, p_correct_se=p_se)
+             for key, method in LM_DECODERS.items() for n in ns])
 
 
 def format_table(rows):
     lines = [f"{'model':<10} {'method':<24} {'LM samples':>10} {'exact (SE)':>16} {'per digit (SE)':>16} "
-             f"{'oracle exact':>12} {'P(correct)':>15}"]
+             f"{'oracle exact':>12} {'P(correct) (SE)':>16} {'Eq. 4 range':>13}"]
     for r in rows:
-        p = (f"{r['p_correct_low']:.3f}-{r['p_correct_high']:.3f}" if 'p_correct_low' in r
-             else f"{r['p_correct']:.3f}")
+        p = f"{r['p_correct']:.3f} ({r['p_correct_se']:.3f})"
+        p += (f" {r['p_correct_low']:>6.3f}-{r['p_correct_high']:.3f}" if 'p_correct_low' in r else '')
         oracle = f"{r['oracle_exact']:.3f}" if 'oracle_exact' in r else ''
         lines.append(f"{r['model']:<10} {r['method']:<24} {r['lm_samples']:>10} "
                      f"{r['exact']:>8.3f} ({r['exact_se']:.3f}) {r['digit']:>8.3f} ({r['digit_se']:.3f}) "
-                     f"{oracle:>12} {p:>15}")
+                     f"{oracle:>12} {p}")
     return '\n'.join(lines)
 
 

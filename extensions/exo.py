@@ -48,8 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import score_continuations
-from estimate_ppl import logz_bounds
+from energy import logz_bounds, score_continuations
 from extensions.metrics import load_any_energy
 from model import file_hash, load_lm, save_checkpoint
 from plumbing import ArgumentParser, at_least, check, check_writable, rng, run_main, setup

@@ -56,8 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from data import batch_offsets, get_batch, load_meta, load_split, write_json
-from energy import Energy, joint_sample, sample_log_weights, score, score_continuations
-from estimate_ppl import logz_bounds
+from energy import Energy, joint_sample, logz_bounds, sample_log_weights, score, score_continuations
 from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token

@@ -75,7 +75,7 @@ DEFAULT = dict(
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
     metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
-    # each energy early-stopped as the LMs (its best.pt is the same: steps after it are not used)
+    # each energy early-stopped on its held-out NCE loss (its best.pt: steps after it are not used)
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024,
              patience=2, loss='binary', select='loss'),
     unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200,
@@ -138,16 +138,21 @@ ADDITION = dict(
     data=dict(digits=6),
     lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=66, batch_size=32, max_iters=4000, lr=3e-3,
             min_lr=3e-4, warmup_iters=40, eval_interval=500, patience=2, min_rel_delta=0.001, snapshots=''),
-    balm=dict(n_head=3),
-    residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=1000),
-    neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=20000, select_prefixes=1024),
-    mlm=dict(n_layer=2, n_head=4, n_embd=64, max_iters=2000, eval_interval=500, alibi=True, patience=0,
+    # BALM's lr: 1e-3 of 3e-3 and 1e-3 by the selection loss (3e-3 had not converged at its 4,000-step cap);
+    # every cap below lets the stopping rule fire ((patience + 1) * eval_interval <= max_iters)
+    balm=dict(n_head=3, lr=1e-3, min_lr=1e-4, max_iters=12000),
+    residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=4000),
+    # the recipe (docs/addition.md, chosen on the selection split): 16 LM samples of every training
+    # problem, ranking NCE over them, best.pt by the held-out joint gain with log Z from 64 samples
+    neg=dict(prefix_len=14, gen_len=8, num_samples=16, select_samples=64, train_prefixes=None,
+             select_prefixes=1024),
+    mlm=dict(n_layer=3, n_head=3, n_embd=96, max_iters=2000, eval_interval=500, alibi=True, patience=0,
              min_rel_delta=0, lr=1e-3),
-    tailr=dict(gamma=0.01, max_iters=500, lr=3e-4, min_lr=3e-4, warmup_iters=0, eval_interval=250),
-    bit=dict(batch_size=32, max_iters=2000, lr=3e-4, warmup_iters=30, eval_interval=250, eval_prefixes=1024,
-             patience=2),
-    unit=dict(batch_size=32, max_iters=1000, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=250,
-              eval_prefixes=1024, patience=2),
+    tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, eval_interval=250),
+    bit=dict(batch_size=32, max_iters=8000, lr=3e-4, min_lr=3e-5, warmup_iters=50, eval_interval=500,
+             eval_prefixes=1024, patience=4),
+    unit=dict(batch_size=32, max_iters=8000, lr=2e-4, min_lr=2e-5, warmup_iters=50, eval_interval=500,
+              eval_prefixes=1024, patience=4),
     ppl=dict(max_prefixes=512, num_samples=64, sweep='2,8,32,64', step_prefixes=64, step_samples=32,
              step_every=1, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
     samples=dict(num_prefixes=128, n=64, logz_samples=32, table_prefixes=1, m=16),
@@ -409,11 +414,15 @@ def accuracy(script, path, lm_ckpt, cfg, energy):
 
 def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, deps):
     """K LM samples per prefix of the train split (NCE's negatives) and of the selection split
-    (the held-out pairs that choose the energy's best.pt)."""
+    (the held-out prefixes that choose the energy's best.pt, their log Z from select_samples of
+    them where given: more samples, a tighter Eq. 4); a count of None: every prefix of the split."""
     for split, count in (('train', train_prefixes), ('select', select_prefixes)):
+        K = neg.get('select_samples', neg['num_samples']) if split == 'select' else neg['num_samples']
         stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split,
-                                  '--out_dir', path(f'{name}_{split}'), '--max_prefixes', str(count)]
-              + flags({k: neg[k] for k in ('prefix_len', 'gen_len', 'num_samples', 'chunk') if k in neg}),
+                                  '--out_dir', path(f'{name}_{split}')]
+              + flags({k: v for k, v in dict(max_prefixes=count, num_samples=K, prefix_len=neg['prefix_len'],
+                                             gen_len=neg['gen_len'], chunk=neg.get('chunk')).items()
+                       if v is not None}),
               path(f'{name}_{split}', 'meta.json'), deps, path(f'{name}_{split}'))
 
 
@@ -539,7 +548,8 @@ def report(out, timings, data_dir):
     print(f"\nTable 1 ({data_dir}; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out joint gain over the LM (selection split, nats/token): BIT {gain['bit']:.5f}, UNIT "
-          f"{gain['unit']:.5f}; NCE accuracy BIT {acc['bit']:.3f}, UNIT {acc['unit']:.3f}; stage times (s): {timings}")
+          f"{gain['unit']:.5f}; NCE accuracy BIT {acc['bit']:.3f}, UNIT {acc['unit']:.3f}; "
+          f"stage times (s): {timings}")
     if os.path.exists(os.path.join(out, 'metrics', 'results.txt')):
         print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, "
               "and the decoding methods' metrics\n"
