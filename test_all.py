@@ -4275,7 +4275,9 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--beta_r', '0'], 'positive'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8')]
+                         '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--K', '1000000'], 'at most 65,536')]
     for main, argv, match in cases:
         with pytest.raises(ValueError, match=match):
             main(argv)
@@ -4301,6 +4303,15 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
     for kl in curve + [*res['final'].values()]:  # both KLs to the joint model, each a range
         assert kl['kl_reverse_low'] <= kl['kl_reverse_high'] and kl['kl_forward_low'] <= kl['kl_forward_high']
     load_lm(str(out / 'best.pt'))
+    kept = (out / 'best.pt').read_bytes()
+    with pytest.raises(ValueError, match='already exist.*pass --force'):  # a finished run is not replaced
+        exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(out)])
+    (out / 'results.json').unlink()  # a stopped run (best.pt, no results): refused too, kept as it was
+    with pytest.raises(ValueError, match='best.pt already exist.*pass --force'):
+        exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(out)])
+    assert (out / 'best.pt').read_bytes() == kept
+    hint = exo.resume_hint(['--lm', lm_path, '--energy', 'e', '--out_dir', str(out)])
+    assert 'holds the best policy so far' in hint and '--force' in hint
     estimate_ppl.main(['--lm', lm_path, '--extra_lm', f"EXO={out / 'best.pt'}", '--splits', 'test',
                        '--prefix_len', '8', '--gen_len', '5', '--max_prefixes', '4', '--num_samples', '4',
                        '--calib_prefixes', '0', '--quiet', '--out', str(tmp_path / 'ppl.json')])

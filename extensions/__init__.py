@@ -3,4 +3,6 @@
 
     metrics.py        the metrics f_k, MetricEnergy (E = mu . f), fit_mu (moment matching)
     python extensions/metric_ebm.py    fits mu on the selection split; the talk's decoding table
+    python extensions/exo.py           EXO (Ji et al., ICML 2024): the joint model distilled into an LM
+    python extensions/addition_eval.py accuracy with a known answer, every decoder (data/addition)
 """

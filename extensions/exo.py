@@ -51,7 +51,10 @@ from data import check_fits, load_lm_and_data, load_split, window_tokens, window
 from energy import logz_bounds, score_continuations
 from extensions.metrics import load_any_energy
 from model import file_hash, load_lm, save_checkpoint
-from plumbing import ArgumentParser, at_least, check, check_writable, rng, run_main, setup
+from plumbing import (ArgumentParser, at_least, check, check_new, check_writable, rerun_command, rng,
+                      run_main, setup)
+
+MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 
 
 def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', log_w=None):
@@ -169,12 +172,16 @@ def get_args(argv=None):
       help="LM samples per eval prefix for log Z (Eq. 4's range), drawn once before training")
     a('--forward_samples', type=int, default=128,
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
+    a('--force', action='store_true',
+      help="replace --out_dir's best.pt and results.json (EXO does not resume: a stopped run starts over)")
     a('--device', default='cpu')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
     args = p.parse_args(argv)
     at_least(args, 1, 'prefix_len', 'gen_len', 'batch_size', 'max_iters', 'eval_interval', 'eval_prefixes')
     at_least(args, 2, 'K', 'eval_samples', 'logz_samples')
+    for name in ('K', 'eval_samples', 'logz_samples'):  # samples per prefix: beyond these, a mistyped size
+        check(args, name, lambda v: v <= MAX_SAMPLES, f'at most {MAX_SAMPLES:,} samples per prefix')
     at_least(args, 1, 'forward_samples')
     if args.forward_samples > args.logz_samples:
         raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
@@ -183,7 +190,17 @@ def get_args(argv=None):
     for name in ('beta_pi', 'beta_r', 'lr'):
         check(args, name, lambda v: 0 < v < math.inf, 'positive')
     check_writable(args.out_dir, '--out_dir')
+    check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
+              also=(os.path.join(args.out_dir, 'best.pt'),))
     return args
+
+
+def resume_hint(argv):
+    """Stopped: what out_dir holds (EXO does not resume), and the command that starts over."""
+    args = get_args([*argv, '--force'])
+    kept = os.path.join(args.out_dir, 'best.pt')
+    saved = f"{kept} holds the best policy so far" if os.path.exists(kept) else "nothing was saved"
+    return f"{saved}; EXO does not resume: start over with {rerun_command(argv, add=('--force',))}"
 
 
 def load_models(args, device):
@@ -283,4 +300,4 @@ def eval_table(sft, energy, data_dir, meta, split, args, device):
 
 
 if __name__ == '__main__':
-    run_main(main)
+    run_main(main, resume_hint)

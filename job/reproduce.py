@@ -398,7 +398,8 @@ def exo(script, path, lm_ckpt, neg, cfg, energy):
     LM + `energy` by the reverse KL over K LM samples per prefix, best.pt chosen on the selection split."""
     script('exo', ['extensions/exo.py', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
                    '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                   '--out_dir', path('exo')] + flags(cfg['exo']), path('exo', 'results.json'), ['lm', energy])
+                   '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stopped EXO starts over
+           path('exo', 'results.json'), ['lm', energy])
 
 
 def accuracy(script, path, lm_ckpt, cfg, energy):
