@@ -17,6 +17,7 @@ bound memory, in float64. The rest are speed-ups of it, each tested equal to it:
 `score_continuations` for many continuations of one prompt (a causal body runs the prompt once),
 and `sample_log_weights`, Eq. 4's weights -E of n LM samples per prefix. `joint_sample` is
 Algorithm 1 (sample.algorithm_1, tested equal) in chunks, for any n in bounded memory.
+`logz_bounds` is Eq. 4: log Z of each prefix from n LM samples' -E, at its two ends.
 """
 
 import math
