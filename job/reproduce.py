@@ -62,9 +62,11 @@ DEFAULT = dict(
             min_rel_delta=0.001, snapshots='500,1000,2000'),
     balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
-    # the committed run's recipe (binary NCE on 2 negatives, chunks of 32 prefixes, best.pt by the NCE loss),
-    # kept until this job is rerun with the ranking recipe that addition chose (docs/addition.md)
-    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024, chunk=32),
+    # the energy's recipe (nce_train.py's defaults, chosen on addition's selection split: docs/addition.md):
+    # ranking NCE over K LM samples per prefix, best.pt by the held-out joint gain, log Z from 64 samples
+    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near the LM's
+    neg=dict(prefix_len=128, gen_len=64, num_samples=8, select_samples=64, train_prefixes=8000,
+             select_prefixes=256),
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
     # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
     # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (docs/experiments.md)
@@ -75,11 +77,12 @@ DEFAULT = dict(
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
     metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
-    # each energy early-stopped on its held-out NCE loss (its best.pt: steps after it are not used)
-    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024,
-             patience=2, loss='binary', select='loss'),
-    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200,
-              eval_prefixes=1024, patience=2, loss='binary', select='loss'),
+    # each energy early-stopped on the held-out joint gain (its best.pt: steps after it are not used);
+    # at most 600 steps of 16 prefixes x 9 sequences, about half the LM's tokens
+    bit=dict(batch_size=16, max_iters=600, lr=1e-4, warmup_iters=30, eval_interval=100, eval_prefixes=256,
+             patience=2),
+    unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=100,
+              eval_prefixes=256, patience=2),
     # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
     # (docs/experiments.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
@@ -89,7 +92,7 @@ DEFAULT = dict(
     # Figs. 2 right and 3 on hundreds of prefixes
     samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
     # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val
-    ordering=dict(train_prefixes=4000, select_prefixes=512, bit_iters=1500, max_prefixes=128, num_samples=32),
+    ordering=dict(train_prefixes=4000, select_prefixes=256, bit_iters=400, max_prefixes=128, num_samples=32),
 )
 # the smoke test: tiny models, and a base LM deliberately undertrained (30 steps, char PPL ~21-25)
 # so that the energy has a large, robust gain to find, which the CI test asserts
