@@ -5,23 +5,42 @@ time checks of plumbing.py's bad input; a reader may skip this file too).
 """
 
 import os
+import resource
 
 import plumbing  # noqa: F401  (first: the threads' wait policy is decided before torch loads)
 import torch
 
 
 def available_memory(device='cpu'):
-    """Bytes free for new arrays now: a CUDA GPU's free memory, Linux's MemAvailable on the CPU;
-    None where it cannot be read (other systems, Apple's MPS)."""
+    """Bytes free for new arrays now: a CUDA GPU's free memory, Linux's MemAvailable on the CPU
+    (or what `ulimit -v` leaves this process, if less); None where it cannot be read (other
+    systems, Apple's MPS)."""
     if device.startswith('cuda'):  # under torchrun, the rank's own GPU (before DDP setup picks it)
         return torch.cuda.mem_get_info(device if ':' in device else int(os.environ.get('LOCAL_RANK', 0)))[0]
     if device != 'cpu':
         return None
+    known = [n for n in (proc_kib('/proc/meminfo', 'MemAvailable:'), address_space_left()) if n is not None]
+    return min(known) if known else None
+
+
+def proc_kib(path, key):
+    """The bytes of a `key: N kB` line of a /proc file (None where there is none)."""
     try:
-        with open('/proc/meminfo') as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+        with open(path) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
     except (OSError, StopIteration, ValueError):
         return None
+
+
+def address_space_left():
+    """Bytes of address space `ulimit -v` (RLIMIT_AS) leaves this process: its limit less what the
+    process maps already (None: no limit, or unreadable). An allocation beyond it fails however
+    much memory the machine has free."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    mapped = proc_kib('/proc/self/status', 'VmSize:')
+    if limit == resource.RLIM_INFINITY or mapped is None:
+        return None
+    return max(0, limit - mapped)
 
 
 # the share of the available memory a run may plan to fill: the rest is room for the rest of the
@@ -35,7 +54,8 @@ def check_memory(nbytes, what, fix, device='cpu'):
     available_memory cannot tell)."""
     avail = available_memory(device)
     if avail is not None and nbytes > MEMORY_SHARE * avail:
-        where = f' on {device}' if device != 'cpu' else ''
+        left = address_space_left() if device == 'cpu' else None
+        where = f' on {device}' if device != 'cpu' else ' under ulimit -v' if left is not None and left < avail + 2**20 else ''
         raise ValueError(f"{what} needs ~{nbytes / 2**30:,.1f} GiB of memory, more than the "
                          f"{MEMORY_SHARE * avail / 2**30:.1f} GiB it may use ({MEMORY_SHARE:.0%} of the "
                          f"{avail / 2**30:.1f} GiB available{where}): {fix}")

@@ -166,6 +166,11 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device.split(':')[0], dtype=dtype)
 
 
+# micro-batches per iteration: nanoGPT's GPT-2 recipe takes 40; beyond this, a mistyped size whose
+# iteration would hold its window offsets by the billion and run for days
+MAX_GRAD_ACCUM = 2**16
+
+
 def check_training_flags(args):
     """The optimisation flags both trainers share, in range, heads that divide the width, a
     --patience that can fire within --max_iters, and --out_dir writable (and removed if the run
@@ -173,6 +178,8 @@ def check_training_flags(args):
     --lr_decay_iters defaults to --max_iters."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
+    check(args, 'grad_accum', lambda v: v <= MAX_GRAD_ACCUM,
+          f'at most {MAX_GRAD_ACCUM:,} micro-batches per iteration (a larger batch: raise --batch_size)')
     check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
     check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
     check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
@@ -269,7 +276,8 @@ def check_resumed_flags(args, argv, saved, fixed, path, what):
     uninterrupted run would have gone on: a flag among `fixed` (those that change the numbers) on
     the command line (argv) that contradicts it is refused, as is a contradicting --dtype; one left
     out takes the checkpoint's value. A path contradicts only if it names another file."""
-    args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
+    if hasattr(args, 'dtype'):  # EXO has no --dtype
+        args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
     given = given_flags(argv)
     for name in sorted(n for n in fixed if n in saved):
         if name not in given:
@@ -501,6 +509,7 @@ def check_writable(path, flag, folder=True):
     is created."""
     if not path:
         raise ValueError(f"{flag} is empty: give a {'folder' if folder else 'file'} path")
+    check_name_lengths(path, flag)
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
     if not folder and os.path.isdir(path):
@@ -515,6 +524,43 @@ def check_writable(path, flag, folder=True):
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot write in {d} ({e.strerror}): "
                          "choose a writable path") from None
+
+
+def check_name_lengths(path, flag):
+    """Each name in path within the filesystem's NAME_MAX (255 bytes on Linux), the last with room
+    for the temporary name a write uses beside it (TMP_ROOM): a longer one fails only at the first
+    write, in whatever temporary name that write uses."""
+    d = nearest_existing(path)
+    try:
+        name_max = os.pathconf(d if os.path.isdir(d) else os.path.dirname(d), 'PC_NAME_MAX')
+    except (OSError, ValueError):
+        name_max = 255
+    names = os.path.abspath(path).split(os.sep)
+    for i, name in enumerate(names):
+        n, room = len(os.fsencode(name)), TMP_ROOM if i == len(names) - 1 else 0
+        if n > name_max - room:
+            why = f"the filesystem's {name_max}, less {room} for the temporary name beside it" if room else \
+                f"the filesystem's NAME_MAX"
+            raise ValueError(f"{flag} {path}: the name {name[:16]}... is {n} bytes, more than the "
+                             f"{name_max - room} a name may have here ({why}): choose a shorter one")
+
+
+TMP_ROOM = 16  # a temporary name's extra bytes: '.NAME.' + 8 (prepare's folder), 'NAME.PID.tmp' (atomic_writes)
+
+
+def named_paths(specs, flag):
+    """{NAME: PATH} of a flag's NAME=PATH values: each of that form, no NAME twice (the second
+    would silently replace the first)."""
+    out = {}
+    for spec in specs:
+        name, _, path = spec.partition('=')
+        if not (name and path):
+            raise ValueError(f"{flag} '{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
+        if name in out:
+            raise ValueError(f"{flag}: the name {name} is given twice ({out[name]} and {path}): "
+                             f"give each model its own name")
+        out[name] = path
+    return out
 
 
 def check_new(path, flag, force, also=()):
@@ -640,12 +686,16 @@ def run_main(main, resume_hint=None):
     Ctrl-C exits with one `interrupted:` line that says what was saved and the command that
     resumes: resume_hint(argv) (default: nothing was saved, rerun). SIGTERM (kill, a scheduler)
     is a Ctrl-C. A failed run removes the output folders it created and saved nothing in
-    (new_folder)."""
+    (new_folder). stdout closed by its reader (`| head`): a quiet exit (stdout_closed)."""
     argv = sys.argv[1:]
     NEW_FOLDERS.clear()
     signal.signal(signal.SIGTERM, interrupt)
     try:
         main(argv)
+    except BrokenPipeError as e:
+        if e.filename is not None:  # a file, not stdout: one line, as any OSError
+            one_line_error()
+        stdout_closed()
     except (ValueError, OSError, torch.OutOfMemoryError):
         remove_new_folders()
         if os.environ.get('REBM_DEBUG', '0') not in ('', '0'):
@@ -663,6 +713,15 @@ def run_main(main, resume_hint=None):
         print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr,
               flush=True)
         sys.exit(130)
+
+
+def stdout_closed():
+    """The reader of stdout went away (`| head`): exit quietly, as Unix tools do, with the status
+    of a process SIGPIPE ended; stdout pointed at /dev/null so that Python's exit flush cannot
+    complain again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
 
 
 def wait_for_rank_0(seconds=10):

@@ -193,9 +193,18 @@ def get_args(argv=None):
         check_memory(rows * args.m * per_sample, f"--m {args.m}", "lower it")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force)
-    # the JSON holds each prefix's texts and tokens: 0.23 MB for 256 prefixes of 64 tokens (~0.9 KiB each)
-    check_free_space(args.out, 2**16 + args.num_prefixes * (2**12 + 2**6 * args.gen_len), '--out')
     return args
+
+
+def check_prefix_count(args, held):
+    """--num_prefixes against the `held` windows the split has (a larger count takes them all, and
+    says so), and the disk for the JSON of those taken."""
+    if held < args.num_prefixes:
+        print(f"--num_prefixes {args.num_prefixes}: the {args.split} split holds {held:,} prefixes of "
+              f"--prefix_len {args.prefix_len} + --gen_len {args.gen_len} tokens: taking all {held:,}",
+              flush=True)
+    # the JSON holds each prefix's texts and tokens: 0.23 MB for 256 prefixes of 64 tokens (~0.9 KiB each)
+    check_free_space(args.out, 2**16 + min(held, args.num_prefixes) * (2**12 + 2**6 * args.gen_len), '--out')
 
 
 def main(argv=None):
@@ -225,6 +234,7 @@ def main(argv=None):
         if len(offsets) == 0:
             raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens "
                              f"in the {args.split} split")
+        check_prefix_count(args, len(windows(data, args.prefix_len, args.gen_len)))
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
         prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
     check_fits(prefixes.size(1) + args.gen_len, {'LM': lm, 'energy': energy})

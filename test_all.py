@@ -5406,6 +5406,21 @@ CLI_TABLE = [
     ('nce-negatives-from-val', [*E, '--negatives', '{neg_val}'],
      '--negatives {neg_val} were made from the val split'),
     ('repro-out-dir-in-use', [*R, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    # issue 40, items 1 and 7: sizes without a bound, names too long for the filesystem, a model name twice
+    ('train-grad-accum-1e9', [*T, '--grad_accum', '1000000000'], '--grad_accum 1000000000: must be at most 65,536'),
+    ('nce-grad-accum-1e9', [*E, '--grad_accum', '1000000000'], '--grad_accum 1000000000: must be at most 65,536'),
+    ('me-pool-1e7', [*MX, '--prefixes', '2', '--check_splits', '', '--pool', '10000000'],
+     '--pool 10000000: must be at most 65,536'),
+    ('me-extra-lm-twice', [*MX, '--table', '--extra_lm', 'A={ckpt}', 'A={lm}/best.pt'],
+     '--extra_lm: the name A is given twice'),
+    ('me-compare-twice', [*MX, '--table', '--compare', 'B={energy}', 'B={energy}'], '--compare: the name B is given twice'),
+    ('figures-dpi-1e5', ['job/figures.py', '--out_dir', '{figs}', '--dpi', '100000'],
+     '--dpi 100000: must be between 1 and 1200'),
+    ('train-out-dir-name-300-bytes', [*T, '--out_dir', '{root}/' + 'n' * 300], 'is 300 bytes, more than the 239'),
+    ('text-out-dir-name-250-bytes', [*TX, '--out_dir', '{root}/' + 'n' * 250],
+     'is 250 bytes, more than the 239 a name may have here'),
+    ('neg-out-dir-folder-name-256-bytes', [*N, '--out_dir', '{root}/' + 'n' * 256 + '/neg'],
+     "is 256 bytes, more than the 255 a name may have here (the filesystem's NAME_MAX)"),
 ]
 
 # One python process runs every row: the script as __main__ (its run_main included), argv set,
@@ -6323,6 +6338,42 @@ def sample_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
 @pytest.mark.parametrize('case', ['no_samples', 'table_k_over_keep', 'energy_of_another_lm'])
 def test_sample_bad_input(sample_bad, case):
     check_bad_case(*sample_bad[case])
+
+
+def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
+    """Issue 40, item 7: --num_prefixes beyond the split takes the split and says how many it
+    holds (it said the disk was full); `sample.py | head` exits quietly (it said 'Broken pipe: check
+    the path and its permissions'), as does any script whose stdout's reader goes away."""
+    argv = ['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'), '--table_k', '0', '--n', '2']
+    res = run_script([*argv, '--num_prefixes', '1000000000'])
+    assert res.returncode == 0 and 'is full' not in res.stderr, res.stderr
+    held = re.search(r'--num_prefixes 1000000000: the test split holds (\d+) prefixes of --prefix_len '
+                     rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stdout)
+    assert held and len(json.loads((tmp_path / 's.json').read_text())['samples']) == int(held[1])
+    quiet = "import plumbing\ndef main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\nplumbing.run_main(main)"
+    res = subprocess.run([sys.executable, '-c', quiet], cwd=ROOT, capture_output=True, text=True)
+    assert (res.returncode, res.stderr) == (141, ''), res
+    loud = [a for a in argv if a != '--quiet']
+    shell = f"{shlex.join([sys.executable, *loud, '--out', str(tmp_path / 'p.json')])} --force | head -1"
+    res = subprocess.run(['bash', '-c', f'set -o pipefail; {shell}'], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert 'Broken pipe' not in res.stderr and 'error' not in res.stderr, res.stderr
+    assert res.returncode in (0, 141), res  # 141: sample.py outlived head's read, as a Unix tool would
+
+
+def test_memory_check_respects_ulimit_v():
+    """Issue 40, item 1: under `ulimit -v` (RLIMIT_AS) lower than the machine's free memory, the
+    memory check uses what the limit leaves this process, and says so."""
+    code = ("import resource, budget\n"
+            "vm = budget.proc_kib('/proc/self/status', 'VmSize:')\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
+            "assert budget.available_memory() <= 2**30\n"
+            "budget.check_memory(2**30, 'a batch', 'lower --batch_size')\n")
+    res = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith('ValueError: a batch needs ~1.0 GiB'), \
+        res.stderr
+    assert 'GiB available under ulimit -v): lower --batch_size' in res.stderr
 
 
 @pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json'])

@@ -39,7 +39,7 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import gumbel_keys, logz_bounds, score_continuations
 from extensions.metrics import load_any_energy
 from model import load_lm
-from plumbing import ArgumentParser, at_least, check_new, check_writable, rng, run_main, setup
+from plumbing import ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup
 
 
 def answer_layout(data, meta):
@@ -213,6 +213,9 @@ def format_table(rows):
     return '\n'.join(lines)
 
 
+MAX_SAMPLES = 2**16  # LM samples per answer, as negatives.py bounds them per prefix
+
+
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
@@ -241,11 +244,16 @@ def get_args(argv=None):
         raise ValueError(f"--ns {args.ns}: give comma-separated integers, e.g. 1,4,16,64") from None
     if args.ns[0] < 1 or (args.energy and args.ns[-1] < 2):
         raise ValueError(f"--ns {args.ns}: each at least 1, the largest at least 2 (log Z needs 2 samples)")
-    for spec in args.extra_lm:
-        if '=' not in spec:
-            raise ValueError(f"--extra_lm {spec}: give NAME=PATH")
+    if args.ns[-1] > MAX_SAMPLES:
+        raise ValueError(f"--ns {args.ns[-1]}: at most {MAX_SAMPLES:,} LM samples per answer")
+    clash = {'BASE LM', 'JOINT'} & set(named_paths(args.extra_lm, '--extra_lm'))
+    if clash:
+        raise ValueError(f"--extra_lm {clash.pop()}=...: that name is the table's own; give the model another")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force)
+    if args.plot is not None:  # refused before --out is written
+        check_writable(args.plot, '--plot', folder=False)
+        check_new(args.plot, '--plot', args.force)
     return args
 
 
@@ -255,7 +263,7 @@ def main(argv=None):
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     lms = {'BASE LM': lm}
     lms.update({name: load_lm(path, device, meta)[0]
-                for name, path in (s.split('=', 1) for s in args.extra_lm)})
+                for name, path in named_paths(args.extra_lm, '--extra_lm').items()})
     energy = load_any_energy(args.energy, args.lm, device)[0] if args.energy else None
     data = load_split(data_dir, args.split, meta)
     P, L = answer_layout(data, meta)

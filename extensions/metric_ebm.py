@@ -37,8 +37,11 @@ from energy import joint_sample, load_energy
 from extensions.metrics import (METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, load_any_energy,
                                 metric_energy_state, parse_metrics)
 from model import file_hash, load_lm, save_checkpoints
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, precision, progress,
-                      rng, run_main, setup)
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, named_paths, precision,
+                      progress, rng, run_main, setup)
+
+
+MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 
 
 def get_args(argv=None):
@@ -77,9 +80,8 @@ def get_args(argv=None):
     at_least(args, 0, 'joint_top_k')
     at_least(args, 2, 'prefixes', 'pool')  # SE over prefixes; importance weights over a pool
     check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
-    for spec in args.energy_metric + args.compare + args.extra_lm:
-        if not all(spec.partition('=')):
-            raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
+    for flag in ('energy_metric', 'compare', 'extra_lm'):
+        named_paths(getattr(args, flag), f'--{flag}')
     args.check_splits = [s for s in args.check_splits.split(',') if s]
     if any(s not in SPLITS for s in args.check_splits):
         raise ValueError(f"--check_splits {','.join(args.check_splits)}: must be comma-separated names of "
@@ -89,6 +91,8 @@ def get_args(argv=None):
     prefixes = args.prefixes + args.check_prefixes * len(args.check_splits)
     check_memory(8 * K * prefixes * args.pool + args.chunk * max(args.pool, args.n) * (8 * args.gen_len + 8),
                  f"--prefixes/--check_prefixes {prefixes} x --pool {args.pool}", "lower them")
+    for name in ('pool', 'n'):  # samples per prefix: beyond these, a mistyped size
+        check(args, name, lambda v: v <= MAX_SAMPLES, f'at most {MAX_SAMPLES:,} LM samples per prefix')
     check_writable(args.out_dir, '--out_dir')
     check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
               also=[os.path.join(args.out_dir, f) for f in ('energy.pt', 'energy_aggregate.pt')])

@@ -177,6 +177,9 @@ def read_json(path, what):
         raise ValueError(f"{path} is not valid JSON ({e}; empty or truncated?): rerun {what}") from None
 
 
+MAX_DPI = 1200
+
+
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--out_dir', default='out', help='where ppl.json and samples.json are, and the PNGs go')
@@ -184,8 +187,11 @@ def get_args(argv=None):
                    help="split of Fig. 1 and Fig. 2 left (default: the one ppl.json's per-step PPL used)")
     p.add_argument('--copy_to', default=None,
                    help='also copy the PNGs here (e.g. assets/figures, shown by README)')
-    p.add_argument('--dpi', type=int, default=90)
-    return p.parse_args(argv)
+    p.add_argument('--dpi', type=int, default=90, help=f'resolution of the PNGs (1 to {MAX_DPI})')
+    args = p.parse_args(argv)
+    if not 1 <= args.dpi <= MAX_DPI:  # 100,000 dpi: gigapixel PNGs, tens of GB of memory
+        raise ValueError(f"--dpi {args.dpi}: must be between 1 and {MAX_DPI} (print quality is 300-600)")
+    return args
 
 
 def main(argv=None):

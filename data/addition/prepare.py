@@ -29,6 +29,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 from data import prepare  # noqa: E402
+from budget import check_memory  # noqa: E402
 from plumbing import ArgumentParser, at_least, check, check_writable, rng_seed, run_main  # noqa: E402
 
 
@@ -46,6 +47,13 @@ def draw_operands(rs, count, digits, chain):
     db = np.where(link, 9 - da, db)
     place = 10 ** np.arange(digits - 1, -1, -1, dtype=np.int64)
     return da @ place, db @ place
+
+
+def problems_memory(total, digits):
+    """Bytes make_problems and prepare hold for `total` problems, roughly: draw_operands' arrays (33
+    bytes per digit), and per problem a Python pair in a set and a list (~250), its document and its
+    token ids (~100)."""
+    return total * (33 * digits + 350 + 8 * (3 * digits + 4))
 
 
 def make_problems(sizes, digits, chain, seed):
@@ -87,10 +95,12 @@ def main(argv=None):
     parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
     at_least(args, 1, 'digits', 'train', 'select', 'val', 'test')
+    sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
     check(args, 'digits', lambda v: v <= 18, 'at most 18 (sums must fit in 64 bits)')
     check(args, 'chain', lambda v: 0 <= v <= 1, 'in [0, 1]')
     check_writable(args.out_dir, '--out_dir')
-    sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
+    check_memory(problems_memory(sum(sizes.values()), args.digits),
+                 f"drawing {sum(sizes.values()):,} problems (--train, --select, --val, --test)", "lower them")
     meta = prepare(make_problems(sizes, args.digits, args.chain, args.seed), args.out_dir, 'char',
                    args.quiet, args.force)
     if not args.quiet:
