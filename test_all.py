@@ -4277,10 +4277,29 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--K', '1000000'], 'at most 65,536')]
+                         '--K', '1000000'], 'at most 65,536'),
+             # issue 40, items 1 and 7: sizes without a bound, --plot checked before --out is written
+             (addition_prepare.main, ['--train', '1000000000', '--out_dir', str(tmp_path / 'a')],
+              r'drawing 1,000,015,000 problems \(--train, --select, --val, --test\) needs .* GiB'),
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--plot', f'{UNWRITABLE}/a.png'],
+              f'--plot {UNWRITABLE}/a.png: cannot write'),
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--plot', str(tmp_path)],
+              f'--plot {tmp_path} is a folder'),
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--extra_lm', f'X={lm_path}',
+                                   f'X={lm_ckpt}'], '--extra_lm: the name X is given twice'),
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--ns', '1,100000000'],
+              '--ns 100000000: at most 65,536'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--prefix_len', '8', '--gen_len', '5', '--batch_size', '100000000'],
+              'a step of --batch_size 100000000 x --K 8 samples needs'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--resume'], '--resume: .*ckpt.pt does not exist'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--resume', '--force'], '--resume and --force contradict')]
     for main, argv, match in cases:
         with pytest.raises(ValueError, match=match):
             main(argv)
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # not --out, not a folder of --out_dir
 
 
 def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
@@ -4304,14 +4323,15 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
         assert kl['kl_reverse_low'] <= kl['kl_reverse_high'] and kl['kl_forward_low'] <= kl['kl_forward_high']
     load_lm(str(out / 'best.pt'))
     kept = (out / 'best.pt').read_bytes()
-    with pytest.raises(ValueError, match='already exist.*pass --force'):  # a finished run is not replaced
+    with pytest.raises(ValueError, match='ckpt.pt exists: pass --resume to continue it, --force'):  # not replaced
         exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(out)])
-    (out / 'results.json').unlink()  # a stopped run (best.pt, no results): refused too, kept as it was
+    (out / 'results.json').unlink()  # best.pt without ckpt.pt or results: refused too, kept as it was
+    (out / 'ckpt.pt').unlink()
     with pytest.raises(ValueError, match='best.pt already exist.*pass --force'):
         exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(out)])
     assert (out / 'best.pt').read_bytes() == kept
     hint = exo.resume_hint(['--lm', lm_path, '--energy', 'e', '--out_dir', str(out)])
-    assert 'holds the best policy so far' in hint and '--force' in hint
+    assert 'holds the best policy so far, but there is no' in hint and hint.endswith('--force')
     estimate_ppl.main(['--lm', lm_path, '--extra_lm', f"EXO={out / 'best.pt'}", '--splits', 'test',
                        '--prefix_len', '8', '--gen_len', '5', '--max_prefixes', '4', '--num_samples', '4',
                        '--calib_prefixes', '0', '--quiet', '--out', str(tmp_path / 'ppl.json')])
@@ -4319,6 +4339,40 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
     assert {'BASE LM', 'EXO'} <= {r['model'] for r in rows}
     with pytest.raises(ValueError, match='unknown loss'):
         exo.exo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), loss='kl')
+
+
+def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
+    """exo.py --resume (issue 40, item 1): 2 iterations, then resumed to 4, gives the weights, the
+    curve and the results of 4 in one go; a flag that would change the run is refused, --max_iters
+    left out is the checkpoint's; the Ctrl-C hint gives the command. --lr 1e30 stops with one line
+    at the first non-finite loss, best.pt (iteration 0: the LM itself) intact."""
+    d, lm_path = addition_run
+    flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5', '--K', '4',
+             '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8', '--eval_samples', '4',
+             '--logz_samples', '32', '--forward_samples', '8', '--lr', '1e-2', '--quiet']
+    one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    exo.main([*flags, '--out_dir', one, '--max_iters', '4'])
+    exo.main([*flags, '--out_dir', two, '--max_iters', '2'])
+    hint = exo.resume_hint([*flags, '--out_dir', two, '--max_iters', '4'])
+    assert f'{two}/ckpt.pt holds iteration 2 of 4' in hint and hint.endswith('--resume')
+    for bad, match in ((['--lr', '0.5'], '--lr 0.5 contradicts .*ckpt.pt'),
+                       (['--max_iters', '1'], '--max_iters 1 is below the 2 iterations')):
+        with pytest.raises(ValueError, match=match):
+            exo.main([*flags, '--out_dir', two, '--resume', *bad])
+    exo.main([*flags, '--out_dir', two, '--max_iters', '4', '--resume'])
+    a, b = (load_checkpoint(os.path.join(p, 'ckpt.pt')) for p in (one, two))
+    assert a['iter_num'] == b['iter_num'] == 4
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    ra, rb = (json.loads(open(os.path.join(p, 'results.json')).read()) for p in (one, two))
+    assert ra['curve'] == rb['curve'] and ra['final'] == rb['final'] and ra['best'] == rb['best']
+    exo.main([*flags, '--out_dir', two, '--resume'])  # --max_iters left out: the checkpoint's 4, no step more
+    assert load_checkpoint(os.path.join(two, 'ckpt.pt'))['iter_num'] == 4
+    far = str(tmp_path / 'far')
+    with pytest.raises(ValueError, match=r'the policy diverged at iteration 1 \(its loss nan.*lower --lr .*'
+                                         r'best.pt \(iteration 0\) is intact'):
+        exo.main([*flags, '--out_dir', far, '--max_iters', '4', '--lr', '1e30'])
+    best, lm = load_checkpoint(os.path.join(far, 'best.pt')), load_checkpoint(lm_path)
+    assert best['iter_num'] == 0 and all(torch.equal(best['model'][k], lm['model'][k]) for k in lm['model'])
 
 
 # =============================================================================

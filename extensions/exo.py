@@ -31,10 +31,14 @@ pi_theta (logz_table): Eq. 4's T_n (biased low) and its upper end, so each KL is
 LM samples (weights exp(-E)). best.pt: the lowest KL that the loss minimises (reverse for exo,
 forward for dpo; log Z fixed per prefix, either end chooses the same), the other reported beside it.
 
+ckpt.pt (the policy, AdamW's state and the curve, saved at each evaluation) lets --resume continue a
+stopped run exactly: batches and samples are a function of (seed, iteration).
+
     python extensions/exo.py --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
         --prefix_len 14 --gen_len 8 --out_dir out-addition/exo
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -47,12 +51,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from budget import check_training_memory
 from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
 from energy import logz_bounds, score_continuations
 from extensions.metrics import load_any_energy
-from model import file_hash, load_lm, save_checkpoint
-from plumbing import (ArgumentParser, at_least, check, check_new, check_writable, rerun_command, rng,
-                      run_main, setup)
+from model import file_hash, load_checkpoint, load_lm, save_checkpoint
+from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
+                      check_writable, given_flags, lock_folder, missing_checkpoint, new_folder, one_job,
+                      rerun_command, rng, run_main, setup)
 
 MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 
@@ -172,8 +178,9 @@ def get_args(argv=None):
       help="LM samples per eval prefix for log Z (Eq. 4's range), drawn once before training")
     a('--forward_samples', type=int, default=128,
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
-    a('--force', action='store_true',
-      help="replace --out_dir's best.pt and results.json (EXO does not resume: a stopped run starts over)")
+    a('--resume', action='store_true',
+      help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")
+    a('--force', action='store_true', help="start over, replacing --out_dir's ckpt.pt, best.pt and results.json")
     a('--device', default='cpu')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
@@ -190,17 +197,61 @@ def get_args(argv=None):
     for name in ('beta_pi', 'beta_r', 'lr'):
         check(args, name, lambda v: 0 < v < math.inf, 'positive')
     check_writable(args.out_dir, '--out_dir')
-    check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
-              also=(os.path.join(args.out_dir, 'best.pt'),))
+    ckpt = os.path.join(args.out_dir, 'ckpt.pt')
+    if args.resume and args.force:
+        raise ValueError("--resume and --force contradict each other: --resume continues ckpt.pt, "
+                         "--force starts over")
+    if args.resume and not os.path.exists(ckpt):
+        raise missing_checkpoint(args.out_dir)
+    if not args.resume and os.path.exists(ckpt) and not args.force:
+        raise ValueError(f"{ckpt} exists: pass --resume to continue it, --force to start over, or choose "
+                         f"another --out_dir")
+    if not args.resume:
+        check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
+                  also=(os.path.join(args.out_dir, 'best.pt'),))
     return args
 
 
+# what a --resume takes from ckpt.pt (a contradicting flag is refused): every flag that changes the
+# numbers; free: --max_iters (upwards), --device, --quiet
+FIXED = ('lm', 'energy', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'beta_pi', 'beta_r', 'batch_size',
+         'lr', 'eval_interval', 'patience', 'eval_prefixes', 'eval_samples', 'logz_samples', 'forward_samples',
+         'seed')
+
+
+def resumed(args, argv, device):
+    """ckpt.pt of a --resume (None for a new run), its flags taken for those left out and checked
+    against those given (FIXED), and its LM the same file (by hash) as the one it trained from."""
+    if not args.resume:
+        return None
+    path = os.path.join(args.out_dir, 'ckpt.pt')
+    ckpt = load_checkpoint(path, device)
+    check_resumed_flags(args, argv, ckpt['exo'], FIXED, path, 'EXO run')
+    if 'max_iters' not in given_flags(argv):
+        args.max_iters = ckpt['exo']['max_iters']
+    check_resumed_iters(args.max_iters, ckpt['iter_num'], path)
+    if file_hash(args.lm) != ckpt['exo']['lm_hash']:
+        raise ValueError(f"--lm {args.lm} is not the LM {path} trained from (its file changed): --resume "
+                         f"continues that run; start a new one in another --out_dir")
+    return ckpt
+
+
 def resume_hint(argv):
-    """Stopped: what out_dir holds (EXO does not resume), and the command that starts over."""
-    args = get_args([*argv, '--force'])
-    kept = os.path.join(args.out_dir, 'best.pt')
-    saved = f"{kept} holds the best policy so far" if os.path.exists(kept) else "nothing was saved"
-    return f"{saved}; EXO does not resume: start over with {rerun_command(argv, add=('--force',))}"
+    """Stopped: what out_dir holds, and the command that resumes (or reruns) it."""
+    p = ArgumentParser(add_help=False)
+    p.add_argument('--out_dir', required=True)
+    p.add_argument('--max_iters', type=int, default=None)
+    args = p.parse_known_args(argv)[0]
+    ckpt, best = (os.path.join(args.out_dir, f) for f in ('ckpt.pt', 'best.pt'))
+    if not os.path.exists(ckpt) and os.path.exists(best):
+        return (f"{best} holds the best policy so far, but there is no {ckpt} to resume; start over with "
+                f"{rerun_command(argv, add=('--force',))}")
+    if not os.path.exists(ckpt):
+        return f"nothing was saved (the first evaluation saves); rerun: {rerun_command(argv)}"
+    saved = torch.load(ckpt, map_location='cpu', weights_only=True, mmap=True)
+    argv = [a for a in argv if a != '--force']
+    return (f"{ckpt} holds iteration {saved['iter_num']} of {args.max_iters or saved['exo']['max_iters']} "
+            f"({best}: the best policy so far); resume with: {rerun_command(argv, add=('--resume',))}")
 
 
 def load_models(args, device):
@@ -215,6 +266,10 @@ def load_models(args, device):
     for p in list(sft.parameters()) + list(energy.parameters()):
         p.requires_grad_(False)
     check_fits(args.prefix_len + args.gen_len, dict(LM=sft))
+    config = dataclasses.replace(sft.config, block_size=args.prefix_len + args.gen_len)
+    check_training_memory(config, args.batch_size * args.K, device,
+                          f"a step of --batch_size {args.batch_size} x --K {args.K} samples",
+                          "lower --batch_size or --K")
     return sft, policy, energy, ckpt, data_dir, meta
 
 
@@ -227,30 +282,31 @@ def prefixes_of(data_dir, meta, split, args, count=None, device='cpu'):
     return data, offsets, window_tokens(data, offsets, args.prefix_len).to(device)
 
 
+@one_job
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = get_args(argv)
     device = setup(args.device)[2]
+    saved = resumed(args, argv, device)
     torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
-    sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)
+    sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)  # sizes checked: nothing written yet
+    new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt', 'results.json'))
+    lock_folder(args.out_dir)
     train, train_offsets, _ = prefixes_of(data_dir, meta, 'train', args)
     sel = eval_table(sft, energy, data_dir, meta, 'select', args, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     state = dict(ckpt, objective=f'exo ({args.loss})', exo=dict(vars(args), lm_hash=file_hash(args.lm)))
     state = {k: v for k, v in state.items() if k not in ('optimizer', 'scaler', 'rng_state')}
-    curve, best, t0 = [], None, time.time()
-    os.makedirs(args.out_dir, exist_ok=True)
-    for it in range(args.max_iters + 1):
+    curve, best, start, t0 = [], None, 0, time.time()
+    if saved:  # the run as it stood after its evaluation at saved['iter_num'], before that step
+        policy.load_state_dict(saved['model'])
+        opt.load_state_dict(saved['optimizer'])
+        curve, start = saved['curve'], saved['iter_num']
+        best = next(c for c in curve if c['iter'] == saved['best_iter'])
+    for it in range(start, args.max_iters + 1):
         if it % args.eval_interval == 0 or it == args.max_iters:
-            kl = kl_estimates(policy, sft, energy, sel, args.gen_len, args.eval_samples,
-                              rng(args.seed, 'exo eval', 'select', 0, device))
-            curve.append(dict(iter=it, **{f'select_{k}': v for k, v in kl.items()}))
-            if best is None or kl[SELECT[args.loss]] < best[f'select_{SELECT[args.loss]}']:
-                best = curve[-1]
-                save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
-                                os.path.join(args.out_dir, 'best.pt'))
-            if not args.quiet:
-                print(f"iter {it}: select {format_kl(kl)}{' (best)' if best is curve[-1] else ''}",
-                      flush=True)
+            if not (saved and it == start):
+                best = evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device)
             stale = args.patience and it - best['iter'] >= args.patience * args.eval_interval
             if it == args.max_iters or stale:
                 break
@@ -260,9 +316,39 @@ def main(argv=None):
         loss = exo_step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        check_finite(loss.item() + norm.item(), it, f'its loss {loss.item():.4g}, gradient norm {norm.item():.4g}',
+                     best, args)
         opt.step()
     report(args, sft, energy, data_dir, meta, curve, best, time.time() - t0, device)
+
+
+def evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device):
+    """The evaluation at iteration it on the selection split, appended to curve; best.pt if it is
+    the best yet, then ckpt.pt (what a --resume continues, written after best.pt so that it never
+    points past it). Returns the best so far."""
+    kl = kl_estimates(policy, sft, energy, sel, args.gen_len, args.eval_samples,
+                      rng(args.seed, 'exo eval', 'select', 0, device))
+    check_finite(min(kl.values()) + max(kl.values()), it, 'its KL estimates', best, args)
+    curve.append(dict(iter=it, **{f'select_{k}': v for k, v in kl.items()}))
+    if best is None or kl[SELECT[args.loss]] < best[f'select_{SELECT[args.loss]}']:
+        best = curve[-1]
+        save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it), os.path.join(args.out_dir, 'best.pt'))
+    save_checkpoint(dict(state, model=policy.state_dict(), optimizer=opt.state_dict(), iter_num=it, curve=curve,
+                         best_iter=best['iter']), os.path.join(args.out_dir, 'ckpt.pt'))
+    if not args.quiet:
+        print(f"iter {it}: select {format_kl(kl)}{' (best)' if best is curve[-1] else ''}", flush=True)
+    return best
+
+
+def check_finite(value, it, what, best, args):
+    """A diverging policy (--lr too high) stops with one line: what was not finite at iteration it,
+    and the best.pt kept, which no non-finite estimate can replace."""
+    if not math.isfinite(value):
+        kept = os.path.join(args.out_dir, 'best.pt')
+        kept = f"{kept} (iteration {best['iter']}) is intact" if best else "nothing was saved"
+        raise ValueError(f"the policy diverged at iteration {it} ({what} not finite): lower --lr "
+                         f"(now {args.lr:g}); {kept}")
 
 
 def report(args, sft, energy, data_dir, meta, curve, best, seconds, device):
