@@ -6419,7 +6419,7 @@ def test_memory_check_respects_ulimit_v():
     """Issue 40, item 1: under `ulimit -v` (RLIMIT_AS) lower than the machine's free memory, the
     memory check uses what the limit leaves this process, and says so."""
     code = ("import resource, budget\n"
-            "vm = budget.proc_kib('/proc/self/status', 'VmSize:')\n"
+            "vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
             "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
             "assert budget.available_memory() <= 2**30\n"
             "budget.check_memory(2**30, 'a batch', 'lower --batch_size')\n")
