@@ -348,7 +348,7 @@ def check_finite(value, it, what, best, args):
         kept = os.path.join(args.out_dir, 'best.pt')
         kept = f"{kept} (iteration {best['iter']}) is intact" if best else "nothing was saved"
         raise ValueError(f"the policy diverged at iteration {it} ({what} not finite): lower --lr "
-                         f"(now {args.lr:g}); {kept}")
+                         f"(now {args.lr:g}) and start over with --force (a --resume keeps --lr); {kept}")
 
 
 def report(args, sft, energy, data_dir, meta, curve, best, seconds, device):
