@@ -4277,7 +4277,13 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--K', '1000000'], 'at most 65,536')]
+                         '--K', '1000000'], 'at most 65,536'),
+             # issue 40: windows that cut across the 13-token problems of 3 digits
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--prefix_len', '10', '--gen_len', '5'],
+              '--prefix_len 10 --gen_len 5 do not fit .* 13 tokens: pass --prefix_len 8 --gen_len 5'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x')],
+              '--prefix_len 128 --gen_len 64 do not fit')]
     for main, argv, match in cases:
         with pytest.raises(ValueError, match=match):
             main(argv)
