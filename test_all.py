@@ -5061,6 +5061,7 @@ def cli_artifacts(tmp_path_factory):
     A['latin1'] = str(root / 'latin1.txt')
     (root / 'latin1.txt').write_bytes('caf\xe9 cr\xe8me\n'.encode('latin-1'))
     cli_broken_files(A, root)
+    cli_data_and_report_files(A, root)
     return A
 
 
@@ -5095,6 +5096,101 @@ def cli_broken_files(A, root):
     CLI_HELD.append(os.open(A['busy'], os.O_RDONLY))
     fcntl.flock(CLI_HELD[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
 
+
+# ---- issue 40, items 4 and 5: data of the wrong kind, and the reports' inputs of one run ----
+
+def fake_claims_run(out_dir, lm_file, prefixes=6):
+    """A main job's folder that claims.py and figures.py read: ppl.json (test split) of an LM whose
+    checkpoint is lm_file (only hashed), samples.json sampled from it, the LMs' results.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    rs = np.random.default_rng(0)
+    col = lambda mean: [float(v) for v in mean + rs.normal(size=prefixes)]
+    per_prefix = dict(lm_logp=col(-20), extra_logp=dict(RALM=col(-20), BALM=col(-20)),
+                      energy=dict(BIT=col(0), UNIT=col(0)),
+                      logz={e: {'4': dict(low=col(0), high=col(0.1))} for e in ('BIT', 'UNIT')})
+    params = {'BASE LM': 100, 'RALM': 200, 'BALM': 150, 'JOINT BIT': 180, 'JOINT UNIT': 200}
+    ppl = dict(hashes={'BASE LM': file_hash(lm_file)},
+               rows=[dict(model=m, params=p, split='test') for m, p in params.items()],
+               splits=dict(test=dict(gen_len=8, num_samples=4, num_prefixes=prefixes, base_ppl=7.0,
+                                     per_prefix=per_prefix)))
+    text = lambda i: f"sample {i} " + 'abcdefgh'[i % 8] * (i + 3)
+    recs = [dict(base=text(i), joint=text(i + 1), gold=text(i + 2), joint_energy=0.1 * i, gold_energy=0.0,
+                 lm_logp=dict(base=-10.0 - i, joint=-11.0, gold=-12.0 + i)) for i in range(prefixes)]
+    write_json(ppl, os.path.join(out_dir, 'ppl.json'))
+    write_json(dict(args=dict(lm=lm_file, gen_len=8, top_k=None), samples=recs),
+               os.path.join(out_dir, 'samples.json'))
+    for folder, model in (('lm', 'BASE LM'), ('ralm', 'RALM'), ('balm', 'BALM')):
+        os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
+        write_json(dict(params=params[model], iters=10, best_iter=10, best_select_loss=2.0, converged=True),
+                   os.path.join(out_dir, folder, 'results.json'))
+
+
+def edit_json(path, edit):
+    with open(path) as f:
+        obj = json.load(f)
+    obj = edit(obj) or obj
+    with open(path, 'w') as f:
+        json.dump(obj, f)  # NaN as Python's json writes it: what no rebm script writes
+
+
+def drop_balm(ppl):
+    ppl['splits']['test']['per_prefix']['extra_logp'].pop('BALM')
+
+
+def val_with_a_short_column(ppl):
+    ppl['splits']['val'] = copy.deepcopy(ppl['splits']['test'])
+    ppl['splits']['val']['per_prefix']['energy']['BIT'].pop()
+
+
+def val_without_balm(ppl):
+    ppl['splits']['val'] = copy.deepcopy(ppl['splits']['test'])
+    ppl['splits']['val']['per_prefix']['extra_logp'].pop('BALM')
+
+
+REPORT_RUNS = {  # {name: (file, its edit)}: one defect each in a copy of fake_claims_run
+    'run_list': ('ppl.json', lambda ppl: [ppl]),
+    'run_nan': ('ppl.json', lambda ppl: ppl['splits']['test'].update(num_samples=math.nan)),
+    'run_no_balm': ('ppl.json', drop_balm),
+    'run_short_val': ('ppl.json', val_with_a_short_column),
+    'run_val_no_balm': ('ppl.json', val_without_balm),
+    'run_other_balm': (os.path.join('balm', 'results.json'), lambda r: r.update(params=999)),
+    'run_other_lm': ('samples.json', None),  # its --lm another LM's checkpoint
+    'run_stale_claims': ('ppl.json', lambda ppl: ppl['splits']['test'].update(base_ppl=6.0)),  # after claims
+}
+
+
+def cli_data_and_report_files(A, root):
+    """The rows' data of another kind (3-digit addition problems, a corpus's folder) and reports'
+    inputs with one defect each (REPORT_RUNS)."""
+    A['addition'] = str(root / 'addition')
+    addition_prepare.main(['--out_dir', A['addition'], '--digits', '3', '--train', '40', '--select', '8',
+                           '--val', '8', '--test', '8', '--quiet'])
+    A['corpus'] = str(root / 'corpus')
+    os.makedirs(A['corpus'])
+    shutil.copy(os.path.join(ROOT, 'data', 'addition', 'prepare.py'), A['corpus'])
+    A['run'] = str(root / 'run')
+    fake_claims_run(A['run'], A['ckpt'])
+    claims.main(['--out_dir', A['run']])  # claims.json for figures.py, of this ppl.json
+    for name, (file, edit) in REPORT_RUNS.items():
+        A[name] = shutil.copytree(A['run'], str(root / name))
+        if edit:
+            edit_json(os.path.join(A[name], file), edit)
+    edit_json(os.path.join(A['run_other_lm'], 'samples.json'), lambda s: s['args'].update(lm=A['energy']))
+
+
+def test_reports_read_the_fake_run(tmp_path):
+    """fake_claims_run is a run claims.py and figures.py take (each defect of REPORT_RUNS is what
+    its row refuses), and a claims.json records the inputs it measured."""
+    lm_file = tmp_path / 'lm.pt'
+    lm_file.write_bytes(b'an LM')
+    fake_claims_run(str(tmp_path / 'run'), str(lm_file))
+    result = claims.measure(str(tmp_path / 'run'))
+    assert set(result['claims']) == {'C1', 'C2', 'C3', 'C6', 'C7'}  # no per_step: no C4, C5
+    assert result['inputs']['ppl.json'] == file_hash(str(tmp_path / 'run' / 'ppl.json'))
+    if importlib.util.find_spec('matplotlib'):
+        claims.main(['--out_dir', str(tmp_path / 'run')])
+        res = run_script(['job/figures.py', '--out_dir', str(tmp_path / 'run')])
+        assert res.returncode == 0 and (tmp_path / 'run' / 'fig3_loglik.png').exists(), res.stderr
 
 # (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path,
 # what the line names)
@@ -5412,6 +5508,35 @@ CLI_TABLE = [
     ('nce-negatives-from-val', [*E, '--negatives', '{neg_val}'],
      '--negatives {neg_val} were made from the val split'),
     ('repro-out-dir-in-use', [*R, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    # issue 40, items 4 and 5: data of another kind than the job's; reports' inputs wrong or of two runs
+    ('repro-addition-on-text', [*R, '--data', 'addition'],
+     '--data_dir {data} holds text, not addition problems'),
+    ('repro-text-on-addition', [*R, '--data_dir', '{addition}'],
+     '--data_dir {addition} holds addition problems, not text: pass --data addition'),
+    ('repro-addition-of-3-digits', [*R, '--data', 'addition', '--data_dir', '{addition}'],
+     "--data_dir {addition} holds 3-digit problems, but --data addition's sizes are for 6 digits"),
+    ('repro-into-another-corpus', [*R, '--data', 'shakespeare', '--data_dir', '{corpus}'],
+     "--data_dir {corpus} is another corpus's folder"),
+    ('claims-ppl-a-list', ['job/claims.py', '--out_dir', '{run_list}'],
+     '{run_list}/ppl.json: the file is a list, not an object; rerun estimate_ppl.py'),
+    ('claims-ppl-nan', ['job/claims.py', '--out_dir', '{run_nan}'],
+     '{run_nan}/ppl.json: splits.test.num_samples is NaN, not a finite number'),
+    ('claims-run-without-balm', ['job/claims.py', '--out_dir', '{run_no_balm}'],
+     '{run_no_balm}/ppl.json: its test split has no BALM'),
+    ('claims-val-without-balm', ['job/claims.py', '--out_dir', '{run_val_no_balm}', '--split', 'val'],
+     '{run_val_no_balm}/ppl.json: its val split has no BALM'),
+    ('claims-val-short-column', ['job/claims.py', '--out_dir', '{run_short_val}', '--split', 'val'],
+     'the columns of splits.val.per_prefix differ in length'),
+    ('claims-balm-of-another-run', ['job/claims.py', '--out_dir', '{run_other_balm}'],
+     '{run_other_balm}/balm/results.json: its LM has 999 parameters, but the BALM'),
+    ('claims-samples-of-another-lm', ['job/claims.py', '--out_dir', '{run_other_lm}'],
+     '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
+    ('figures-ppl-a-list', ['job/figures.py', '--out_dir', '{run_list}'],
+     '{run_list}/ppl.json: the file is a list, not an object'),
+    ('figures-samples-of-another-lm', ['job/figures.py', '--out_dir', '{run_other_lm}'],
+     '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
+    ('figures-claims-of-another-ppl', ['job/figures.py', '--out_dir', '{run_stale_claims}'],
+     '{run_stale_claims}/claims.json: it was measured on another ppl.json'),
 ]
 
 # One python process runs every row: the script as __main__ (its run_main included), argv set,
@@ -6331,7 +6456,7 @@ def test_sample_bad_input(sample_bad, case):
     check_bad_case(*sample_bad[case])
 
 
-@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json'])
+@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json', 'ppl.json a list'])
 def test_figures_bad_input_is_one_line(tmp_path, case):
     if case == 'no matplotlib':  # a matplotlib that cannot be imported, found before any installed one
         fake = tmp_path / 'fake' / 'matplotlib'
@@ -6345,6 +6470,9 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         pytest.importorskip('matplotlib', reason='the check of ppl.json comes after the import of matplotlib')
         if case == 'empty ppl.json':
             (tmp_path / 'ppl.json').write_text('')
+        if case == 'ppl.json a list':  # issue 40: an AttributeError before
+            fake_main_job_json(tmp_path)
+            (tmp_path / 'ppl.json').write_text('[{"splits": {}}]')
         res = run_script(['job/figures.py', '--out_dir', str(tmp_path)])
         assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
     assert not list(tmp_path.glob('*.png'))
