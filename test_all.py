@@ -69,8 +69,9 @@ from data import (batch_offsets, load_meta, load_negatives, load_split, negative
                   read_negatives_meta, window_tokens, windows, write_json)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from energy import (Energy, build_energy, energy_state, joint_sample, leave_one_out_lse,  # noqa: E402
-                    load_energy, logz_bounds, mlm_mask, sample_log_weights, score, score_continuations)
+from energy import (Energy, build_energy, energy_state, joint_sample, kl_to_lm,  # noqa: E402
+                    leave_one_out_lse, load_any_energy, load_energy, logz_bounds, mlm_mask,
+                    sample_log_weights, score, score_continuations, share_energies)
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, mc_se, per_step,  # noqa: E402
                           per_step_report, summarize)
 import model as model_module  # noqa: E402
@@ -2419,6 +2420,16 @@ def test_logz_bounds_bias_lognormal():
             assert bias[b][k] + 4 * bias[b][k + 2] < bias[a][k] - 4 * bias[a][k + 2], (a, b, k, bias)
 
 
+def test_kl_to_lm_closed_form():
+    """KL(p* || P_LM) from a pool that lists each continuation as often as P_LM draws it (uniform
+    P_LM over 4 continuations, each once) equals sum p* log(p*/P_LM) computed directly."""
+    e = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    p_star = torch.softmax(-e, -1)
+    ref = (p_star * (p_star / 0.25).log()).sum()
+    assert kl_to_lm(-e).item() == pytest.approx(ref.item(), abs=1e-12)
+    assert kl_to_lm(torch.zeros(1, 7)).item() == pytest.approx(0, abs=1e-12)
+
+
 def test_mc_se_matches_spread_of_T_n():
     """mc_se (delta method) against the spread of T_n over many independent draws of n log-normal
     weights, and against the closed form sqrt((e^{sigma^2} - 1) / n) of its large-n limit."""
@@ -3667,16 +3678,6 @@ def test_fit_mu_out_of_steps_judges_the_returned_mu():
         metrics.fit_mu(target, f, log_p0=log_p, max_steps=2, accept=gap2 / 2)
 
 
-def test_kl_to_lm_closed_form():
-    """KL(p* || P_LM) from a pool that lists each continuation as often as P_LM draws it (uniform
-    P_LM over 4 continuations, each once) equals sum p* log(p*/P_LM) computed directly."""
-    e = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
-    p_star = torch.softmax(-e, -1)
-    ref = (p_star * (p_star / 0.25).log()).sum()
-    assert metrics.kl_to_lm(-e).item() == pytest.approx(ref.item(), abs=1e-12)
-    assert metrics.kl_to_lm(torch.zeros(1, 7)).item() == pytest.approx(0, abs=1e-12)
-
-
 def metrics_by_hand(lm, energy, row, P):
     """rep-2, tr-3, div, coh, logp and the energy of one sequence (a list of ids, P of prefix), from
     their definitions (Ji et al., ICLR 2024) in float64, the LM and the energy run on that row alone."""
@@ -3746,7 +3747,7 @@ def test_sample_log_weights_scores_a_shared_energy_once():
     draw = lambda: sample_log_weights(lm, [bit, agg, other], prompts, L, n, NULL,
                                       torch.Generator().manual_seed(0), max_rows=8)
     ref = draw()
-    metrics.share_energies({'BIT': bit, 'METRICS+BIT': agg, 'OTHER': other})
+    share_energies({'BIT': bit, 'METRICS+BIT': agg, 'OTHER': other})
     assert agg.energies['B'] is bit and other.energies['O'] is not bit
     rows = []
     bit.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].size(0)))
@@ -3781,13 +3782,13 @@ def test_metric_ebm_cli(metric_run, lm_ckpt, tmp_path):
     assert (agg['metrics'] == ['tr-4', 'coh', 'logp', 'E:BIT']
             and agg['joint'] == pytest.approx(agg['real'], abs=1e-8))
     assert agg['lm'][:3] == pytest.approx(sel['lm']) and agg['real'][:3] == pytest.approx(sel['real'])
-    both, _ = metrics.load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
+    both, _ = load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
     assert both.mu.tolist() == pytest.approx(res['energy_aggregate']['mu']) and list(both.energies) == ['BIT']
     rows = res['table']['rows']
     assert {'real', 'LM (t = 1)', 'greedy', 'JOINT BIT (n = 4)', 'JOINT METRICS (n = 4)',
             'JOINT METRICS+BIT (n = 4)'} <= set(rows)
     assert rows['real']['gap'] == [0, 0, 0] and rows['greedy']['gap'] != [0, 0, 0]
-    me, _ = metrics.load_any_energy(str(out / 'energy.pt'), lm_ckpt)
+    me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     assert me.mu.tolist() == pytest.approx(res['energy']['mu'])
     ppl = estimate_ppl.main(['--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--splits', 'test',
                              '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '5',
@@ -3802,7 +3803,7 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
     bigram in 4 characters of the fox corpus: rep-2 = 0, which no weighting of samples reaches)."""
     out, _ = metric_run
     with pytest.raises(ValueError, match='fitted to another LM'):
-        metrics.load_any_energy(str(out / 'energy.pt'), eval_ckpts['lm2'])
+        load_any_energy(str(out / 'energy.pt'), eval_ckpts['lm2'])
     with pytest.raises(ValueError, match="metric rep-2: real text's mean 0 is outside"):
         metric_ebm.main(['--lm', lm_ckpt, '--metrics', 'rep-2', '--prefix_len', str(EVAL_P),
                          '--gen_len', str(EVAL_L), '--prefixes', '12', '--pool', '16',
@@ -3810,12 +3811,35 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
     assert not (tmp_path / 'm').exists()
 
 
+def test_an_energy_checkpoint_names_its_loader(metric_run, lm_ckpt, eval_ckpts, tmp_path):
+    """energy.load_any_energy builds a metric energy through the module its checkpoint names
+    (energy.py's interface), one written before that key through 'metric_energy''s, with the same
+    energies; a loader outside this repo's extensions/ is refused, an LM as before."""
+    out, _ = metric_run
+    ckpt = load_checkpoint(str(out / 'energy_aggregate.pt'))
+    assert ckpt['loader'] == 'extensions.metrics'
+    new, _ = load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
+    del ckpt['loader']
+    torch.save(ckpt, tmp_path / 'old.pt')
+    old, _ = load_any_energy(str(tmp_path / 'old.pt'), lm_ckpt)
+    x = torch.randint(0, new.config.vocab_size, (5, EVAL_P + EVAL_L),
+                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(old(x, EVAL_P), new(x, EVAL_P)) and list(old.energies) == ['BIT']
+    for loader in ('os', 'extensions.nothing', 'extensions.metrics.os', 'extensions/metrics', 'job.claims'):
+        torch.save(dict(ckpt, loader=loader), tmp_path / 'bad.pt')
+        with pytest.raises(ValueError, match=f"names the loader '{re.escape(loader)}', not a module of"):
+            load_any_energy(str(tmp_path / 'bad.pt'), lm_ckpt)
+    with pytest.raises(ValueError, match="holds a 'lm' model, not an energy"):
+        load_any_energy(lm_ckpt, lm_ckpt)
+    assert isinstance(load_any_energy(eval_ckpts['bit'], lm_ckpt)[0], Energy)
+
+
 def test_sample_cli_with_a_metric_energy(metric_run, lm_corpus, lm_ckpt, tmp_path):
     """sample.py draws from the metric energy's joint model (Algorithm 1, Table 3, A.1) as from any
     energy: the energy it records for each real continuation is mu . f of that window."""
     out, _ = metric_run
     rep = sample.main(sample_argv(lm_ckpt, str(out / 'energy.pt'), tmp_path / 's.json'))
-    me, _ = metrics.load_any_energy(str(out / 'energy.pt'), lm_ckpt)
+    me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     data = load_split(lm_corpus, 'test', load_meta(lm_corpus))
     x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
     for r, row in zip(rep['samples'], x):
@@ -4234,7 +4258,7 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     lp = logprobs64(load_lm(lm_path)[0], seq[:, :-1])[:, 7:].gather(-1, seq[:, 8:, None]).sum((1, 2))
     lp = lp.view(B, m)
     assert torch.allclose(logp, lp, atol=1e-4)
-    energy = metrics.load_any_energy(str(d / 'bit.pt'), lm_path, 'cpu')[0]
+    energy = load_any_energy(str(d / 'bit.pt'), lm_path, 'cpu')[0]
     E = score_continuations(energy, pre, x, 8, contextlib.nullcontext())
     hit = x == gold[:, None]
     score = dict(exact=hit.all(-1).double(), digit=hit[..., :-1].double().mean(-1))  # (B, m) each
@@ -6893,9 +6917,20 @@ def test_import_graph():
     assert not bad, bad
 
 
+def test_the_method_imports_no_wing():
+    """The method (the top-level files and data/) imports nothing from job/ or extensions/, at any
+    depth: an extension plugs in through the interface energy.py's docstring states."""
+    trees = python_files()
+    method = [p for p in trees if ('/' not in p or p.startswith('data/')) and not is_free(p)]
+    assert {'energy.py', 'estimate_ppl.py', 'sample.py'} <= set(method)
+    bad = [f'{p} imports {target}' for p in method for target, _ in repo_imports(trees[p], trees)
+           if target.startswith(('job/', 'extensions/'))]
+    assert not bad, bad
+
+
 def test_no_import_circle():
     """No file imports, at any depth (a lazy import inside a function too), a file that imports it
-    back: energy.py knows nothing of the metric energy, whose loader lives with it."""
+    back: energy.py knows nothing of the metric energy, whose checkpoint names its loader."""
     trees = python_files()
     edges = {p: {target for target, _ in repo_imports(t, trees) if target != p} for p, t in trees.items()}
 

@@ -49,8 +49,7 @@ import torch.nn.functional as F
 
 from data import (check_fits, check_problem_windows, load_lm_and_data, load_split, window_tokens, windows,
                   write_json)
-from energy import logz_bounds, score_continuations
-from extensions.metrics import load_any_energy
+from energy import load_any_energy, logz_bounds, score_continuations
 from model import file_hash, load_lm, save_checkpoint
 from plumbing import (ArgumentParser, at_least, check, check_new, check_writable, rerun_command, rng,
                       run_main, setup)
