@@ -64,7 +64,8 @@ DEFAULT = dict(
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
     # the energy's recipe (nce_train.py's defaults, chosen on addition's selection split: docs/addition.md):
     # ranking NCE over K LM samples per prefix, best.pt by the held-out joint gain, log Z from 64 samples
-    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near the LM's
+    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near
+    # the LM's
     neg=dict(prefix_len=128, gen_len=64, num_samples=8, select_samples=64, train_prefixes=8000,
              select_prefixes=256),
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
