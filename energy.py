@@ -18,9 +18,18 @@ bound memory, in float64. The rest are speed-ups of it, each tested equal to it:
 and `sample_log_weights`, Eq. 4's weights -E of n LM samples per prefix. `joint_sample` is
 Algorithm 1 (sample.algorithm_1, tested equal) in chunks, for any n in bounded memory.
 `logz_bounds` is Eq. 4: log Z of each prefix from n LM samples' -E, at its two ends.
+
+The interface an extension plugs into (extensions/metrics.py's MetricEnergy is one): an energy is
+a module whose `energy(x, prefix_len)` is E (B,); it may have `shares_prompt` and `forward_shared`
+as Energy's (score_continuations uses them) and `energies`, {name: Energy} it is built from
+(share_energies). A checkpoint of another kind than 'energy' names, as ckpt['loader'], the module
+of extensions/ whose `load(ckpt, path, lm_path, device)` builds it (load_any_energy).
 """
 
+import importlib
 import math
+import os
+import re
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 
@@ -90,12 +99,13 @@ class Energy(nn.Module):
         """Whether forward_shared applies: a causal body that sees some of the prompt."""
         return self.config.causal and prompt_len > self.context_cut(prefix_len)
 
-    def forward_shared(self, prompt, tokens, prefix_len, rows=256):
+    def forward_shared(self, prompt, tokens, prefix_len, rows=256, known=None):
         """Energies (B, n) of the sequences [prompt_b; tokens[b, i]] for a causal body (UNIT), from
         prompts (B, P) and continuations (B, n, L), prefix_len <= P: each prompt runs once and its
         K/V is shared by its n continuations (as in GPT.generate), at most `rows` of them at a time.
         A causal state does not depend on later tokens, so this is forward() on each sequence;
-        at P = 128, L = 64 it is a third of the work."""
+        at P = 128, L = 64 it is a third of the work. known: {energy: (B, n)} already scored on
+        these continuations, for an energy built from others (unused here)."""
         assert self.config.causal, 'a bidirectional body sees the continuation from every prompt position'
         cut = self.context_cut(prefix_len)
         prompt, prefix_len = prompt[:, cut:], prefix_len - cut
@@ -182,7 +192,7 @@ def energy_state(energy, lm_path, meta):
 
 def load_energy(path, lm_path=None, device='cpu'):
     """An NCE-trained Energy in eval mode, and its checkpoint; with lm_path, checked to be the
-    residual of that LM. (extensions.metrics.load_any_energy also loads the talk's metric energies.)"""
+    residual of that LM. (load_any_energy also loads the energies of extensions/.)"""
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'energy':
         raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not an energy (nce_train.py)")
@@ -195,6 +205,39 @@ def load_energy(path, lm_path=None, device='cpu'):
         raise ValueError(f"{path} holds non-finite weights (its training diverged): "
                          "retrain it with a lower --lr")
     return energy.to(device).eval(), ckpt
+
+
+LOADERS = {'metric_energy': 'extensions.metrics'}  # checkpoints written before ckpt['loader']
+
+
+def load_any_energy(path, lm_path=None, device='cpu'):
+    """(energy in eval mode, checkpoint) of any kind: an NCE-trained Energy (load_energy), or
+    another kind built by the module of extensions/ that its checkpoint names (the interface above)."""
+    ckpt = load_checkpoint(path)
+    loader = ckpt.get('loader', LOADERS.get(ckpt['kind']))
+    if loader is None:
+        return load_energy(path, lm_path, device)  # an energy, or refused there
+    name = re.fullmatch(r'extensions\.([a-z_][a-z0-9_]*)', str(loader))
+    if not name or not os.path.isfile(os.path.join(os.path.dirname(__file__), 'extensions', name[1] + '.py')):
+        raise ValueError(f"{path} names the loader '{loader}', not a module of this repo's extensions/")
+    return importlib.import_module(loader).load(ckpt, path, lm_path, device), ckpt
+
+
+def share_energies(energies):
+    """Where an energy among `energies` ({name: energy}) is built from others (its `energies`) and
+    one of them has the very weights of an Energy listed (METRICS+BIT's E:BIT and BIT), make it
+    that module: sample_log_weights then scores it once for both."""
+    plain = [e for e in energies.values() if isinstance(e, Energy)]
+    for m in energies.values():
+        parts = getattr(m, 'energies', {})
+        for name, inner in parts.items():
+            parts[name] = next((e for e in plain if same_weights(e, inner)), inner)
+
+
+def same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return (a.config, a.pool, a.context) == (b.config, b.pool, b.context) and sa.keys() == sb.keys() and \
+        all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @torch.no_grad()
@@ -216,11 +259,10 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
     {energy: (B, n)} already scored on these continuations, which a metric energy with one of
     them among its metrics (METRICS+BIT's E:BIT) reuses instead of running it again."""
     (B, P), L = prompts.shape, tokens.size(2)
-    if hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len):
+    if hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len):  # optional (above)
         rows = max(1, min(max_rows, max_tokens // L))
-        extra = dict(known=known) if hasattr(energy, 'features_shared') else {}  # a metrics.MetricEnergy
         with ctx:
-            return energy.forward_shared(prompts, tokens, prefix_len, rows, **extra).double()
+            return energy.forward_shared(prompts, tokens, prefix_len, rows, known).double()
     out = []
     for t in tokens.split(max(1, max_rows // B), dim=1):  # (B, c, L): c continuations of each prompt
         x = torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2)  # (B, c, P+L)
@@ -241,7 +283,7 @@ def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_r
     with ctx:
         tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator,
                                 max_rows=max_rows)  # (B, n, gen_len)
-    known = {}  # each energy scored once, also where it is a metric of another (metrics.share_energies)
+    known = {}  # each energy scored once, also where another is built from it (share_energies)
     for e in energies:
         if e not in known:
             known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows,
@@ -321,3 +363,12 @@ def logz_bounds(log_w):
     T_n = torch.logsumexp(lw, -1) - math.log(n)  # (...)
     T_n1 = (leave_one_out_lse(lw) - math.log(n - 1)).mean(-1)  # (...) the mean of n estimates from n-1
     return T_n, (2 * n - 1) * T_n - 2 * (n - 1) * T_n1
+
+
+def kl_to_lm(log_w):
+    """KL(p* || P_LM) per prefix of the joint model p* ∝ P_LM exp(log_w), from log_w (..., n) = -E
+    of n LM samples: E_p*[log p*/P_LM] = sum_j w_j log_w_j - log mean_j exp(log_w_j), w = softmax(log_w),
+    in float64. For the fitted metric energy it is the gain in log-likelihood that the Pythagorean
+    identity predicts (extensions/metrics.py)."""
+    lw = log_w.double()
+    return (torch.softmax(lw, -1) * lw).sum(-1) - (torch.logsumexp(lw, -1) - math.log(lw.size(-1)))

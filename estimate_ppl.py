@@ -27,8 +27,8 @@ import torch.distributed as dist
 from budget import check_memory
 from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
                   write_text)
-from energy import logz_bounds, sample_log_weights, score, score_continuations
-from extensions.metrics import kl_to_lm, load_any_energy, share_energies
+from energy import (kl_to_lm, load_any_energy, logz_bounds, sample_log_weights, score, score_continuations,
+                    share_energies)
 from model import file_hash, load_lm
 from data.tokenizer import load_tokenizer
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_new, check_writable,

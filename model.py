@@ -92,6 +92,12 @@ class SelfAttention(nn.Module):
         return mask, is_causal
 
 
+# On a CPU, bf16 is chosen only where its matmuls run on bf16 units; SDPA's CPU kernel does not
+# use them (no faster in bf16 than in fp32), two plain matmuls do: bench.py measures the difference
+# (matmul_attention, in the speed section below)
+CPU_BF16_MATMUL_ATTENTION = True
+
+
 def attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(hs) + mask) v for q, k, v (B, nh, T, hs): scaled_dot_product_attention
     (on a CPU in bf16, matmul_attention of the speed section, which equals it within bf16 rounding).
@@ -368,11 +374,6 @@ def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
     a = s.softmax(-1).to(v.dtype)
     y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v)
     return y.reshape(N, nh, T, hs) + a[..., P:] @ v
-
-
-# On a CPU, bf16 is chosen only where its matmuls run on bf16 units; SDPA's CPU kernel does not
-# use them (no faster in bf16 than in fp32), two plain matmuls do: bench.py measures the difference
-CPU_BF16_MATMUL_ATTENTION = True
 
 
 def matmul_attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):

@@ -29,8 +29,8 @@ import torch
 
 from budget import TIME_LIMIT_S, check_memory, check_time, duration, forward_seconds
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import gumbel_keys, joint_sample, sample_log_weights, score, score_continuations
-from extensions.metrics import load_any_energy  # an NCE energy or the talk's metric energy
+from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
+                    score_continuations)  # load_any_energy: an NCE energy or an extension's
 from plumbing import (DTYPES, ArgumentParser, at_least, check_free_space, check_new, check_writable,
                       precision, progress, rng, run_main, setup)
 from data.tokenizer import load_tokenizer

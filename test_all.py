@@ -69,8 +69,9 @@ from data import (batch_offsets, load_meta, load_negatives, load_split, negative
                   read_negatives_meta, window_tokens, windows, write_json)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from energy import (Energy, build_energy, energy_state, joint_sample, leave_one_out_lse,  # noqa: E402
-                    load_energy, logz_bounds, mlm_mask, sample_log_weights, score, score_continuations)
+from energy import (Energy, build_energy, energy_state, joint_sample, kl_to_lm,  # noqa: E402
+                    leave_one_out_lse, load_any_energy, load_energy, logz_bounds, mlm_mask,
+                    sample_log_weights, score, score_continuations, share_energies)
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, mc_se, per_step,  # noqa: E402
                           per_step_report, summarize)
 import model as model_module  # noqa: E402
@@ -2419,6 +2420,16 @@ def test_logz_bounds_bias_lognormal():
             assert bias[b][k] + 4 * bias[b][k + 2] < bias[a][k] - 4 * bias[a][k + 2], (a, b, k, bias)
 
 
+def test_kl_to_lm_closed_form():
+    """KL(p* || P_LM) from a pool that lists each continuation as often as P_LM draws it (uniform
+    P_LM over 4 continuations, each once) equals sum p* log(p*/P_LM) computed directly."""
+    e = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    p_star = torch.softmax(-e, -1)
+    ref = (p_star * (p_star / 0.25).log()).sum()
+    assert kl_to_lm(-e).item() == pytest.approx(ref.item(), abs=1e-12)
+    assert kl_to_lm(torch.zeros(1, 7)).item() == pytest.approx(0, abs=1e-12)
+
+
 def test_mc_se_matches_spread_of_T_n():
     """mc_se (delta method) against the spread of T_n over many independent draws of n log-normal
     weights, and against the closed form sqrt((e^{sigma^2} - 1) / n) of its large-n limit."""
@@ -3667,16 +3678,6 @@ def test_fit_mu_out_of_steps_judges_the_returned_mu():
         metrics.fit_mu(target, f, log_p0=log_p, max_steps=2, accept=gap2 / 2)
 
 
-def test_kl_to_lm_closed_form():
-    """KL(p* || P_LM) from a pool that lists each continuation as often as P_LM draws it (uniform
-    P_LM over 4 continuations, each once) equals sum p* log(p*/P_LM) computed directly."""
-    e = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
-    p_star = torch.softmax(-e, -1)
-    ref = (p_star * (p_star / 0.25).log()).sum()
-    assert metrics.kl_to_lm(-e).item() == pytest.approx(ref.item(), abs=1e-12)
-    assert metrics.kl_to_lm(torch.zeros(1, 7)).item() == pytest.approx(0, abs=1e-12)
-
-
 def metrics_by_hand(lm, energy, row, P):
     """rep-2, tr-3, div, coh, logp and the energy of one sequence (a list of ids, P of prefix), from
     their definitions (Ji et al., ICLR 2024) in float64, the LM and the energy run on that row alone."""
@@ -3746,7 +3747,7 @@ def test_sample_log_weights_scores_a_shared_energy_once():
     draw = lambda: sample_log_weights(lm, [bit, agg, other], prompts, L, n, NULL,
                                       torch.Generator().manual_seed(0), max_rows=8)
     ref = draw()
-    metrics.share_energies({'BIT': bit, 'METRICS+BIT': agg, 'OTHER': other})
+    share_energies({'BIT': bit, 'METRICS+BIT': agg, 'OTHER': other})
     assert agg.energies['B'] is bit and other.energies['O'] is not bit
     rows = []
     bit.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].size(0)))
@@ -3781,13 +3782,13 @@ def test_metric_ebm_cli(metric_run, lm_ckpt, tmp_path):
     assert (agg['metrics'] == ['tr-4', 'coh', 'logp', 'E:BIT']
             and agg['joint'] == pytest.approx(agg['real'], abs=1e-8))
     assert agg['lm'][:3] == pytest.approx(sel['lm']) and agg['real'][:3] == pytest.approx(sel['real'])
-    both, _ = metrics.load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
+    both, _ = load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
     assert both.mu.tolist() == pytest.approx(res['energy_aggregate']['mu']) and list(both.energies) == ['BIT']
     rows = res['table']['rows']
     assert {'real', 'LM (t = 1)', 'greedy', 'JOINT BIT (n = 4)', 'JOINT METRICS (n = 4)',
             'JOINT METRICS+BIT (n = 4)'} <= set(rows)
     assert rows['real']['gap'] == [0, 0, 0] and rows['greedy']['gap'] != [0, 0, 0]
-    me, _ = metrics.load_any_energy(str(out / 'energy.pt'), lm_ckpt)
+    me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     assert me.mu.tolist() == pytest.approx(res['energy']['mu'])
     ppl = estimate_ppl.main(['--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--splits', 'test',
                              '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '5',
@@ -3802,7 +3803,7 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
     bigram in 4 characters of the fox corpus: rep-2 = 0, which no weighting of samples reaches)."""
     out, _ = metric_run
     with pytest.raises(ValueError, match='fitted to another LM'):
-        metrics.load_any_energy(str(out / 'energy.pt'), eval_ckpts['lm2'])
+        load_any_energy(str(out / 'energy.pt'), eval_ckpts['lm2'])
     with pytest.raises(ValueError, match="metric rep-2: real text's mean 0 is outside"):
         metric_ebm.main(['--lm', lm_ckpt, '--metrics', 'rep-2', '--prefix_len', str(EVAL_P),
                          '--gen_len', str(EVAL_L), '--prefixes', '12', '--pool', '16',
@@ -3810,12 +3811,35 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
     assert not (tmp_path / 'm').exists()
 
 
+def test_an_energy_checkpoint_names_its_loader(metric_run, lm_ckpt, eval_ckpts, tmp_path):
+    """energy.load_any_energy builds a metric energy through the module its checkpoint names
+    (energy.py's interface), one written before that key through 'metric_energy''s, with the same
+    energies; a loader outside this repo's extensions/ is refused, an LM as before."""
+    out, _ = metric_run
+    ckpt = load_checkpoint(str(out / 'energy_aggregate.pt'))
+    assert ckpt['loader'] == 'extensions.metrics'
+    new, _ = load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
+    del ckpt['loader']
+    torch.save(ckpt, tmp_path / 'old.pt')
+    old, _ = load_any_energy(str(tmp_path / 'old.pt'), lm_ckpt)
+    x = torch.randint(0, new.config.vocab_size, (5, EVAL_P + EVAL_L),
+                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(old(x, EVAL_P), new(x, EVAL_P)) and list(old.energies) == ['BIT']
+    for loader in ('os', 'extensions.nothing', 'extensions.metrics.os', 'extensions/metrics', 'job.claims'):
+        torch.save(dict(ckpt, loader=loader), tmp_path / 'bad.pt')
+        with pytest.raises(ValueError, match=f"names the loader '{re.escape(loader)}', not a module of"):
+            load_any_energy(str(tmp_path / 'bad.pt'), lm_ckpt)
+    with pytest.raises(ValueError, match="holds a 'lm' model, not an energy"):
+        load_any_energy(lm_ckpt, lm_ckpt)
+    assert isinstance(load_any_energy(eval_ckpts['bit'], lm_ckpt)[0], Energy)
+
+
 def test_sample_cli_with_a_metric_energy(metric_run, lm_corpus, lm_ckpt, tmp_path):
     """sample.py draws from the metric energy's joint model (Algorithm 1, Table 3, A.1) as from any
     energy: the energy it records for each real continuation is mu . f of that window."""
     out, _ = metric_run
     rep = sample.main(sample_argv(lm_ckpt, str(out / 'energy.pt'), tmp_path / 's.json'))
-    me, _ = metrics.load_any_energy(str(out / 'energy.pt'), lm_ckpt)
+    me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     data = load_split(lm_corpus, 'test', load_meta(lm_corpus))
     x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
     for r, row in zip(rep['samples'], x):
@@ -4234,7 +4258,7 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     lp = logprobs64(load_lm(lm_path)[0], seq[:, :-1])[:, 7:].gather(-1, seq[:, 8:, None]).sum((1, 2))
     lp = lp.view(B, m)
     assert torch.allclose(logp, lp, atol=1e-4)
-    energy = metrics.load_any_energy(str(d / 'bit.pt'), lm_path, 'cpu')[0]
+    energy = load_any_energy(str(d / 'bit.pt'), lm_path, 'cpu')[0]
     E = score_continuations(energy, pre, x, 8, contextlib.nullcontext())
     hit = x == gold[:, None]
     score = dict(exact=hit.all(-1).double(), digit=hit[..., :-1].double().mean(-1))  # (B, m) each
@@ -4295,7 +4319,13 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--resume'], '--resume: .*ckpt.pt does not exist'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--resume', '--force'], '--resume and --force contradict')]
+                         '--resume', '--force'], '--resume and --force contradict'),
+             # issue 40: windows that cut across the 13-token problems of 3 digits
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--prefix_len', '10', '--gen_len', '5'],
+              '--prefix_len 10 --gen_len 5 do not fit .* 13 tokens: pass --prefix_len 8 --gen_len 5'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x')],
+              '--prefix_len 128 --gen_len 64 do not fit')]
     for main, argv, match in cases:
         with pytest.raises(ValueError, match=match):
             main(argv)
@@ -5109,6 +5139,7 @@ def cli_artifacts(tmp_path_factory):
     A['latin1'] = str(root / 'latin1.txt')
     (root / 'latin1.txt').write_bytes('caf\xe9 cr\xe8me\n'.encode('latin-1'))
     cli_broken_files(A, root)
+    cli_data_and_report_files(A, root)
     return A
 
 
@@ -5143,6 +5174,101 @@ def cli_broken_files(A, root):
     CLI_HELD.append(os.open(A['busy'], os.O_RDONLY))
     fcntl.flock(CLI_HELD[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
 
+
+# ---- issue 40, items 4 and 5: data of the wrong kind, and the reports' inputs of one run ----
+
+def fake_claims_run(out_dir, lm_file, prefixes=6):
+    """A main job's folder that claims.py and figures.py read: ppl.json (test split) of an LM whose
+    checkpoint is lm_file (only hashed), samples.json sampled from it, the LMs' results.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    rs = np.random.default_rng(0)
+    col = lambda mean: [float(v) for v in mean + rs.normal(size=prefixes)]
+    per_prefix = dict(lm_logp=col(-20), extra_logp=dict(RALM=col(-20), BALM=col(-20)),
+                      energy=dict(BIT=col(0), UNIT=col(0)),
+                      logz={e: {'4': dict(low=col(0), high=col(0.1))} for e in ('BIT', 'UNIT')})
+    params = {'BASE LM': 100, 'RALM': 200, 'BALM': 150, 'JOINT BIT': 180, 'JOINT UNIT': 200}
+    ppl = dict(hashes={'BASE LM': file_hash(lm_file)},
+               rows=[dict(model=m, params=p, split='test') for m, p in params.items()],
+               splits=dict(test=dict(gen_len=8, num_samples=4, num_prefixes=prefixes, base_ppl=7.0,
+                                     per_prefix=per_prefix)))
+    text = lambda i: f"sample {i} " + 'abcdefgh'[i % 8] * (i + 3)
+    recs = [dict(base=text(i), joint=text(i + 1), gold=text(i + 2), joint_energy=0.1 * i, gold_energy=0.0,
+                 lm_logp=dict(base=-10.0 - i, joint=-11.0, gold=-12.0 + i)) for i in range(prefixes)]
+    write_json(ppl, os.path.join(out_dir, 'ppl.json'))
+    write_json(dict(args=dict(lm=lm_file, gen_len=8, top_k=None), samples=recs),
+               os.path.join(out_dir, 'samples.json'))
+    for folder, model in (('lm', 'BASE LM'), ('ralm', 'RALM'), ('balm', 'BALM')):
+        os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
+        write_json(dict(params=params[model], iters=10, best_iter=10, best_select_loss=2.0, converged=True),
+                   os.path.join(out_dir, folder, 'results.json'))
+
+
+def edit_json(path, edit):
+    with open(path) as f:
+        obj = json.load(f)
+    obj = edit(obj) or obj
+    with open(path, 'w') as f:
+        json.dump(obj, f)  # NaN as Python's json writes it: what no rebm script writes
+
+
+def drop_balm(ppl):
+    ppl['splits']['test']['per_prefix']['extra_logp'].pop('BALM')
+
+
+def val_with_a_short_column(ppl):
+    ppl['splits']['val'] = copy.deepcopy(ppl['splits']['test'])
+    ppl['splits']['val']['per_prefix']['energy']['BIT'].pop()
+
+
+def val_without_balm(ppl):
+    ppl['splits']['val'] = copy.deepcopy(ppl['splits']['test'])
+    ppl['splits']['val']['per_prefix']['extra_logp'].pop('BALM')
+
+
+REPORT_RUNS = {  # {name: (file, its edit)}: one defect each in a copy of fake_claims_run
+    'run_list': ('ppl.json', lambda ppl: [ppl]),
+    'run_nan': ('ppl.json', lambda ppl: ppl['splits']['test'].update(num_samples=math.nan)),
+    'run_no_balm': ('ppl.json', drop_balm),
+    'run_short_val': ('ppl.json', val_with_a_short_column),
+    'run_val_no_balm': ('ppl.json', val_without_balm),
+    'run_other_balm': (os.path.join('balm', 'results.json'), lambda r: r.update(params=999)),
+    'run_other_lm': ('samples.json', None),  # its --lm another LM's checkpoint
+    'run_stale_claims': ('ppl.json', lambda ppl: ppl['splits']['test'].update(base_ppl=6.0)),  # after claims
+}
+
+
+def cli_data_and_report_files(A, root):
+    """The rows' data of another kind (3-digit addition problems, a corpus's folder) and reports'
+    inputs with one defect each (REPORT_RUNS)."""
+    A['addition'] = str(root / 'addition')
+    addition_prepare.main(['--out_dir', A['addition'], '--digits', '3', '--train', '40', '--select', '8',
+                           '--val', '8', '--test', '8', '--quiet'])
+    A['corpus'] = str(root / 'corpus')
+    os.makedirs(A['corpus'])
+    shutil.copy(os.path.join(ROOT, 'data', 'addition', 'prepare.py'), A['corpus'])
+    A['run'] = str(root / 'run')
+    fake_claims_run(A['run'], A['ckpt'])
+    claims.main(['--out_dir', A['run']])  # claims.json for figures.py, of this ppl.json
+    for name, (file, edit) in REPORT_RUNS.items():
+        A[name] = shutil.copytree(A['run'], str(root / name))
+        if edit:
+            edit_json(os.path.join(A[name], file), edit)
+    edit_json(os.path.join(A['run_other_lm'], 'samples.json'), lambda s: s['args'].update(lm=A['energy']))
+
+
+def test_reports_read_the_fake_run(tmp_path):
+    """fake_claims_run is a run claims.py and figures.py take (each defect of REPORT_RUNS is what
+    its row refuses), and a claims.json records the inputs it measured."""
+    lm_file = tmp_path / 'lm.pt'
+    lm_file.write_bytes(b'an LM')
+    fake_claims_run(str(tmp_path / 'run'), str(lm_file))
+    result = claims.measure(str(tmp_path / 'run'))
+    assert set(result['claims']) == {'C1', 'C2', 'C3', 'C6', 'C7'}  # no per_step: no C4, C5
+    assert result['inputs']['ppl.json'] == file_hash(str(tmp_path / 'run' / 'ppl.json'))
+    if importlib.util.find_spec('matplotlib'):
+        claims.main(['--out_dir', str(tmp_path / 'run')])
+        res = run_script(['job/figures.py', '--out_dir', str(tmp_path / 'run')])
+        assert res.returncode == 0 and (tmp_path / 'run' / 'fig3_loglik.png').exists(), res.stderr
 
 # (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path,
 # what the line names)
@@ -5475,6 +5601,35 @@ CLI_TABLE = [
      'is 250 bytes, more than the 239 a name may have here'),
     ('neg-out-dir-folder-name-256-bytes', [*N, '--out_dir', '{root}/' + 'n' * 256 + '/neg'],
      "is 256 bytes, more than the 255 a name may have here (the filesystem's NAME_MAX)"),
+    # issue 40, items 4 and 5: data of another kind than the job's; reports' inputs wrong or of two runs
+    ('repro-addition-on-text', [*R, '--data', 'addition'],
+     '--data_dir {data} holds text, not addition problems'),
+    ('repro-text-on-addition', [*R, '--data_dir', '{addition}'],
+     '--data_dir {addition} holds addition problems, not text: pass --data addition'),
+    ('repro-addition-of-3-digits', [*R, '--data', 'addition', '--data_dir', '{addition}'],
+     "--data_dir {addition} holds 3-digit problems, but --data addition's sizes are for 6 digits"),
+    ('repro-into-another-corpus', [*R, '--data', 'shakespeare', '--data_dir', '{corpus}'],
+     "--data_dir {corpus} is another corpus's folder"),
+    ('claims-ppl-a-list', ['job/claims.py', '--out_dir', '{run_list}'],
+     '{run_list}/ppl.json: the file is a list, not an object; rerun estimate_ppl.py'),
+    ('claims-ppl-nan', ['job/claims.py', '--out_dir', '{run_nan}'],
+     '{run_nan}/ppl.json: splits.test.num_samples is NaN, not a finite number'),
+    ('claims-run-without-balm', ['job/claims.py', '--out_dir', '{run_no_balm}'],
+     '{run_no_balm}/ppl.json: its test split has no BALM'),
+    ('claims-val-without-balm', ['job/claims.py', '--out_dir', '{run_val_no_balm}', '--split', 'val'],
+     '{run_val_no_balm}/ppl.json: its val split has no BALM'),
+    ('claims-val-short-column', ['job/claims.py', '--out_dir', '{run_short_val}', '--split', 'val'],
+     'the columns of splits.val.per_prefix differ in length'),
+    ('claims-balm-of-another-run', ['job/claims.py', '--out_dir', '{run_other_balm}'],
+     '{run_other_balm}/balm/results.json: its LM has 999 parameters, but the BALM'),
+    ('claims-samples-of-another-lm', ['job/claims.py', '--out_dir', '{run_other_lm}'],
+     '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
+    ('figures-ppl-a-list', ['job/figures.py', '--out_dir', '{run_list}'],
+     '{run_list}/ppl.json: the file is a list, not an object'),
+    ('figures-samples-of-another-lm', ['job/figures.py', '--out_dir', '{run_other_lm}'],
+     '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
+    ('figures-claims-of-another-ppl', ['job/figures.py', '--out_dir', '{run_stale_claims}'],
+     '{run_stale_claims}/claims.json: it was measured on another ppl.json'),
 ]
 
 # One python process runs every row: the script as __main__ (its run_main included), argv set,
@@ -6430,7 +6585,7 @@ def test_memory_check_respects_ulimit_v():
     assert 'GiB available under ulimit -v): lower --batch_size' in res.stderr
 
 
-@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json'])
+@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json', 'ppl.json a list'])
 def test_figures_bad_input_is_one_line(tmp_path, case):
     if case == 'no matplotlib':  # a matplotlib that cannot be imported, found before any installed one
         fake = tmp_path / 'fake' / 'matplotlib'
@@ -6444,6 +6599,9 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         pytest.importorskip('matplotlib', reason='the check of ppl.json comes after the import of matplotlib')
         if case == 'empty ppl.json':
             (tmp_path / 'ppl.json').write_text('')
+        if case == 'ppl.json a list':  # issue 40: an AttributeError before
+            fake_main_job_json(tmp_path)
+            (tmp_path / 'ppl.json').write_text('[{"splits": {}}]')
         res = run_script(['job/figures.py', '--out_dir', str(tmp_path)])
         assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
     assert not list(tmp_path.glob('*.png'))
@@ -6864,9 +7022,20 @@ def test_import_graph():
     assert not bad, bad
 
 
+def test_the_method_imports_no_wing():
+    """The method (the top-level files and data/) imports nothing from job/ or extensions/, at any
+    depth: an extension plugs in through the interface energy.py's docstring states."""
+    trees = python_files()
+    method = [p for p in trees if ('/' not in p or p.startswith('data/')) and not is_free(p)]
+    assert {'energy.py', 'estimate_ppl.py', 'sample.py'} <= set(method)
+    bad = [f'{p} imports {target}' for p in method for target, _ in repo_imports(trees[p], trees)
+           if target.startswith(('job/', 'extensions/'))]
+    assert not bad, bad
+
+
 def test_no_import_circle():
     """No file imports, at any depth (a lazy import inside a function too), a file that imports it
-    back: energy.py knows nothing of the metric energy, whose loader lives with it."""
+    back: energy.py knows nothing of the metric energy, whose checkpoint names its loader."""
     trees = python_files()
     edges = {p: {target for target, _ in repo_imports(t, trees) if target != p} for p, t in trees.items()}
 

@@ -175,6 +175,35 @@ def load_meta(data_dir):
     return meta
 
 
+ADDITION_CHARS = set('0123456789+=')
+
+
+def problem_windows(meta):
+    """(prefix_len, gen_len) of the problems of addition data (data/addition/prepare.py), None for
+    any other data. Known from meta.json alone: a char table of digits, '+' and '=', and every
+    document of every split 3N + 4 tokens (`a+b=c` of N-digit operands, then the end of text)."""
+    chars, tokens, docs = meta.get('chars'), meta.get('num_tokens'), meta.get('num_docs')
+    if meta.get('tokenizer') != 'char' or not chars or not {'+', '='} <= set(chars) <= ADDITION_CHARS:
+        return None
+    if not isinstance(tokens, dict) or not isinstance(docs, dict) or not docs:
+        return None
+    lengths = {tokens.get(s, 0) / n if n else 0 for s, n in docs.items()}
+    T = lengths.pop() if len(lengths) == 1 else 0
+    if T < 7 or T != int(T) or (T - 4) % 3:
+        return None
+    N = int(T - 4) // 3
+    return 2 * N + 2, N + 2
+
+
+def check_problem_windows(meta, prefix_len, gen_len):
+    """On addition data, --prefix_len and --gen_len must be the problems' windows: any other pair
+    cuts windows across problems (a prefix holding part of a sum), which trains on nonsense."""
+    want = problem_windows(meta)
+    if want and (prefix_len, gen_len) != want:
+        raise ValueError(f"--prefix_len {prefix_len} --gen_len {gen_len} do not fit this data's addition "
+                         f"problems of {sum(want)} tokens: pass --prefix_len {want[0]} --gen_len {want[1]}")
+
+
 def load_split(data_dir, split, meta=None):
     """Token ids of one split as a read-only memmap."""
     meta = meta or load_meta(data_dir)

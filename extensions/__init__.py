@@ -1,5 +1,7 @@
 """Beyond the paper: the residual form extended by Ji et al.'s talk (the metric energy of
-"Language Model Decoding as Direct Metrics Optimization", ICLR 2024):
+"Language Model Decoding as Direct Metrics Optimization", ICLR 2024). The method imports nothing
+from here: an energy of this package plugs in through the interface energy.py's docstring states
+(its checkpoint names the module that loads it, as metrics.py's load).
 
     metrics.py        the metrics f_k, MetricEnergy (E = mu . f), fit_mu (moment matching)
     python extensions/metric_ebm.py    fits mu on the selection split; the talk's decoding table

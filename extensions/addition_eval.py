@@ -36,8 +36,7 @@ import plumbing  # first: threads' wait policy, read once as torch loads (plumbi
 import torch
 
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import gumbel_keys, logz_bounds, score_continuations
-from extensions.metrics import load_any_energy
+from energy import gumbel_keys, load_any_energy, logz_bounds, score_continuations
 from model import load_lm
 from plumbing import ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup
 

@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from budget import check_training_memory
-from data import check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
-from energy import logz_bounds, score_continuations
-from extensions.metrics import load_any_energy
+from data import (check_fits, check_problem_windows, load_lm_and_data, load_split, window_tokens, windows,
+                  write_json)
+from energy import load_any_energy, logz_bounds, score_continuations
 from model import file_hash, load_checkpoint, load_lm, save_checkpoint
 from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
                       check_writable, given_flags, lock_folder, missing_checkpoint, new_folder, one_job,
@@ -258,6 +258,7 @@ def load_models(args, device):
     """(pi_sft frozen, pi_theta trainable: a copy of it in eval mode, dropout off (exo_step_loss),
     the energy, data_dir, meta)."""
     sft, ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
+    check_problem_windows(meta, args.prefix_len, args.gen_len)
     if ckpt.get('residual_of'):
         raise ValueError(f"{args.lm} is a RALM: EXO fine-tunes a plain GPT LM "
                          "(train_lm.py without --residual_of)")

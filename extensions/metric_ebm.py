@@ -33,9 +33,8 @@ import torch
 from budget import check_memory
 from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
                   write_text)
-from energy import joint_sample, load_energy
-from extensions.metrics import (METRIC_HELP, MetricEnergy, fit_mu, kl_to_lm, load_any_energy,
-                                metric_energy_state, parse_metrics)
+from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
+from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import file_hash, load_lm, save_checkpoints
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, named_paths, precision,
                       progress, rng, run_main, setup)

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from energy import load_energy
-from model import file_hash, load_checkpoint, load_lm
+from model import file_hash, load_lm
 
 METRIC_HELP = 'rep-N (sequence repetition), tr-W (token repetition in a window), div, coh, logp'
 
@@ -98,8 +98,9 @@ def lm_metrics(lm, x, prefix_len):
 
 class MetricEnergy(nn.Module):
     """E(x) = mu . f(x) for the named metrics (and `energies`, {name: Energy}, each one more
-    metric): the same interface as energy.Energy (forward(idx, prefix_len) -> (B,)), so that
-    estimate_ppl.py and sample.py use it as any other energy. mu = 0: the joint model is P_LM."""
+    metric): an energy as energy.py's interface asks (forward(idx, prefix_len) -> (B,),
+    forward_shared, energies), so that estimate_ppl.py and sample.py use it as any other energy.
+    mu = 0: the joint model is P_LM."""
 
     def __init__(self, names, lm, energies=None, mu=None):
         super().__init__()
@@ -254,51 +255,21 @@ def fit_mu(f_data, f_pool, names=None, log_p0=None, tol=1e-10, max_steps=100, ac
                      f"the metrics may be collinear or the pool too small; drop a metric or raise --pool")
 
 
-def kl_to_lm(log_w):
-    """KL(p* || P_LM) per prefix from log_w (..., n) = -E of n LM samples: E_p*[log p*/P_LM] =
-    sum_j w_j log_w_j - log mean_j exp(log_w_j), w = softmax(log_w), in float64. For the fitted
-    metric energy it is the gain in log-likelihood that the Pythagorean identity predicts."""
-    lw = log_w.double()
-    return (torch.softmax(lw, -1) * lw).sum(-1) - (torch.logsumexp(lw, -1) - math.log(lw.size(-1)))
-
-
 # -----------------------------------------------------------------------------
 # checkpoints
 
 def metric_energy_state(energy, lm_path, lm_hash, meta, energy_files, fit):
-    """What a metric-energy checkpoint records: the metric names, mu, the base LM (by hash), the
-    trained energies among the metrics (path and hash each) and how mu was fitted."""
-    return dict(kind='metric_energy', names=energy.names, model=dict(mu=energy.mu.cpu()), lm_path=lm_path,
-                lm_hash=lm_hash, meta=meta, energies=energy_files, fit=fit)
+    """What a metric-energy checkpoint records: the module that loads it (load below), the metric
+    names, mu, the base LM (by hash), the trained energies among the metrics (path and hash each)
+    and how mu was fitted."""
+    return dict(kind='metric_energy', loader='extensions.metrics', names=energy.names,
+                model=dict(mu=energy.mu.cpu()), lm_path=lm_path, lm_hash=lm_hash, meta=meta,
+                energies=energy_files, fit=fit)
 
 
-def share_energies(energies):
-    """Where a metric energy among `energies` ({name: energy}) has a trained energy among its
-    metrics with the very weights of another one listed (METRICS+BIT's E:BIT and BIT), make it
-    that module: energy.sample_log_weights then scores it once for both."""
-    plain = [e for e in energies.values() if not isinstance(e, MetricEnergy)]
-    for m in energies.values():
-        for name, inner in getattr(m, 'energies', {}).items():
-            m.energies[name] = next((e for e in plain if same_weights(e, inner)), inner)
-
-
-def same_weights(a, b):
-    sa, sb = a.state_dict(), b.state_dict()
-    return (a.config, a.pool, a.context) == (b.config, b.pool, b.context) and sa.keys() == sb.keys() and \
-        all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def load_any_energy(path, lm_path=None, device='cpu'):
-    """(energy in eval mode, checkpoint) of either kind: an NCE-trained Energy (energy.load_energy)
-    or a MetricEnergy, E = mu . f (extensions/metric_ebm.py): the same interface to the scripts."""
-    ckpt = load_checkpoint(path)
-    if ckpt['kind'] == 'metric_energy':
-        return load_metric_energy(ckpt, path, lm_path, device), ckpt
-    return load_energy(path, lm_path, device)
-
-
-def load_metric_energy(ckpt, path, lm_path=None, device='cpu'):
-    """A MetricEnergy from its checkpoint, checked to be fitted to the LM at lm_path."""
+def load(ckpt, path, lm_path=None, device='cpu'):
+    """A MetricEnergy from its checkpoint, checked to be fitted to the LM at lm_path: the loader
+    that energy.load_any_energy calls for a checkpoint naming this module (energy.py's interface)."""
     lm_path = lm_path or ckpt['lm_path']
     if file_hash(lm_path) != ckpt['lm_hash']:
         raise ValueError(f"metric energy {path} was fitted to another LM ({ckpt['lm_path']}) than {lm_path}: "

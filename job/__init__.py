@@ -5,4 +5,125 @@
     python job/figures.py         Figs. 1-4 from the main job's JSON
     python job/human_eval.py      Table 2's protocol: blinded A/B items, binomial test
     python job/bench.py           building blocks timed against naive baselines
+
+and what the reports share: read_report, the one way claims.py and figures.py read the main job's
+JSON, checked for its shape, finite numbers and coming from one run; what is wrong is one line,
+`<file>: <what is wrong>; <the fix>`.
 """
+
+import math
+import os
+
+from data import read_json
+from model import file_hash
+
+NUMBER = 'a number'  # a shape: an int or a float (JSON's null, a NaN when written, is not one)
+NUMBER_OR_NULL = 'a number or null'  # e.g. a standard error, null where it was NaN
+NUMBERS = [NUMBER]
+KINDS = {dict: 'an object', list: 'a list', str: 'a string', int: 'an integer', bool: 'true or false'}
+FROM_ONE_RUN = ("rerun it and estimate_ppl.py on one run's models (reproduce.py reruns what is stale), "
+                "or give the --out_dir of that one run")
+
+
+def read_report(out_dir, name, fix, shape=dict):
+    """out_dir/name as JSON with the shape `shape` (shape_problem) and every number finite."""
+    path = os.path.join(out_dir, name)
+    obj = read_json(path, fix)
+    check_shape(obj, shape, path, fix)
+    return obj
+
+
+def check_shape(obj, shape, path, fix, where=''):
+    """One line naming the file `path`, where in it (`where`: the keys to obj), and `fix`, if obj
+    holds a NaN or an infinity or does not have the shape."""
+    problem = non_finite(obj, where) or shape_problem(obj, shape, where)
+    if problem:
+        raise ValueError(f"{path}: {problem}; {fix}")
+
+
+def non_finite(obj, where=''):
+    """Where obj holds a NaN or an infinity (Python's json reads them; no rebm script writes them)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return f"{where or 'the file'} is {'NaN' if math.isnan(obj) else obj}, not a finite number"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    return next((p for k, v in items if (p := non_finite(v, key_path(where, k)))), None)
+
+
+def key_path(where, key):
+    return f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+
+
+def kind(obj):
+    if obj is None:
+        return 'null'
+    return 'a number' if isinstance(obj, float) else KINDS[bool if isinstance(obj, bool) else type(obj)]
+
+
+def shape_problem(obj, shape, where=''):
+    """What keeps obj from having `shape`, or None. A shape is a type (dict, list, str, int, bool),
+    NUMBER or NUMBER_OR_NULL, [shape] (a list of items of that shape), or {key: shape} (an object
+    with these keys: 'key?' optional, '*' every key)."""
+    at = where or 'the file'
+    if isinstance(shape, dict):
+        if not isinstance(obj, dict):
+            return f"{at} is {kind(obj)}, not an object"
+        for key, inner in shape.items():
+            name = key.rstrip('?')
+            keys = obj if key == '*' else [] if key.endswith('?') and name not in obj else [name]
+            for k in keys:
+                if k not in obj:
+                    return f"{key_path(where, k)} is missing"
+                if problem := shape_problem(obj[k], inner, key_path(where, k)):
+                    return problem
+        return None
+    if isinstance(shape, list):
+        if not isinstance(obj, list):
+            return f"{at} is {kind(obj)}, not a list"
+        return next((p for i, v in enumerate(obj) if (p := shape_problem(v, shape[0], key_path(where, i)))),
+                    None)
+    number = isinstance(obj, (int, float)) and not isinstance(obj, bool)
+    ok = (number if shape == NUMBER else number or obj is None if shape == NUMBER_OR_NULL
+          else isinstance(obj, shape) and not (shape is int and isinstance(obj, bool)))
+    return None if ok else f"{at} is {kind(obj)}, not {KINDS.get(shape, shape)}"
+
+
+def check_same_lm(samples, samples_path, ppl, ppl_path):
+    """samples.json (sample.py) sampled the LM that ppl.json scored: its --lm, where that file is
+    still there, has ppl.json's hash of the BASE LM (a file copied from another run has not)."""
+    lm, want = samples.get('args', {}).get('lm'), ppl.get('hashes', {}).get('BASE LM')
+    if isinstance(lm, str) and want and os.path.isfile(lm) and file_hash(lm) != want:
+        raise ValueError(f"{samples_path}: its --lm {lm} is not the LM that {ppl_path} scored "
+                         f"(the two are from different runs); {FROM_ONE_RUN}")
+
+
+def check_same_model(results, results_path, model, ppl, ppl_path):
+    """An LM's results.json (train_lm.py) is of the `model` that ppl.json scored: the same number
+    of parameters, and the best.pt beside it, where there, has ppl.json's hash of that model."""
+    params = {r['model']: r['params'] for r in ppl['rows']}.get(model)
+    if params is not None and params != results['params']:
+        raise ValueError(f"{results_path}: its LM has {results['params']:,} parameters, but the {model} "
+                         f"that {ppl_path} scored has {params:,} (the two are from different runs); "
+                         f"{FROM_ONE_RUN}")
+    best, want = os.path.join(os.path.dirname(results_path), 'best.pt'), ppl.get('hashes', {}).get(model)
+    if want and os.path.isfile(best) and file_hash(best) != want:
+        raise ValueError(f"{results_path}: its best.pt is not the {model} that {ppl_path} scored "
+                         f"(the two are from different runs); {FROM_ONE_RUN}")
+
+
+CLAIMS_INPUTS = ('ppl.json', 'samples.json')
+
+
+def input_hashes(out_dir):
+    """The hashes of what claims.py measured in out_dir, which claims.json records."""
+    return {name: file_hash(os.path.join(out_dir, name)) for name in CLAIMS_INPUTS}
+
+
+def check_claims_inputs(claims, claims_path, out_dir):
+    """claims.json was measured on out_dir's ppl.json and samples.json as they are (a claims.json
+    written before it recorded their hashes is taken as it is)."""
+    for name, want in claims.get('inputs', {}).items():
+        path = os.path.join(out_dir, name)
+        if name in CLAIMS_INPUTS and os.path.isfile(path) and file_hash(path) != want:
+            raise ValueError(f"{claims_path}: it was measured on another {name} than {path} (from "
+                             f"another run, or before that file was rewritten); rerun claims.py "
+                             f"(reproduce.py reruns it)")

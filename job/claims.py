@@ -46,7 +46,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from data import read_json, write_json, write_text
+from data import write_json, write_text
+from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model, check_shape,
+                 input_hashes, read_report)
 from plumbing import ArgumentParser, run_main
 
 Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided with many prefixes
@@ -368,49 +370,116 @@ def same_samples(a, b):
     return sum(x['joint'] == y['joint'] and x['base'] == y['base'] for x, y in zip(ra, rb)) / len(ra)
 
 
-def lm_convergence(out_dir):
+LMS = (('BASE', 'lm', 'BASE LM'), ('RALM', 'ralm', 'RALM'), ('BALM', 'balm', 'BALM'),
+       ('TAILR', 'tailr', 'TAILR'))  # claims.json's name, the folder, ppl.json's name
+LM_RESULTS = {'params': int, 'iters': int, 'best_select_loss': NUMBER, 'best_iter?': int, 'last_iter?': int,
+              'converged?': bool, 'val_loss?': NUMBER_OR_NULL}
+
+
+def lm_convergence(out_dir, ppl, ppl_path):
     """Each LM's stopping: best and last step, best selection loss, and whether the stopping rule
-    (train_lm.stopped_early) fired before the step cap."""
+    (train_lm.stopped_early) fired before the step cap; each results.json of the LM ppl.json scored."""
     res = {}
-    for name, folder in (('BASE', 'lm'), ('RALM', 'ralm'), ('BALM', 'balm'), ('TAILR', 'tailr')):
+    for name, folder, model in LMS:
         path = os.path.join(out_dir, folder, 'results.json')
         if name == 'TAILR' and not os.path.exists(path):
             continue
-        r = read_json(path, 'rerun its stage (reproduce.py)')
+        r = read_report(out_dir, os.path.join(folder, 'results.json'), 'rerun its stage (reproduce.py)',
+                        LM_RESULTS)
+        check_same_model(r, path, model, ppl, ppl_path)
         res[name] = dict(best_step=r.get('best_iter'), last_step=r.get('last_iter', r['iters']),
                          best_select_loss=r['best_select_loss'], converged=r.get('converged', False),
                          params=r['params'], val_loss=r.get('val_loss'))
     return res
 
 
-def measure(out_dir, split='test', seed=0):
-    """claims.json's content from a finished main job's folder."""
+# what claims.py reads of ppl.json (estimate_ppl.py) and samples.json (sample.py)
+PPL_RUN = {'rows': [{'model': str, 'params': int}], 'hashes?': {'*': str}}
+PER_PREFIX = {'lm_logp': NUMBERS, 'extra_logp': {'*': NUMBERS}, 'energy': {'*': NUMBERS},
+              'logz': {'*': {'*': {'low': NUMBERS, 'high': NUMBERS}}}, 'kl?': {'*': NUMBERS}}
+PER_STEP = {'energy': str, 'position': list, 'per_prefix_gain': [NUMBERS],
+            'per_prefix_last_step_gain_exact': NUMBERS, 'per_prefix_gain_low?': [NUMBERS],
+            'per_prefix_gain_high?': [NUMBERS]}
+PPL_SPLIT = {'gen_len': int, 'num_samples': int, 'per_prefix': PER_PREFIX, 'per_step?': PER_STEP,
+             'calibration?': {'*': dict}}
+SAMPLE = {'base': str, 'joint': str, 'gold?': str, 'joint_energy': NUMBER, 'gold_energy': NUMBER,
+          'lm_logp': {'base': NUMBER, 'joint': NUMBER, 'gold': NUMBER}}
+SAMPLES = {'args?': {'lm?': str}, 'samples': [SAMPLE]}
+NEEDED = {'extra_logp': ('RALM', 'BALM'), 'energy': ('BIT', 'UNIT')}  # C1-C3's models
+PPL_FIX = 'rerun estimate_ppl.py (reproduce.py runs it)'
+
+
+def read_ppl(out_dir, split):
+    """ppl.json and its split `split`, checked: the shape claims.py reads, C1-C3's models, one
+    value per prefix in every column."""
     path = os.path.join(out_dir, 'ppl.json')
-    ppl = read_json(path, 'run estimate_ppl.py (reproduce.py runs it)')
-    if not isinstance(ppl, dict) or not isinstance(ppl.get('splits'), dict) or not ppl['splits']:
-        raise ValueError(f"{path} holds no split: rerun estimate_ppl.py (reproduce.py runs it)")
+    ppl = read_report(out_dir, 'ppl.json', PPL_FIX, {'splits?': dict})
+    if not ppl.get('splits'):
+        raise ValueError(f"{path} holds no split: {PPL_FIX}")
     if split not in ppl['splits']:
         raise ValueError(f"--split {split}: {path} has only {', '.join(ppl['splits'])}")
-    samples = read_json(os.path.join(out_dir, 'samples.json'), 'run sample.py (reproduce.py runs it)')
+    check_shape(ppl, dict(PPL_RUN, splits={split: PPL_SPLIT}), path, PPL_FIX)
+    check_models(ppl, path, split)
+    return ppl, path
+
+
+def check_models(ppl, path, split):
+    """C1-C3's models in ppl.json's split, log Z at its n for every energy, one value per prefix
+    in every column."""
+    res, where = ppl['splits'][split], f'splits.{split}.per_prefix'
+    cols, n = res['per_prefix'], str(res['num_samples'])
+    missing = [(key, m) for key, models in NEEDED.items() for m in models if m not in cols[key]]
+    if missing:
+        key, m = missing[0]
+        raise ValueError(f"{path}: its {split} split has no {m} ({where}.{key}: a run without it); "
+                         f"rerun estimate_ppl.py with {m} among its models (reproduce.py runs them all)")
+    for m in ('JOINT BIT', 'JOINT UNIT'):
+        if m not in {r['model'] for r in ppl['rows']}:
+            raise ValueError(f"{path}: its rows have no {m} (its parameters); {PPL_FIX}")
+    for m, by_n in cols['logz'].items():
+        if n not in by_n:
+            raise ValueError(f"{path}: {where}.logz.{m} has no n = {n} (num_samples); {PPL_FIX}")
+    columns = [cols['lm_logp'], *(b for by_n in cols['logz'].values() for b in by_n[n].values()),
+               *(c for key in ('extra_logp', 'energy', 'kl') for c in cols.get(key, {}).values())]
+    if len({len(c) for c in columns}) > 1:
+        raise ValueError(f"{path}: the columns of {where} differ in length (one value per prefix); {PPL_FIX}")
+
+
+def read_samples(out_dir, name, ppl, ppl_path, fix):
+    """samples.json or samples_untruncated.json, of the LM ppl.json scored, with 2 prefixes or more."""
+    path = os.path.join(out_dir, name)
+    samples = read_report(out_dir, name, fix, SAMPLES)
+    if len(samples['samples']) < 2:
+        raise ValueError(f"{path}: holds {len(samples['samples'])} prefixes' samples, and C6 and C7's "
+                         f"standard errors need 2 or more; rerun sample.py with --num_prefixes 2 or more")
+    check_same_lm(samples, path, ppl, ppl_path)
+    return samples
+
+
+def measure(out_dir, split='test', seed=0):
+    """claims.json's content from a finished main job's folder."""
+    ppl, path = read_ppl(out_dir, split)
+    samples = read_samples(out_dir, 'samples.json', ppl, path, 'run sample.py (reproduce.py runs it)')
     res = ppl['splits'][split]
     L, lp = res['gen_len'], log_probs(res)
     claims = dict(C1=compare(lp, 'JOINT BIT', 'BALM', L), C2=compare(lp, 'JOINT UNIT', 'RALM', L),
-                  C3=claim_c3(lp, {r['model']: r['params'] for r in ppl['rows']}, L),
-                  C4=claim_c4(res['per_step']))
-    if res.get('calibration'):
+                  C3=claim_c3(lp, {r['model']: r['params'] for r in ppl['rows']}, L))
+    if res.get('per_step'):  # estimate_ppl.py --per_step measures it on one split (test)
+        claims['C4'] = claim_c4(res['per_step'])
+    if res.get('calibration') and res.get('per_step'):
         if 'bias_upper_per_prefix' not in next(iter(res['calibration'].values())):
             raise ValueError(f"{path} has no per-prefix calibration (an older estimate_ppl.py): rerun it")
         claims['C5'] = claim_c5(res['calibration'], res['per_step']['energy'])
     claims.update(C6=claim_c6(samples, seed), C7=claim_c7(samples, seed))
-    untruncated = os.path.join(out_dir, 'samples_untruncated.json')
-    if os.path.exists(untruncated):
-        claims.update(untruncated_claims(samples, read_json(untruncated, 'rerun sample.py --top_k 0 '
-                                                                         '(reproduce.py runs it)'), seed))
+    if os.path.exists(os.path.join(out_dir, 'samples_untruncated.json')):
+        untruncated = read_samples(out_dir, 'samples_untruncated.json', ppl, path,
+                                   'rerun sample.py --top_k 0 (reproduce.py runs it)')
+        claims.update(untruncated_claims(samples, untruncated, seed))
     if 'JOINT METRICS' in lp:
         claims.update(talk_claims(lp, res, L))
     multiplicity = correct(claims)
-    return dict(split=split, lms=lm_convergence(out_dir), claims=claims, multiplicity=multiplicity,
-                statistics=STATISTICS)
+    return dict(split=split, lms=lm_convergence(out_dir, ppl, path), claims=claims,
+                multiplicity=multiplicity, statistics=STATISTICS, inputs=input_hashes(out_dir))
 
 
 def untruncated_claims(samples, untruncated, seed):

@@ -20,7 +20,6 @@ matplotlib is this script's own dependency (run.sh installs it); nothing else in
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,6 +27,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_claims_inputs, check_same_lm, read_report)
 from plumbing import check_writable, run_main
 
 # the paper's Fig. 3 colours: real text red, BASE LM black, the joint model green
@@ -61,7 +61,7 @@ def fig1_per_step(ax, ppl, split, claims):
             label=f"JOINT {ps['energy']} (m = {ps['step_samples']})")
     ax.fill_between(pos, gain - 2 * se, gain + 2 * se, color='tab:green', alpha=0.3,
                     label='+- 2 SE over prefixes')
-    c = claims['claims']['C4'] if claims else None
+    c = claims['claims'].get('C4') if claims else None  # claims.py --split val has none
     if c:
         ax.errorbar([pos[-1]], [c['last_step_gain_exact']], yerr=[2 * c['last_step_gain_se']],
                     color='tab:red', marker='x', zorder=3, label='exact last step')
@@ -167,14 +167,40 @@ def save(plt, fig, path, dpi):
     return path
 
 
-def read_json(path, what):
-    if not os.path.isfile(path):
-        raise ValueError(f"no {path}: run {what} first (or reproduce.py, which runs it)")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}; empty or truncated?): rerun {what}") from None
+# what figures.py reads of the main job's JSON (each figure is drawn where its part is present)
+PER_STEP = {'energy': str, 'step_samples': int, 'num_prefixes': int, 'position': NUMBERS, 'gain': NUMBERS,
+            'gain_se': NUMBERS}
+SWEEP = {'*': [{'model': str, 'ppl_low': NUMBER, 'ppl_high': NUMBER}]}
+PPL = {'splits?': {'*': {'num_prefixes': int, 'base_ppl': NUMBER, 'per_step?': PER_STEP, 'sweep?': SWEEP}},
+       'hashes?': {'*': str}}
+SAMPLES = {'args': {'gen_len': int, 'lm?': str},
+           'samples': [{'lm_logp': {'gold': NUMBER, 'base': NUMBER, 'joint': NUMBER}, 'gold_energy': NUMBER,
+                        'joint_energy': NUMBER, 'logz?': NUMBER}]}
+STAT = {'diff': NUMBER_OR_NULL, 'se': NUMBER_OR_NULL}
+CLAIMS = {'inputs?': {'*': str}, 'claims': {
+    'C4?': dict(STAT, last_step_gain_exact=NUMBER, last_step_gain_se=NUMBER),
+    'C5?': {'below_reference': STAT, 'above_reference': STAT},
+    'C6': dict(STAT, prefixes=int, n=NUMBERS, unique_pct={'*': [NUMBER_OR_NULL]}, **{'p?': NUMBER_OR_NULL}),
+    'C7': STAT}}
+POINT = {'iter': int, 'base_select_loss': NUMBER, 'balm_gain': NUMBER, 'balm_gain_se': NUMBER,
+         'joint_gain': NUMBER, 'joint_gain_se': NUMBER}
+ORDERING = {'energy': str, 'split': str, 'num_prefixes': int, 'points': [POINT]}
+
+
+def read_inputs(out_dir):
+    """ppl.json, samples.json, and claims.json and ordering.json where present (None where not),
+    each checked (read_report) and all of one run."""
+    fix = lambda script: f"rerun {script} (reproduce.py runs it)"
+    ppl = read_report(out_dir, 'ppl.json', fix('estimate_ppl.py'), PPL)
+    samples = read_report(out_dir, 'samples.json', fix('sample.py'), SAMPLES)
+    check_same_lm(samples, os.path.join(out_dir, 'samples.json'), ppl, os.path.join(out_dir, 'ppl.json'))
+    claims = ordering = None
+    if os.path.exists(os.path.join(out_dir, 'claims.json')):
+        claims = read_report(out_dir, 'claims.json', fix('claims.py'), CLAIMS)
+        check_claims_inputs(claims, os.path.join(out_dir, 'claims.json'), out_dir)
+    if os.path.exists(os.path.join(out_dir, 'ordering.json')):
+        ordering = read_report(out_dir, 'ordering.json', 'rerun reproduce.py --ordering', ORDERING)
+    return ppl, samples, claims, ordering
 
 
 MAX_DPI = 1200
@@ -198,11 +224,8 @@ def main(argv=None):
     args = get_args(argv)
     if args.copy_to is not None:  # refused before any PNG is written
         check_writable(args.copy_to, '--copy_to')
+    ppl, samples, claims, ordering = read_inputs(args.out_dir)
     plt = load_pyplot()
-    ppl = read_json(os.path.join(args.out_dir, 'ppl.json'), 'estimate_ppl.py')
-    samples = read_json(os.path.join(args.out_dir, 'samples.json'), 'sample.py')
-    claims_path, ordering_path = (os.path.join(args.out_dir, f) for f in ('claims.json', 'ordering.json'))
-    claims = read_json(claims_path, 'claims.py') if os.path.exists(claims_path) else None
     if not ppl.get('splits'):
         raise ValueError(f"{args.out_dir}/ppl.json holds no split: rerun estimate_ppl.py")
     split = args.split or next((s for s, r in ppl['splits'].items() if 'per_step' in r),
@@ -216,9 +239,8 @@ def main(argv=None):
                 'estimate_ppl.py --sweep'),
                ('fig2_right_ngrams.png', fig2_right_ngrams, (claims,), claims is not None, 'claims.py'),
                ('fig3_loglik.png', fig3_loglik, (samples, claims), has_samples, 'sample.py')]
-    if os.path.exists(ordering_path):
-        figures.append(('fig4_ordering.png', fig4_ordering,
-                        (read_json(ordering_path, 'reproduce.py --ordering'),), True, ''))
+    if ordering:
+        figures.append(('fig4_ordering.png', fig4_ordering, (ordering,), True, ''))
     written = []
     for name, draw, data, present, how in figures:
         if not present:

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
-from data import read_json, write_json
+from data import problem_windows, read_json, write_json
 from energy import Energy
 from model import GPTConfig
 from plumbing import (DTYPES, ArgumentParser, check_writable, lock_folder, one_job, pick_device,
@@ -64,7 +64,8 @@ DEFAULT = dict(
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
     # the energy's recipe (nce_train.py's defaults, chosen on addition's selection split: docs/addition.md):
     # ranking NCE over K LM samples per prefix, best.pt by the held-out joint gain, log Z from 64 samples
-    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near the LM's
+    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near
+    # the LM's
     neg=dict(prefix_len=128, gen_len=64, num_samples=8, select_samples=64, train_prefixes=8000,
              select_prefixes=256),
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
@@ -289,11 +290,18 @@ def check_data_dir(args):
     d = os.path.join(ROOT, args.data_dir)
     meta_path = os.path.join(d, 'meta.json')
     if os.path.exists(meta_path):
-        tokenizer = read_json(meta_path, 'delete the data dir and rerun').get('tokenizer')
+        meta = read_json(meta_path, 'delete the data dir and rerun')
+        tokenizer = meta.get('tokenizer') if isinstance(meta, dict) else None
         if tokenizer != args.tokenizer:
             raise ValueError(f"--data_dir {args.data_dir} holds {tokenizer} data, not --tokenizer "
                              f"{args.tokenizer}: pass the matching --tokenizer, or another --data_dir")
+        check_data_kind(args, problem_windows(meta))
         return
+    corpus = os.path.join(ROOT, 'data', args.data)
+    if os.path.isfile(os.path.join(d, 'prepare.py')) and os.path.realpath(d) != os.path.realpath(corpus):
+        raise ValueError(f"--data_dir {args.data_dir} is another corpus's folder (its prepare.py), where "
+                         f"--data {args.data} would prepare its own data: pass the --data of that corpus, "
+                         f"or another --data_dir")
     ours = ('prepare.py', '__pycache__', '.bin', '.tmp', '.whl')  # the corpus folder and what it writes
     others = sorted(f for f in os.listdir(d) if not f.endswith(ours)) if os.path.isdir(d) else []
     if others:
@@ -302,6 +310,26 @@ def check_data_dir(args):
                          f"python data/text/prepare.py {args.data_dir} --out_dir data/mine, then --data_dir "
                          f"data/mine")
     check_writable(d, '--data_dir')
+
+
+def check_data_kind(args, windows):
+    """Prepared data of the kind --data expects: text for shakespeare, addition problems whose
+    windows (problem_windows) are the ones this job's sizes use for addition."""
+    where = f"--data_dir {args.data_dir}"
+    if args.data != 'addition':
+        if windows:
+            raise ValueError(f"{where} holds addition problems, not text: pass --data addition, or a "
+                             f"--data_dir of text (default data/shakespeare)")
+        return
+    if not windows:
+        raise ValueError(f"{where} holds text, not addition problems (data/addition/prepare.py): pass "
+                         f"--data shakespeare, or a --data_dir of addition problems (default data/addition)")
+    want = (args.cfg['neg']['prefix_len'], args.cfg['neg']['gen_len'])
+    if windows != want:
+        digits = lambda w: w[1] - 2
+        raise ValueError(f"{where} holds {digits(windows)}-digit problems, but --data addition's sizes are "
+                         f"for {digits(want)} digits: prepare them with python data/addition/prepare.py "
+                         f"--digits {digits(want)} --out_dir <a new folder>, and pass that --data_dir")
 
 
 @one_job  # --out_dir's lock released however main ends
