@@ -4876,7 +4876,8 @@ def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
     assert 'stage writing' in (tmp_path / 'c.log').read_text() and not pipe.running
     assert set(json.load(open(tmp_path / 'timings.json'))) == {'a', 'b', 'c'}
     out = capsys.readouterr().out
-    assert f"> {tmp_path / 'a.log'}" in out and re.search(r'\[b\] finished in \d+s: stage writing', out)
+    assert f"> {tmp_path / 'a.log'}" in out
+    assert re.search(r'\[b\] finished in \d+s \(its output: .*b\.log\)', out), out
     pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
     pipe.run('a', *fake_stage(tmp_path, 'a', 1.0))  # done: skipped
     assert not pipe.running and 'skipped' in capsys.readouterr().out

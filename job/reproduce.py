@@ -273,7 +273,7 @@ class Pipeline:
         self.timings[name] = round(time.time() - t0, 1)
         write_json(self.timings, self.timings_path)
         if log:
-            print(f"[{name}] finished in {self.timings[name]:.0f}s: {last_line(log)}", flush=True)
+            print(f"[{name}] finished in {self.timings[name]:.0f}s (its output: {log})", flush=True)
 
     def stop(self):
         """Kills the running stages (Ctrl-C, a failed stage, an error): none outlives the job."""
