@@ -4925,6 +4925,129 @@ def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
     assert 'kept as' in capsys.readouterr().out
 
 
+# reproduce.py --jobs (issue 37, item 6): stages that need not each other's outputs run at once, each on
+# cores // jobs threads and into its own log; a failure or Ctrl-C stops them all with one line
+FAKE_STAGE = """import json, os, sys, time
+t0 = time.time()
+time.sleep(float(sys.argv[2]))
+print('stage writing', sys.argv[1])
+if sys.argv[3] == 'fail':
+    sys.exit('error: boom')
+json.dump(dict(start=t0, end=time.time(), threads=os.environ.get('OMP_NUM_THREADS')), open(sys.argv[1], 'w'))
+"""
+
+
+def fake_stage(tmp_path, name, seconds, fail=False):
+    """(cmd, done) of a stage that sleeps, then records when it ran and on how many threads."""
+    script = tmp_path / 'fake_stage.py'
+    script.write_text(FAKE_STAGE)
+    done = str(tmp_path / f'{name}.json')
+    return [str(script), done, str(seconds), 'fail' if fail else 'ok'], done
+
+
+def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
+    """--jobs 2: two stages that need nothing of each other run at the same time, each on the
+    threads it was given and into its own log, and the stage that needs both starts after both
+    ended; the terminal gets each stage's command and one line as it ends."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
+    for name, deps in (('a', ()), ('b', ()), ('c', ('a', 'b'))):
+        pipe.run(name, *fake_stage(tmp_path, name, 1.0), deps)
+    pipe.wait()
+    a, b, c = (json.load(open(tmp_path / f'{n}.json')) for n in 'abc')
+    assert a['start'] < b['end'] and b['start'] < a['end'], (a, b)  # together
+    assert c['start'] >= max(a['end'], b['end']) and {a['threads'], b['threads'], c['threads']} == {'1'}
+    assert 'stage writing' in (tmp_path / 'c.log').read_text() and not pipe.running
+    assert set(json.load(open(tmp_path / 'timings.json'))) == {'a', 'b', 'c'}
+    out = capsys.readouterr().out
+    assert f"> {tmp_path / 'a.log'}" in out
+    assert re.search(r'\[b\] finished in \d+s \(its output: .*b\.log\)', out), out
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
+    pipe.run('a', *fake_stage(tmp_path, 'a', 1.0))  # done: skipped
+    assert not pipe.running and 'skipped' in capsys.readouterr().out
+
+
+def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
+    """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
+    stage resumes), and the job ends with one line naming the stage, its log and its last line."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
+    t0 = time.time()
+    pipe.run('slow', *fake_stage(tmp_path, 'slow', 60))
+    with pytest.raises(SystemExit) as e:
+        pipe.run('bad', *fake_stage(tmp_path, 'bad', 0.5, fail=True))
+        pipe.run('after', *fake_stage(tmp_path, 'after', 0), ['bad'])
+    msg = str(e.value.code)
+    assert msg == (f"error: stage 'bad' failed (its log {tmp_path / 'bad.log'} ends: error: boom); fix it "
+                   "and rerun: finished stages are skipped"), msg
+    assert time.time() - t0 < 30 and not pipe.running
+    assert not (tmp_path / 'slow.json').exists() and not (tmp_path / 'after.json').exists()
+    with pytest.raises(ValueError, match='--jobs 0: at least 1'):
+        reproduce_args(['--jobs', '0'])
+
+
+def test_reproduce_jobs_refused_on_a_gpu(monkeypatch, tmp_path):
+    """--jobs > 1 shares CPU cores: on an accelerator it is refused with one line (--jobs 1 runs)."""
+    from job import reproduce
+    monkeypatch.setattr(reproduce, 'pick_device', lambda device: 'cuda')
+    with pytest.raises(ValueError, match=r"--jobs 2 shares the CPU's cores among stages; on cuda"):
+        reproduce.main(['--jobs', '2', '--device', 'cuda', '--out_dir', str(tmp_path / 'out')])
+
+
+def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):
+    """The seed decides the numbers, not the schedule: a tiny train_lm stage run alone (--jobs 1,
+    OMP_NUM_THREADS=1) and beside another (--jobs 2, one thread each) gives the same results.json
+    (times aside) and bit-identical weights; its parameter count is reproduce.lm_params' (BALM's
+    target, known before the LM trains)."""
+    from job import reproduce
+
+    def train(out, seed=1337):
+        return (['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '12',
+                 '--eval_interval', '4', '--seed', str(seed), *TRAIN_FLAGS], str(out / 'results.json'))
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')
+    pipe = reproduce.Pipeline(str(tmp_path / 'one' / 'timings.json'))
+    pipe.run('lm', *train(tmp_path / 'one' / 'lm'))
+    pipe = reproduce.Pipeline(str(tmp_path / 'two' / 'timings.json'), jobs=2, threads=1)
+    pipe.run('other', *train(tmp_path / 'two' / 'other', seed=7))
+    pipe.run('lm', *train(tmp_path / 'two' / 'lm'))
+    assert set(pipe.running) == {'other', 'lm'}
+    pipe.wait()
+    one, two = (json.load(open(tmp_path / d / 'lm' / 'results.json')) for d in ('one', 'two'))
+    timeless = lambda r: {k: v for k, v in r.items() if k not in ('train_time_s', 'tokens_per_s')}
+    assert timeless(one) == timeless(two) and one['curve']
+    wa, wb = (torch.load(tmp_path / d / 'lm' / 'best.pt', map_location='cpu', weights_only=False)['model']
+              for d in ('one', 'two'))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    flag = lambda f: int(TRAIN_FLAGS[TRAIN_FLAGS.index(f) + 1])
+    shape = {k: flag(f'--{k}') for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
+    assert reproduce.lm_params(shape, load_meta(lm_corpus)['vocab_size']) == one['params']
+
+
+def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
+    """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
+    stop with the pipeline, and the one line is the pipeline's: rerun it."""
+    out = str(tmp_path / 'out')
+    argv = ['job/reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out,
+            '--device', 'cpu', '--jobs', '2']
+    env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=default_sigint)
+    wait_for(lambda: all(os.path.exists(os.path.join(out, d, 'log.jsonl')) for d in ('lm', 'balm')), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == (
+        "interrupted: finished stages are kept and a stopped one resumes; continue with: "
+        f"{shlex.join(['python', *argv])}"), err
+    assert f"> {os.path.join(out, 'balm.log')}" in stdout
+    assert 'threads: 1' in open(os.path.join(out, 'lm.log')).read()
+    t0 = time.time()
+    with pytest.raises(ProcessLookupError):  # the stages went with it, within seconds
+        while time.time() - t0 < 30:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)
+
+
 def test_reproduce_quick_addition_end_to_end(tmp_path):
     """`job/reproduce.py --data addition --quick` (issue 31): the same pipeline on the addition
     corpus, with EXO in Table 1 (an LM: one exact PPL, no range) and the accuracy table against the

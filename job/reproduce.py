@@ -1,8 +1,8 @@
 """
 The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU.
 
-    prepare -> BASE LM -> BALM -> RALM (each early-stopped on the selection split) -> negatives
-    (train, select) -> MLM pretraining of the BIT body -> JOINT BIT (NCE) -> JOINT UNIT (NCE) ->
+    prepare -> BASE LM -> BALM -> MLM pretraining of the BIT body -> negatives (train, select) ->
+    RALM (each LM early-stopped on the selection split) -> JOINT BIT (NCE) -> JOINT UNIT (NCE) ->
     a TaiLr LM and the talk's metric energy (Ji et al., ICLR 2024) -> joint PPL of every model on val and
     test (Eq. 4), the bounds' calibration against many samples, per-step PPL (Eq. 5) and the
     bounds as n grows -> joint samples and analyses -> the paper's claims C1-C7 and the talk's
@@ -16,14 +16,25 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
+--jobs N (like make -j; CPU only, refused on a GPU): stages start in the order above as soon as
+those they depend on have ended and fewer than N run (BALM and the MLM beside the LM, the BIT
+beside the UNIT, ...), each on cores // N threads (OMP_NUM_THREADS), its output in
+<out_dir>/<stage>.log; the terminal gets each command and one line as it ends. A failed stage
+stops the others and names its log; Ctrl-C stops them all. Threads change float rounding, so a
+stage's thread count follows --jobs alone, never timing: the numbers depend on --jobs (on 2
+cores, --jobs 2 gives those of OMP_NUM_THREADS=1 --jobs 1), never on the schedule.
+
     python job/reproduce.py                      # ~32 min on 2 CPU cores with bf16 units (README)
     python job/reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
+    python job/reproduce.py --jobs 2             # two stages at a time, each on half the cores
     python job/reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
     python job/reproduce.py --data addition      # a task with a known answer, and EXO (docs/addition.md)
 """
 
+import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,7 +47,7 @@ import torch
 
 from data import problem_windows, read_json, write_json
 from energy import Energy
-from model import GPTConfig
+from model import GPT, GPTConfig
 from plumbing import (DTYPES, ArgumentParser, check_writable, lock_folder, one_job, pick_device,
                       rerun_command, run_main)
 
@@ -193,19 +204,29 @@ def newest_mtime(folder):
 
 class Pipeline:
     """Runs stages in order, like make: a stage is skipped when its `done` file exists and is
-    newer than the `done` files of the stages it depends on."""
+    newer than the `done` files of the stages it depends on.
 
-    def __init__(self, timings_path):
-        self.timings_path, self.done = timings_path, {}
+    jobs = 1 (the default): each stage runs in the terminal, one after another. jobs > 1 (make -j):
+    `run` waits for the stages the new one depends on and for a free slot, starts it in the
+    background and returns; it writes <dir of timings>/<stage>.log and runs on `threads` threads.
+    Stages start in the order of the calls. Code that reads a stage's outputs calls wait() first."""
+
+    def __init__(self, timings_path, jobs=1, threads=None):
+        self.timings_path, self.done, self.jobs = timings_path, {}, jobs
         self.timings = read_json(timings_path, 'delete it (it only records stage times) and rerun') \
             if os.path.exists(timings_path) else {}
         if not isinstance(self.timings, dict):
             raise ValueError(f"{timings_path} is not a table of stage times: delete it and rerun")
+        self.running = {}  # stage -> (process, start time, its log or None: the terminal)
+        # a stage's threads follow --jobs alone, never the load (threads change float rounding)
+        self.env = None if jobs == 1 else dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
 
     def run(self, name, cmd, done, deps=(), folder=None):
         """Run the stage unless done. Its folder, if older than what it depends on (a model it
         used was retrained), is kept as folder.old and the stage starts over instead of resuming."""
         self.done[name] = done
+        if deps:
+            self.wait(*deps)  # with jobs > 1: what it reads is written
         newest_dep = max((os.path.getmtime(self.done[d]) for d in deps), default=0)
         if finished(done) and os.path.getmtime(done) >= newest_dep:
             print(f"[{name}] done already ({done} exists): skipped")
@@ -216,29 +237,74 @@ class Pipeline:
             print(f"[{name}] its inputs changed since {folder} was written: kept as {folder}.old, "
                   "starting over")
             cmd = [c for c in cmd if c != '--resume']
-        print(f"[{name}] $ python {' '.join(cmd)}", flush=True)
-        t0 = time.time()
-        # Ctrl-C is for this process alone: it kills the stage (safe: every write is atomic and every
-        # stage resumes) and says the one command that continues, rather than the stage's own
-        proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.kill()
-            proc.wait()
-            raise
-        if rc != 0:
-            sys.exit(f"error: stage '{name}' failed (its message is above); fix it and rerun: "
-                     "finished stages are skipped")
+        if self.jobs == 1:  # in the terminal, to its end
+            self.start(name, cmd)
+            self.wait(name)
+            return
+        while len(self.running) >= self.jobs:
+            self.wait_one()
+        os.makedirs(os.path.dirname(self.timings_path) or '.', exist_ok=True)
+        self.start(name, cmd, os.path.join(os.path.dirname(self.timings_path), f'{name}.log'))
+
+    def start(self, name, cmd, log=None):
+        print(f"[{name}] $ python {' '.join(cmd)}" + (f"  > {log}" if log else ''), flush=True)
+        # Ctrl-C is for this process alone: it kills the stages (safe: every write is atomic and every
+        # stage resumes) and says the one command that continues, rather than a stage's own
+        with open(log, 'w') if log else contextlib.nullcontext() as f:
+            proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=self.env, stdout=f,
+                                    stderr=subprocess.STDOUT if log else None,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        self.running[name] = (proc, time.time(), log)
+
+    def wait(self, *names):
+        """Until the running stages among `names` (none named: all) have ended."""
+        while self.running.keys() & set(names or self.running):
+            self.wait_one()
+
+    def wait_one(self):
+        """Until a running stage ends: its time recorded; if it failed, the others stopped and one line."""
+        while not (ended := [n for n, (proc, _, _) in self.running.items() if proc.poll() is not None]):
+            time.sleep(0.1)
+        name = ended[0]
+        proc, t0, log = self.running.pop(name)
+        if proc.returncode != 0:
+            self.stop()
+            where = f"its log {log} ends: {last_line(log)}" if log else "its message is above"
+            sys.exit(f"error: stage '{name}' failed ({where}); fix it and rerun: finished stages are skipped")
         self.timings[name] = round(time.time() - t0, 1)
         write_json(self.timings, self.timings_path)
+        if log:
+            print(f"[{name}] finished in {self.timings[name]:.0f}s (its output: {log})", flush=True)
+
+    def stop(self):
+        """Kills the running stages (Ctrl-C, a failed stage, an error): none outlives the job."""
+        for proc, _, _ in self.running.values():
+            proc.kill()
+        for proc, _, _ in self.running.values():
+            proc.wait()
+        self.running.clear()
+
+
+def last_line(log):
+    """The last line a stage wrote to its log (progress bars' carriage returns count as line ends)."""
+    with open(log, 'rb') as f:
+        f.seek(max(0, os.path.getsize(log) - 4096))
+        lines = [l.strip() for l in re.split(r'[\r\n]', f.read().decode(errors='replace')) if l.strip()]
+    return lines[-1][:300] if lines else '(nothing)'
 
 
 def flags(d):
     """{'lr': 1e-3, 'alibi': True} -> ['--lr', '0.001', '--alibi']"""
     return [f for k, v in d.items() if v is not False
             for f in ((f'--{k}',) if v is True else (f'--{k}', str(v)))]
+
+
+def lm_params(lm, vocab_size):
+    """Parameters of the base LM (train_lm.py's count, on the meta device): BALM's target needs no
+    trained LM, so BALM may train beside it (--jobs)."""
+    with torch.device('meta'):
+        return GPT(GPTConfig(**{k: lm[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')},
+                             vocab_size=vocab_size)).num_params()
 
 
 def energy_params(lm, vocab_size):
@@ -271,7 +337,16 @@ def get_args(argv=None):
     p.add_argument('--device', default='auto', help='passed to every stage')
     p.add_argument('--dtype', default='auto', choices=DTYPES,
                    help="passed to every stage ('auto': each stage measures what is fastest for its work)")
+    p.add_argument('--jobs', type=int, default=1,
+                   help="stages run at once, like make -j (CPU only). 1: one after another, each on every "
+                        "core, in the terminal. N > 1: a stage starts once those it needs have ended, on "
+                        "cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if set, else torch's "
+                        "default), its output in <out_dir>/<stage>.log. Threads change float rounding: the "
+                        "per-stage count follows --jobs, never timing, so the numbers depend on --jobs (as "
+                        "OMP_NUM_THREADS would), never on the schedule")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: at least 1 (1: one stage at a time)")
     gpt2, add = args.tokenizer == 'gpt2', args.data == 'addition'
     if add and (gpt2 or args.ordering):
         raise ValueError("--data addition is char-level, without --ordering: drop --tokenizer / --ordering")
@@ -335,12 +410,24 @@ def check_data_kind(args, windows):
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
-    pick_device(args.device)  # every stage would fail on it
-    cfg, out = args.cfg, args.out_dir
+    device = pick_device(args.device)  # every stage would fail on it
+    if args.jobs > 1 and device != 'cpu':
+        raise ValueError(f"--jobs {args.jobs} shares the CPU's cores among stages; on {device} they would "
+                         f"share one accelerator: drop --jobs (or pass --device cpu)")
     check_data_dir(args)
-    lock_folder(os.path.join(ROOT, out), '--out_dir')  # one job per folder (checked writable first)
+    lock_folder(os.path.join(ROOT, args.out_dir), '--out_dir')  # one job per folder (checked writable first)
+    pipe = Pipeline(os.path.join(args.out_dir, 'timings.json'), args.jobs,
+                    threads=max(1, torch.get_num_threads() // args.jobs))
+    try:
+        stages(args, pipe)
+    finally:
+        pipe.stop()  # with --jobs > 1: no stage outlives the job (Ctrl-C, an error)
+
+
+def stages(args, pipe):
+    """The job's stages, in the order they start (--jobs 1: the order they run)."""
+    cfg, out = args.cfg, args.out_dir
     path = lambda *a: os.path.join(out, *a)
-    pipe = Pipeline(path('timings.json'))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
 
     def stage(name, cmd, done, deps=(), folder=None):  # a script stage: the run's seed, device, dtype
@@ -351,6 +438,7 @@ def main(argv=None):
     pipe.run('prepare', [f'data/{args.data}/prepare.py', '--out_dir', args.data_dir]
              + (flags(cfg['data']) if 'data' in cfg else ['--tokenizer', args.tokenizer]) + common,
              os.path.join(args.data_dir, 'meta.json'))
+    pipe.wait('prepare')
     vocab = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'),
                       'delete the data dir and rerun')['vocab_size']
     lm_ckpt = path('lm', 'best.pt')  # every later stage uses the LMs' best weights on the selection split
@@ -362,13 +450,14 @@ def main(argv=None):
               path(name, 'results.json'), deps, path(name))
 
     train('lm', [], ['prepare'])
-    print_estimate(pipe.timings, cfg is DEFAULT)
-    lm_params = read_json(path('lm', 'results.json'), FIX)['params']
-    train('balm', ['--match_params', str(lm_params + energy_params(lm, vocab))], ['prepare'], **cfg['balm'])
-    train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
-    negatives(stage, path, lm_ckpt, neg, 'neg', neg['train_prefixes'], neg['select_prefixes'], ['lm'])
+    print_estimate(pipe.timings, cfg is DEFAULT and args.jobs == 1)
+    # BALM and the MLM need the data alone (with --jobs 2 they train beside the LM)
+    train('balm', ['--match_params', str(lm_params(lm, vocab) + energy_params(lm, vocab))], ['prepare'],
+          **cfg['balm'])
     # the BIT body (smaller than the UNIT) is pretrained as a masked LM on the corpus, from scratch
     train('mlm', ['--final_eval', '0'], ['prepare'], objective='mlm', **cfg['mlm'])
+    negatives(stage, path, lm_ckpt, neg, 'neg', neg['train_prefixes'], neg['select_prefixes'], ['lm'])
+    train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
     train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
@@ -381,15 +470,16 @@ def main(argv=None):
         pipe.run(name, cmd + common + ['--device', args.device], done, deps)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
-        exo(script, path, lm_ckpt, neg, cfg, stronger_energy(path))
+        exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     pipe.run('claims', ['job/claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'])
     if 'accuracy' in cfg:
-        accuracy(script, path, lm_ckpt, cfg, stronger_energy(path))
+        accuracy(script, path, lm_ckpt, cfg, stronger_energy(pipe, path))
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
+    pipe.wait()
     report(out, pipe.timings, args.data_dir)
     if readme_run(args):
         publish(out)
@@ -417,9 +507,10 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
               path(f'{name}.json'), ['lm', 'bit'])
 
 
-def stronger_energy(path):
+def stronger_energy(pipe, path):
     """'bit' or 'unit': the energy whose joint model gains more on the selection split's held-out
     prefixes (nce_train.py's held_out_gain): the one EXO distils and the accuracy table uses."""
+    pipe.wait('bit', 'unit')
     gain = {k: read_json(path(k, 'results.json'), FIX)['held_out_gain'] for k in ('bit', 'unit')}
     return max(gain, key=gain.get)
 
@@ -485,11 +576,12 @@ def ordering(stage, pipe, path, args, cfg):
     that LM's own negatives and BIT, scored on val beside BALM at the same step: the gain of each
     over that base LM as it trains. Writes ordering.json."""
     oc, neg = cfg['ordering'], cfg['neg']
+    pipe.wait('lm', 'balm')
     lm_res = read_json(path('lm', 'results.json'), FIX)
     curve = {c['iter']: c['select_loss'] for c in lm_res['curve']}
     steps = [i for i in sorted({int(x) for x in str(cfg['lm'].get('snapshots', '')).split(',') if x})
              if os.path.exists(path('lm', f'iter_{i}.pt')) and i != lm_res['best_iter']]
-    points = []
+    names = {}
     for it in steps + [lm_res['best_iter']]:
         tag = 'best' if it == lm_res['best_iter'] else f'iter_{it}'
         lm_ckpt = path('lm', f'{tag}.pt')
@@ -508,6 +600,10 @@ def ordering(stage, pipe, path, args, cfg):
                               '--num_samples', str(oc['num_samples']),
                               '--calib_prefixes', '0', '--out', path(f'{name}_ppl.json'), '--force'],
               path(f'{name}_ppl.json'), [f'{name}_bit', 'balm'])
+        names[it] = name
+    pipe.wait(*(f'{name}_ppl' for name in names.values()))
+    points = []
+    for it, name in names.items():
         rows = {r['model']: r for r in read_json(path(f'{name}_ppl.json'), FIX)['rows']}
         points.append(dict(iter=it, base_select_loss=curve[it], base_ppl=rows['BASE LM']['ppl'],
                            balm_gain=rows['BALM']['gain_nats_per_token'],
