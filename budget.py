@@ -55,7 +55,8 @@ def check_memory(nbytes, what, fix, device='cpu'):
     avail = available_memory(device)
     if avail is not None and nbytes > MEMORY_SHARE * avail:
         left = address_space_left() if device == 'cpu' else None
-        where = f' on {device}' if device != 'cpu' else ' under ulimit -v' if left is not None and left < avail + 2**20 else ''
+        under_ulimit = left is not None and left < avail + 2**20
+        where = f' on {device}' if device != 'cpu' else ' under ulimit -v' if under_ulimit else ''
         raise ValueError(f"{what} needs ~{nbytes / 2**30:,.1f} GiB of memory, more than the "
                          f"{MEMORY_SHARE * avail / 2**30:.1f} GiB it may use ({MEMORY_SHARE:.0%} of the "
                          f"{avail / 2**30:.1f} GiB available{where}): {fix}")

@@ -545,7 +545,8 @@ def check_name_lengths(path, flag):
                              f"{name_max - room} a name may have here ({why}): choose a shorter one")
 
 
-TMP_ROOM = 16  # a temporary name's extra bytes: '.NAME.' + 8 (prepare's folder), 'NAME.PID.tmp' (atomic_writes)
+# a temporary name's extra bytes: '.NAME.' + 8 (prepare's folder), 'NAME.PID.tmp' (atomic_writes)
+TMP_ROOM = 16
 
 
 def named_paths(specs, flag):

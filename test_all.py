@@ -4305,12 +4305,15 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              # issue 40, items 1 and 7: sizes without a bound, --plot checked before --out is written
              (addition_prepare.main, ['--train', '1000000000', '--out_dir', str(tmp_path / 'a')],
               r'drawing 1,000,015,000 problems \(--train, --select, --val, --test\) needs .* GiB'),
-             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--plot', f'{UNWRITABLE}/a.png'],
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'),
+                                   '--plot', f'{UNWRITABLE}/a.png'],
               f'--plot {UNWRITABLE}/a.png: cannot write'),
-             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--plot', str(tmp_path)],
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'),
+                                   '--plot', str(tmp_path)],
               f'--plot {tmp_path} is a folder'),
-             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--extra_lm', f'X={lm_path}',
-                                   f'X={lm_ckpt}'], '--extra_lm: the name X is given twice'),
+             (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'),
+                                   '--extra_lm', f'X={lm_path}', f'X={lm_ckpt}'],
+              '--extra_lm: the name X is given twice'),
              (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--ns', '1,100000000'],
               '--ns 100000000: at most 65,536'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
@@ -4353,7 +4356,8 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
         assert kl['kl_reverse_low'] <= kl['kl_reverse_high'] and kl['kl_forward_low'] <= kl['kl_forward_high']
     load_lm(str(out / 'best.pt'))
     kept = (out / 'best.pt').read_bytes()
-    with pytest.raises(ValueError, match='ckpt.pt exists: pass --resume to continue it, --force'):  # not replaced
+    # not replaced
+    with pytest.raises(ValueError, match='ckpt.pt exists: pass --resume to continue it, --force'):
         exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(out)])
     (out / 'results.json').unlink()  # best.pt without ckpt.pt or results: refused too, kept as it was
     (out / 'ckpt.pt').unlink()
@@ -4377,9 +4381,10 @@ def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
     left out is the checkpoint's; the Ctrl-C hint gives the command. --lr 1e30 stops with one line
     at the first non-finite loss, best.pt (iteration 0: the LM itself) intact."""
     d, lm_path = addition_run
-    flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5', '--K', '4',
-             '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8', '--eval_samples', '4',
-             '--logz_samples', '32', '--forward_samples', '8', '--lr', '1e-2', '--quiet']
+    flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
+             '--K', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
+             '--eval_samples', '4', '--logz_samples', '32', '--forward_samples', '8', '--lr', '1e-2',
+             '--quiet']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     exo.main([*flags, '--out_dir', one, '--max_iters', '4'])
     exo.main([*flags, '--out_dir', two, '--max_iters', '2'])
@@ -5710,16 +5715,20 @@ CLI_TABLE = [
      '--negatives {neg_val} were made from the val split'),
     ('repro-out-dir-in-use', [*R, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
     # issue 40, items 1 and 7: sizes without a bound, names too long for the filesystem, a model name twice
-    ('train-grad-accum-1e9', [*T, '--grad_accum', '1000000000'], '--grad_accum 1000000000: must be at most 65,536'),
-    ('nce-grad-accum-1e9', [*E, '--grad_accum', '1000000000'], '--grad_accum 1000000000: must be at most 65,536'),
+    ('train-grad-accum-1e9', [*T, '--grad_accum', '1000000000'],
+     '--grad_accum 1000000000: must be at most 65,536'),
+    ('nce-grad-accum-1e9', [*E, '--grad_accum', '1000000000'],
+     '--grad_accum 1000000000: must be at most 65,536'),
     ('me-pool-1e7', [*MX, '--prefixes', '2', '--check_splits', '', '--pool', '10000000'],
      '--pool 10000000: must be at most 65,536'),
     ('me-extra-lm-twice', [*MX, '--table', '--extra_lm', 'A={ckpt}', 'A={lm}/best.pt'],
      '--extra_lm: the name A is given twice'),
-    ('me-compare-twice', [*MX, '--table', '--compare', 'B={energy}', 'B={energy}'], '--compare: the name B is given twice'),
+    ('me-compare-twice', [*MX, '--table', '--compare', 'B={energy}', 'B={energy}'],
+     '--compare: the name B is given twice'),
     ('figures-dpi-1e5', ['job/figures.py', '--out_dir', '{figs}', '--dpi', '100000'],
      '--dpi 100000: must be between 1 and 1200'),
-    ('train-out-dir-name-300-bytes', [*T, '--out_dir', '{root}/' + 'n' * 300], 'is 300 bytes, more than the 239'),
+    ('train-out-dir-name-300-bytes', [*T, '--out_dir', '{root}/' + 'n' * 300],
+     'is 300 bytes, more than the 239'),
     ('text-out-dir-name-250-bytes', [*TX, '--out_dir', '{root}/' + 'n' * 250],
      'is 250 bytes, more than the 239 a name may have here'),
     ('neg-out-dir-folder-name-256-bytes', [*N, '--out_dir', '{root}/' + 'n' * 256 + '/neg'],
@@ -6676,19 +6685,21 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
     """Issue 40, item 7: --num_prefixes beyond the split takes the split and says how many it
     holds (it said the disk was full); `sample.py | head` exits quietly (it said 'Broken pipe: check
     the path and its permissions'), as does any script whose stdout's reader goes away."""
-    argv = ['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'), '--table_k', '0', '--n', '2']
+    argv = ['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'), '--table_k', '0',
+            '--n', '2']
     res = run_script([*argv, '--num_prefixes', '1000000000'])
     assert res.returncode == 0 and 'is full' not in res.stderr, res.stderr
     held = re.search(r'--num_prefixes 1000000000: the test split holds (\d+) prefixes of --prefix_len '
                      rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stdout)
     assert held and len(json.loads((tmp_path / 's.json').read_text())['samples']) == int(held[1])
-    quiet = "import plumbing\ndef main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\nplumbing.run_main(main)"
+    quiet = ("import plumbing\ndef main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+             "plumbing.run_main(main)")
     res = subprocess.run([sys.executable, '-c', quiet], cwd=ROOT, capture_output=True, text=True)
     assert (res.returncode, res.stderr) == (141, ''), res
     loud = [a for a in argv if a != '--quiet']
     shell = f"{shlex.join([sys.executable, *loud, '--out', str(tmp_path / 'p.json')])} --force | head -1"
-    res = subprocess.run(['bash', '-c', f'set -o pipefail; {shell}'], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+    res = subprocess.run(['bash', '-c', f'set -o pipefail; {shell}'], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert 'Broken pipe' not in res.stderr and 'error' not in res.stderr, res.stderr
     assert res.returncode in (0, 141), res  # 141: sample.py outlived head's read, as a Unix tool would
 
@@ -6697,13 +6708,15 @@ def test_memory_check_respects_ulimit_v():
     """Issue 40, item 1: under `ulimit -v` (RLIMIT_AS) lower than the machine's free memory, the
     memory check uses what the limit leaves this process, and says so."""
     code = ("import resource, budget\n"
-            "vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
+            "vm = next(int(l.split()[1]) * 1024"
+            " for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
             "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
             "assert budget.available_memory() <= 2**30\n"
             "budget.check_memory(2**30, 'a batch', 'lower --batch_size')\n")
     res = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith('ValueError: a batch needs ~1.0 GiB'), \
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith('ValueError: a batch needs ~1.0 GiB'), \
         res.stderr
     assert 'GiB available under ulimit -v): lower --batch_size' in res.stderr
 

@@ -247,7 +247,8 @@ def get_args(argv=None):
         raise ValueError(f"--ns {args.ns[-1]}: at most {MAX_SAMPLES:,} LM samples per answer")
     clash = {'BASE LM', 'JOINT'} & set(named_paths(args.extra_lm, '--extra_lm'))
     if clash:
-        raise ValueError(f"--extra_lm {clash.pop()}=...: that name is the table's own; give the model another")
+        raise ValueError(f"--extra_lm {clash.pop()}=...: that name is the table's own; "
+                         "give the model another")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force)
     if args.plot is not None:  # refused before --out is written

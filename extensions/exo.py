@@ -180,7 +180,8 @@ def get_args(argv=None):
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--resume', action='store_true',
       help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")
-    a('--force', action='store_true', help="start over, replacing --out_dir's ckpt.pt, best.pt and results.json")
+    a('--force', action='store_true',
+      help="start over, replacing --out_dir's ckpt.pt, best.pt and results.json")
     a('--device', default='cpu')
     a('--seed', type=int, default=1337)
     a('--quiet', action='store_true')
@@ -214,9 +215,9 @@ def get_args(argv=None):
 
 # what a --resume takes from ckpt.pt (a contradicting flag is refused): every flag that changes the
 # numbers; free: --max_iters (upwards), --device, --quiet
-FIXED = ('lm', 'energy', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'beta_pi', 'beta_r', 'batch_size',
-         'lr', 'eval_interval', 'patience', 'eval_prefixes', 'eval_samples', 'logz_samples', 'forward_samples',
-         'seed')
+FIXED = ('lm', 'energy', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'beta_pi', 'beta_r',
+         'batch_size', 'lr', 'eval_interval', 'patience', 'eval_prefixes', 'eval_samples', 'logz_samples',
+         'forward_samples', 'seed')
 
 
 def resumed(args, argv, device):
@@ -290,7 +291,8 @@ def main(argv=None):
     device = setup(args.device)[2]
     saved = resumed(args, argv, device)
     torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
-    sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)  # sizes checked: nothing written yet
+    # sizes checked: nothing written yet
+    sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)
     new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt', 'results.json'))
     lock_folder(args.out_dir)
     train, train_offsets, _ = prefixes_of(data_dir, meta, 'train', args)
@@ -318,8 +320,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        check_finite(loss.item() + norm.item(), it, f'its loss {loss.item():.4g}, gradient norm {norm.item():.4g}',
-                     best, args)
+        check_finite(loss.item() + norm.item(), it,
+                     f'its loss {loss.item():.4g}, gradient norm {norm.item():.4g}', best, args)
         opt.step()
     report(args, sft, energy, data_dir, meta, curve, best, time.time() - t0, device)
 
@@ -334,9 +336,10 @@ def evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device
     curve.append(dict(iter=it, **{f'select_{k}': v for k, v in kl.items()}))
     if best is None or kl[SELECT[args.loss]] < best[f'select_{SELECT[args.loss]}']:
         best = curve[-1]
-        save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it), os.path.join(args.out_dir, 'best.pt'))
-    save_checkpoint(dict(state, model=policy.state_dict(), optimizer=opt.state_dict(), iter_num=it, curve=curve,
-                         best_iter=best['iter']), os.path.join(args.out_dir, 'ckpt.pt'))
+        save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
+                        os.path.join(args.out_dir, 'best.pt'))
+    save_checkpoint(dict(state, model=policy.state_dict(), optimizer=opt.state_dict(), iter_num=it,
+                         curve=curve, best_iter=best['iter']), os.path.join(args.out_dir, 'ckpt.pt'))
     if not args.quiet:
         print(f"iter {it}: select {format_kl(kl)}{' (best)' if best is curve[-1] else ''}", flush=True)
     return best

@@ -36,8 +36,8 @@ from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_token
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import file_hash, load_lm, save_checkpoints
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, named_paths, precision,
-                      progress, rng, run_main, setup)
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, named_paths,
+                      precision, progress, rng, run_main, setup)
 
 
 MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
