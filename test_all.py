@@ -7037,18 +7037,34 @@ def test_readme_numbers_come_from_the_committed_run():
                      f"{100 * (1 - test.get('ppl', test.get('ppl_high')) / base):.2f}%"]
         assert cells[:len(want)] == want, (model, cells, want)
     c1 = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['claims']['C1']
-    ratio = runs['BALM', 'test']['gain_nats_per_token'] / runs['JOINT BIT', 'test']['gain_nats_per_token']
     prose = ' '.join(readme.split())
-    assert f"{c1['diff']:.4f} (SE {c1['se']:.4f})" in prose and f"{ratio:.0f} times JOINT BIT's" in prose
+    assert f"{c1['diff']:.4f} (SE {c1['se']:.4f})" in prose
+    check_readme_recipes(prose)
     minutes = lambda t: sum(s for stage, s in t.items() if not stage.startswith('ord_')) / 60  # not Fig. 4's
-    fp32 = json.load(open(os.path.join(ROOT, 'assets', 'results_avx2_fp32.json')))['timings_s']
-    gpu = json.load(open(os.path.join(ROOT, 'assets', 'gpu_h100.json')))['main_job']['stage_seconds']
-    assert (f"{minutes(res['timings_s']):.0f} min on the 2-core CPU" in prose
-            and f"{minutes(fp32):.0f} there in fp32" in prose and f"H100, {minutes(gpu):.1f} min" in prose)
+    asset = lambda name: json.load(open(os.path.join(ROOT, 'assets', name)))
+    earlier, fp32 = (asset(f)['timings_s'] for f in ('results_earlier_recipe.json', 'results_avx2_fp32.json'))
+    gpu = asset('gpu_h100.json')['main_job']['stage_seconds']
+    for phrase in (f"{minutes(res['timings_s']):.0f} min on its 2-core CPU beside other jobs",
+                   f"{minutes(earlier):.0f} min on a 2-core AMD EPYC", f"{minutes(fp32):.0f} there in fp32",
+                   f"{minutes(gpu):.1f} min on an H100"):
+        assert phrase in prose, phrase
     for name, m in lms.items():  # "BASE LM (...; step 4,000)"
         if name in ('BASE', 'RALM', 'BALM'):
             assert re.search(rf'^\| {name}[^|]*step {m["best_step"]:,}\)', readme, re.M), name
     check_readme_addition(readme)
+
+
+def check_readme_recipes(prose):
+    """README's before -> after of the energy recipe: each joint model's test gain (SE) under the
+    earlier recipe on the same LM and prefixes, and the paired difference new - earlier on the
+    selection split and on test, as assets/energy_recipes.json has them."""
+    rec = json.load(open(os.path.join(ROOT, 'assets', 'energy_recipes.json')))
+    for name in ('BIT', 'UNIT'):
+        e = rec['test']['earlier'][name]
+        assert f"JOINT {name} {e['gain']:.4f} ({e['se']:.4f})" in prose, name
+        for split in ('select', 'test'):
+            d = rec[split]['new_minus_earlier'][name]
+            assert f"{name} {d['diff']:+.4f} (SE {d['se']:.4f}, p {d['p']:.2g})" in prose, (split, name)
 
 
 def check_readme_addition(readme):

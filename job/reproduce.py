@@ -24,8 +24,8 @@ stops the others and names its log; Ctrl-C stops them all. Threads change float 
 stage's thread count follows --jobs alone, never timing: the numbers depend on --jobs (on 2
 cores, --jobs 2 gives those of OMP_NUM_THREADS=1 --jobs 1), never on the schedule.
 
-    python job/reproduce.py                      # ~32 min on 2 CPU cores with bf16 units (README)
-    python job/reproduce.py --quick              # ~2 min, tiny models: the CI smoke test
+    python job/reproduce.py                      # ~47 min on 2 CPU cores with bf16 units (README)
+    python job/reproduce.py --quick              # ~2.5 min, tiny models: the CI smoke test
     python job/reproduce.py --jobs 2             # two stages at a time, each on half the cores
     python job/reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
     python job/reproduce.py --data addition      # a task with a known answer, and EXO (docs/addition.md)
@@ -640,11 +640,12 @@ def publish(out):
             write_json(read_json(os.path.join(out, name), FIX), os.path.join(ROOT, 'assets', to))
 
 
-# Stage times of the default run relative to the LM's, from README's run (2026-11-27, bf16
-# CPU): the LM stage measures this machine's speed, these turn it into a rough estimate of the
-# whole run (on a CPU without bf16, sampling is relatively faster: an overestimate there).
-RELATIVE_TIME = dict(lm=1.0, balm=0.43, ralm=0.10, neg_train=0.065, neg_select=0.007, mlm=0.23, bit=0.15,
-                     unit=0.13, tailr=0.066, metrics=0.25, estimate_ppl=0.34, samples=0.08,
+# Stage times of the default run relative to the LM's, from the idle run of the earlier recipe
+# (2026-11-27, bf16 CPU); the negatives and energies of today's recipe from their idle throughputs
+# (docs/reports.md): the LM stage measures this machine's speed, these turn it into a rough
+# estimate of the whole run (on a CPU without bf16, sampling is relatively faster: an overestimate).
+RELATIVE_TIME = dict(lm=1.0, balm=0.43, ralm=0.10, neg_train=0.23, neg_select=0.06, mlm=0.23, bit=0.76,
+                     unit=0.76, tailr=0.066, metrics=0.25, estimate_ppl=0.34, samples=0.08,
                      samples_untruncated=0.075, claims=0.015)
 
 
