@@ -5020,8 +5020,7 @@ def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkey
     one, two = (json.load(open(tmp_path / d / 'lm' / 'results.json')) for d in ('one', 'two'))
     timeless = lambda r: {k: v for k, v in r.items() if k not in ('train_time_s', 'tokens_per_s')}
     assert timeless(one) == timeless(two) and one['curve']
-    wa, wb = (torch.load(tmp_path / d / 'lm' / 'best.pt', map_location='cpu', weights_only=False)['model']
-              for d in ('one', 'two'))
+    wa, wb = (load_checkpoint(tmp_path / d / 'lm' / 'best.pt')['model'] for d in ('one', 'two'))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     flag = lambda f: int(TRAIN_FLAGS[TRAIN_FLAGS.index(f) + 1])
     shape = {k: flag(f'--{k}') for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
