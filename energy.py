@@ -36,7 +36,8 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, KVCache, check_vocab, file_hash, load_checkpoint, load_lm, load_weights
+from model import GPT, GPTConfig, KVCache, check_vocab, load_checkpoint, load_lm
+from plumbing import file_hash, load_weights
 
 POOLS = ('continuation', 'all')
 

@@ -19,20 +19,18 @@ enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep
 import math
 import os
 
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from budget import check_memory
-from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
-                  write_text)
+from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (kl_to_lm, load_any_energy, logz_bounds, sample_log_weights, score, score_continuations,
                     share_energies)
-from model import file_hash, load_lm
+from model import load_lm, load_lm_and_data
 from data.tokenizer import load_tokenizer
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_new, check_writable,
-                      precision, progress, rng, run_main, setup, teardown_distributed)
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
+                      check_writable, file_hash, precision, progress, rng, run_main, setup,
+                      teardown_distributed, write_json, write_text)
 
 
 def mc_se(log_w):

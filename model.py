@@ -16,11 +16,11 @@ test that proves it: a KV cache, decoding that shares each prompt's K/V across i
 bf16 attention by matmuls, and `generate`, generate_plain's cached twin, which also returns the
 log-probs of its tokens under the untruncated LM and under the proposal.
 
-Last, sizing helpers and self-describing checkpoints, written atomically and loaded with
-weights_only=True.
+Last, sizing helpers; what both trainers take of nanoGPT's training (AdamW's groups, the cosine
+schedule) and this project's stopping rule; and load_lm, a trained P_LM (with load_lm_and_data, the
+data it goes with) from a checkpoint whose file checks live in plumbing.files.
 """
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import atomic_writes, not_a_file
+from data import load_meta
+from plumbing import file_hash, load_weights, torch_load
 
 
 @dataclass
@@ -476,72 +477,50 @@ def flops_per_token(config, num_params):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: self-describing dicts of tensors and plain Python values, so weights_only=True loads them
+# training: nanoGPT's optimiser and schedule, and the stopping rule, for both trainers
 
-def save_checkpoint(obj, path):
-    """torch.save, atomically: a kill mid-write leaves the previous checkpoint intact."""
-    save_checkpoints([(obj, path)])
-
-
-def save_checkpoints(saves):
-    """Each (obj, path) of saves torch.saved, together (plumbing.atomic_writes): the disk checked
-    for all of them first, every one written to a temp file, then each renamed into place in
-    order. A full disk leaves every previous checkpoint as it was."""
-    atomic_writes([(path, lambda tmp, obj=obj: torch.save(obj, tmp), saved_bytes(obj))
-                   for obj, path in saves])
+def configure_optimizer(model, args, device):
+    """AdamW with weight decay on matrices only (nanoGPT's configure_optimizers), over the
+    trainable parameters (a RALM's base LM stays frozen)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
+                             fused=device.startswith('cuda'))
 
 
-def saved_bytes(obj):
-    """About the size of torch.save(obj): its tensors' storages, 1 KiB for each one's zip record,
-    64 KiB for the pickle of the rest."""
-    storages = {}
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            storages[o.untyped_storage().data_ptr(), o.untyped_storage().nbytes()] = 1
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-    walk(obj)
-    return sum(n for _, n in storages) + 2**10 * len(storages) + 2**16
+def get_lr(it, args):
+    """Linear warmup, then cosine decay from --lr to --min_lr at --lr_decay_iters (nanoGPT's)."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / (args.warmup_iters + 1)
+    if it > args.lr_decay_iters:
+        return args.min_lr
+    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
-def load_checkpoint(path, map_location='cpu'):
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a folder, not a checkpoint: "
-                         f"give the file, e.g. {os.path.join(path, 'ckpt.pt')}")
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {path} {not_a_file(path)}: "
-                         + ("train one first (train_lm.py / nce_train.py)" if not os.path.exists(path)
-                            else "give a train_lm.py or nce_train.py checkpoint"))
-    with open(path, 'rb') as f:
-        if f.read(4) != b'PK\x03\x04':  # the zip archive torch.save writes (truncated ones too)
-            raise ValueError(f"{path} is not a checkpoint (not the zip archive torch.save writes): "
-                             f"give a train_lm.py or nce_train.py checkpoint")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if 'Weights only load failed' in str(e):  # code in the pickle: never run
-            raise ValueError(f"{path} holds more than tensors and plain data, "
-                             "which weights_only=True refuses to load "
-                             f"(it could run code): it is not a rebm checkpoint") from None
-        raise ValueError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}): "
-                         f"retrain it or restore a copy") from None
+def stopped_early(trail, patience, min_rel_delta=0.0):
+    """Early stopping, this project's protocol for every model it trains (the paper trains for
+    fixed budgets): trail holds the best selection figure (lower is better) after each evaluation;
+    stop once it has improved by less than min_rel_delta, relative, over the last `patience`
+    evaluations. Measured from the best so far, so a run still improving by small steps that add
+    up goes on; with min_rel_delta 0, stop when the best is `patience` evaluations old."""
+    if not patience or len(trail) <= patience:
+        return False
+    old, new = trail[-1 - patience], trail[-1]
+    return not new < old - (min_rel_delta * abs(old) if math.isfinite(old) else 0)
+
+
+# -----------------------------------------------------------------------------
+# loading an LM: the method's entry point to a trained P_LM (the checks of its file: plumbing.files)
+
+def load_checkpoint(path):
+    """A rebm checkpoint: a dict with the model's weights and what it is ('kind'), read with
+    weights_only=True (torch_load: the file's checks)."""
+    ckpt = torch_load(path)
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:
         raise ValueError(f"{path} is not a rebm checkpoint (no 'model'/'kind' entries)")
     return ckpt
-
-
-def file_hash(path):
-    """Content hash of a file: energies and negatives record the one of the LM they belong to."""
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(1 << 20), b''):
-            h.update(block)
-    return h.hexdigest()[:16]
 
 
 def check_vocab(ckpt, meta, path):
@@ -552,17 +531,6 @@ def check_vocab(ckpt, meta, path):
         raise ValueError(f"checkpoint {path} was trained with another vocabulary "
                          f"({theirs['tokenizer']}, {theirs['vocab_size']} tokens) than this data "
                          f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
-
-
-def load_weights(model, state, path, strict=True):
-    """model.load_state_dict(state); a checkpoint whose weights do not fit its own config (edited
-    or damaged) is refused in one line naming the file."""
-    try:
-        return model.load_state_dict(state, strict=strict)
-    except RuntimeError as e:
-        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-        raise ValueError(f"{path}: its weights do not match its config ({detail[:160]}): the file was "
-                         f"edited or damaged; retrain it or restore a copy") from None
 
 
 def load_lm(path, device='cpu', meta=None, kind='lm'):
@@ -590,3 +558,17 @@ def load_lm(path, device='cpu', meta=None, kind='lm'):
         raise ValueError(f"{path} holds non-finite weights (its training diverged): "
                          "retrain it with a lower --lr")
     return model.to(device).eval(), ckpt
+
+
+def load_lm_and_data(lm_path, data_dir=None, device='cpu'):
+    """The LM at lm_path and the prepared data it goes with: data_dir, else the folder it was trained
+    on (its checkpoint records it), checked to have its vocabulary. Returns (lm, ckpt, data_dir, meta)."""
+    lm, ckpt = load_lm(lm_path, device)
+    if data_dir is None:
+        data_dir = ckpt['meta']['data_dir']
+        if not os.path.exists(os.path.join(data_dir, 'meta.json')):  # e.g. a relative path, another folder
+            raise ValueError(f"{lm_path} was trained on the data in {data_dir}, which holds no prepared data "
+                             f"seen from here ({os.getcwd()}): pass --data_dir with that data")
+    meta = load_meta(data_dir)
+    check_vocab(ckpt, meta, lm_path)
+    return lm, ckpt, data_dir, meta

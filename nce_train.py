@@ -34,82 +34,52 @@ checkpoints are written atomically.
 
 import math
 import os
-import sys
-import time
-from contextlib import nullcontext
 
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
-from budget import check_training_memory
-from data import load_meta, load_negatives, load_split, untruncated, window_tokens, write_json
+from data import load_meta, load_negatives, load_split, untruncated, window_tokens
 from energy import POOLS, build_energy, energy_state, load_energy, logz_bounds
-from model import GPTConfig, load_checkpoint, save_checkpoints
-from plumbing import (ArgumentParser, at_least, check_new_run, check_resumed_flags, check_resumed_iters,
-                      check_training_flags, checkpoint_hint, choose_dtype, diverged, lock_folder,
-                      micro_batches, missing_checkpoint, one_job, pick_device, rng, rng_seed, run_main,
-                      write_log)
+from model import GPTConfig, configure_optimizer, get_lr, load_checkpoint, stopped_early
+from plumbing import (RunDir, all_reduce, check_training_flags, check_training_memory, one_job, precision,
+                      rng_seed, run_trainer, setup, teardown_distributed, training_parser)
 
 
 def get_args(argv=None):
-    p = ArgumentParser(description=__doc__)
+    p = training_parser(__doc__, 'out/energy', max_iters=1000, lr=3e-4, min_lr=3e-5, warmup_iters=50,
+                        eval_interval=100)
     a = p.add_argument
     a('--lm', default='out/lm/best.pt', help='the base LM the energy is the residual of')
     a('--negatives', required=True, help='negatives.py output for the train split')
     a('--held_out_negatives', required=True,
       help="negatives.py output for held-out prefixes, which choose best.pt (--select): the selection split "
            "('select', carved from the training documents), so that val and test are only reported")
-    a('--out_dir', default='out/energy')
-    a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
     a('--energy', default='bit', choices=['bit', 'unit'], help='bidirectional or LM-initialised causal body')
     a('--init_from', default=None,
       help='bit: an MLM checkpoint (train_lm.py --objective mlm); unit: an LM (default --lm)')
     a('--pool', default='continuation', choices=POOLS, help='mean-pool hidden states over these positions')
-    a('--context', type=int, default=None,
+    a('--context', type=int, default=None, at_least=0,
       help='the energy sees only the last N prefix tokens (default: all)')
-    a('--n_layer', type=int, default=None, help='BIT from scratch: layers (default: the LM\'s)')
-    a('--n_head', type=int, default=None)
-    a('--n_embd', type=int, default=None)
+    a('--n_layer', type=int, default=None, at_least=1, help='BIT from scratch: layers (default: the LM\'s)')
+    a('--n_head', type=int, default=None, at_least=1)
+    a('--n_embd', type=int, default=None, at_least=1)
     a('--dropout', type=float, default=None,
       help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
     a('--loss', default='ranking', choices=['binary', 'ranking'],
       help='ranking: cross-entropy over [x+, all M negatives] (no gradient from a negative equal to x+); '
            'binary: Eq. 3, one negative per positive')
-    a('--num_neg', type=int, default=None, help='ranking: negatives per positive (default: all K stored)')
+    a('--num_neg', type=int, default=None, at_least=1,
+      help='ranking: negatives per positive (default: all K stored)')
     a('--select', default='gain', choices=['gain', 'loss'],
       help="what chooses best.pt and early stopping on the held-out prefixes: gain, the joint model's "
            "log-likelihood of their real continuations over the LM's (Eq. 2, log Z at Eq. 4's upper end); "
            "loss, the NCE loss")
-    a('--batch_size', type=int, default=16, help='positives per micro-batch per process')
-    a('--grad_accum', type=int, default=None,
-      help='micro-batches per iteration, summed over processes (default: one per process)')
-    a('--max_iters', type=int, default=1000)
-    a('--lr', type=float, default=3e-4)
-    a('--min_lr', type=float, default=3e-5)
-    a('--warmup_iters', type=int, default=50)
-    a('--lr_decay_iters', type=int, default=None, help='end of the cosine decay (default: max_iters)')
-    a('--weight_decay', type=float, default=0.1)
-    a('--beta1', type=float, default=0.9)
-    a('--beta2', type=float, default=0.99)
-    a('--grad_clip', type=float, default=1.0)
-    a('--eval_interval', type=int, default=100)
-    a('--eval_prefixes', type=int, default=256,
+    a('--eval_prefixes', type=int, default=256, at_least=1,
       help='held-out prefixes (fixed negatives each) per evaluation')
-    a('--patience', type=int, default=0,
-      help='early stopping: stop once the held-out loss has not improved for this many evaluations (0: off)')
-    a('--log_interval', type=int, default=10)
-    a('--device', default='auto')
-    a('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
-    a('--compile', action='store_true')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true')
     args = p.parse_args(argv)
-    check_args(args, argv)
+    check_training_flags(args, argv, RESUME_FIXED, saved_flags)
     return args
 
 
@@ -118,30 +88,12 @@ def get_args(argv=None):
 RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', 'n_embd', 'dropout',
                 'loss', 'num_neg', 'select', 'seed', 'negatives', 'held_out_negatives', 'lr', 'min_lr',
                 'warmup_iters', 'lr_decay_iters', 'batch_size', 'grad_accum', 'weight_decay', 'beta1',
-                'beta2', 'grad_clip', 'eval_interval', 'eval_prefixes', 'patience')
+                'beta2', 'grad_clip', 'eval_interval', 'eval_prefixes', 'patience', 'min_rel_delta')
 
 
-def check_resume(args, argv):
-    """--resume continues the checkpoint's energy: a flag given that contradicts it is refused."""
-    path = os.path.join(args.out_dir, 'ckpt.pt')
-    if not os.path.exists(path):
-        raise missing_checkpoint(args.out_dir)
-    ckpt = load_checkpoint(path)
-    if ckpt['kind'] != 'energy':
-        return  # build() says what it holds instead
-    check_resumed_flags(args, argv, ckpt.get('args', {}), RESUME_FIXED, path, 'run')
-    check_resumed_iters(args.max_iters, ckpt['iter_num'], path)
-
-
-def check_args(args, argv):
-    """Every flag in range, and with --resume those given (argv) agreeing with the checkpoint,
-    before any work: one line naming the flag."""
-    at_least(args, 1, 'n_layer', 'n_head', 'n_embd', 'num_neg', 'batch_size', 'grad_accum', 'max_iters',
-             'lr_decay_iters', 'eval_interval', 'eval_prefixes', 'log_interval')
-    at_least(args, 0, 'context', 'warmup_iters', 'weight_decay', 'grad_clip', 'patience')
-    check_training_flags(args)
-    if args.resume:
-        check_resume(args, argv)
+def saved_flags(ckpt):
+    """The flags an energy's checkpoint ran with (None: another kind, which build() refuses)."""
+    return ckpt.get('args', {}) if ckpt.get('kind') == 'energy' else None
 
 
 def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
@@ -219,7 +171,7 @@ def training_pool(train, neg, args):
 
 def choose(n_rows, K, B, M, seed, split, it):
     """Rows of batch `it` and M distinct negatives of each, uniformly: a function of (seed, split, it)."""
-    g = rng(seed, 'nce_pairs', split, it)
+    g = torch.Generator().manual_seed(rng_seed(seed, 'nce_pairs', split, it))
     rows = torch.randint(n_rows, (B,), generator=g).numpy()  # (B,) prefixes, with replacement
     neg_idx = torch.rand(B, K, generator=g).argsort(1)[:, :M].numpy()  # (B, M) of the K stored
     return rows, neg_idx
@@ -254,10 +206,8 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
                               e_all.mean(1).sum().item(), gain.sum().item(), gain_high.sum().item(),
                               len(r)], dtype=torch.float64)
-    if world_size > 1:  # on the run's device: NCCL refuses CPU tensors
-        sums = sums.to(device)
-        dist.all_reduce(sums)
     model.train()
+    sums = all_reduce(sums, device, world_size)
     n = sums[-1].item()
     return dict(held_out_loss=sums[0].item() / n, held_out_acc=sums[1].item() / n,
                 held_out_e_pos=sums[2].item() / n, held_out_e_neg=sums[3].item() / n,
@@ -305,16 +255,15 @@ def negatives_per_pair(args, neg, held_neg):
     return M
 
 
-def build(args, meta, length, rows):
+def build(args, meta, length, rows, device):
     """The energy to train and, with --resume, the checkpoint it continues; it must see
     sequences of `length` tokens, `rows` of them per micro-batch."""
     if args.resume:
         model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
         model.train()
-        check_memory_of(model.config, rows, args)
+        check_memory_of(model.config, rows, args, device)
     else:
-        check_new_run(args.out_dir)  # best.pt as much as ckpt.pt
-        check_memory_of(planned_config(args), rows, args)  # before any weight is allocated
+        check_memory_of(planned_config(args), rows, args, device)  # before any weight is allocated
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool,
                                    context=args.context, dropout=args.dropout), None
@@ -335,17 +284,15 @@ def planned_config(args):
     return GPTConfig(**dict(src, **{k: v for k, v in sizes.items() if v is not None}))
 
 
-def check_memory_of(config, rows, args):
+def check_memory_of(config, rows, args, device):
     """A training step of the energy config on `rows` sequences must fit (as train_lm.py checks)."""
-    check_training_memory(config, rows, pick_device(args.device),
+    check_training_memory(config, rows, device,
                           f"training an energy of n_layer {config.n_layer}, n_embd {config.n_embd} on "
                           f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
                           "lower --batch_size (--grad_accum keeps the batch) or the energy's size")
 
 
-def report(results, log, out_dir):
-    log.close()
-    write_json(results, os.path.join(out_dir, 'results.json'))
+def report(results, out_dir):
     best_path = os.path.join(out_dir, 'best.pt')
     best = (f"best.pt from iter {results['best_iter']} (by held-out {results['select']}) -> {best_path}"
             if os.path.exists(best_path)
@@ -362,77 +309,49 @@ def selected(ev, select):
     return -ev['held_out_gain'] if select == 'gain' else ev['held_out_loss']
 
 
-def save(state, improved, optimizer, scaler, out_dir):
-    """ckpt.pt, the latest state (for --resume), and best.pt when the held-out loss improved: the
-    energy to use, since NCE overfits the finite negatives and the last one may be worse. Saved
-    together (save_checkpoints): the disk is checked for both first, and ckpt.pt goes in first."""
-    saves = [(dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict()),
-              os.path.join(out_dir, 'ckpt.pt'))]
-    save_checkpoints(saves + ([(state, os.path.join(out_dir, 'best.pt'))] if improved else []))
-
-
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
-    lock_folder(args.out_dir)  # one job per folder
+    out = RunDir(args)  # one job per folder; log.jsonl, results.json
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
-    device = pick_device(args.device)
-    ddp = int(os.environ.get('RANK', -1)) != -1
-    if ddp:
-        if device.startswith('cuda'):
-            device = f"cuda:{os.environ['LOCAL_RANK']}"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    rank, world_size, device = setup(args.device)
     master = rank == 0
-    args.grad_accum = micro_batches(args.grad_accum, world_size)  # default: one per process
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init (DDP then copies rank 0's)
-    # precision from the hardware, decided once and saved with the flags (a --resume keeps it)
-    args.dtype, why = choose_dtype(device, args.dtype, 'train')
-    ctx = (nullcontext() if args.dtype == 'float32'
-           else torch.autocast(device_type=device.split(':')[0], dtype=getattr(torch, args.dtype)))
-    if master:
-        print(f"threads: {torch.get_num_threads()}, {plumbing.THREADS_WHY}\n"
-              f"train: {device}, {args.dtype} ({why})", flush=True)
+    # autocast's precision from the hardware, decided once and saved with the flags (a --resume keeps it)
+    args.dtype, ctx = precision(device, args.dtype, verbose=master)
 
     neg, held_neg, data, meta = load_pairs(args)
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
     pool = training_pool(train, neg, args)
-    raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M))
+    raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M), device)
     raw_model.to(device)
-    # AdamW, weight decay on matrices only; the GradScaler scales fp16's loss (a no-op otherwise)
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
-                                  fused=device.startswith('cuda'))
-    scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')
+    optimizer = configure_optimizer(raw_model, args, device)
+    scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only
     if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
     model = torch.compile(raw_model) if args.compile else raw_model
-    if ddp:
+    if world_size > 1:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
 
     iter_num = ckpt['iter_num'] if ckpt else 0
-    best = dict(value=float('inf'), iter=0, eval={})  # value: --select's, lower is better; eval: best.pt's
+    # value: --select's figure at best.pt (lower is better), eval: its evaluation; trail: the best value
+    # after each evaluation (the stopping rule's)
+    best = dict(value=math.inf, iter=0, eval={}, trail=[])
     if ckpt:
         best = dict(value=ckpt.get('best_value', ckpt.get('best_loss')), iter=ckpt['best_iter'],
-                    eval=ckpt.get('best_eval', {}))
+                    eval=ckpt.get('best_eval', {}), trail=ckpt.get('best_trail', []))
     held_rows, held_negs = held_out_pairs(held_neg, M, args)
     tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
-        os.makedirs(args.out_dir, exist_ok=True)
         print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, "
               f"{args.loss} NCE with {M} negative(s), {len(pool)} of {len(neg['offsets'])} train prefixes "
               f"(those with a gradient) x {neg['meta']['num_samples']} samples, {world_size} process(es)")
-    log = open(os.path.join(args.out_dir, 'log.jsonl'), 'a') if master else None
-    t0, t_start, start_iter, last_eval = time.time(), time.time(), iter_num, {}
-    bar = tqdm(total=args.max_iters, initial=iter_num, dynamic_ncols=True,
-               disable=args.quiet or not master or not sys.stderr.isatty())
-    while iter_num < args.max_iters and not stopped_early(iter_num, best, args):
+    out.start(master, iter_num, args.max_iters, tokens_per_iter, args.quiet)
+    last_eval = {}
+    while iter_num < args.max_iters and not stopped_early(best['trail'], args.patience, args.min_rel_delta):
         lr = get_lr(iter_num, args)
         for group in optimizer.param_groups:
             group['lr'] = lr
@@ -440,71 +359,49 @@ def main(argv=None):
         scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
         if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
-            raise ValueError(diverged(iter_num, grad_norm, args.out_dir))
+            raise out.diverged(iter_num, grad_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
-        bar.update()
+        out.bar.update()
 
         if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-            stats = torch.tensor(stats, dtype=torch.float64)
-            if ddp:  # the mean over ranks, reduced on the run's device (NCCL refuses CPU tensors)
-                stats = stats.to(device)
-                dist.all_reduce(stats)
-                stats /= world_size
-            rec = dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), stats.tolist()), iter=iter_num, lr=lr,
-                       grad_norm=grad_norm)
-            now = time.time()
-            rec['tokens_per_s'] = ((iter_num - 1) % args.log_interval + 1) * tokens_per_iter / (now - t0)
-            t0 = now
-            write_log(log, rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            stats = all_reduce(torch.tensor(stats, dtype=torch.float64), device, world_size) / world_size
+            out.log_train(dict(zip(('loss', 'acc', 'e_pos', 'e_neg'), stats.tolist()), iter=iter_num, lr=lr,
+                               grad_norm=grad_norm))
         if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
             last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
                                  device, ctx, rank, world_size)
             value = selected(last_eval, args.select)
-            improved = value < best['value']
+            improved = value < best['value']  # the same on every rank: the figures are all-reduced
             if improved:
                 best.update(value=value, iter=iter_num, eval=last_eval)
-            write_log(log, dict(iter=iter_num, **last_eval))
+            best['trail'].append(best['value'])
+            out.log_eval(dict(iter=iter_num, **last_eval),
+                         f"iter {iter_num}: held-out gain {last_eval['held_out_gain']:.5f} nats/token, "
+                         f"NCE loss {last_eval['held_out_loss']:.4f}, acc {last_eval['held_out_acc']:.3f}"
+                         + (' (best)' if improved else ''))
             if master:
-                bar.write(f"iter {iter_num}: held-out gain {last_eval['held_out_gain']:.5f} nats/token, "
-                          f"NCE loss {last_eval['held_out_loss']:.4f}, acc {last_eval['held_out_acc']:.3f}"
-                          + (' (best)' if improved else ''))
                 state = dict(energy_state(raw_model, args.lm, meta), args=vars(args), iter_num=iter_num,
                              best_value=best['value'], best_iter=best['iter'], best_eval=best['eval'],
-                             negatives=args.negatives)
-                save(state, improved, optimizer, scaler, args.out_dir)
-    bar.close()
+                             best_trail=best['trail'], negatives=args.negatives)
+                out.save(state, optimizer, scaler, improved)
 
     if not last_eval:  # resumed at max_iters: nothing was evaluated in this run
         last_eval = evaluate(model, held_out, held_neg, held_rows, held_negs, args.batch_size, args.loss,
                              device, ctx, rank, world_size)
-    train_time = time.time() - t_start
-    tokens_per_s = (iter_num - start_iter) * tokens_per_iter / max(train_time, 1e-9)
     results = dict(energy=raw_model.kind, params=raw_model.num_params(), iters=iter_num,
-                   train_time_s=train_time, dtype=args.dtype, tokens_per_s=tokens_per_s,
-                   select=args.select, best_value=best['value'], best_iter=best['iter'],
-                   stopped_early=stopped_early(iter_num, best, args), held_out_prefixes=len(held_rows),
+                   **out.timing(iter_num), dtype=args.dtype, select=args.select, best_value=best['value'],
+                   best_iter=best['iter'], held_out_prefixes=len(held_rows),
+                   stopped_early=stopped_early(best['trail'], args.patience, args.min_rel_delta),
                    **{f'last_{k}': v for k, v in last_eval.items()},  # the last weights'
                    **best['eval'] or {k: math.nan for k in last_eval})  # the kept energy's (best.pt)
+    out.close(results)
     if master:
-        report(results, log, args.out_dir)
-    if ddp:
-        dist.barrier()  # no rank tears down while another still writes
-        dist.destroy_process_group()
+        report(results, args.out_dir)
+    teardown_distributed()
     return results
-
-
-def get_lr(it, args):
-    """Linear warmup, then cosine decay from --lr to --min_lr at --lr_decay_iters (nanoGPT's)."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / (args.warmup_iters + 1)
-    if it > args.lr_decay_iters:
-        return args.min_lr
-    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
 def held_out_pairs(held_neg, M, args):
@@ -539,16 +436,5 @@ def train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, 
     return stats / n_micro
 
 
-def stopped_early(iter_num, best, args):
-    """Early stopping: --select's held-out figure has not improved for --patience evaluations;
-    best.pt holds the energy at its best."""
-    return bool(args.patience) and iter_num - best['iter'] >= args.patience * args.eval_interval
-
-
-def resume_hint(argv):
-    args = get_args(argv)
-    return checkpoint_hint(argv, os.path.join(args.out_dir, 'ckpt.pt'), args.max_iters, args.eval_interval)
-
-
 if __name__ == '__main__':
-    run_main(main, resume_hint)
+    run_trainer(main, get_args)

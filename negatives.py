@@ -22,19 +22,16 @@ import errno
 import os
 import shutil
 
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from budget import check_memory
-from data import (SPLITS, check_fits, load_lm_and_data, load_negatives, load_split, read_negatives_meta,
-                  window_tokens, windows, write_json)
-from model import file_hash, proposal_logprobs
-from plumbing import (DTYPES, ArgumentParser, at_least, atomic_write, check, check_free_space, check_writable,
-                      disk_full, progress, precision, rerun_command, rng, run_main, setup,
-                      teardown_distributed)
+from data import SPLITS, check_fits, load_negatives, load_split, read_negatives_meta, window_tokens, windows
+from model import load_lm_and_data, proposal_logprobs
+from plumbing import (DTYPES, ArgumentParser, at_least, atomic_write, check, check_free_space, check_memory,
+                      check_writable, disk_full, file_hash, precision, progress, rerun_command, rng, run_main,
+                      setup, teardown_distributed, write_json)
 
 MAX_SAMPLES = 2**16  # stored continuations per prefix: beyond it a mistyped size, not an experiment
 CHUNK_TOKENS = 2**16  # the default chunk's sequences, in tokens: one decode of all its rows

@@ -23,16 +23,16 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 import math
 from contextlib import nullcontext
 
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import numpy as np
 import torch
 
-from budget import TIME_LIMIT_S, check_memory, check_time, duration, forward_seconds
-from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
+from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
                     score_continuations)  # load_any_energy: an NCE energy or an extension's
-from plumbing import (DTYPES, ArgumentParser, at_least, check_free_space, check_new, check_writable,
-                      precision, progress, rng, run_main, setup)
+from model import load_lm_and_data
+from plumbing import (DTYPES, TIME_LIMIT_S, ArgumentParser, at_least, check_free_space, check_memory,
+                      check_new, check_time, check_writable, duration, forward_seconds, precision, progress,
+                      rng, run_main, setup, write_json)
 from data.tokenizer import load_tokenizer
 
 

@@ -62,11 +62,11 @@ from extensions import metric_ebm, metrics  # noqa: E402
 import nce_train  # noqa: E402
 import negatives  # noqa: E402
 import plumbing  # noqa: E402
-import budget  # noqa: E402
+from plumbing import budget  # noqa: E402
 import sample  # noqa: E402
 import train_lm  # noqa: E402
 from data import (batch_offsets, load_meta, load_negatives, load_split, negatives_command,  # noqa: E402
-                  read_negatives_meta, window_tokens, windows, write_json)
+                  read_negatives_meta, window_tokens, windows)
 from data.shakespeare.prepare import strip_markup  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 from energy import (Energy, build_energy, energy_state, joint_sample, kl_to_lm,  # noqa: E402
@@ -75,9 +75,9 @@ from energy import (Energy, build_energy, energy_state, joint_sample, kl_to_lm, 
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, mc_se, per_step,  # noqa: E402
                           per_step_report, summarize)
 import model as model_module  # noqa: E402
-from model import (GPT, RALM, GPTConfig, SelfAttention, file_hash, load_checkpoint, load_lm,  # noqa: E402
-                   proposal_logprobs, save_checkpoint, width_for_params)
-from plumbing import rng, rng_seed  # noqa: E402
+from model import (GPT, RALM, GPTConfig, SelfAttention, load_checkpoint, load_lm, stopped_early,  # noqa: E402
+                   proposal_logprobs, width_for_params)
+from plumbing import file_hash, rng, rng_seed, save_checkpoint, write_json  # noqa: E402
 from sample import next_token_table, topk_autoregressive, unique_ngrams  # noqa: E402
 from data.tokenizer import EOT, build_tokenizer, load_tokenizer, tokenizer_meta  # noqa: E402
 from train_lm import PAPER_PRESETS  # noqa: E402
@@ -1243,7 +1243,7 @@ def test_stopping_rule_counts_from_the_best_loss():
     the last large improvement) stopped it. A plateau stops; with threshold 0 the rule fires when
     the best step is `patience` evaluations old, and not one evaluation sooner."""
     args = types.SimpleNamespace(patience=2, min_rel_delta=0.001)
-    stop = lambda *trail: train_lm.stopped_early(dict(trail=list(trail)), args)
+    stop = lambda *trail: stopped_early(list(trail), args.patience, args.min_rel_delta)
     assert not stop(1.6100, 1.5927, 1.5917, 1.5851)
     assert stop(1.5851, 1.5850, 1.5845)        # 0.04% over two evaluations
     assert not stop(1.5851, 1.5850)            # not yet `patience` evaluations to compare
@@ -1316,7 +1316,7 @@ def test_ddp_matches_single_process(lm_corpus, tmp_path):
 FP16_OVERFLOW = '''
 import os, runpy, sys
 sys.path.insert(0, os.getcwd())
-import plumbing, torch
+import torch
 
 unscale, calls = torch.amp.GradScaler.unscale_, []
 
@@ -5917,7 +5917,7 @@ def test_full_disk_train_lm_and_negatives_on_a_tmpfs(tmpfs, cli_artifacts, monke
     assert_clean_error(res_train, f'error: the disk holding {lm}/ckpt.pt is full: ', ' MB needed, ')
     assert_clean_error(res_neg, f'error: --out_dir: the disk holding {neg} is full: ', ' MB needed, ')
     assert os.listdir(tmpfs) == []
-    monkeypatch.setattr(plumbing, 'check_disk', lambda *a: None)
+    monkeypatch.setattr(plumbing.files, 'check_disk', lambda *a: None)
     assert main_line(train_lm.main, train, monkeypatch) == f"error: the disk holding {lm}/ckpt.pt {FULL}"
     monkeypatch.setattr(negatives, 'check_free_space', lambda *a: None)
     assert main_line(negatives.main, sample, monkeypatch) == f"error: the disk holding {neg} {FULL}"
@@ -5931,7 +5931,7 @@ def test_full_disk_mocked_leaves_nothing(cli_artifacts, tmp_path, monkeypatch):
     data, lm = str(tmp_path / 'data'), str(tmp_path / 'lm')
     raw = tmp_path / 'fox.txt'
     raw.write_text(CLI_TEXT)
-    monkeypatch.setattr(plumbing, 'free_space', lambda path: 1000)
+    monkeypatch.setattr(plumbing.files, 'free_space', lambda path: 1000)
     line = main_line(text_prepare.main, [str(raw), '--out_dir', data, '--quiet'], monkeypatch)
     assert line.startswith(f"error: --out_dir: the disk holding {data} is full: 0.0"), line
     assert '0.001 MB free' in line
@@ -5966,7 +5966,7 @@ def test_checkpoints_go_in_together_ckpt_first(cli_artifacts, tmp_path, monkeypa
     assert all(replaced[i - 1] == 'ckpt.pt' for i, f in enumerate(replaced) if f == 'best.pt')
     ck, before = load_checkpoint(str(out / 'ckpt.pt')), dir_snapshot(out)
     size = (out / 'ckpt.pt').stat().st_size
-    assert size <= model_module.saved_bytes(ck) < 2 * size
+    assert size <= plumbing.files.saved_bytes(ck) < 2 * size
 
     def save(obj, f):
         if 'best.pt' in str(f):
@@ -5974,7 +5974,7 @@ def test_checkpoints_go_in_together_ckpt_first(cli_artifacts, tmp_path, monkeypa
         real_save(obj, f)
     monkeypatch.setattr(torch, 'save', save)
     with pytest.raises(OSError, match='cannot write .*best.pt'):
-        model_module.save_checkpoints([(ck, str(out / 'ckpt.pt')), (ck, str(out / 'best.pt'))])
+        plumbing.save_checkpoints([(ck, str(out / 'ckpt.pt')), (ck, str(out / 'best.pt'))])
     assert dir_snapshot(out) == before
 
 
@@ -6047,8 +6047,7 @@ def default_sigint():
 PAUSER = '''
 import os, runpy, sys, time
 sys.path.insert(0, os.getcwd())
-import plumbing  # first, as the script itself would
-import model
+import plumbing.trainer
 import numpy as np
 
 
@@ -6057,7 +6056,7 @@ def pause():
     time.sleep(3600)
 
 
-save, flush = model.save_checkpoints, np.memmap.flush
+save, flush = plumbing.trainer.save_checkpoints, np.memmap.flush
 
 
 def save_checkpoints(saves):
@@ -6072,7 +6071,7 @@ def memmap_flush(self):
         pause()
 
 
-model.save_checkpoints, np.memmap.flush = save_checkpoints, memmap_flush
+plumbing.trainer.save_checkpoints, np.memmap.flush = save_checkpoints, memmap_flush
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
@@ -6706,7 +6705,7 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
 def test_memory_check_respects_ulimit_v():
     """Issue 40, item 1: under `ulimit -v` (RLIMIT_AS) lower than the machine's free memory, the
     memory check uses what the limit leaves this process, and says so."""
-    code = ("import resource, budget\n"
+    code = ("import resource\nfrom plumbing import budget\n"
             "vm = next(int(l.split()[1]) * 1024"
             " for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
             "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
@@ -6771,7 +6770,7 @@ def test_auto_dtype_on_cpu_from_the_hardware(monkeypatch, units, expected):
     """Training in bf16 where the CPU has bf16 units, else fp32; sampling and scoring in bf16 there
     only for models CPU_BF16_MIN_WIDTH wide or more; an explicit --dtype as asked. No timing enters:
     a busy machine decides as an idle one."""
-    monkeypatch.setattr(plumbing, 'cpu_bf16_units', lambda: units)
+    monkeypatch.setattr(plumbing.device, 'cpu_bf16_units', lambda: units)
     dtype, why = plumbing.choose_dtype('cpu', 'auto', 'train')
     assert dtype == expected and (units in why if units else 'no bf16 units' in why)
     wide, narrow = plumbing.CPU_BF16_MIN_WIDTH, plumbing.CPU_BF16_MIN_WIDTH - 32
@@ -6858,19 +6857,94 @@ def test_wait_policy_changes_no_number(tmp_path):
     assert all(map(torch.equal, a['grads'], p['grads']))
 
 
-def test_scripts_import_plumbing_before_torch():
-    """OpenMP reads its wait policy once, as torch loads: every script imports plumbing first."""
-    checked = 0
-    for script, tree in python_files().items():
-        if not is_script(tree) or script == 'plumbing.py' or os.path.basename(script).startswith('test_'):
-            continue
-        names = [alias.name.split('.')[0] if isinstance(node, ast.Import) else node.module
-                 for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-                 for alias in (node.names if isinstance(node, ast.Import) else [None])]
-        if 'torch' in names:
-            assert 'plumbing' in names[:names.index('torch')], script
-            checked += 1
-    assert checked >= 8
+IMPORT_CHANGES_NOTHING = """
+import builtins, io, os
+import numpy, torch, tqdm  # what torch reads as it loads is torch's
+opened, real_open = [], io.open
+
+
+def spy(file, *args, **kwargs):
+    opened.append(str(file))
+    return real_open(file, *args, **kwargs)
+
+
+builtins.open = io.open = spy
+before = dict(os.environ)
+import plumbing, model, energy, train_lm, nce_train, negatives, estimate_ppl, sample
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+assert not {'/proc/stat', '/proc/cpuinfo', '/proc/meminfo'} & set(opened), opened
+"""
+
+
+def test_importing_plumbing_changes_nothing():
+    """Importing the support package, or any method file, sets no environment variable and reads
+    none of the machine's /proc files (no 0.1 s sampling of the load of /proc/stat): the wait
+    policy is decided by run_main alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', plumbing.device.DECIDED)}
+    res = subprocess.run([sys.executable, '-c', IMPORT_CHANGES_NOTHING], cwd=ROOT, capture_output=True,
+                         text=True, env=env)
+    assert res.returncode == 0, res.stderr
+
+
+def test_wait_policy_reexecutes_a_busy_start_once(monkeypatch):
+    """As a script starts, PASSIVE (other processes keep a core busy) re-executes it once with
+    OMP_WAIT_POLICY set, since OpenMP read the policy as torch loaded; the re-executed process
+    takes both variables out (its children decide for themselves) and decides nothing, however
+    busy; an idle start, or the user's OMP_WAIT_POLICY, re-executes nothing."""
+    device, execs = plumbing.device, []
+    monkeypatch.setattr(os, 'cpu_count', lambda: 2)
+
+    def start(environ, in_use, fresh=True):  # one process starting, os.execv mocked
+        if fresh:
+            monkeypatch.setattr(device, 'THREADS_WHY', None)
+        device.set_wait_policy(environ, lambda path, argv: execs.append((path, argv, dict(environ))),
+                               lambda: in_use)
+    environ = {}
+    start(environ, 1.5)
+    assert len(execs) == 1 and execs[0][0] == sys.executable and execs[0][1][0] == sys.executable
+    assert execs[0][2]['OMP_WAIT_POLICY'] == 'PASSIVE'
+    start(environ, 1.5)  # the re-executed process
+    start(environ, 1.5, fresh=False)  # and a second run_main there
+    assert len(execs) == 1 and environ == {} and device.THREADS_WHY.startswith('sleeping while they wait')
+    start({}, 0.2)
+    start({'OMP_WAIT_POLICY': 'ACTIVE'}, 2.0)
+    start({'OMP_NUM_THREADS': '1'}, 2.0)
+    assert len(execs) == 1
+
+
+WAIT_POLICY_REEXEC = """
+import os, sys
+import plumbing
+import torch
+print('start', os.getpid(), flush=True)
+plumbing.device.cores_in_use = lambda: float(os.cpu_count())  # every core busy
+
+
+def main(argv):
+    print('main', os.getpid(), os.environ.get('OMP_WAIT_POLICY'), plumbing.device.THREADS_WHY, argv)
+
+
+plumbing.run_main(main)
+"""
+
+
+def test_run_main_reexecutes_a_script_once():
+    """run_main of a script started beside busy cores: the script runs again in the same process
+    (same PID, its flags kept), once, and main sees the policy decided and the variable gone; a
+    main imported from a module (a test's, a caller's) decides nothing."""
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', plumbing.device.DECIDED)}
+    res = subprocess.run([sys.executable, '-c', WAIT_POLICY_REEXEC, '--x', '1'], cwd=ROOT, text=True,
+                         capture_output=True, env=dict(env, OMP_NUM_THREADS='2'))
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and len(lines) == 3, res
+    pid = lines[0].split()[1]
+    assert lines[:2] == [f'start {pid}'] * 2, lines
+    assert lines[2].startswith(f'main {pid} None sleeping while they wait') and "['--x', '1']" in lines[2]
+    decided = []
+    main = lambda argv: decided.append(plumbing.device.THREADS_WHY)
+    old = plumbing.device.THREADS_WHY
+    plumbing.run_main(main)  # this test's main: no policy decided, no re-execution
+    assert decided == [old]
 
 
 def test_check_memory_on_a_gpu(monkeypatch):
@@ -6901,10 +6975,10 @@ def test_resume_keeps_the_precision_of_the_run(lm_corpus, tmp_path, monkeypatch)
     flags = ['--data_dir', lm_corpus, '--eval_interval', '4', '--log_interval', '1', '--lr_decay_iters', '8',
              '--final_eval', '0', *TRAIN_FLAGS[:-2], '--dtype', 'auto']
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    monkeypatch.setattr(plumbing, 'cpu_bf16_units', lambda: 'avx512_bf16')
+    monkeypatch.setattr(plumbing.device, 'cpu_bf16_units', lambda: 'avx512_bf16')
     assert train_lm.main(['--out_dir', a, '--max_iters', '8', *flags])['dtype'] == 'bfloat16'
     train_lm.main(['--out_dir', b, '--max_iters', '4', *flags])
-    monkeypatch.setattr(plumbing, 'cpu_bf16_units', lambda: '')  # a fresh run would now pick fp32
+    monkeypatch.setattr(plumbing.device, 'cpu_bf16_units', lambda: '')  # a fresh run would now pick fp32
     assert train_lm.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])['dtype'] == 'bfloat16'
     ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
     assert cb['args']['dtype'] == 'bfloat16'
@@ -7092,8 +7166,10 @@ def check_readme_addition(readme):
         assert phrase in said, (phrase, said)
 
 
-MODULES = {'budget.py', 'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'plumbing.py',
-           'data/__init__.py', 'job/__init__.py', 'extensions/__init__.py'}  # job/figures.py is a script
+MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'data/__init__.py',
+           'job/__init__.py', 'extensions/__init__.py', 'plumbing/__init__.py', 'plumbing/run.py',
+           'plumbing/device.py', 'plumbing/budget.py', 'plumbing/files.py',
+           'plumbing/trainer.py'}  # job/figures.py is a script
 # the method's own links between scripts, and the names they may take: none (log Z is energy.logz_bounds)
 METHOD_LINKS = {}
 MAX_FUNCTION_LINES = 60  # the def line included
@@ -7172,6 +7248,28 @@ def test_import_graph():
             if target in scripts and (names is None or not names <= allowed):
                 bad.append(f'{path} imports {sorted(names) if names else "all of"} {target}')
     assert not bad, bad
+
+
+METHOD_FILES = {'model.py', 'energy.py', 'train_lm.py', 'negatives.py', 'nce_train.py', 'estimate_ppl.py',
+                'sample.py'}
+MAX_SUPPORT_NAMES = 12  # per trainer: what is not the lesson is shared, and few names of it
+
+
+def test_top_level_is_the_method_and_one_support_package():
+    """The top level holds the method's files (and the tests) beside one support package, plumbing/,
+    whose first line says a reader may skip it; each trainer takes at most MAX_SUPPORT_NAMES names
+    from it (the loop in sight, the rest shared)."""
+    trees = python_files()
+    top = {p for p in trees if '/' not in p and not is_free(p)}
+    assert top == METHOD_FILES, top ^ METHOD_FILES
+    doc = ast.get_docstring(trees['plumbing/__init__.py'])
+    assert doc.startswith('Plumbing: a reader may skip this package'), doc[:80]
+    for trainer in ('train_lm.py', 'nce_train.py'):
+        names = set()
+        for target, taken in repo_imports(trees[trainer], trees):
+            if target.startswith('plumbing/'):
+                names |= taken or {target}
+        assert len(names) <= MAX_SUPPORT_NAMES, (trainer, sorted(names))
 
 
 def test_the_method_imports_no_wing():

@@ -19,8 +19,7 @@ import tempfile
 import numpy as np
 import torch
 
-from model import check_vocab, file_hash, load_lm
-from plumbing import atomic_write, check_free_space, disk_full, finite, not_a_file, out_of_space, rng
+from plumbing import check_free_space, disk_full, file_hash, not_a_file, out_of_space, rng, write_json
 from data.tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
@@ -115,14 +114,6 @@ def move_into(tmp, out_dir):
     os.rmdir(tmp)
 
 
-def write_text(text, path):
-    """Atomic text write (plumbing.atomic_write)."""
-    def write(tmp):
-        with open(tmp, 'w') as f:
-            f.write(text)
-    atomic_write(path, write)
-
-
 def read_json(path, fix='restore or regenerate it'):
     """A JSON file, or one error line naming it."""
     if not_a_file(path):
@@ -132,25 +123,6 @@ def read_json(path, fix='restore or regenerate it'):
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}; empty or truncated?): {fix}") from None
-
-
-def write_json(obj, path):
-    """Atomic JSON write, like write_text; NaN and infinities are written as null (JSON has neither)."""
-    write_text(json.dumps(finite(obj), indent=2, allow_nan=False), path)
-
-
-def load_lm_and_data(lm_path, data_dir=None, device='cpu'):
-    """The LM at lm_path and the prepared data it goes with: data_dir, else the folder it was trained
-    on (its checkpoint records it), checked to have its vocabulary. Returns (lm, ckpt, data_dir, meta)."""
-    lm, ckpt = load_lm(lm_path, device)
-    if data_dir is None:
-        data_dir = ckpt['meta']['data_dir']
-        if not os.path.exists(os.path.join(data_dir, 'meta.json')):  # e.g. a relative path, another folder
-            raise ValueError(f"{lm_path} was trained on the data in {data_dir}, which holds no prepared data "
-                             f"seen from here ({os.getcwd()}): pass --data_dir with that data")
-    meta = load_meta(data_dir)
-    check_vocab(ckpt, meta, lm_path)
-    return lm, ckpt, data_dir, meta
 
 
 def check_fits(length, models):

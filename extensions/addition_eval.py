@@ -32,13 +32,13 @@ import sys
 from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
-from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json
+from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import gumbel_keys, load_any_energy, logz_bounds, score_continuations
-from model import load_lm
-from plumbing import ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup
+from model import load_lm, load_lm_and_data
+from plumbing import (ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup,
+                      write_json)
 
 
 def answer_layout(data, meta):

@@ -46,19 +46,18 @@ import time
 from contextlib import contextmanager, nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
+import plumbing
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from budget import check_training_memory
-from data import (check_fits, check_problem_windows, load_lm_and_data, load_split, window_tokens, windows,
-                  write_json)
+from data import check_fits, check_problem_windows, load_split, window_tokens, windows
 from energy import load_any_energy, logz_bounds, score_continuations
-from model import file_hash, load_checkpoint, load_lm, save_checkpoint
+from model import load_checkpoint, load_lm, load_lm_and_data
 from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
-                      check_writable, given_flags, lock_folder, missing_checkpoint, new_folder, one_job,
-                      rerun_command, rng, run_main, setup)
+                      check_training_memory, check_writable, file_hash, given_flags, lock_folder,
+                      missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main, save_checkpoint,
+                      setup, write_json)
 
 MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 

@@ -27,17 +27,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
-from budget import check_memory
-from data import (SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows, write_json,
-                  write_text)
+from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
-from model import file_hash, load_lm, save_checkpoints
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_new, check_writable, named_paths,
-                      precision, progress, rng, run_main, setup)
+from model import load_lm, load_lm_and_data
+from plumbing import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
+                      file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
+                      write_json, write_text)
 
 
 MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them

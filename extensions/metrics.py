@@ -38,7 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from energy import load_energy
-from model import file_hash, load_lm
+from model import load_lm
+from plumbing import file_hash
 
 METRIC_HELP = 'rep-N (sequence repetition), tr-W (token repetition in a window), div, coh, logp'
 

@@ -15,7 +15,7 @@ import math
 import os
 
 from data import read_json
-from model import file_hash
+from plumbing import file_hash
 
 NUMBER = 'a number'  # a shape: an int or a float (JSON's null, a NaN when written, is not one)
 NUMBER_OR_NULL = 'a number or null'  # e.g. a standard error, null where it was NaN

@@ -51,18 +51,17 @@ import time
 from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 import torch.nn.functional as F
 
-from data import batch_offsets, get_batch, load_meta, load_split, write_json
+from data import batch_offsets, get_batch, load_meta, load_split
 from energy import Energy, joint_sample, logz_bounds, sample_log_weights, score, score_continuations
 from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
-from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable,
-                     pick_device, run_main)
+from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable, pick_device, run_main,
+                      write_json)
 
 
 def get_args(argv=None):

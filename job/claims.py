@@ -46,10 +46,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from data import write_json, write_text
 from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model, check_shape,
                  input_hashes, read_report)
-from plumbing import ArgumentParser, run_main
+from plumbing import ArgumentParser, run_main, write_json, write_text
 
 Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided with many prefixes
 P_SIG = math.erfc(Z_SIG / math.sqrt(2))  # 0.0455: the two-sided p-value of |z| = 2

@@ -26,8 +26,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from data import write_json
-from plumbing import ArgumentParser, at_least, check_writable, not_a_file, run_main
+from plumbing import ArgumentParser, at_least, check_writable, not_a_file, run_main, write_json
 
 
 def binomial_p_value(wins, losses):

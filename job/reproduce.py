@@ -42,14 +42,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import plumbing  # first: threads' wait policy, read once as torch loads (plumbing.py; skip it)
 import torch
 
-from data import problem_windows, read_json, write_json
+from data import problem_windows, read_json
 from energy import Energy
 from model import GPT, GPTConfig
 from plumbing import (DTYPES, ArgumentParser, check_writable, lock_folder, one_job, pick_device,
-                      rerun_command, run_main)
+                      rerun_command, run_main, write_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stages run from the repo root
 FIX = 'delete it to rerun its stage'

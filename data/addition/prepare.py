@@ -29,8 +29,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 from data import prepare  # noqa: E402
-from budget import check_memory  # noqa: E402
-from plumbing import ArgumentParser, at_least, check, check_writable, rng_seed, run_main  # noqa: E402
+from plumbing import (ArgumentParser, at_least, check, check_memory, check_writable, rng_seed,  # noqa: E402
+                      run_main)
 
 
 def line(a, b, digits):

@@ -1,13 +1,12 @@
 """
 Budgets: a run's memory and time, estimated from its sizes and checked before any work, so that a
 size that cannot fit, or would run for hours unasked, stops with one `error:` line (the memory and
-time checks of plumbing.py's bad input; a reader may skip this file too).
+time checks of bad input).
 """
 
 import os
 import resource
 
-import plumbing  # noqa: F401  (first: the threads' wait policy is decided before torch loads)
 import torch
 
 

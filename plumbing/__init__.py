@@ -1,0 +1,33 @@
+"""
+Plumbing: a reader may skip this package. Nothing here is the method or specific to the paper; it
+is what lets the scripts run on any machine and fail with one clear line. Importing it changes
+nothing (no environment variable, no file read) until a function is called.
+
+    run.py      the entry point run_main: one-line errors (REBM_DEBUG=1 shows the traceback),
+                Ctrl-C and SIGTERM hints, the output folders of a failed run removed; ArgumentParser
+                and the flag checks (bad input: one `error:` line, before any work); lock_folder
+    device.py   the threads' wait policy (decided by run_main), pick_device and the precision from
+                what the hardware has, DDP setup / teardown / all_reduce, rng_seed: one rule for
+                every random stream
+    budget.py   the memory and time a run's sizes need, checked before any work
+    files.py    atomic writes, the one line of a full disk, write_json / write_text, and
+                checkpoints: saved atomically, their files checked as they load (weights_only=True)
+    trainer.py  what the two trainers share besides their loop: the flags and their checks,
+                --resume's, the output folder (RunDir), the lines of a diverged or interrupted run
+"""
+
+from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check_time,  # noqa: F401
+                             check_training_memory, duration, forward_seconds, training_memory)
+from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, all_reduce, autocast, choose_dtype,  # noqa: F401
+                             cores_in_use, cpu_bf16_units, openmp_wait_policy, pick_device, precision, rng,
+                             rng_seed, set_wait_policy, setup, setup_distributed, teardown_distributed)
+from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
+                            checkpoint_iter, disk_full, file_hash, finite, first_missing, free_space,
+                            load_weights, not_a_file, out_of_space, save_checkpoint, save_checkpoints,
+                            torch_load, write_json, write_text)
+from plumbing.run import (LOCKS, ArgumentParser, at_least, check, check_heads, check_new,  # noqa: F401
+                          check_writable, interrupt, lock_folder, named_paths, new_folder, one_job, progress,
+                          rerun_command, run_main)
+from plumbing.trainer import (RunDir, check_new_run, check_resumed_flags, check_resumed_iters,  # noqa: F401
+                              check_training_flags, checkpoint_hint, diverged, given_flags, micro_batches,
+                              missing_checkpoint, run_trainer, training_parser)

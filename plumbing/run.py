@@ -1,0 +1,301 @@
+"""
+The entry point and bad input: run_main (one `error:` line instead of a traceback, Ctrl-C and
+SIGTERM hints, the output folders of a failed run removed), ArgumentParser and the flag checks,
+and one job per output folder (lock_folder).
+"""
+
+import argparse
+import errno
+import fcntl
+import functools
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+from plumbing.device import set_wait_policy
+from plumbing.files import disk_full, first_missing, nearest_existing
+
+# -----------------------------------------------------------------------------
+# bad input: one line naming the flag or file, found before any work or write
+
+
+DEBUG_HELP = "Bad input stops with one 'error:' line; REBM_DEBUG=1 in the environment shows the traceback."
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, 'abc' for an int) are one `error:` line through
+    run_main, like every other bad input, instead of the usage text and exit status 2; a flag
+    added with at_least=N must be at least N where given (at_least)."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEBUG_HELP, **kw)
+        self.minimums = {}
+
+    def add_argument(self, *args, at_least=None, **kw):
+        action = super().add_argument(*args, **kw)
+        if at_least is not None:
+            self.minimums[action.dest] = at_least
+        return action
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for name, minimum in self.minimums.items():
+            at_least(parsed, minimum, name)
+        return parsed
+
+    def error(self, message):
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
+def check(args, name, ok, must):
+    """--name's value (None: not given) must pass ok; written so that NaN fails every rule."""
+    v = getattr(args, name)
+    if v is not None and not ok(v):
+        raise ValueError(f"--{name} {v}: must be {must}")
+
+
+def at_least(args, minimum, *names):
+    for name in names:
+        check(args, name, lambda v: v >= minimum, f"at least {minimum}")
+
+
+def check_heads(n_embd, n_head):
+    if n_embd % n_head:
+        raise ValueError(f"--n_embd {n_embd} is not a multiple of --n_head {n_head}: "
+                         "each head gets n_embd/n_head dims")
+
+
+def check_writable(path, flag, folder=True):
+    """Fail now rather than after the work: the path (a folder, or a file with folder=False) must
+    be creatable, which is tried with a temporary file in its nearest existing folder. Nothing
+    is created."""
+    if not path:
+        raise ValueError(f"{flag} is empty: give a {'folder' if folder else 'file'} path")
+    check_name_lengths(path, flag)
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
+    if not folder and os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder: give a file path")
+    d = nearest_existing(path if folder else os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(d):
+        raise ValueError(f"{flag} {path}: {d} is a file, not a folder: choose another path")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix='.rebm-write-test-')
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in {d} ({e.strerror}): "
+                         "choose a writable path") from None
+
+
+def check_name_lengths(path, flag):
+    """Each name in path within the filesystem's NAME_MAX (255 bytes on Linux), the last with room
+    for the temporary name a write uses beside it (TMP_ROOM): a longer one fails only at the first
+    write, in whatever temporary name that write uses."""
+    d = nearest_existing(path)
+    try:
+        name_max = os.pathconf(d if os.path.isdir(d) else os.path.dirname(d), 'PC_NAME_MAX')
+    except (OSError, ValueError):
+        name_max = 255
+    names = os.path.abspath(path).split(os.sep)
+    for i, name in enumerate(names):
+        n, room = len(os.fsencode(name)), TMP_ROOM if i == len(names) - 1 else 0
+        if n > name_max - room:
+            why = f"the filesystem's {name_max}, less {room} for the temporary name beside it" if room else \
+                f"the filesystem's NAME_MAX"
+            raise ValueError(f"{flag} {path}: the name {name[:16]}... is {n} bytes, more than the "
+                             f"{name_max - room} a name may have here ({why}): choose a shorter one")
+
+
+# a temporary name's extra bytes: '.NAME.' + 8 (prepare's folder), 'NAME.PID.tmp' (atomic_writes)
+TMP_ROOM = 16
+
+
+def named_paths(specs, flag):
+    """{NAME: PATH} of a flag's NAME=PATH values: each of that form, no NAME twice (the second
+    would silently replace the first)."""
+    out = {}
+    for spec in specs:
+        name, _, path = spec.partition('=')
+        if not (name and path):
+            raise ValueError(f"{flag} '{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
+        if name in out:
+            raise ValueError(f"{flag}: the name {name} is given twice ({out[name]} and {path}): "
+                             f"give each model its own name")
+        out[name] = path
+    return out
+
+
+def check_new(path, flag, force, also=()):
+    """Refuse to replace a result (and its twins, e.g. the .txt beside a .json) without --force."""
+    existing = [p for p in (path, *also) if os.path.exists(p)]
+    if existing and not force:
+        raise ValueError(f"{flag}: {' and '.join(existing)} already exist(s): pass --force to replace, "
+                         f"or choose another {flag}")
+
+
+# -----------------------------------------------------------------------------
+# one job per output folder
+
+LOCKS = {}  # descriptor -> the folder it holds locked (lock_folder)
+
+
+def lock_folder(path, flag='--out_dir'):
+    """One job per output folder at a time: path (checked writable, created) locked with flock,
+    which the kernel drops when the process ends, killed with -9 included: no stale lock. On rank 0
+    only (torchrun's processes are one job); a filesystem without locks goes unlocked."""
+    if int(os.environ.get('RANK', 0)) > 0:
+        return
+    check_writable(path, flag)
+    for folder in (path, first_missing(path)):  # removed if the job fails before it wrote anything there
+        if folder not in {p for p, _ in NEW_FOLDERS}:  # a trainer's is there already, with what it keeps
+            new_folder(folder, keep=())
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise ValueError(f"{flag} {path} is in use by another job (one job per folder): wait for it to "
+                             f"end, or choose another {flag}") from None
+        return
+    LOCKS[fd] = path
+
+
+def one_job(main):
+    """main, with the folders it locked (lock_folder) unlocked however it ends (in a test's process too)."""
+    @functools.wraps(main)
+    def locked_main(*args, **kwargs):
+        held = set(LOCKS)
+        try:
+            return main(*args, **kwargs)
+        finally:
+            for fd in set(LOCKS) - held:
+                del LOCKS[fd]
+                os.close(fd)
+    return locked_main
+
+
+# -----------------------------------------------------------------------------
+# user interface
+
+
+def progress(iterable=None, quiet=False, **kw):
+    return tqdm(iterable, disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True, **kw)
+
+
+# -----------------------------------------------------------------------------
+# the entry point
+
+
+def rerun_command(argv, add=()):
+    """The command that reruns this script with the same flags, plus those of `add` it lacks."""
+    return shlex.join(['python', sys.argv[0], *argv, *[a for a in add if a not in argv]])
+
+
+def os_error_text(e):
+    text = str(e.strerror or e)
+    if e.filename and str(e.filename) not in text:
+        text = f"{text}: {e.filename}"
+    if e.errno == errno.ENOSPC:  # already the one disk-full line (check_disk, atomic_writes), or made so
+        return text if ' is full: ' in text else disk_full(e.filename or 'the output')
+    return text + ": check the path and its permissions"
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+# folders a run is about to create, with the files that make one worth keeping (new_folder)
+NEW_FOLDERS = []
+
+
+def new_folder(path, keep):
+    """path does not exist yet: if the run then fails before it saved one of `keep` there, run_main
+    removes it, and the rerun starts clean (no empty output folder, no log of nothing stays)."""
+    if not os.path.exists(path):
+        NEW_FOLDERS.append((path, keep))
+
+
+def remove_new_folders():
+    """What new_folder promised, on rank 0 (the one that writes): a folder with a subfolder or a
+    file of `keep` stays."""
+    if int(os.environ.get('RANK', 0)) > 0:
+        return
+    for path, keep in NEW_FOLDERS:
+        if os.path.isdir(path) and not any(os.path.isdir(os.path.join(path, f)) or f in keep
+                                           for f in os.listdir(path)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_main(main, resume_hint=None):
+    """A script's entry point: bad input, and a file that cannot be read or written, exit with one
+    `error:` line, not a traceback (REBM_DEBUG=1: the traceback, for a bug behind a ValueError).
+    Ctrl-C exits with one `interrupted:` line that says what was saved and the command that
+    resumes: resume_hint(argv) (default: nothing was saved, rerun). SIGTERM (kill, a scheduler)
+    is a Ctrl-C. A failed run removes the output folders it created and saved nothing in
+    (new_folder). stdout closed by its reader (`| head`): a quiet exit (stdout_closed). A script run
+    as a program first decides its threads' wait policy (set_wait_policy: maybe re-executed)."""
+    if main.__module__ == '__main__':
+        set_wait_policy()
+    argv = sys.argv[1:]
+    NEW_FOLDERS.clear()
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        main(argv)
+    except BrokenPipeError as e:
+        if e.filename is not None:  # a file, not stdout: one line, as any OSError
+            one_line_error()
+        stdout_closed()
+    except (ValueError, OSError, torch.OutOfMemoryError):
+        remove_new_folders()
+        if os.environ.get('REBM_DEBUG', '0') not in ('', '0'):
+            raise
+        one_line_error()
+    except KeyboardInterrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut this line short
+            signal.signal(sig, signal.SIG_IGN)
+        if int(os.environ.get('RANK', 0)) > 0:  # under torchrun rank 0 says it, once
+            sys.exit(130)
+        try:
+            hint = resume_hint(argv) if resume_hint else None
+        except (Exception, KeyboardInterrupt):  # e.g. flags that do not parse: the rerun hint is right
+            hint = None
+        print(f"interrupted: {hint or f'nothing was saved; rerun: {rerun_command(argv)}'}", file=sys.stderr,
+              flush=True)
+        sys.exit(130)
+
+
+def stdout_closed():
+    """The reader of stdout went away (`| head`): exit quietly, as Unix tools do, with the status
+    of a process SIGPIPE ended; stdout pointed at /dev/null so that Python's exit flush cannot
+    complain again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
+
+
+def wait_for_rank_0(seconds=10):
+    """Bad input under torchrun, found alike by every rank: rank 0 says it, once. This rank waits
+    for torchrun to end it once rank 0 has (quietly: its SIGTERM is no Ctrl-C here); it says it
+    itself only if rank 0 goes on (input that only this rank found bad)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+    time.sleep(seconds)
+
+
+def one_line_error():
+    """The exception being handled, as one `error:` line and exit status 1."""
+    e = sys.exc_info()[1]
+    if isinstance(e, ValueError) and int(os.environ.get('RANK', 0)) > 0:
+        wait_for_rank_0()
+    if isinstance(e, torch.OutOfMemoryError):
+        sys.exit("error: out of GPU memory: lower the batch size (--batch_size, --chunk or --max_rows)")
+    sys.exit(f"error: {os_error_text(e) if isinstance(e, OSError) else e}")
