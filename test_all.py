@@ -7174,7 +7174,7 @@ MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py'
 METHOD_LINKS = {}
 MAX_FUNCTION_LINES = 60  # the def line included
 # the trainers' main keep their loop in sight, top to bottom, as nanoGPT's train.py does
-TRAINER_MAIN_LINES = {'train_lm.py:main': 125, 'nce_train.py:main': 125}
+TRAINER_MAIN_LINES = {'train_lm.py:main': 80, 'nce_train.py:main': 92}
 MAX_LINE_CHARS = 110
 
 

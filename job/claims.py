@@ -377,7 +377,7 @@ LM_RESULTS = {'params': int, 'iters': int, 'best_select_loss': NUMBER, 'best_ite
 
 def lm_convergence(out_dir, ppl, ppl_path):
     """Each LM's stopping: best and last step, best selection loss, and whether the stopping rule
-    (train_lm.stopped_early) fired before the step cap; each results.json of the LM ppl.json scored."""
+    (model.stopped_early) fired before the step cap; each results.json of the LM ppl.json scored."""
     res = {}
     for name, folder, model in LMS:
         path = os.path.join(out_dir, folder, 'results.json')

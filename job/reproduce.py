@@ -62,7 +62,7 @@ FIX = 'delete it to rerun its stage'
 #   generation quality, the talk's criterion, was not measured).
 # Stopping, this project's protocol (the paper trains for fixed budgets, its Table 4): every LM
 # (BASE, BALM, RALM, TaiLr) stops once its lowest selection loss improved by less than 0.1% over 2
-# evaluations (train_lm.stopped_early), its best weights kept (best.pt); max_iters is a cap that
+# evaluations (model.stopped_early), its best weights kept (best.pt); max_iters is a cap that
 # `converged: false` reports. In the paper's structure: BALM = LM + UNIT parameters, RALM's
 # residual the LM's shape, the BIT smaller than the UNIT (docs/experiments.md, 2026-11-26 late).
 DEFAULT = dict(
