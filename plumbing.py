@@ -463,6 +463,8 @@ class ArgumentParser(argparse.ArgumentParser):
     run_main, like every other bad input, instead of the usage text and exit status 2."""
 
     def __init__(self, **kw):
+        if script_command()[1] == '-m':  # the usage line as it is typed, not the file's name
+            kw.setdefault('prog', ' '.join(script_command()))
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEBUG_HELP, **kw)
 
     def error(self, message):
@@ -616,9 +618,15 @@ def check_free_space(path, nbytes, flag):
 # -----------------------------------------------------------------------------
 # the entry point
 
+def script_command():
+    """How this script was started: ['python', 'train_lm.py'] or ['python', '-m', 'job.reproduce']."""
+    spec = getattr(sys.modules['__main__'], '__spec__', None)  # set by python -m
+    return ['python', '-m', spec.name] if spec else ['python', sys.argv[0]]
+
+
 def rerun_command(argv, add=()):
     """The command that reruns this script with the same flags, plus those of `add` it lacks."""
-    return shlex.join(['python', sys.argv[0], *argv, *[a for a in add if a not in argv]])
+    return shlex.join([*script_command(), *argv, *[a for a in add if a not in argv]])
 
 
 def checkpoint_iter(path):
