@@ -620,8 +620,10 @@ def check_free_space(path, nbytes, flag):
 
 def script_command():
     """How this script was started: ['python', 'train_lm.py'] or ['python', '-m', 'job.reproduce']."""
-    spec = getattr(sys.modules['__main__'], '__spec__', None)  # set by python -m
-    return ['python', '-m', spec.name] if spec else ['python', sys.argv[0]]
+    spec = getattr(sys.modules['__main__'], '__spec__', None)
+    if spec and spec.origin == sys.argv[0]:  # python -m sets both
+        return ['python', '-m', spec.name]
+    return ['python', sys.argv[0]]
 
 
 def rerun_command(argv, add=()):

@@ -7036,6 +7036,15 @@ def test_every_documented_command_runs():
     assert not stale, f'documented flags that the script does not take: {stale}'
     assert not [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
 
+def test_a_wing_script_run_as_a_file_says_how_to_run_it():
+    """The scripts in folders (job/, extensions/, data/*/) run as modules from the repo root: run as
+    a file, each stops with one line that gives its `python -m` command, before any work."""
+    wings = [p for p, t in python_files().items() if '/' in p and is_script(t)]
+    assert len(wings) >= 12, wings
+    for path, res in zip(wings, run_scripts([[p, '--help'] for p in wings])):
+        assert_clean_error(res, f"python -m {path[:-3].replace('/', '.')}")
+
+
 README_MODELS = {'BASE LM': 'BASE LM', 'RALM': 'RALM', 'BALM': 'BALM', 'TaiLr LM': 'TAILR'}
 
 
