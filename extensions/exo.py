@@ -34,7 +34,7 @@ forward for dpo; log Z fixed per prefix, either end chooses the same), the other
 ckpt.pt (the policy, AdamW's state and the curve, saved at each evaluation) lets --resume continue a
 stopped run exactly: batches and samples are a function of (seed, iteration).
 
-    python extensions/exo.py --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
+    python -m extensions.exo --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
         --prefix_len 14 --gen_len 8 --out_dir out-addition/exo
 """
 
@@ -45,7 +45,8 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m extensions.exo")
 import plumbing
 import numpy as np
 import torch

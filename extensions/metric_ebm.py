@@ -13,8 +13,8 @@ text's on the selection split (moment matching, metrics.py). Then:
   would sample another distribution), each metric's mean and its gap to real text, SE over
   prefixes.
 
-    python extensions/metric_ebm.py --lm out/lm/best.pt --out_dir out/metrics
-    python extensions/metric_ebm.py --lm out/lm/best.pt --energy_metric BIT=out/bit/best.pt \
+    python -m extensions.metric_ebm --lm out/lm/best.pt --out_dir out/metrics
+    python -m extensions.metric_ebm --lm out/lm/best.pt --energy_metric BIT=out/bit/best.pt \
         --table --compare BIT=out/bit/best.pt
 
 Writes out_dir/energy.pt (loads wherever an energy does; with --energy_metric also
@@ -26,7 +26,8 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m extensions.metric_ebm")
 import torch
 
 from data import SPLITS, check_fits, load_split, window_tokens, windows

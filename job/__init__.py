@@ -1,10 +1,10 @@
-"""The main job and its reports, each a script run from the repo root:
+"""The main job and its reports, each a module run from the repo root:
 
-    python job/reproduce.py       the paper's Table 1, claims and figures, end to end (run.sh)
-    python job/claims.py          the paper's claims C1-C7 and the talk's T1-T3, measured
-    python job/figures.py         Figs. 1-4 from the main job's JSON
-    python job/human_eval.py      Table 2's protocol: blinded A/B items, binomial test
-    python job/bench.py           building blocks timed against naive baselines
+    python -m job.reproduce       the paper's Table 1, claims and figures, end to end (run.sh)
+    python -m job.claims          the paper's claims C1-C7 and the talk's T1-T3, measured
+    python -m job.figures         Figs. 1-4 from the main job's JSON
+    python -m job.human_eval      Table 2's protocol: blinded A/B items, binomial test
+    python -m job.bench           building blocks timed against naive baselines
 
 and what the reports share: read_report, the one way claims.py and figures.py read the main job's
 JSON, checked for its shape, finite numbers and coming from one run; what is wrong is one line,

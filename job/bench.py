@@ -30,10 +30,10 @@ A 512^3 matmul probe runs first: where bf16 is emulated (an AVX2-only CPU: ~40x 
 fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taking minutes. The
 JSON also records the CPU's ATen capability and its avx2/avx512f/avx512_bf16/amx_bf16 flags.
 
-    python job/bench.py                   # CPU: ~4 minutes on 2 idle cores
-    python job/bench.py --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
+    python -m job.bench                   # CPU: ~4 minutes on 2 idle cores
+    python -m job.bench --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
                                       # instead of 8, so its sampling figures are not comparable
-    python job/bench.py --device cuda     # GPU
+    python -m job.bench --device cuda     # GPU
 
 Each figure is the median of --repeats timed runs after --warmup untimed ones (the matmul peak:
 the fastest run); the runs of the variants being compared alternate, so that load from other
@@ -43,14 +43,14 @@ line of stdout; the same JSON is written (atomically) to --out.
 
 import dataclasses
 import json
-import os
 import resource
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m job.bench")
 import torch
 import torch.nn.functional as F
 

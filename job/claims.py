@@ -35,7 +35,7 @@ Model comparisons are per prefix on the test split (paired: every model scores t
 continuations), a joint model always at its conservative, high-PPL end. STATISTICS below says,
 per claim, what is measured, how it is tested, and what it does not show.
 
-    python job/claims.py --out_dir out
+    python -m job.claims --out_dir out
 """
 
 import itertools
@@ -45,7 +45,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m job.claims")
 from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model, check_shape,
                  input_hashes, read_report)
 from plumbing import ArgumentParser, run_main, write_json, write_text

@@ -13,8 +13,8 @@ out/samples.json (sample.py). PNGs land beside them:
                              (reproduce.py --ordering)
 
 Titles carry the claim each figure measures (claims.json, when present).
-    python job/figures.py --out_dir out
-    python job/figures.py --out_dir out --copy_to assets/figures     # the small copies README shows
+    python -m job.figures --out_dir out
+    python -m job.figures --out_dir out --copy_to assets/figures     # the small copies README shows
 
 matplotlib is this script's own dependency (run.sh installs it); nothing else in rebm needs it.
 """
@@ -26,7 +26,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m job.figures")
 from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_claims_inputs, check_same_lm, read_report)
 from plumbing import check_writable, run_main
 

@@ -35,8 +35,8 @@ step() {  # name, seconds, command...: runs it within its seconds (and the budge
 }
 step multi_gpu_and_fp16 150 env REBM_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider test_all.py \
     -k "ddp or fp16_scaler or resume_is_exact or tailr_fine_tuning or metric_ebm or metric_energy" --durations=0
-step quick 150 python job/reproduce.py --quick --quiet --out_dir out/gpu_quick
+step quick 150 python -m job.reproduce --quick --quiet --out_dir out/gpu_quick
 cp out/gpu_quick/timings.json "$out/quick_timings.json" 2>/dev/null
-step main_job "$budget" python job/reproduce.py --quiet --out_dir out/gpu_main
+step main_job "$budget" python -m job.reproduce --quiet --out_dir out/gpu_main
 cp out/gpu_main/timings.json "$out/main_timings.json" 2>/dev/null
 cat "$out"/*timings.json 2>/dev/null

@@ -4,9 +4,9 @@ continuations from two systems, in random order and without names, and pick the 
 'equal'). Attention checks pit a system against the real continuation; raters who prefer the
 system there more often than allowed are dropped.
 
-    python job/human_eval.py export --samples out/samples.json --systems joint,base --out_dir out/human_eval
+    python -m job.human_eval export --samples out/samples.json --systems joint,base --out_dir out/human_eval
         -> items.csv and items.jsonl for raters; key.json stays with you
-    python job/human_eval.py score --key out/human_eval/key.json --votes votes.csv [--per_vote]
+    python -m job.human_eval score --key out/human_eval/key.json --votes votes.csv [--per_vote]
         votes.csv columns: rater,item,choice   (choice: A, B or equal)
 
 Each item is decided by the majority of its raters' votes (the paper: 3 raters per item, "one
@@ -25,7 +25,8 @@ import os
 import random
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m job.human_eval")
 from plumbing import ArgumentParser, at_least, check_writable, not_a_file, run_main, write_json
 
 

@@ -24,11 +24,11 @@ stops the others and names its log; Ctrl-C stops them all. Threads change float 
 stage's thread count follows --jobs alone, never timing: the numbers depend on --jobs (on 2
 cores, --jobs 2 gives those of OMP_NUM_THREADS=1 --jobs 1), never on the schedule.
 
-    python job/reproduce.py                      # ~47 min on 2 CPU cores with bf16 units (README)
-    python job/reproduce.py --quick              # ~2.5 min, tiny models: the CI smoke test
-    python job/reproduce.py --jobs 2             # two stages at a time, each on half the cores
-    python job/reproduce.py --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
-    python job/reproduce.py --data addition      # a task with a known answer, and EXO (docs/addition.md)
+    python -m job.reproduce                      # ~47 min on 2 CPU cores with bf16 units (README)
+    python -m job.reproduce --quick              # ~2.5 min, tiny models: the CI smoke test
+    python -m job.reproduce --jobs 2             # two stages at a time, each on half the cores
+    python -m job.reproduce --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
+    python -m job.reproduce --data addition      # a task with a known answer, and EXO (docs/addition.md)
 """
 
 import contextlib
@@ -41,7 +41,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m job.reproduce")
 import torch
 
 from data import problem_windows, read_json
@@ -381,7 +382,7 @@ def check_data_dir(args):
     if others:
         raise ValueError(f"--data_dir {args.data_dir} holds no prepared data but other files "
                          f"({others[0]}): this job would prepare Shakespeare into it. For your own text run "
-                         f"python data/text/prepare.py {args.data_dir} --out_dir data/mine, then --data_dir "
+                         f"python -m data.text.prepare {args.data_dir} --out_dir data/mine, then --data_dir "
                          f"data/mine")
     check_writable(d, '--data_dir')
 
@@ -402,7 +403,7 @@ def check_data_kind(args, windows):
     if windows != want:
         digits = lambda w: w[1] - 2
         raise ValueError(f"{where} holds {digits(windows)}-digit problems, but --data addition's sizes are "
-                         f"for {digits(want)} digits: prepare them with python data/addition/prepare.py "
+                         f"for {digits(want)} digits: prepare them with python -m data.addition.prepare "
                          f"--digits {digits(want)} --out_dir <a new folder>, and pass that --data_dir")
 
 
@@ -434,7 +435,7 @@ def stages(args, pipe):
 
     lm, neg = cfg['lm'], cfg['neg']
 
-    pipe.run('prepare', [f'data/{args.data}/prepare.py', '--out_dir', args.data_dir]
+    pipe.run('prepare', ['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
              + (flags(cfg['data']) if 'data' in cfg else ['--tokenizer', args.tokenizer]) + common,
              os.path.join(args.data_dir, 'meta.json'))
     pipe.wait('prepare')
@@ -471,7 +472,7 @@ def stages(args, pipe):
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
-    pipe.run('claims', ['job/claims.py', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
+    pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'])
     if 'accuracy' in cfg:
         accuracy(script, path, lm_ckpt, cfg, stronger_energy(pipe, path))
@@ -517,7 +518,7 @@ def stronger_energy(pipe, path):
 def exo(script, path, lm_ckpt, neg, cfg, energy):
     """EXO (Ji et al., ICML 2024, from the talk): a copy of the LM fine-tuned towards the joint model
     LM + `energy` by the reverse KL over K LM samples per prefix, best.pt chosen on the selection split."""
-    script('exo', ['extensions/exo.py', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
+    script('exo', ['-m', 'extensions.exo', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
                    '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                    '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stopped EXO starts over
            path('exo', 'results.json'), ['lm', energy])
@@ -527,10 +528,11 @@ def accuracy(script, path, lm_ckpt, cfg, energy):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
     model, and of the joint model LM + `energy` by each decoder among n LM samples
     (extensions/addition_eval.py), and its figure."""
-    script('accuracy', ['extensions/addition_eval.py', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
-                        '--extra_lm', f"BALM={path('balm', 'best.pt')}", f"EXO={path('exo', 'best.pt')}",
-                        f"TAILR={path('tailr', 'best.pt')}", '--out', path('accuracy.json'),
-                        '--plot', path('fig_accuracy.png'), '--force'] + flags(cfg['accuracy']),
+    script('accuracy', ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
+                        '--energy', path(energy, 'best.pt'), '--extra_lm', f"BALM={path('balm', 'best.pt')}",
+                        f"EXO={path('exo', 'best.pt')}", f"TAILR={path('tailr', 'best.pt')}",
+                        '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'), '--force']
+           + flags(cfg['accuracy']),
            path('accuracy.json'), ['lm', energy, 'balm', 'exo', 'tailr'])
 
 
@@ -563,7 +565,7 @@ def metric_energies(stage, path, lm_ckpt, neg, mc):
     """The talk's metric energy E = mu . f (metric_ebm.py), fitted on the selection split: on the
     metrics alone (metrics/energy.pt) and with the BIT energy as one more metric (the talk's
     aggregation: energy_aggregate.pt); then the talk's table of decoding methods on test."""
-    stage('metrics', ['extensions/metric_ebm.py', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']),
+    stage('metrics', ['-m', 'extensions.metric_ebm', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']),
                       '--gen_len', str(neg['gen_len']), '--energy_metric', f"BIT={path('bit', 'best.pt')}",
                       '--out_dir', path('metrics'), '--table', '--compare', f"BIT={path('bit', 'best.pt')}",
                       '--extra_lm', f"TAILR={path('tailr', 'best.pt')}", '--force']
@@ -619,7 +621,7 @@ def figures(pipe, out, args):
         print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)")
         return
     pipe.run('figures',
-             ['job/figures.py', '--out_dir', out]
+             ['-m', 'job.figures', '--out_dir', out]
              + (['--copy_to', 'assets/figures'] if readme_run(args) else []),
              os.path.join(out, 'fig3_loglik.png'), ['claims'] + (['ordering'] if args.ordering else []))
 

@@ -35,6 +35,8 @@ class ArgumentParser(argparse.ArgumentParser):
     added with at_least=N must be at least N where given (at_least)."""
 
     def __init__(self, **kw):
+        if script_command()[1] == '-m':  # the usage line as it is typed, not the file's name
+            kw.setdefault('prog', ' '.join(script_command()))
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEBUG_HELP, **kw)
         self.minimums = {}
 
@@ -196,9 +198,17 @@ def progress(iterable=None, quiet=False, **kw):
 # the entry point
 
 
+def script_command():
+    """How this script was started: ['python', 'train_lm.py'] or ['python', '-m', 'job.reproduce']."""
+    spec = getattr(sys.modules['__main__'], '__spec__', None)
+    if spec and spec.origin == sys.argv[0]:  # python -m sets both
+        return ['python', '-m', spec.name]
+    return ['python', sys.argv[0]]
+
+
 def rerun_command(argv, add=()):
     """The command that reruns this script with the same flags, plus those of `add` it lacks."""
-    return shlex.join(['python', sys.argv[0], *argv, *[a for a in add if a not in argv]])
+    return shlex.join([*script_command(), *argv, *[a for a in add if a not in argv]])
 
 
 def os_error_text(e):

@@ -17,8 +17,8 @@ to 9 (a carry coming in then passes through: the long carry chains an LM must co
 else both are uniform. Problems are distinct, also as b+a (a problem and its mirror sit in one
 split only); the selection split (`select`) chooses what is tuned; val and test are reported.
 
-    python data/addition/prepare.py                      # N = 6, 200,000 training problems
-    python data/addition/prepare.py --digits 10 --out_dir data/addition10
+    python -m data.addition.prepare                      # N = 6, 200,000 training problems
+    python -m data.addition.prepare --digits 10 --out_dir data/addition10
 """
 
 import os
@@ -27,7 +27,8 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, '..', '..'))
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m data.addition.prepare")
 from data import prepare  # noqa: E402
 from plumbing import (ArgumentParser, at_least, check, check_memory, check_writable, rng_seed,  # noqa: E402
                       run_main)

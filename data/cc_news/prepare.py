@@ -6,7 +6,7 @@ without `datasets`, it stops with one line saying so; the default corpus is data
 Each article is one document; val and test are whole articles chosen by a seeded shuffle.
 The paper uses GPT-2-sized BPE, so gpt2 is the default tokenizer here.
 
-    python data/cc_news/prepare.py --max_docs 100000          # a 100k-article subset
+    python -m data.cc_news.prepare --max_docs 100000          # a 100k-article subset
 """
 
 import os
@@ -14,7 +14,8 @@ import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, '..', '..'))
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m data.cc_news.prepare")
 from data import prepare  # noqa: E402
 from plumbing import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
 

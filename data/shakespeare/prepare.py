@@ -8,8 +8,8 @@ blank lines between speeches; headers and stage directions dropped. Split by pla
 text is seen in training: val = Macbeth + The Tempest, test = Julius Caesar + Twelfth Night, and
 the selection set (what tuning looks at, carved from the training plays) = Much Ado About Nothing.
 
-    python data/shakespeare/prepare.py                  # characters (the CPU demo)
-    python data/shakespeare/prepare.py --tokenizer gpt2 --out_dir data/shakespeare_gpt2
+    python -m data.shakespeare.prepare                  # characters (the CPU demo)
+    python -m data.shakespeare.prepare --tokenizer gpt2 --out_dir data/shakespeare_gpt2
 """
 
 import glob
@@ -20,7 +20,8 @@ import sys
 import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, '..', '..'))
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m data.shakespeare.prepare")
 from data import prepare  # noqa: E402
 from plumbing import ArgumentParser, check_writable, run_main  # noqa: E402
 

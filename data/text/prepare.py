@@ -7,15 +7,16 @@ cut into four contiguous pieces instead. The selection set ('select') is carved 
 training documents: it chooses whatever is tuned, so that val and test are only reported.
 Writes train/val/test.bin and meta.json (see data/__init__.py).
 
-    python data/text/prepare.py my_book.txt --out_dir data/my_book                  # chars
-    python data/text/prepare.py corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
+    python -m data.text.prepare my_book.txt --out_dir data/my_book                  # chars
+    python -m data.text.prepare corpus_dir/ --out_dir data/my_corpus --tokenizer gpt2  # GPT-2 BPE
 """
 
 import os
 import random
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
+if not __package__:  # run as a file: the repo root is not on the path
+    sys.exit("error: run it as a module from the repo root: python -m data.text.prepare")
 from data import prepare  # noqa: E402
 from plumbing import ArgumentParser, check, check_writable, not_a_file, run_main  # noqa: E402
 
