@@ -6,8 +6,8 @@ or a closed form). Run: python -m pytest -q test_all.py
 It opens with the ten tests that teach the method, each against an exact reference (below).
 Then one section per concept, each opening with a '# ====' banner that says what it guards
 (grep '^# ====' for the map): data/tokenizer, model, energy, negatives, NCE, estimation,
-sampling, metric EBM and TaiLr, baselines/pipeline; then the guards: CLI (bad input, one clear
-line each), precision, layout. Helpers and fixtures that several sections use come before the
+sampling, metric EBM and TaiLr, EXO and addition, baselines/pipeline, claims, human evaluation;
+then the guards: CLI (bad input, one clear line each), precision, layout. Helpers and fixtures that several sections use come before the
 first section; the others open the section that uses them.
 
 Read these first:
@@ -2828,8 +2828,7 @@ def test_estimate_ppl_ddp_matches_single_process(lm_ckpt, eval_ckpts, tmp_path):
 
 
 # =============================================================================
-# ==== sampling: Algorithm 1, Table 3, top-k auto-regressive, analyses (sample.py)
-#      and human eval (human_eval.py) ====
+# ==== sampling: Algorithm 1, Table 3, top-k auto-regressive, analyses (sample.py) ====
 
 class ListLM:
     """A stand-in LM whose generate() hands out one-token candidates 0, 1, 2, ... in order, the same
@@ -3177,277 +3176,6 @@ def test_analyses():
     assert rep['mean_lm_logp_diff'] == {'base-gold': 3.5, 'joint-gold': 2.0}
 
 
-def binom_tail_exact(wins, losses):
-    """P(X >= wins), X ~ Binomial(wins + losses, 1/2), as an exact fraction from Pascal's triangle."""
-    row = [1]
-    for _ in range(wins + losses):
-        row = [a + b for a, b in zip([0] + row, row + [0])]
-    return Fraction(sum(row[wins:]), 2 ** (wins + losses))
-
-
-def test_binomial_p_value():
-    # the paper's Table 2, BASE LM vs BALM: 0.88
-    assert 0.88 < human_eval.binomial_p_value(156, 333 - 156) < 0.89
-    assert human_eval.binomial_p_value(9, 1) == 11 / 1024
-    assert human_eval.binomial_p_value(10, 0) == 1 / 1024 and human_eval.binomial_p_value(0, 10) == 1.0
-    assert human_eval.binomial_p_value(0, 0) == 1.0 and human_eval.binomial_p_value(1, 0) == 0.5
-    for w, l in [(5, 5), (3, 7), (20, 13), (60, 40), (7, 0), (1, 1)]:
-        p = human_eval.binomial_p_value(w, l)
-        assert abs(p - float(binom_tail_exact(w, l))) < 1e-15
-        # complement: P(X >= w) + P(X >= l + 1) = 1 for X ~ Binomial(w + l, 1/2)
-        assert abs(p + human_eval.binomial_p_value(l + 1, w - 1) - 1) < 1e-12
-
-
-HE_SAMPLES = [dict(prefix=f'prefix {i}', base=f'base {i}', joint=f'joint {i}', worst=f'worst {i}',
-                   gold=f'gold {i}')
-              for i in range(8)]
-
-
-def simulate_votes(items, rater_prefs):
-    """Raters read the texts: rater_prefs[rater](i, sides) -> the system name they pick or 'equal'."""
-    votes = []
-    for rater, pref in rater_prefs.items():
-        for it in items:
-            sides = {it['A'].split()[0]: 'A', it['B'].split()[0]: 'B'}
-            pick = pref(int(it['prefix'].split()[1]), sides)
-            votes.append((rater, str(it['item']), 'equal' if pick == 'equal' else sides[pick]))
-    return votes
-
-
-def prefs_good(i, sides):  # joint on prefixes 0-4, equal on 5, base on 6-7; the real text on checks
-    if 'gold' in sides:
-        return 'gold'
-    return 'joint' if i < 5 else 'equal' if i == 5 else 'base'
-
-
-def prefs_bad(i, sides):  # always the joint model, even over real text: fails the attention checks
-    return 'joint'
-
-
-def prefs_half(i, sides):  # the real text on checks; else joint on even prefixes, base on odd ones
-    return 'gold' if 'gold' in sides else 'joint' if i % 2 == 0 else 'base'
-
-
-def test_human_eval_roundtrip():
-    items, key = human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0)
-    assert len(items) == 11 and [it['item'] for it in items] == list(range(11))
-    assert key['systems'] == ['joint', 'base'] and sorted(key['items']) == sorted(str(i) for i in range(11))
-    checks = [it for it in items if key['items'][str(it['item'])]['check']]
-    assert len(checks) == 3
-    for it in items:
-        k = key['items'][str(it['item'])]
-        i = int(it['prefix'].split()[1])
-        assert it['A'] == f"{k['A']} {i}" and it['B'] == f"{k['B']} {i}"  # the key unblinds A/B
-        assert {k['A'], k['B']} == ({'joint', 'gold'} if k['check'] else {'joint', 'base'})
-    assert {key['items'][str(it['item'])]['A'] for it in items} >= {'joint', 'base'}  # both orders occur
-    regular = [it for it in items if not key['items'][str(it['item'])]['check']]
-    assert sorted(int(it['prefix'].split()[1]) for it in regular) == list(range(8))
-    votes = simulate_votes(items, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
-    rep = human_eval.score(key, votes)
-    # r2 dropped; per prefix (r1, r3): 0 JJ, 1 JB, 2 JJ, 3 JB, 4 JJ, 5 =B, 6 BJ, 7 BB -> items 3 won,
-    # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
-    assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
-    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
-    assert (rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8
-            and rep['p_value'] == 219 / 256)  # P(X >= 3 | 8)
-    rep = human_eval.score(key, votes, per_vote=True)
-    assert (rep['unit'] == 'vote'
-            and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1))
-    assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
-    assert rep['p_value'] == float(binom_tail_exact(9, 7))  # ties are non-wins
-    # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
-    rep = human_eval.score(key, votes, max_failed_checks=3)
-    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
-    rep = human_eval.score(key, votes, max_failed_checks=3, per_vote=True)
-    assert (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
-    rep = human_eval.score(key, votes, max_failed_checks=2)
-    assert rep['dropped_raters'] == ['r2']
-    # the same items with the systems swapped: wins and losses swap (one rater: items = votes)
-    items2, key2 = human_eval.export(HE_SAMPLES, ['base', 'joint'], 0, seed=0)
-    rep = human_eval.score(key2, simulate_votes(items2, dict(r1=prefs_good)))
-    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes'], rep['n']) == (2, 5, 1, 8, 8)
-    assert human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0) == (items, key)  # seeded
-
-
-def write_samples(path, samples=HE_SAMPLES):
-    path.write_text(json.dumps(dict(samples=samples)))
-    return str(path)
-
-
-@pytest.fixture(scope='module')
-def he_export(tmp_path_factory):
-    """human_eval.py export of HE_SAMPLES, joint vs base with 3 attention checks: (its out dir,
-    the samples file)."""
-    d = tmp_path_factory.mktemp('he_export')
-    samples = write_samples(d / 'samples.json')
-    res = run_script(['job/human_eval.py', 'export', '--samples', samples, '--systems', 'joint,base',
-                      '--checks', '3', '--out_dir', str(d / 'he')])
-    assert res.returncode == 0, res.stderr
-    return d / 'he', samples
-
-
-def exported_votes(out_dir):
-    """The exported items.jsonl and the votes of the three simulated raters on it."""
-    jsonl = [json.loads(l) for l in (out_dir / 'items.jsonl').read_text().splitlines()]
-    for it in jsonl:
-        it['item'] = int(it['item'])
-    return jsonl, simulate_votes(jsonl, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
-
-
-def test_human_eval_cli(he_export, tmp_path):
-    out_dir, _ = he_export
-    with open(out_dir / 'items.csv', newline='') as f:
-        items = list(csv.DictReader(f))
-    jsonl, votes = exported_votes(out_dir)
-    assert len(items) == len(jsonl) == 11 and [it['A'] for it in items] == [it['A'] for it in jsonl]
-    key = json.loads((out_dir / 'key.json').read_text())
-    assert 'joint' not in (out_dir / 'items.csv').read_text().split('\n')[0]  # raters do not see system names
-    with open(tmp_path / 'votes.csv', 'w', newline='') as f:
-        w = csv.writer(f)
-        w.writerow(['rater', 'item', 'choice'])
-        w.writerows(votes)
-    res = run_script(['job/human_eval.py', 'score', '--key', str(out_dir / 'key.json'),
-                      '--votes', str(tmp_path / 'votes.csv')])
-    assert res.returncode == 0, res.stderr
-    rep = json.loads((tmp_path / 'votes_report.json').read_text())
-    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 3
-    assert 'preferred 37.5%' in res.stdout and 'of 8 items' in res.stdout
-    # the same votes saved by a spreadsheet with a byte-order mark: the same report
-    (tmp_path / 'bom.csv').write_bytes(b'\xef\xbb\xbf' + (tmp_path / 'votes.csv').read_bytes())
-    read = lambda name: human_eval.read_votes(str(tmp_path / name), key)
-    assert read('bom.csv') == read('votes.csv') and len(read('bom.csv')) == len(votes)
-
-
-HAND_KEY = dict(systems=['joint', 'base'], items={
-    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
-        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'),
-         ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'),
-         ('joint', 'base'), ('joint', 'base')])},
-    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
-# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
-HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
-              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
-
-
-def hand_votes():
-    votes = []
-    for item, s in HAND_VOTES.items():
-        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
-            if c != '_':
-                votes.append((rater, item, 'equal' if c == '=' else c))
-    return votes
-
-
-def binom_tail(w, l):
-    return sum(math.comb(w + l, k) for k in range(w, w + l + 1)) / 2 ** (w + l)
-
-
-def test_human_eval_items_by_majority():
-    """Per item (r4 dropped), in system terms J (joint), B (base), = (equal):
-    0 JJJ W | 1 JJB W | 2 J=J W | 3 JB= equal (no strict plurality) | 4 J== equal ('equal' majority)
-    5 === equal | 6 BBJ L | 7 BBB L | 8 JJ W | 9 J= equal (tie with 'equal') | 10 only r4: unvoted | 11 JJB W.
-    Items: 5 won, 2 lost, 4 equal of 11. Votes: J 15, B 8, = 8 of 31."""
-    votes = hand_votes()
-    assert len(votes) == 31 + 3 + 6 + 2  # counted, r4's on items, the checks of r1-r3, r4's checks
-    rep = human_eval.score(HAND_KEY, votes)
-    assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
-    assert ((rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items'])
-            == (11, 31, 5, 2, 4, 1))
-    assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
-    assert rep['p_value'] == 1486 / 2048 == binom_tail(5, 6)  # P(X >= 5 | 11): the 4 equal items are non-wins
-    per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
-    assert per_vote['unit'] == 'vote'
-    assert ((per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties'])
-            == (31, 31, 15, 8, 8))
-    assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
-    assert per_vote['p_value'] == sum(math.comb(31, k) for k in range(15, 32)) / 2 ** 31
-    # counting correlated votes as independent overstates significance
-    assert per_vote['p_value'] < rep['p_value']
-    # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
-    rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
-    assert (rep['dropped_raters'] == []
-            and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0))
-    assert rep['p_value'] == 3302 / 4096  # P(X >= 5 | 12)
-    # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
-    assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
-    assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
-    assert human_eval.plurality({'joint': 0, 'base': 1, 'equal': 0}) == 'base'
-    with pytest.raises(ValueError, match='rater r1 voted more than once on item 3'):
-        human_eval.score(HAND_KEY, votes + [('r1', '3', 'B')])
-
-
-def one_rater_score(wins, losses, ties):
-    """score() of one rater on wins + losses + ties items, joint always shown as A."""
-    outcomes = ['A'] * wins + ['B'] * losses + ['equal'] * ties
-    key = dict(systems=['joint', 'base'],
-               items={str(i): dict(A='joint', B='base', check=False) for i in range(len(outcomes))})
-    return human_eval.score(key, [('r1', str(i), c) for i, c in enumerate(outcomes)])
-
-
-def test_human_eval_not_worse_sign_test(tmp_path):
-    """not_worse_p_value is the sign test P(X >= wins), X ~ Binomial(wins + losses, 1/2), ties set aside."""
-    rep = human_eval.score(HAND_KEY, hand_votes())  # items: 5 won, 2 lost, 4 equal
-    assert rep['not_worse_p_value'] == Fraction(1 + 7 + 21, 2 ** 7) == 29 / 128
-    # neither the not-worse share against 1/2 (P(X >= 9 | 11)) nor the preference test
-    assert rep['not_worse_p_value'] not in (67 / 2048, rep['p_value'])
-    per_vote = human_eval.score(HAND_KEY, hand_votes(), per_vote=True)  # votes: 15 won, 8 lost, 8 equal
-    assert per_vote['not_worse_p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
-    # a valid test: under no preference (P(win) = P(loss) = 1/4, ties 1/2) it rejects at most 5% of
-    # the time; the not-worse share against 1/2 would reject about 39% of the time
-    n, alpha, size, naive = 12, 0.05, 0.0, 0.0
-    for w in range(n + 1):
-        for l in range(n + 1 - w):
-            t = n - w - l
-            prob = math.comb(n, t) * math.comb(w + l, w) / 2 ** (2 * (w + l) + t)
-            size += prob * (one_rater_score(w, l, t)['not_worse_p_value'] <= alpha)
-            naive += prob * (sum(math.comb(n, k) for k in range(n - l, n + 1)) / 2 ** n <= alpha)
-    assert size <= alpha and naive > 0.3
-    key_path, votes_path = write_hand_key_and_votes(tmp_path)
-    with contextlib.redirect_stdout(io.StringIO()) as s:
-        human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path),
-                         '--out', str(tmp_path / 'r.json')])
-    assert json.loads((tmp_path / 'r.json').read_text())['not_worse_p_value'] == 29 / 128
-    assert 'not worse 81.8%, one-sided sign test p = 0.227 (won vs lost' in s.getvalue()
-
-
-def write_hand_key_and_votes(d):
-    """HAND_KEY and hand_votes() as human_eval.py score reads them: (key.json, votes.csv)."""
-    key_path, votes_path = d / 'key.json', d / 'votes.csv'
-    key_path.write_text(json.dumps(HAND_KEY))
-    with open(votes_path, 'w', newline='') as f:
-        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
-    return key_path, votes_path
-
-
-@pytest.mark.parametrize('extra,unit', [([], 'item'), (['--per_vote'], 'vote')], ids=['items', 'votes'])
-def test_human_eval_cli_units(tmp_path, extra, unit):
-    key_path, votes_path = write_hand_key_and_votes(tmp_path)
-    out = tmp_path / f'{unit}.json'
-    with contextlib.redirect_stdout(io.StringIO()) as s:
-        human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path), '--out', str(out),
-                         *extra])
-    rep = json.loads(out.read_text())
-    assert rep == json.loads(json.dumps(human_eval.score(HAND_KEY, hand_votes(), per_vote=bool(extra))))
-    assert rep['unit'] == unit
-    assert ('of 11 items' if unit == 'item' else 'of 31 votes (per vote') in s.getvalue()
-    assert f"over {unit}s" in s.getvalue()
-
-
-def test_human_eval_export_force_replaces_the_key(tmp_path):
-    """export refuses to replace a key that votes may have been collected against (see the CLI
-    section), unless --force: then key and items are new, written atomically."""
-    samples = write_samples(tmp_path / 'samples.json')
-    out_dir = tmp_path / 'he'
-    export = ['job/human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
-    assert run_script(export).returncode == 0
-    before = dir_snapshot(out_dir)
-    res = run_script(export + ['--seed', '7', '--force'])
-    assert res.returncode == 0, res.stderr
-    after = dir_snapshot(out_dir)
-    assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
-    assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
-
-
 def char_ids(tok, text):
     """Ids of a decoded char-tokenizer text, end-of-text tokens included (they decode to EOT)."""
     ids = []
@@ -3544,15 +3272,6 @@ def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, t
                 assert r[k] == tok.decode(out[k][b].tolist())
                 assert abs(r[f'{k}_energy'] - out[f'{k}_energy'][b].item()) < 1e-9
             assert abs(r['ess'] - out['ess'][b].item()) < 1e-9
-
-
-def test_sample_cli_then_human_eval(sample_run, tmp_path):
-    """human_eval.py export on sample.py's output."""
-    out, _ = sample_run
-    res = run_script(['job/human_eval.py', 'export', '--samples', str(out), '--checks', '1',
-                      '--out_dir', str(tmp_path / 'he')])
-    assert res.returncode == 0, res.stderr
-    assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
 
 
 # =============================================================================
@@ -4590,6 +4309,265 @@ def check_claims_from_run(out):
     assert moved['C2'] == claims['claims']['C2']  # UNIT vs RALM: untouched
 
 
+def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
+    """reproduce.Pipeline: a stage whose folder is newer than its inputs resumes (--resume kept);
+    one whose folder predates them (a model it used was retrained) is kept as folder.old and
+    starts over, without --resume."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'))
+    dep, folder = tmp_path / 'dep.txt', tmp_path / 'stage'
+    write = lambda path: ['-c', f"import os, sys; os.makedirs({str(path.parent)!r}, exist_ok=True); "
+                                f"open({str(path)!r}, 'w').write(' '.join(sys.argv))"]
+    pipe.run('dep', write(dep), str(dep))
+    folder.mkdir()
+    (folder / 'ckpt.pt').write_text('an interrupted run of the current inputs')
+    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
+    assert '--resume' in (folder / 'done').read_text() and not (tmp_path / 'stage.old').exists()
+    os.remove(folder / 'done')
+    time.sleep(0.05)
+    pipe.run('dep', write(dep) + ['again'], str(dep))  # not run: dep.txt is there
+    os.utime(dep)  # as if the dependency was redone after the stage's folder was written
+    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
+    assert (tmp_path / 'stage.old' / 'ckpt.pt').exists() and '--resume' not in (folder / 'done').read_text()
+    assert 'kept as' in capsys.readouterr().out
+
+
+# reproduce.py --jobs (issue 37, item 6): stages that need not each other's outputs run at once, each on
+# cores // jobs threads and into its own log; a failure or Ctrl-C stops them all with one line
+FAKE_STAGE = """import json, os, sys, time
+t0 = time.time()
+time.sleep(float(sys.argv[2]))
+print('stage writing', sys.argv[1])
+if sys.argv[3] == 'fail':
+    sys.exit('error: boom')
+json.dump(dict(start=t0, end=time.time(), threads=os.environ.get('OMP_NUM_THREADS')), open(sys.argv[1], 'w'))
+"""
+
+
+def fake_stage(tmp_path, name, seconds, fail=False):
+    """(cmd, done) of a stage that sleeps, then records when it ran and on how many threads."""
+    script = tmp_path / 'fake_stage.py'
+    script.write_text(FAKE_STAGE)
+    done = str(tmp_path / f'{name}.json')
+    return [str(script), done, str(seconds), 'fail' if fail else 'ok'], done
+
+
+def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
+    """--jobs 2: two stages that need nothing of each other run at the same time, each on the
+    threads it was given and into its own log, and the stage that needs both starts after both
+    ended; the terminal gets each stage's command and one line as it ends."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
+    for name, deps in (('a', ()), ('b', ()), ('c', ('a', 'b'))):
+        pipe.run(name, *fake_stage(tmp_path, name, 1.0), deps)
+    pipe.wait()
+    a, b, c = (json.load(open(tmp_path / f'{n}.json')) for n in 'abc')
+    assert a['start'] < b['end'] and b['start'] < a['end'], (a, b)  # together
+    assert c['start'] >= max(a['end'], b['end']) and {a['threads'], b['threads'], c['threads']} == {'1'}
+    assert 'stage writing' in (tmp_path / 'c.log').read_text() and not pipe.running
+    assert set(json.load(open(tmp_path / 'timings.json'))) == {'a', 'b', 'c'}
+    out = capsys.readouterr().out
+    assert f"> {tmp_path / 'a.log'}" in out
+    assert re.search(r'\[b\] finished in \d+s \(its output: .*b\.log\)', out), out
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
+    pipe.run('a', *fake_stage(tmp_path, 'a', 1.0))  # done: skipped
+    assert not pipe.running and 'skipped' in capsys.readouterr().out
+
+
+def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
+    """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
+    stage resumes), and the job ends with one line naming the stage, its log and its last line."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
+    t0 = time.time()
+    pipe.run('slow', *fake_stage(tmp_path, 'slow', 60))
+    with pytest.raises(SystemExit) as e:
+        pipe.run('bad', *fake_stage(tmp_path, 'bad', 0.5, fail=True))
+        pipe.run('after', *fake_stage(tmp_path, 'after', 0), ['bad'])
+    msg = str(e.value.code)
+    assert msg == (f"error: stage 'bad' failed (its log {tmp_path / 'bad.log'} ends: error: boom); fix it "
+                   "and rerun: finished stages are skipped"), msg
+    assert time.time() - t0 < 30 and not pipe.running
+    assert not (tmp_path / 'slow.json').exists() and not (tmp_path / 'after.json').exists()
+    with pytest.raises(ValueError, match='--jobs 0: at least 1'):
+        reproduce_args(['--jobs', '0'])
+
+
+def test_reproduce_jobs_refused_on_a_gpu(monkeypatch, tmp_path):
+    """--jobs > 1 shares CPU cores: on an accelerator it is refused with one line (--jobs 1 runs)."""
+    from job import reproduce
+    monkeypatch.setattr(reproduce, 'pick_device', lambda device: 'cuda')
+    with pytest.raises(ValueError, match=r"--jobs 2 shares the CPU's cores among stages; on cuda"):
+        reproduce.main(['--jobs', '2', '--device', 'cuda', '--out_dir', str(tmp_path / 'out')])
+
+
+def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):
+    """The seed decides the numbers, not the schedule: a tiny train_lm stage run alone (--jobs 1,
+    OMP_NUM_THREADS=1) and beside another (--jobs 2, one thread each) gives the same results.json
+    (times aside) and bit-identical weights; its parameter count is reproduce.lm_params' (BALM's
+    target, known before the LM trains)."""
+    from job import reproduce
+
+    def train(out, seed=1337):
+        return (['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '12',
+                 '--eval_interval', '4', '--seed', str(seed), *TRAIN_FLAGS], str(out / 'results.json'))
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')
+    pipe = reproduce.Pipeline(str(tmp_path / 'one' / 'timings.json'))
+    pipe.run('lm', *train(tmp_path / 'one' / 'lm'))
+    pipe = reproduce.Pipeline(str(tmp_path / 'two' / 'timings.json'), jobs=2, threads=1)
+    pipe.run('other', *train(tmp_path / 'two' / 'other', seed=7))
+    pipe.run('lm', *train(tmp_path / 'two' / 'lm'))
+    assert set(pipe.running) == {'other', 'lm'}
+    pipe.wait()
+    one, two = (json.load(open(tmp_path / d / 'lm' / 'results.json')) for d in ('one', 'two'))
+    timeless = lambda r: {k: v for k, v in r.items() if k not in ('train_time_s', 'tokens_per_s')}
+    assert timeless(one) == timeless(two) and one['curve']
+    wa, wb = (load_checkpoint(tmp_path / d / 'lm' / 'best.pt')['model'] for d in ('one', 'two'))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    flag = lambda f: int(TRAIN_FLAGS[TRAIN_FLAGS.index(f) + 1])
+    shape = {k: flag(f'--{k}') for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
+    assert reproduce.lm_params(shape, load_meta(lm_corpus)['vocab_size']) == one['params']
+
+
+def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
+    """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
+    stop with the pipeline, and the one line is the pipeline's: rerun it."""
+    out = str(tmp_path / 'out')
+    argv = ['job/reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out,
+            '--device', 'cpu', '--jobs', '2']
+    env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=default_sigint)
+    wait_for(lambda: all(os.path.exists(os.path.join(out, d, 'log.jsonl')) for d in ('lm', 'balm')), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == (
+        "interrupted: finished stages are kept and a stopped one resumes; continue with: "
+        f"{shlex.join(['python', *argv])}"), err
+    assert f"> {os.path.join(out, 'balm.log')}" in stdout
+    assert 'threads: 1' in open(os.path.join(out, 'lm.log')).read()
+    t0 = time.time()
+    with pytest.raises(ProcessLookupError):  # the stages went with it, within seconds
+        while time.time() - t0 < 30:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)
+
+
+def test_reproduce_quick_addition_end_to_end(tmp_path):
+    """`job/reproduce.py --data addition --quick` (issue 31): the same pipeline on the addition
+    corpus, with EXO in Table 1 (an LM: one exact PPL, no range) and the accuracy table against the
+    known answer, Algorithm 1's best-of-n oracle at least its pick."""
+    out, data = tmp_path / 'out', tmp_path / 'data'
+    cmd = [sys.executable, 'job/reproduce.py', '--data', 'addition', '--quick', '--quiet',
+           '--out_dir', str(out), '--data_dir', str(data)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS='2'), timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {(r['model'], r['split']): r for r in json.load(open(out / 'results.json'))['rows']}
+    assert {'BASE LM', 'BALM', 'EXO', 'JOINT BIT'} <= {m for m, _ in rows}
+    assert 'ppl_low' not in rows['EXO', 'test'] and rows['EXO', 'test']['ppl'] > 1
+    acc = json.load(open(out / 'accuracy.json'))
+    assert (acc['prefix_len'], acc['gen_len']) == (14, 8)
+    joint = [r for r in acc['rows'] if r['model'] == 'JOINT']
+    assert [r['n'] for r in joint if r['method'].startswith('Algorithm 1')] == [1, 5, 20]
+    exo_methods = {r['method'] for r in acc['rows'] if r['model'] == 'EXO'}
+    assert {'majority vote, n = 20', 'log-prob rerank, n = 20', 'oracle, n = 20'} <= exo_methods
+    assert all(r['exact'] <= r['oracle_exact'] and r['p_correct_low'] <= r['p_correct_high'] for r in joint)
+    with pytest.raises(ValueError, match='char-level'):
+        reproduce_args(['--data', 'addition', '--tokenizer', 'gpt2'])
+
+
+def reproduce_args(argv):
+    from job import reproduce
+    return reproduce.get_args(argv)
+
+
+def test_reproduce_quick_gpt2_end_to_end(tmp_path):
+    """The paper's tokenizer (GPT-2 BPE, 50,257 tokens, offline) through every stage of the main
+    job, tiny models on the bundled corpus (slow-ish, ~1 min: the vocabulary makes the LM head
+    and the exact last-step enumeration big). Every row is there and the last step was enumerated."""
+    out, data = tmp_path / 'out', tmp_path / 'data'
+    cmd = [sys.executable, 'job/reproduce.py', '--quick', '--tokenizer', 'gpt2', '--quiet',
+           '--out_dir', str(out), '--data_dir', str(data)]
+    env = dict(os.environ, OMP_NUM_THREADS='2')  # fixed: the numbers, so the thresholds, depend on it
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert load_meta(data)['vocab_size'] == 50257
+    rows = {(r['model'], r['split']) for r in json.load(open(out / 'results.json'))['rows']}
+    assert rows == {(m, s) for m in ('BASE LM', 'RALM', 'BALM', 'TAILR', 'JOINT UNIT', 'JOINT BIT')
+                    for s in ('val', 'test')}
+    ps = json.load(open(out / 'ppl.json'))['splits']['test']['per_step']
+    assert math.isfinite(ps['last_step_exact_ppl']) and ps['last_step_mc_se'] > 0
+    assert (out / 'samples.json').exists()
+
+
+def test_bench_quick_runs(lm_corpus, tmp_path):
+    """bench.py is measured, not tested for speed: this only checks that every section runs and
+    that the last line of stdout is the JSON of all figures (also written to --out)."""
+    out = tmp_path / 'bench.json'
+    res = run_script(['job/bench.py', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out),
+                      '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '64',
+                      '--batch_size', '2', '--prompt_len', '16', '--num_samples', '2', '--new_tokens', '8',
+                      '--matmul_size', '128'])
+    assert res.returncode == 0, res.stderr
+    figures = json.loads(res.stdout.strip().splitlines()[-1])
+    assert figures == json.load(open(out))
+    for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup',
+                'energy_forward_seqs_per_s', 'nce_train_tokens_per_s', 'logz_samples_per_s_n1000',
+                'joint_samples_per_s_n1000'):
+        assert figures[key] > 0, key
+
+
+# figures.py draws the paper's figures from the main job's JSON; matplotlib is its own dependency.
+
+def fake_main_job_json(out_dir):
+    """A small ppl.json and samples.json with the fields estimate_ppl.py and sample.py write."""
+    row = lambda lo, hi: dict(model='JOINT BIT', ppl_low=lo, ppl_high=hi)
+    ppl = dict(splits={'test': dict(
+        num_prefixes=8, base_ppl=6.5,
+        # JSON keys are strings
+        sweep={'2': [row(6.30, 6.40)], '4': [row(6.34, 6.43)], '12': [row(6.37, 6.41)]},
+        per_step=dict(energy='BIT', num_prefixes=8, step_samples=8, position=[1, 2, 3],
+                      base_ppl=[7.0, 6.5, 6.6], joint_ppl_low=[6.8, 6.3, 6.0], joint_ppl_high=[6.9, 6.4, 6.1],
+                      last_step_exact_ppl=6.07, gain=[0.03, 0.02, 0.01], gain_se=[0.005, 0.005, 0.01]))})
+    rng_ = np.random.default_rng(0)
+    recs = [dict(lm_logp=dict(gold=-120 + rng_.normal(), base=-100 + rng_.normal(),
+                              joint=-104 + rng_.normal()),
+                 gold_energy=rng_.normal() - 1, joint_energy=rng_.normal() - 1, logz=-1.5) for _ in range(12)]
+    samples = dict(args=dict(gen_len=64), samples=recs,
+                   unique_ngrams=dict(gold=[90, 100, 100, 100], base=[89, 100, 100, None],
+                                      joint=[84, 99, 100, 100]))
+    claim = dict(diff=0.01, se=0.005, holds=None)
+    claims = dict(claims=dict(C4=dict(claim, last_step_gain_exact=0.004, last_step_gain_se=0.006),
+                              C5=dict(claim, below_reference=claim, above_reference=claim), C7=claim,
+                              # a NaN SE is written as null
+                              C6=dict(claim, se=None, prefixes=12, n=[2, 4, 6, 8],
+                                      unique_pct=dict(gold=[5, 45, 79, 93], base=[5, 42, 80, 96],
+                                                      joint=[5, 43, 80, 95]))))
+    for name, obj in (('ppl.json', ppl), ('samples.json', samples), ('claims.json', claims)):
+        with open(os.path.join(out_dir, name), 'w') as f:
+            json.dump(obj, f)
+
+
+def test_figures_draws_the_four_pngs(tmp_path):
+    pytest.importorskip('matplotlib', reason='figures.py needs matplotlib (run.sh installs it; CI does not)')
+    fake_main_job_json(tmp_path)
+    res = run_script(['job/figures.py', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
+    assert res.returncode == 0, res.stderr
+    names = ['fig1_per_step.png', 'fig2_left_bounds.png', 'fig2_right_ngrams.png', 'fig3_loglik.png']
+    for d in (tmp_path, tmp_path / 'copy'):
+        assert sorted(p.name for p in d.glob('*.png')) == names
+        for name in names:
+            with open(d / name, 'rb') as f:
+                assert f.read(8) == b'\x89PNG\r\n\x1a\n', name  # a real PNG, not an empty file
+    assert not list(tmp_path.glob('*.tmp'))  # written atomically
+
+
+# =============================================================================
+# ==== claims (job/claims.py): each claim's verdict decided both ways on made-up data, its p-value
+#      and SE against brute force, Holm's correction ====
+
 def test_claims_pieces_closed_form():
     """job/claims.py's pieces on hand-made numbers: the 2-SE verdict, character n-gram uniqueness,
     C7's difference of means (log Z cancels within a prefix) and the jackknife SE of a mean, which
@@ -4907,259 +4885,288 @@ def test_c5_reference_independent_of_the_groups_decides_both_ways():
     assert max(c['bias_lower_per_prefix'][0]) > 0  # reference - E[lower] < 0 for some prefix
 
 
-def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
-    """reproduce.Pipeline: a stage whose folder is newer than its inputs resumes (--resume kept);
-    one whose folder predates them (a model it used was retrained) is kept as folder.old and
-    starts over, without --resume."""
-    from job import reproduce
-    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'))
-    dep, folder = tmp_path / 'dep.txt', tmp_path / 'stage'
-    write = lambda path: ['-c', f"import os, sys; os.makedirs({str(path.parent)!r}, exist_ok=True); "
-                                f"open({str(path)!r}, 'w').write(' '.join(sys.argv))"]
-    pipe.run('dep', write(dep), str(dep))
-    folder.mkdir()
-    (folder / 'ckpt.pt').write_text('an interrupted run of the current inputs')
-    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
-    assert '--resume' in (folder / 'done').read_text() and not (tmp_path / 'stage.old').exists()
-    os.remove(folder / 'done')
-    time.sleep(0.05)
-    pipe.run('dep', write(dep) + ['again'], str(dep))  # not run: dep.txt is there
-    os.utime(dep)  # as if the dependency was redone after the stage's folder was written
-    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
-    assert (tmp_path / 'stage.old' / 'ckpt.pt').exists() and '--resume' not in (folder / 'done').read_text()
-    assert 'kept as' in capsys.readouterr().out
+# =============================================================================
+# ==== human evaluation (job/human_eval.py): Table 2's protocol, blinded A/B items, attention
+#      checks, the binomial sign test ====
+
+def binom_tail_exact(wins, losses):
+    """P(X >= wins), X ~ Binomial(wins + losses, 1/2), as an exact fraction from Pascal's triangle."""
+    row = [1]
+    for _ in range(wins + losses):
+        row = [a + b for a, b in zip([0] + row, row + [0])]
+    return Fraction(sum(row[wins:]), 2 ** (wins + losses))
 
 
-# reproduce.py --jobs (issue 37, item 6): stages that need not each other's outputs run at once, each on
-# cores // jobs threads and into its own log; a failure or Ctrl-C stops them all with one line
-FAKE_STAGE = """import json, os, sys, time
-t0 = time.time()
-time.sleep(float(sys.argv[2]))
-print('stage writing', sys.argv[1])
-if sys.argv[3] == 'fail':
-    sys.exit('error: boom')
-json.dump(dict(start=t0, end=time.time(), threads=os.environ.get('OMP_NUM_THREADS')), open(sys.argv[1], 'w'))
-"""
+def test_binomial_p_value():
+    # the paper's Table 2, BASE LM vs BALM: 0.88
+    assert 0.88 < human_eval.binomial_p_value(156, 333 - 156) < 0.89
+    assert human_eval.binomial_p_value(9, 1) == 11 / 1024
+    assert human_eval.binomial_p_value(10, 0) == 1 / 1024 and human_eval.binomial_p_value(0, 10) == 1.0
+    assert human_eval.binomial_p_value(0, 0) == 1.0 and human_eval.binomial_p_value(1, 0) == 0.5
+    for w, l in [(5, 5), (3, 7), (20, 13), (60, 40), (7, 0), (1, 1)]:
+        p = human_eval.binomial_p_value(w, l)
+        assert abs(p - float(binom_tail_exact(w, l))) < 1e-15
+        # complement: P(X >= w) + P(X >= l + 1) = 1 for X ~ Binomial(w + l, 1/2)
+        assert abs(p + human_eval.binomial_p_value(l + 1, w - 1) - 1) < 1e-12
 
 
-def fake_stage(tmp_path, name, seconds, fail=False):
-    """(cmd, done) of a stage that sleeps, then records when it ran and on how many threads."""
-    script = tmp_path / 'fake_stage.py'
-    script.write_text(FAKE_STAGE)
-    done = str(tmp_path / f'{name}.json')
-    return [str(script), done, str(seconds), 'fail' if fail else 'ok'], done
+HE_SAMPLES = [dict(prefix=f'prefix {i}', base=f'base {i}', joint=f'joint {i}', worst=f'worst {i}',
+                   gold=f'gold {i}')
+              for i in range(8)]
 
 
-def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
-    """--jobs 2: two stages that need nothing of each other run at the same time, each on the
-    threads it was given and into its own log, and the stage that needs both starts after both
-    ended; the terminal gets each stage's command and one line as it ends."""
-    from job import reproduce
-    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
-    for name, deps in (('a', ()), ('b', ()), ('c', ('a', 'b'))):
-        pipe.run(name, *fake_stage(tmp_path, name, 1.0), deps)
-    pipe.wait()
-    a, b, c = (json.load(open(tmp_path / f'{n}.json')) for n in 'abc')
-    assert a['start'] < b['end'] and b['start'] < a['end'], (a, b)  # together
-    assert c['start'] >= max(a['end'], b['end']) and {a['threads'], b['threads'], c['threads']} == {'1'}
-    assert 'stage writing' in (tmp_path / 'c.log').read_text() and not pipe.running
-    assert set(json.load(open(tmp_path / 'timings.json'))) == {'a', 'b', 'c'}
-    out = capsys.readouterr().out
-    assert f"> {tmp_path / 'a.log'}" in out
-    assert re.search(r'\[b\] finished in \d+s \(its output: .*b\.log\)', out), out
-    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
-    pipe.run('a', *fake_stage(tmp_path, 'a', 1.0))  # done: skipped
-    assert not pipe.running and 'skipped' in capsys.readouterr().out
+def simulate_votes(items, rater_prefs):
+    """Raters read the texts: rater_prefs[rater](i, sides) -> the system name they pick or 'equal'."""
+    votes = []
+    for rater, pref in rater_prefs.items():
+        for it in items:
+            sides = {it['A'].split()[0]: 'A', it['B'].split()[0]: 'B'}
+            pick = pref(int(it['prefix'].split()[1]), sides)
+            votes.append((rater, str(it['item']), 'equal' if pick == 'equal' else sides[pick]))
+    return votes
 
 
-def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
-    """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
-    stage resumes), and the job ends with one line naming the stage, its log and its last line."""
-    from job import reproduce
-    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
-    t0 = time.time()
-    pipe.run('slow', *fake_stage(tmp_path, 'slow', 60))
-    with pytest.raises(SystemExit) as e:
-        pipe.run('bad', *fake_stage(tmp_path, 'bad', 0.5, fail=True))
-        pipe.run('after', *fake_stage(tmp_path, 'after', 0), ['bad'])
-    msg = str(e.value.code)
-    assert msg == (f"error: stage 'bad' failed (its log {tmp_path / 'bad.log'} ends: error: boom); fix it "
-                   "and rerun: finished stages are skipped"), msg
-    assert time.time() - t0 < 30 and not pipe.running
-    assert not (tmp_path / 'slow.json').exists() and not (tmp_path / 'after.json').exists()
-    with pytest.raises(ValueError, match='--jobs 0: at least 1'):
-        reproduce_args(['--jobs', '0'])
+def prefs_good(i, sides):  # joint on prefixes 0-4, equal on 5, base on 6-7; the real text on checks
+    if 'gold' in sides:
+        return 'gold'
+    return 'joint' if i < 5 else 'equal' if i == 5 else 'base'
 
 
-def test_reproduce_jobs_refused_on_a_gpu(monkeypatch, tmp_path):
-    """--jobs > 1 shares CPU cores: on an accelerator it is refused with one line (--jobs 1 runs)."""
-    from job import reproduce
-    monkeypatch.setattr(reproduce, 'pick_device', lambda device: 'cuda')
-    with pytest.raises(ValueError, match=r"--jobs 2 shares the CPU's cores among stages; on cuda"):
-        reproduce.main(['--jobs', '2', '--device', 'cuda', '--out_dir', str(tmp_path / 'out')])
+def prefs_bad(i, sides):  # always the joint model, even over real text: fails the attention checks
+    return 'joint'
 
 
-def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):
-    """The seed decides the numbers, not the schedule: a tiny train_lm stage run alone (--jobs 1,
-    OMP_NUM_THREADS=1) and beside another (--jobs 2, one thread each) gives the same results.json
-    (times aside) and bit-identical weights; its parameter count is reproduce.lm_params' (BALM's
-    target, known before the LM trains)."""
-    from job import reproduce
-
-    def train(out, seed=1337):
-        return (['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '12',
-                 '--eval_interval', '4', '--seed', str(seed), *TRAIN_FLAGS], str(out / 'results.json'))
-    monkeypatch.setenv('OMP_NUM_THREADS', '1')
-    pipe = reproduce.Pipeline(str(tmp_path / 'one' / 'timings.json'))
-    pipe.run('lm', *train(tmp_path / 'one' / 'lm'))
-    pipe = reproduce.Pipeline(str(tmp_path / 'two' / 'timings.json'), jobs=2, threads=1)
-    pipe.run('other', *train(tmp_path / 'two' / 'other', seed=7))
-    pipe.run('lm', *train(tmp_path / 'two' / 'lm'))
-    assert set(pipe.running) == {'other', 'lm'}
-    pipe.wait()
-    one, two = (json.load(open(tmp_path / d / 'lm' / 'results.json')) for d in ('one', 'two'))
-    timeless = lambda r: {k: v for k, v in r.items() if k not in ('train_time_s', 'tokens_per_s')}
-    assert timeless(one) == timeless(two) and one['curve']
-    wa, wb = (load_checkpoint(tmp_path / d / 'lm' / 'best.pt')['model'] for d in ('one', 'two'))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    flag = lambda f: int(TRAIN_FLAGS[TRAIN_FLAGS.index(f) + 1])
-    shape = {k: flag(f'--{k}') for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
-    assert reproduce.lm_params(shape, load_meta(lm_corpus)['vocab_size']) == one['params']
+def prefs_half(i, sides):  # the real text on checks; else joint on even prefixes, base on odd ones
+    return 'gold' if 'gold' in sides else 'joint' if i % 2 == 0 else 'base'
 
 
-def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
-    """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
-    stop with the pipeline, and the one line is the pipeline's: rerun it."""
-    out = str(tmp_path / 'out')
-    argv = ['job/reproduce.py', '--quick', '--quiet', '--data_dir', cli_artifacts['data'], '--out_dir', out,
-            '--device', 'cpu', '--jobs', '2']
-    env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
-    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                            preexec_fn=default_sigint)
-    wait_for(lambda: all(os.path.exists(os.path.join(out, d, 'log.jsonl')) for d in ('lm', 'balm')), proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    stdout, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == (
-        "interrupted: finished stages are kept and a stopped one resumes; continue with: "
-        f"{shlex.join(['python', *argv])}"), err
-    assert f"> {os.path.join(out, 'balm.log')}" in stdout
-    assert 'threads: 1' in open(os.path.join(out, 'lm.log')).read()
-    t0 = time.time()
-    with pytest.raises(ProcessLookupError):  # the stages went with it, within seconds
-        while time.time() - t0 < 30:
-            os.killpg(proc.pid, 0)
-            time.sleep(0.05)
+def test_human_eval_roundtrip():
+    items, key = human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0)
+    assert len(items) == 11 and [it['item'] for it in items] == list(range(11))
+    assert key['systems'] == ['joint', 'base'] and sorted(key['items']) == sorted(str(i) for i in range(11))
+    checks = [it for it in items if key['items'][str(it['item'])]['check']]
+    assert len(checks) == 3
+    for it in items:
+        k = key['items'][str(it['item'])]
+        i = int(it['prefix'].split()[1])
+        assert it['A'] == f"{k['A']} {i}" and it['B'] == f"{k['B']} {i}"  # the key unblinds A/B
+        assert {k['A'], k['B']} == ({'joint', 'gold'} if k['check'] else {'joint', 'base'})
+    assert {key['items'][str(it['item'])]['A'] for it in items} >= {'joint', 'base'}  # both orders occur
+    regular = [it for it in items if not key['items'][str(it['item'])]['check']]
+    assert sorted(int(it['prefix'].split()[1]) for it in regular) == list(range(8))
+    votes = simulate_votes(items, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
+    rep = human_eval.score(key, votes)
+    # r2 dropped; per prefix (r1, r3): 0 JJ, 1 JB, 2 JJ, 3 JB, 4 JJ, 5 =B, 6 BJ, 7 BB -> items 3 won,
+    # 1 lost, 4 equal (no strict plurality); per vote r1: 5 wins, 1 tie, 2 losses; r3: 4 wins, 4 losses
+    assert rep['dropped_raters'] == ['r2'] and rep['unit'] == 'item'
+    assert (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (8, 16, 3, 1, 4)
+    assert (rep['preferred'] == 3 / 8 and rep['not_worse'] == 7 / 8
+            and rep['p_value'] == 219 / 256)  # P(X >= 3 | 8)
+    rep = human_eval.score(key, votes, per_vote=True)
+    assert (rep['unit'] == 'vote'
+            and (rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties']) == (16, 16, 9, 6, 1))
+    assert rep['preferred'] == 9 / 16 and rep['not_worse'] == 10 / 16
+    assert rep['p_value'] == float(binom_tail_exact(9, 7))  # ties are non-wins
+    # tolerated failures keep r2 (always joint): items 0-4 and 6 won, 5 (=BJ) equal, 7 (BBJ) lost
+    rep = human_eval.score(key, votes, max_failed_checks=3)
+    assert rep['dropped_raters'] == [] and (rep['wins'], rep['losses'], rep['ties']) == (6, 1, 1)
+    rep = human_eval.score(key, votes, max_failed_checks=3, per_vote=True)
+    assert (rep['wins'], rep['losses'], rep['ties']) == (17, 6, 1)
+    rep = human_eval.score(key, votes, max_failed_checks=2)
+    assert rep['dropped_raters'] == ['r2']
+    # the same items with the systems swapped: wins and losses swap (one rater: items = votes)
+    items2, key2 = human_eval.export(HE_SAMPLES, ['base', 'joint'], 0, seed=0)
+    rep = human_eval.score(key2, simulate_votes(items2, dict(r1=prefs_good)))
+    assert (rep['wins'], rep['losses'], rep['ties'], rep['votes'], rep['n']) == (2, 5, 1, 8, 8)
+    assert human_eval.export(HE_SAMPLES, ['joint', 'base'], 3, seed=0) == (items, key)  # seeded
 
 
-def test_reproduce_quick_addition_end_to_end(tmp_path):
-    """`job/reproduce.py --data addition --quick` (issue 31): the same pipeline on the addition
-    corpus, with EXO in Table 1 (an LM: one exact PPL, no range) and the accuracy table against the
-    known answer, Algorithm 1's best-of-n oracle at least its pick."""
-    out, data = tmp_path / 'out', tmp_path / 'data'
-    cmd = [sys.executable, 'job/reproduce.py', '--data', 'addition', '--quick', '--quiet',
-           '--out_dir', str(out), '--data_dir', str(data)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS='2'), timeout=1200)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = {(r['model'], r['split']): r for r in json.load(open(out / 'results.json'))['rows']}
-    assert {'BASE LM', 'BALM', 'EXO', 'JOINT BIT'} <= {m for m, _ in rows}
-    assert 'ppl_low' not in rows['EXO', 'test'] and rows['EXO', 'test']['ppl'] > 1
-    acc = json.load(open(out / 'accuracy.json'))
-    assert (acc['prefix_len'], acc['gen_len']) == (14, 8)
-    joint = [r for r in acc['rows'] if r['model'] == 'JOINT']
-    assert [r['n'] for r in joint if r['method'].startswith('Algorithm 1')] == [1, 5, 20]
-    exo_methods = {r['method'] for r in acc['rows'] if r['model'] == 'EXO'}
-    assert {'majority vote, n = 20', 'log-prob rerank, n = 20', 'oracle, n = 20'} <= exo_methods
-    assert all(r['exact'] <= r['oracle_exact'] and r['p_correct_low'] <= r['p_correct_high'] for r in joint)
-    with pytest.raises(ValueError, match='char-level'):
-        reproduce_args(['--data', 'addition', '--tokenizer', 'gpt2'])
+def write_samples(path, samples=HE_SAMPLES):
+    path.write_text(json.dumps(dict(samples=samples)))
+    return str(path)
 
 
-def reproduce_args(argv):
-    from job import reproduce
-    return reproduce.get_args(argv)
-
-
-def test_reproduce_quick_gpt2_end_to_end(tmp_path):
-    """The paper's tokenizer (GPT-2 BPE, 50,257 tokens, offline) through every stage of the main
-    job, tiny models on the bundled corpus (slow-ish, ~1 min: the vocabulary makes the LM head
-    and the exact last-step enumeration big). Every row is there and the last step was enumerated."""
-    out, data = tmp_path / 'out', tmp_path / 'data'
-    cmd = [sys.executable, 'job/reproduce.py', '--quick', '--tokenizer', 'gpt2', '--quiet',
-           '--out_dir', str(out), '--data_dir', str(data)]
-    env = dict(os.environ, OMP_NUM_THREADS='2')  # fixed: the numbers, so the thresholds, depend on it
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert load_meta(data)['vocab_size'] == 50257
-    rows = {(r['model'], r['split']) for r in json.load(open(out / 'results.json'))['rows']}
-    assert rows == {(m, s) for m in ('BASE LM', 'RALM', 'BALM', 'TAILR', 'JOINT UNIT', 'JOINT BIT')
-                    for s in ('val', 'test')}
-    ps = json.load(open(out / 'ppl.json'))['splits']['test']['per_step']
-    assert math.isfinite(ps['last_step_exact_ppl']) and ps['last_step_mc_se'] > 0
-    assert (out / 'samples.json').exists()
-
-
-def test_bench_quick_runs(lm_corpus, tmp_path):
-    """bench.py is measured, not tested for speed: this only checks that every section runs and
-    that the last line of stdout is the JSON of all figures (also written to --out)."""
-    out = tmp_path / 'bench.json'
-    res = run_script(['job/bench.py', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out),
-                      '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '64',
-                      '--batch_size', '2', '--prompt_len', '16', '--num_samples', '2', '--new_tokens', '8',
-                      '--matmul_size', '128'])
+@pytest.fixture(scope='module')
+def he_export(tmp_path_factory):
+    """human_eval.py export of HE_SAMPLES, joint vs base with 3 attention checks: (its out dir,
+    the samples file)."""
+    d = tmp_path_factory.mktemp('he_export')
+    samples = write_samples(d / 'samples.json')
+    res = run_script(['job/human_eval.py', 'export', '--samples', samples, '--systems', 'joint,base',
+                      '--checks', '3', '--out_dir', str(d / 'he')])
     assert res.returncode == 0, res.stderr
-    figures = json.loads(res.stdout.strip().splitlines()[-1])
-    assert figures == json.load(open(out))
-    for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup',
-                'energy_forward_seqs_per_s', 'nce_train_tokens_per_s', 'logz_samples_per_s_n1000',
-                'joint_samples_per_s_n1000'):
-        assert figures[key] > 0, key
+    return d / 'he', samples
 
 
-# figures.py draws the paper's figures from the main job's JSON; matplotlib is its own dependency.
-
-def fake_main_job_json(out_dir):
-    """A small ppl.json and samples.json with the fields estimate_ppl.py and sample.py write."""
-    row = lambda lo, hi: dict(model='JOINT BIT', ppl_low=lo, ppl_high=hi)
-    ppl = dict(splits={'test': dict(
-        num_prefixes=8, base_ppl=6.5,
-        # JSON keys are strings
-        sweep={'2': [row(6.30, 6.40)], '4': [row(6.34, 6.43)], '12': [row(6.37, 6.41)]},
-        per_step=dict(energy='BIT', num_prefixes=8, step_samples=8, position=[1, 2, 3],
-                      base_ppl=[7.0, 6.5, 6.6], joint_ppl_low=[6.8, 6.3, 6.0], joint_ppl_high=[6.9, 6.4, 6.1],
-                      last_step_exact_ppl=6.07, gain=[0.03, 0.02, 0.01], gain_se=[0.005, 0.005, 0.01]))})
-    rng_ = np.random.default_rng(0)
-    recs = [dict(lm_logp=dict(gold=-120 + rng_.normal(), base=-100 + rng_.normal(),
-                              joint=-104 + rng_.normal()),
-                 gold_energy=rng_.normal() - 1, joint_energy=rng_.normal() - 1, logz=-1.5) for _ in range(12)]
-    samples = dict(args=dict(gen_len=64), samples=recs,
-                   unique_ngrams=dict(gold=[90, 100, 100, 100], base=[89, 100, 100, None],
-                                      joint=[84, 99, 100, 100]))
-    claim = dict(diff=0.01, se=0.005, holds=None)
-    claims = dict(claims=dict(C4=dict(claim, last_step_gain_exact=0.004, last_step_gain_se=0.006),
-                              C5=dict(claim, below_reference=claim, above_reference=claim), C7=claim,
-                              # a NaN SE is written as null
-                              C6=dict(claim, se=None, prefixes=12, n=[2, 4, 6, 8],
-                                      unique_pct=dict(gold=[5, 45, 79, 93], base=[5, 42, 80, 96],
-                                                      joint=[5, 43, 80, 95]))))
-    for name, obj in (('ppl.json', ppl), ('samples.json', samples), ('claims.json', claims)):
-        with open(os.path.join(out_dir, name), 'w') as f:
-            json.dump(obj, f)
+def exported_votes(out_dir):
+    """The exported items.jsonl and the votes of the three simulated raters on it."""
+    jsonl = [json.loads(l) for l in (out_dir / 'items.jsonl').read_text().splitlines()]
+    for it in jsonl:
+        it['item'] = int(it['item'])
+    return jsonl, simulate_votes(jsonl, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
 
 
-def test_figures_draws_the_four_pngs(tmp_path):
-    pytest.importorskip('matplotlib', reason='figures.py needs matplotlib (run.sh installs it; CI does not)')
-    fake_main_job_json(tmp_path)
-    res = run_script(['job/figures.py', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
+def test_human_eval_cli(he_export, tmp_path):
+    out_dir, _ = he_export
+    with open(out_dir / 'items.csv', newline='') as f:
+        items = list(csv.DictReader(f))
+    jsonl, votes = exported_votes(out_dir)
+    assert len(items) == len(jsonl) == 11 and [it['A'] for it in items] == [it['A'] for it in jsonl]
+    key = json.loads((out_dir / 'key.json').read_text())
+    assert 'joint' not in (out_dir / 'items.csv').read_text().split('\n')[0]  # raters do not see system names
+    with open(tmp_path / 'votes.csv', 'w', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(['rater', 'item', 'choice'])
+        w.writerows(votes)
+    res = run_script(['job/human_eval.py', 'score', '--key', str(out_dir / 'key.json'),
+                      '--votes', str(tmp_path / 'votes.csv')])
     assert res.returncode == 0, res.stderr
-    names = ['fig1_per_step.png', 'fig2_left_bounds.png', 'fig2_right_ngrams.png', 'fig3_loglik.png']
-    for d in (tmp_path, tmp_path / 'copy'):
-        assert sorted(p.name for p in d.glob('*.png')) == names
-        for name in names:
-            with open(d / name, 'rb') as f:
-                assert f.read(8) == b'\x89PNG\r\n\x1a\n', name  # a real PNG, not an empty file
-    assert not list(tmp_path.glob('*.tmp'))  # written atomically
+    rep = json.loads((tmp_path / 'votes_report.json').read_text())
+    assert rep == human_eval.score(key, votes) and rep['dropped_raters'] == ['r2'] and rep['wins'] == 3
+    assert 'preferred 37.5%' in res.stdout and 'of 8 items' in res.stdout
+    # the same votes saved by a spreadsheet with a byte-order mark: the same report
+    (tmp_path / 'bom.csv').write_bytes(b'\xef\xbb\xbf' + (tmp_path / 'votes.csv').read_bytes())
+    read = lambda name: human_eval.read_votes(str(tmp_path / name), key)
+    assert read('bom.csv') == read('votes.csv') and len(read('bom.csv')) == len(votes)
+
+
+HAND_KEY = dict(systems=['joint', 'base'], items={
+    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
+        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'),
+         ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'),
+         ('joint', 'base'), ('joint', 'base')])},
+    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
+# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
+HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
+              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
+
+
+def hand_votes():
+    votes = []
+    for item, s in HAND_VOTES.items():
+        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
+            if c != '_':
+                votes.append((rater, item, 'equal' if c == '=' else c))
+    return votes
+
+
+def binom_tail(w, l):
+    return sum(math.comb(w + l, k) for k in range(w, w + l + 1)) / 2 ** (w + l)
+
+
+def test_human_eval_items_by_majority():
+    """Per item (r4 dropped), in system terms J (joint), B (base), = (equal):
+    0 JJJ W | 1 JJB W | 2 J=J W | 3 JB= equal (no strict plurality) | 4 J== equal ('equal' majority)
+    5 === equal | 6 BBJ L | 7 BBB L | 8 JJ W | 9 J= equal (tie with 'equal') | 10 only r4: unvoted | 11 JJB W.
+    Items: 5 won, 2 lost, 4 equal of 11. Votes: J 15, B 8, = 8 of 31."""
+    votes = hand_votes()
+    assert len(votes) == 31 + 3 + 6 + 2  # counted, r4's on items, the checks of r1-r3, r4's checks
+    rep = human_eval.score(HAND_KEY, votes)
+    assert rep['dropped_raters'] == ['r4'] and rep['unit'] == 'item'
+    assert ((rep['n'], rep['votes'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items'])
+            == (11, 31, 5, 2, 4, 1))
+    assert rep['preferred'] == 5 / 11 and rep['not_worse'] == 9 / 11
+    assert rep['p_value'] == 1486 / 2048 == binom_tail(5, 6)  # P(X >= 5 | 11): the 4 equal items are non-wins
+    per_vote = human_eval.score(HAND_KEY, votes, per_vote=True)
+    assert per_vote['unit'] == 'vote'
+    assert ((per_vote['n'], per_vote['votes'], per_vote['wins'], per_vote['losses'], per_vote['ties'])
+            == (31, 31, 15, 8, 8))
+    assert per_vote['preferred'] == 15 / 31 and per_vote['not_worse'] == 23 / 31
+    assert per_vote['p_value'] == sum(math.comb(31, k) for k in range(15, 32)) / 2 ** 31
+    # counting correlated votes as independent overstates significance
+    assert per_vote['p_value'] < rep['p_value']
+    # r4 kept: item 8 JJB W, 9 J=B equal, 10 B L
+    rep = human_eval.score(HAND_KEY, votes, max_failed_checks=1)
+    assert (rep['dropped_raters'] == []
+            and (rep['n'], rep['wins'], rep['losses'], rep['ties'], rep['unvoted_items']) == (12, 5, 3, 4, 0))
+    assert rep['p_value'] == 3302 / 4096  # P(X >= 5 | 12)
+    # without 'equal' votes the rule is the paper's: more votes wins, a 1-1 split (a dropped vote) is a tie
+    assert human_eval.plurality({'joint': 2, 'base': 1, 'equal': 0}) == 'joint'
+    assert human_eval.plurality({'joint': 1, 'base': 1, 'equal': 0}) == 'equal'
+    assert human_eval.plurality({'joint': 0, 'base': 1, 'equal': 0}) == 'base'
+    with pytest.raises(ValueError, match='rater r1 voted more than once on item 3'):
+        human_eval.score(HAND_KEY, votes + [('r1', '3', 'B')])
+
+
+def one_rater_score(wins, losses, ties):
+    """score() of one rater on wins + losses + ties items, joint always shown as A."""
+    outcomes = ['A'] * wins + ['B'] * losses + ['equal'] * ties
+    key = dict(systems=['joint', 'base'],
+               items={str(i): dict(A='joint', B='base', check=False) for i in range(len(outcomes))})
+    return human_eval.score(key, [('r1', str(i), c) for i, c in enumerate(outcomes)])
+
+
+def test_human_eval_not_worse_sign_test(tmp_path):
+    """not_worse_p_value is the sign test P(X >= wins), X ~ Binomial(wins + losses, 1/2), ties set aside."""
+    rep = human_eval.score(HAND_KEY, hand_votes())  # items: 5 won, 2 lost, 4 equal
+    assert rep['not_worse_p_value'] == Fraction(1 + 7 + 21, 2 ** 7) == 29 / 128
+    # neither the not-worse share against 1/2 (P(X >= 9 | 11)) nor the preference test
+    assert rep['not_worse_p_value'] not in (67 / 2048, rep['p_value'])
+    per_vote = human_eval.score(HAND_KEY, hand_votes(), per_vote=True)  # votes: 15 won, 8 lost, 8 equal
+    assert per_vote['not_worse_p_value'] == sum(math.comb(23, k) for k in range(15, 24)) / 2 ** 23
+    # a valid test: under no preference (P(win) = P(loss) = 1/4, ties 1/2) it rejects at most 5% of
+    # the time; the not-worse share against 1/2 would reject about 39% of the time
+    n, alpha, size, naive = 12, 0.05, 0.0, 0.0
+    for w in range(n + 1):
+        for l in range(n + 1 - w):
+            t = n - w - l
+            prob = math.comb(n, t) * math.comb(w + l, w) / 2 ** (2 * (w + l) + t)
+            size += prob * (one_rater_score(w, l, t)['not_worse_p_value'] <= alpha)
+            naive += prob * (sum(math.comb(n, k) for k in range(n - l, n + 1)) / 2 ** n <= alpha)
+    assert size <= alpha and naive > 0.3
+    key_path, votes_path = write_hand_key_and_votes(tmp_path)
+    with contextlib.redirect_stdout(io.StringIO()) as s:
+        human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path),
+                         '--out', str(tmp_path / 'r.json')])
+    assert json.loads((tmp_path / 'r.json').read_text())['not_worse_p_value'] == 29 / 128
+    assert 'not worse 81.8%, one-sided sign test p = 0.227 (won vs lost' in s.getvalue()
+
+
+def write_hand_key_and_votes(d):
+    """HAND_KEY and hand_votes() as human_eval.py score reads them: (key.json, votes.csv)."""
+    key_path, votes_path = d / 'key.json', d / 'votes.csv'
+    key_path.write_text(json.dumps(HAND_KEY))
+    with open(votes_path, 'w', newline='') as f:
+        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
+    return key_path, votes_path
+
+
+@pytest.mark.parametrize('extra,unit', [([], 'item'), (['--per_vote'], 'vote')], ids=['items', 'votes'])
+def test_human_eval_cli_units(tmp_path, extra, unit):
+    key_path, votes_path = write_hand_key_and_votes(tmp_path)
+    out = tmp_path / f'{unit}.json'
+    with contextlib.redirect_stdout(io.StringIO()) as s:
+        human_eval.main(['score', '--key', str(key_path), '--votes', str(votes_path), '--out', str(out),
+                         *extra])
+    rep = json.loads(out.read_text())
+    assert rep == json.loads(json.dumps(human_eval.score(HAND_KEY, hand_votes(), per_vote=bool(extra))))
+    assert rep['unit'] == unit
+    assert ('of 11 items' if unit == 'item' else 'of 31 votes (per vote') in s.getvalue()
+    assert f"over {unit}s" in s.getvalue()
+
+
+def test_human_eval_export_force_replaces_the_key(tmp_path):
+    """export refuses to replace a key that votes may have been collected against (see the CLI
+    section), unless --force: then key and items are new, written atomically."""
+    samples = write_samples(tmp_path / 'samples.json')
+    out_dir = tmp_path / 'he'
+    export = ['job/human_eval.py', 'export', '--samples', samples, '--checks', '2', '--out_dir', str(out_dir)]
+    assert run_script(export).returncode == 0
+    before = dir_snapshot(out_dir)
+    res = run_script(export + ['--seed', '7', '--force'])
+    assert res.returncode == 0, res.stderr
+    after = dir_snapshot(out_dir)
+    assert after['key.json'][0] != before['key.json'][0] and after['items.csv'][0] != before['items.csv'][0]
+    assert not [f for f in os.listdir(out_dir) if f.endswith('.tmp')]
+
+
+def test_sample_cli_then_human_eval(sample_run, tmp_path):
+    """human_eval.py export on sample.py's output."""
+    out, _ = sample_run
+    res = run_script(['job/human_eval.py', 'export', '--samples', str(out), '--checks', '1',
+                      '--out_dir', str(tmp_path / 'he')])
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads((tmp_path / 'he' / 'key.json').read_text())['items']) == 4
 
 
 # =============================================================================
