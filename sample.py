@@ -273,7 +273,7 @@ def check_sampling_time(lm, energy, B, P, args, device):
     views = (min(B, args.table_prefixes) if args.table_k else 0) + (B * L if args.autoregressive else 0)
     sampled, scored = sampled + views * C * args.m * L, scored + views * C * args.m * (P + L)
     seconds = forward_seconds(2 * lm.num_params() * sampled,
-                                       2 * sum(p.numel() for p in energy.parameters()) * scored, device)
+                              2 * sum(p.numel() for p in energy.parameters()) * scored, device)
     check_time(seconds, f"sampling {B} prefixes with --n {args.n}"
                         + (f", --m {args.m}" if views else ''), args.force)
 
