@@ -29,7 +29,7 @@ from energy import (kl_to_lm, load_any_energy, logz_bounds, sample_log_weights, 
 from model import load_lm, load_lm_and_data
 from data.tokenizer import load_tokenizer
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
-                      check_writable, file_hash, precision, progress, rng, run_main, setup,
+                      check_writable, file_hash, named_paths, precision, progress, rng, run_main, setup,
                       teardown_distributed, write_json, write_text)
 
 
@@ -331,12 +331,11 @@ def check_args(args):
     at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
     if args.per_step is not None and not args.energy:
         raise ValueError("--per_step needs an energy: pass --energy NAME=CKPT")
-    for spec in args.energy + args.extra_lm:
-        if not all(spec.partition('=')):
-            raise ValueError(f"'{spec}' must be NAME=CHECKPOINT, e.g. BIT=out/bit/best.pt")
-    names = ['BASE LM'] + [s.split('=', 1)[0] for s in args.energy + args.extra_lm]
-    if len(set(names)) != len(names):
-        raise ValueError(f"model names must be distinct (and not 'BASE LM'): {names[1:]}")
+    energies, extra = named_paths(args.energy, '--energy'), named_paths(args.extra_lm, '--extra_lm')
+    taken = set(energies) & set(extra) | {'BASE LM'} & (set(energies) | set(extra))
+    if taken:
+        raise ValueError(f"--energy/--extra_lm: the name {min(taken)} is taken (by the other flag, or the base "
+                         f"LM's row): give each model its own name")
     if min([args.num_samples] + args.sweep) < 2:
         raise ValueError("--num_samples and --sweep values must be at least 2 "
                          "(the upper bound needs leave-one-out)")

@@ -220,13 +220,13 @@ FIXED = ('lm', 'energy', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'beta
          'forward_samples', 'seed')
 
 
-def resumed(args, argv, device):
+def resumed(args, argv):
     """ckpt.pt of a --resume (None for a new run), its flags taken for those left out and checked
     against those given (FIXED), and its LM the same file (by hash) as the one it trained from."""
     if not args.resume:
         return None
     path = os.path.join(args.out_dir, 'ckpt.pt')
-    ckpt = load_checkpoint(path, device)
+    ckpt = load_checkpoint(path)
     check_resumed_flags(args, argv, ckpt['exo'], FIXED, path, 'EXO run')
     if 'max_iters' not in given_flags(argv):
         args.max_iters = ckpt['exo']['max_iters']
@@ -289,7 +289,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_args(argv)
     device = setup(args.device)[2]
-    saved = resumed(args, argv, device)
+    saved = resumed(args, argv)
     torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
     # sizes checked: nothing written yet
     sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)

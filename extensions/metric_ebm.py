@@ -87,10 +87,13 @@ def get_args(argv=None):
     # held at once: float64 features (B, pool, K) of every split, a chunk of samples with their energies
     K = len(args.metrics.split(',')) + len(args.energy_metric)
     prefixes = args.prefixes + args.check_prefixes * len(args.check_splits)
-    check_memory(8 * K * prefixes * args.pool + args.chunk * max(args.pool, args.n) * (8 * args.gen_len + 8),
-                 f"--prefixes/--check_prefixes {prefixes} x --pool {args.pool}", "lower them")
     for name in ('pool', 'n'):  # samples per prefix: beyond these, a mistyped size
         check(args, name, lambda v: v <= MAX_SAMPLES, f'at most {MAX_SAMPLES:,} LM samples per prefix')
+    rows = max(args.pool, args.n)  # samples per prefix held in one chunk
+    check_memory(8 * K * prefixes * args.pool + args.chunk * rows * (8 * args.gen_len + 8),
+                 f"--prefixes/--check_prefixes {prefixes} x --pool {args.pool}"
+                 + (f" (and --chunk {args.chunk} x --n {args.n})" if args.n > args.pool else ''),
+                 "lower them")
     check_writable(args.out_dir, '--out_dir')
     check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
               also=[os.path.join(args.out_dir, f) for f in ('energy.pt', 'energy_aggregate.pt')])

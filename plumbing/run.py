@@ -251,7 +251,8 @@ def run_main(main, resume_hint=None):
     `error:` line, not a traceback (REBM_DEBUG=1: the traceback, for a bug behind a ValueError).
     Ctrl-C exits with one `interrupted:` line that says what was saved and the command that
     resumes: resume_hint(argv) (default: nothing was saved, rerun). SIGTERM (kill, a scheduler)
-    is a Ctrl-C. A failed run removes the output folders it created and saved nothing in
+    is a Ctrl-C; under torchrun, a process whose peer is gone says so in one line (peer_lost). A
+    failed run removes the output folders it created and saved nothing in
     (new_folder). stdout closed by its reader (`| head`): a quiet exit (stdout_closed). A script run
     as a program first decides its threads' wait policy (set_wait_policy: maybe re-executed)."""
     if main.__module__ == '__main__':
@@ -265,7 +266,9 @@ def run_main(main, resume_hint=None):
         if e.filename is not None:  # a file, not stdout: one line, as any OSError
             one_line_error()
         stdout_closed()
-    except (ValueError, OSError, torch.OutOfMemoryError):
+    except (ValueError, OSError, torch.OutOfMemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not peer_lost(e):
+            raise
         remove_new_folders()
         if os.environ.get('REBM_DEBUG', '0') not in ('', '0'):
             raise
@@ -301,9 +304,20 @@ def wait_for_rank_0(seconds=10):
     time.sleep(seconds)
 
 
+def peer_lost(e):
+    """A collective that failed under torchrun because another process of the job is gone (killed,
+    or stopped by its own error): gloo's reset or closed connection, NCCL's aborted communicator."""
+    return int(os.environ.get('WORLD_SIZE', 1)) > 1 and any(
+        s in str(e) for s in ('Connection reset by peer', 'Connection closed by peer', 'NCCL'))
+
+
 def one_line_error():
     """The exception being handled, as one `error:` line and exit status 1."""
     e = sys.exc_info()[1]
+    if isinstance(e, RuntimeError):  # peer_lost
+        sys.exit(f"error: rank {os.environ.get('RANK', 0)}: another process of this torchrun job stopped "
+                 f"(see its own line, or the signal that killed it); rerun the command (with --resume where "
+                 f"a checkpoint was saved)")
     if isinstance(e, ValueError) and int(os.environ.get('RANK', 0)) > 0:
         wait_for_rank_0()
     if isinstance(e, torch.OutOfMemoryError):
