@@ -76,8 +76,8 @@ pytest_plugins = ['tests.common']  # the fixtures several test files share, defi
 
 # =============================================================================
 # ==== read these first: the method, each piece against an exact reference (helpers and fixtures
-#      they use are defined further down; each section below has the rest of its tests) ====
-
+#      they use are defined further down or in tests/common.py; each section below has the rest of
+#      its tests) ====
 
 @pytest.mark.parametrize('p', [1, 2, 5, 17, 31])  # ragged prompt lengths up to block_size - 1
 @pytest.mark.parametrize('alibi', [False, True])
@@ -446,7 +446,6 @@ def tv(p, q):
 # ==== data/tokenizer: tokens round-trip, each document prepared once (train/select/val/test),
 #      windows across documents, one seeding rule ====
 
-
 CHAR_TEXT = "Hello, wörld!\nNaïve café — ünïcödé ✓\n\n\ttabs and  spaces\n"
 
 
@@ -655,7 +654,6 @@ def test_rng_seeds_are_distinct():
 # =============================================================================
 # ==== model: the GPT LM (model.py, train_lm.py): attention, KV cache, shared-prompt decoding, log-probs,
 #      sampling and q, training, resume ====
-
 
 def decoding_case(alibi):
     """A tiny GPT with block_size 32 and 3 random rows that fill its block."""
@@ -1078,7 +1076,6 @@ def test_negatives_under_ddp_match_one_process(lm_ckpt, tmp_path):
 # ==== energy: E(x) (energy.py): padding, pooling, context, UNIT/BIT bodies, MLM masks,
 #      checkpoints tied to their LM ====
 
-
 def random_energy(kind, pool, vocab_size=12, block_size=16, seed=0, alibi=False):
     """A tiny Energy with wide random weights, head included (a fresh head is zero: E = 0)."""
     torch.manual_seed(seed)
@@ -1384,7 +1381,6 @@ def test_load_energy_of_another_lm(eval_ckpts):
 # ==== negatives: the LM's samples with log P_LM and log q, the real continuation's too (negatives.py);
 #      a killed run resumes byte-identical ====
 
-
 def test_negatives_record_their_precision(train_negatives, tmp_path):
     """meta.json records the precision the samples were drawn in; a rerun in another one is
     refused (its chunks would mix precisions), and the finishing command names it."""
@@ -1505,7 +1501,6 @@ def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
 # =============================================================================
 # ==== NCE: training the energy (nce_train.py, Eq. 3): the losses, truncated noise, what the LM cannot see,
 #      DDP, resume, best on select ====
-
 
 def softplus64(x):
     return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
@@ -1877,7 +1872,6 @@ def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, 
 # =============================================================================
 # ==== estimation: log Z bounds (Eq. 4) and their calibration, joint and per-step PPL (Eq. 5)
 #      vs exact enumeration; estimate_ppl.py; the copy task end to end ====
-
 
 def lme(a):
     """log mean exp of a float64 numpy vector, shifted by its max (no log(S - w_i) anywhere)."""
@@ -2387,7 +2381,6 @@ def test_estimate_ppl_ddp_matches_single_process(lm_ckpt, eval_ckpts, tmp_path):
 # =============================================================================
 # ==== sampling: Algorithm 1, Table 3, top-k auto-regressive, analyses (sample.py) ====
 
-
 class ListLM:
     """A stand-in LM whose generate() hands out one-token candidates 0, 1, 2, ... in order, the same
     for every prompt row, with given log P_LM and log q per candidate: the candidate set of
@@ -2819,7 +2812,6 @@ def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, t
 
 # =============================================================================
 # ==== baselines: RALM (Eq. 6), BALM, the paper's presets ====
-
 
 def tiny_ralm(residual_std=None):
     """A tiny base GPT, a RALM on it whose residual head is zero (None) or drawn with that std,

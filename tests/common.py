@@ -221,7 +221,6 @@ def ppl_argv(lm, energy, out, *extra):
 
 # ---- negatives ----
 
-
 def neg_files(d):
     names = ('tokens.bin', 'logp.bin', 'logq.bin', 'pos_logp.bin', 'pos_logq.bin', 'done.bin', 'offsets.npy',
              'meta.json')
@@ -241,7 +240,6 @@ def train_negatives(lm_ckpt, tmp_path_factory):
 
 # ---- sampling ----
 
-
 def sample_argv(lm, energy, out):
     return ['--lm', lm, '--energy', energy, '--split', 'test', '--num_prefixes', '3',
             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
@@ -259,7 +257,6 @@ def sample_run(lm_ckpt, eval_ckpts, tmp_path_factory):
 
 # ---- metric EBM and TaiLr ----
 
-
 def enumerable_problem(seed=0, B=2, V=3, L=3):
     """Every continuation of length L over V tokens for B prefixes: P_LM and p_data per prefix
     (float64), and K = 3 metrics of each continuation (two of them rep/tr, one random)."""
@@ -273,7 +270,6 @@ def enumerable_problem(seed=0, B=2, V=3, L=3):
 
 
 # ---- baselines/pipeline ----
-
 
 # figures.py draws the paper's figures from the main job's JSON; matplotlib is its own dependency.
 
@@ -307,7 +303,6 @@ def fake_main_job_json(out_dir):
 
 
 # ---- human evaluation ----
-
 
 HE_SAMPLES = [dict(prefix=f'prefix {i}', base=f'base {i}', joint=f'joint {i}', worst=f'worst {i}',
                    gold=f'gold {i}')
@@ -397,7 +392,6 @@ def write_hand_key_and_votes(d):
 
 # ---- CLI ----
 
-
 UNWRITABLE = '/proc/rebm-nowhere'  # no one can create anything under /proc, root included
 
 
@@ -415,7 +409,6 @@ def dir_snapshot(d):
 
 
 # ---- layout ----
-
 
 def python_files():
     """{path: parsed module} of the repo's tracked .py files (every .py file outside hidden and

@@ -41,7 +41,6 @@ pytest_plugins = ['tests.common']  # the fixtures several test files share, defi
 # ==== metric EBM and TaiLr (Ji et al.): metrics on hand-made text, moment matching vs exact enumeration,
 #      Pythagoras, metric_ebm.py, TaiLr's loss ====
 
-
 def rep_brute(y, n):
     grams = [tuple(y[i:i + n]) for i in range(len(y) - n + 1)]
     return 1 - len(set(grams)) / len(grams)
@@ -397,7 +396,6 @@ def test_tailr_fine_tuning_cli(lm_corpus, lm_ckpt, tmp_path, monkeypatch):
 # ==== EXO and addition (Ji et al., ICML 2024; issue 31): EXO's loss against exact enumeration (its gradient
 #      tends to the reverse KL's, its minimiser is the joint model), a corpus with a known answer,
 #      accuracy against brute force ====
-
 
 def exo_toy(V=3):
     """An enumerable toy: continuations of length 2 over V tokens (V^2 of them), pi_sft and a

@@ -55,7 +55,6 @@ pytest_plugins = ['tests.common']  # the fixtures several test files share, defi
 # ==== the method's runs stopped and resumed, distributed, in fp16: resume is exact, one job per
 #      folder, torchrun as documented, the collectives on the run's device ====
 
-
 def test_resume_is_exact(lm_corpus, tmp_path):
     flags = ['--data_dir', lm_corpus, '--eval_interval', '4', '--log_interval', '1', '--lr_decay_iters', '8',
              '--dropout', '0.1', '--final_eval', '0', *TRAIN_FLAGS]
@@ -261,7 +260,6 @@ def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
 # =============================================================================
 # ==== CLI: bad input to a script gives one clear 'error: ...' line, no traceback,
 #      and writes or overwrites nothing ====
-
 
 def test_rebm_debug_shows_the_traceback():
     """Bad input is one `error:` line; REBM_DEBUG=1 shows the same failure's traceback (a bug that
@@ -1795,8 +1793,6 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
 
 
 # =============================================================================
-
-
 # ---- --dtype auto: the precision this hardware runs natively (faked hardware) ----
 
 @pytest.mark.parametrize('capability,expected', [((7, 0), 'float16'), ((8, 0), 'bfloat16'),

@@ -39,7 +39,6 @@ pytest_plugins = ['tests.common']  # the fixtures several test files share, defi
 # =============================================================================
 # ==== pipeline: the main job end to end (job/reproduce.py), figures.py, bench.py runs ====
 
-
 def test_reproduce_quick_end_to_end(tmp_path):
     """The main job with tiny models: the CI smoke test of every stage (the slowest test, ~2 min on
     2 cores: the whole pipeline end to end). Every row is there with ordered bounds, and the
@@ -332,7 +331,6 @@ def test_figures_draws_the_four_pngs(tmp_path):
 # =============================================================================
 # ==== claims (job/claims.py): each claim's verdict decided both ways on made-up data, its p-value
 #      and SE against brute force, Holm's correction ====
-
 
 def test_claims_pieces_closed_form():
     """job/claims.py's pieces on hand-made numbers: the 2-SE verdict, character n-gram uniqueness,
@@ -657,7 +655,6 @@ def test_c5_reference_independent_of_the_groups_decides_both_ways():
 # =============================================================================
 # ==== human evaluation (job/human_eval.py): Table 2's protocol, blinded A/B items, attention
 #      checks, the binomial sign test ====
-
 
 def binom_tail_exact(wins, losses):
     """P(X >= wins), X ~ Binomial(wins + losses, 1/2), as an exact fraction from Pascal's triangle."""

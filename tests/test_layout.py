@@ -18,7 +18,6 @@ pytest_plugins = ['tests.common']  # the fixtures several test files share, defi
 
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
-
 EXTERNAL_MODULES = {'pytest', 'pip'}  # `python -m X` that is not the repo's
 
 
