@@ -1066,7 +1066,7 @@ def test_negatives_under_ddp_match_one_process(lm_ckpt, tmp_path):
     ddp, single = str(tmp_path / 'ddp'), str(tmp_path / 'single')
     res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
                       os.path.join(SCRIPTS, 'ddp_recorder.py'), 'negatives.py', '--out_dir', ddp, *flags],
-                     env=dict(PARAMS_DIR=str(tmp_path)))
+                     env=dict(PARAMS_DIR=str(tmp_path), PYTHONPATH=ROOT))
     assert res.returncode == 0, res.stdout + res.stderr
     negatives.main(['--out_dir', single, *flags])
     assert neg_files(ddp) == neg_files(single)
