@@ -106,8 +106,9 @@ def test_fp16_scaler_skips_an_overflow_and_resumes_exactly(lm_corpus, tmp_path):
 def test_collectives_run_on_the_run_device():
     """Every tensor handed to dist.all_reduce or dist.broadcast is moved to the run's device in the
     function that hands it over (NCCL refuses a CPU tensor; gloo, in the 2-process tests on a CPU,
-    takes any): read from the code, so that a CPU-only machine sees what only a GPU run would."""
-    bad, calls = [], 0
+    takes any): read from the code, so that a CPU-only machine sees what only a GPU run would. The
+    trainers' sums go through plumbing's all_reduce, which moves them (counted: its callers)."""
+    bad, calls, helper = [], 0, 0
     for path, tree in python_files().items():
         if is_test(path):
             continue
@@ -117,11 +118,12 @@ def test_collectives_run_on_the_run_device():
                      and re.search(r"\.to\(device\)|device=device", ast.unparse(n.value))}
             for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
                 name = ast.unparse(call.func)
+                helper += name == 'all_reduce' and ast.unparse(call.args[1]) == 'device'
                 if name in ('dist.all_reduce', 'dist.broadcast'):
                     calls += 1
                     if ast.unparse(call.args[0]) not in moved:
                         bad.append(f'{path}:{call.lineno} {fn.name}: {ast.unparse(call)}')
-    assert calls >= 4 and not bad, (calls, bad)
+    assert calls >= 1 and helper >= 4 and not bad, (calls, helper, bad)
 
 
 def test_negatives_resume_byte_identical(train_negatives, tmp_path, monkeypatch):
@@ -177,6 +179,64 @@ def test_torchrun_as_documented(script, lm_corpus, lm_ckpt, fox_negatives, tmp_p
     errors = [line for line in res.stderr.splitlines() if line.startswith('error:')]
     assert res.returncode != 0 and errors == ['error: --lr -1.0: must be a positive number'], res.stderr
     assert f'{script}", line' not in res.stderr and not (tmp_path / 'bad').exists()
+
+
+def rank_pid(parent, rank):
+    """The pid of the torchrun worker of `rank` among parent's children (None until it has started)."""
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/status') as f:
+                ppid = int(next(line for line in f if line.startswith('PPid:')).split()[1])
+            with open(f'/proc/{pid}/environ', 'rb') as f:
+                environ = f.read().split(b'\0')
+        except (OSError, StopIteration):
+            continue
+        if ppid == parent and f'RANK={rank}'.encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/environ'), reason='Linux only')
+def test_torchrun_a_killed_rank_leaves_one_line(lm_corpus, tmp_path):
+    """kill -9 of rank 1 mid-training under torchrun: the survivor's collective fails (gloo:
+    connection reset by peer) and it says so in one line, no traceback of ours (peer_lost); if
+    torchrun's SIGTERM reaches it first, its one line is the Ctrl-C one. torchrun's own report follows."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'train_lm.py',
+           '--data_dir', lm_corpus, '--final_eval', '0', *TRAIN_FLAGS, '--max_iters', '100000',
+           '--eval_interval', '100000', '--device', 'cpu', '--out_dir', str(tmp_path / 'out')]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS='1'))
+    try:
+        while '2 process(es)' not in proc.stdout.readline():  # rank 0 is training
+            assert proc.poll() is None, proc.stderr.read()
+        pid = rank_pid(proc.pid, 1)
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    ours = [line for line in err.splitlines() if line.startswith(('error:', 'interrupted:'))]
+    assert proc.returncode != 0 and len(ours) == 1, err[-3000:]
+    assert ours[0].startswith(('error: rank 0: another process of this torchrun job stopped', 'interrupted:'))
+    assert 'train_lm.py", line' not in err, err[-3000:]
+
+
+def test_a_collective_error_without_a_lost_peer_stays_a_traceback(monkeypatch):
+    """peer_lost is narrow: a RuntimeError under torchrun that does not say a peer is gone, or
+    gloo's words in a single process, is a bug and keeps its traceback."""
+    def raising(text):
+        def main(argv):
+            raise RuntimeError(text)
+        return main
+    gone = raising('[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5009: Connection reset by peer')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('RANK', '1')
+    with pytest.raises(SystemExit, match='error: rank 1: another process of this torchrun job stopped'):
+        plumbing.run_main(gone)
+    with pytest.raises(RuntimeError, match='shapes'):
+        plumbing.run_main(raising('shapes cannot be multiplied'))
+    monkeypatch.setenv('WORLD_SIZE', '1')
+    with pytest.raises(RuntimeError, match='Connection reset'):
+        plumbing.run_main(gone)
 
 
 def test_one_job_per_folder_and_no_stale_lock(tmp_path):
@@ -684,7 +744,8 @@ CLI_TABLE = [
      '--calib_samples 4000000000 needs'),
     ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
     ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
-    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], 'distinct'),
+    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], '--energy/--extra_lm: the name BIT is taken'),
+    ('ppl-extra-lm-twice', [*P, '--extra_lm', 'B={ckpt}', 'B={lm}/best.pt'], '--extra_lm: the name B is given twice'),
     ('ppl-per-step-unknown', [*P, '--per_step', 'NOPE'], '--per_step NOPE'),
     ('ppl-extra-lm-is-energy', [*P, '--extra_lm', 'X={energy}'], "holds a 'energy' model"),
     ('ppl-out-under-a-file', [*P, '--out', '{file}/p.json'], 'file.txt is a file'),
@@ -728,7 +789,8 @@ CLI_TABLE = [
     ('me-metric-unknown', [*MX, '--metrics', 'tr-3,foo'], "unknown metric 'foo'"),
     ('me-metric-too-long', [*MX, '--metrics', 'rep-5'], 'at least 5 tokens'),
     ('me-pool-1', [*MX, '--pool', '1'], '--pool 1'),
-    ('me-pool-beyond-memory', [*MX, '--pool', '4000000000'], '--pool 4000000000 needs'),
+    ('me-pool-beyond-memory', [*MX, '--pool', '65536', '--prefixes', '100000'], '--pool 65536 needs'),
+    ('me-n-1e7', [*MX, '--table', '--n', '10000000'], '--n 10000000: must be at most 65,536'),
     ('me-top-p-2', [*MX, '--top_p', '2'], '--top_p 2'),
     ('me-energy-metric-no-name', [*MX, '--energy_metric', 'BIT'], "'BIT' must be NAME=CHECKPOINT"),
     ('me-energy-metric-missing', [*MX, '--energy_metric', 'BIT={missing}'], 'missing.pt does not exist'),
