@@ -334,8 +334,8 @@ def check_args(args):
     energies, extra = named_paths(args.energy, '--energy'), named_paths(args.extra_lm, '--extra_lm')
     taken = set(energies) & set(extra) | {'BASE LM'} & (set(energies) | set(extra))
     if taken:
-        raise ValueError(f"--energy/--extra_lm: the name {min(taken)} is taken (by the other flag, or the base "
-                         f"LM's row): give each model its own name")
+        raise ValueError(f"--energy/--extra_lm: the name {min(taken)} is taken (by the other flag, or the "
+                         f"base LM's row): give each model its own name")
     if min([args.num_samples] + args.sweep) < 2:
         raise ValueError("--num_samples and --sweep values must be at least 2 "
                          "(the upper bound needs leave-one-out)")

@@ -201,8 +201,8 @@ def test_torchrun_a_killed_rank_leaves_one_line(lm_corpus, tmp_path):
     """kill -9 of rank 1 mid-training under torchrun: the survivor's collective fails (gloo:
     connection reset by peer) and it says so in one line, no traceback of ours (peer_lost); if
     torchrun's SIGTERM reaches it first, its one line is the Ctrl-C one. torchrun's own report follows."""
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', 'train_lm.py',
-           '--data_dir', lm_corpus, '--final_eval', '0', *TRAIN_FLAGS, '--max_iters', '100000',
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+           'train_lm.py', '--data_dir', lm_corpus, '--final_eval', '0', *TRAIN_FLAGS, '--max_iters', '100000',
            '--eval_interval', '100000', '--device', 'cpu', '--out_dir', str(tmp_path / 'out')]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS='1'))
@@ -744,8 +744,10 @@ CLI_TABLE = [
      '--calib_samples 4000000000 needs'),
     ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
     ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
-    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'], '--energy/--extra_lm: the name BIT is taken'),
-    ('ppl-extra-lm-twice', [*P, '--extra_lm', 'B={ckpt}', 'B={lm}/best.pt'], '--extra_lm: the name B is given twice'),
+    ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'],
+     '--energy/--extra_lm: the name BIT is taken'),
+    ('ppl-extra-lm-twice', [*P, '--extra_lm', 'B={ckpt}', 'B={lm}/best.pt'],
+     '--extra_lm: the name B is given twice'),
     ('ppl-per-step-unknown', [*P, '--per_step', 'NOPE'], '--per_step NOPE'),
     ('ppl-extra-lm-is-energy', [*P, '--extra_lm', 'X={energy}'], "holds a 'energy' model"),
     ('ppl-out-under-a-file', [*P, '--out', '{file}/p.json'], 'file.txt is a file'),

@@ -64,7 +64,7 @@ def test_every_documented_command_runs():
     `python job/x.py` stops), answers --help, and takes each flag the command gives it; every file
     the README's table lists exists."""
     commands, files = documented_commands()
-    assert len(commands) >= 15 and len(files) >= 15, (commands, files)
+    assert len(commands) >= 15 and len(files) >= 10, (commands, files)
     keys = sorted(commands, key=str)
     helps = run_scripts([[*script.split(), *([sub] if sub else []), '--help'] for script, sub in keys])
     stale = []
