@@ -171,8 +171,9 @@ ADDITION = dict(
     ppl=dict(max_prefixes=512, num_samples=64, sweep='2,8,32,64', step_prefixes=64, step_samples=32,
              step_every=1, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
     samples=dict(num_prefixes=128, n=64, logz_samples=32, table_prefixes=1, m=16),
-    # EXO's lr: 1e-5 of 1e-5, 3e-5, 1e-4, by the selection split's KL(pi_theta || joint) (docs/addition.md)
-    exo=dict(K=8, batch_size=16, max_iters=600, lr=1e-5, eval_interval=100, eval_prefixes=256,
+    # EXO's K and lr by the selection split's KL(pi_theta || joint) and P(correct): K = 64 of 8, 32, 64
+    # (K = 8: lr 1e-5 of 3e-6, 1e-5, 3e-5, 1e-4; the loss dpo as well) (docs/addition.md)
+    exo=dict(K=64, batch_size=16, max_iters=400, lr=1e-5, eval_interval=50, eval_prefixes=256,
              eval_samples=16),
     accuracy=dict(num_prefixes=1000, ns='1,4,16,64'),
 )
