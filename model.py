@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data import load_meta
-from plumbing import file_hash, load_weights, torch_load
+from plumbing import checked_load, file_hash, load_weights
 
 
 @dataclass
@@ -516,8 +516,8 @@ def stopped_early(trail, patience, min_rel_delta=0.0):
 
 def load_checkpoint(path):
     """A rebm checkpoint: a dict with the model's weights and what it is ('kind'), read with
-    weights_only=True (torch_load: the file's checks)."""
-    ckpt = torch_load(path)
+    weights_only=True (checked_load: the file's checks)."""
+    ckpt = checked_load(path)
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:
         raise ValueError(f"{path} is not a rebm checkpoint (no 'model'/'kind' entries)")
     return ckpt

@@ -22,9 +22,9 @@ from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, all_reduce, autocast, c
                              cores_in_use, cpu_bf16_units, openmp_wait_policy, pick_device, precision, rng,
                              rng_seed, set_wait_policy, setup, setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
-                            checkpoint_iter, disk_full, file_hash, finite, first_missing, free_space,
-                            load_weights, not_a_file, out_of_space, save_checkpoint, save_checkpoints,
-                            torch_load, write_json, write_text)
+                            checked_load, checkpoint_iter, disk_full, file_hash, finite, first_missing,
+                            free_space, load_weights, not_a_file, out_of_space, save_checkpoint,
+                            save_checkpoints, write_json, write_text)
 from plumbing.run import (LOCKS, ArgumentParser, at_least, check, check_heads, check_new,  # noqa: F401
                           check_writable, interrupt, lock_folder, named_paths, new_folder, one_job, progress,
                           rerun_command, run_main)

@@ -184,7 +184,7 @@ def saved_bytes(obj):
     return sum(n for _, n in storages) + 2**10 * len(storages) + 2**16
 
 
-def torch_load(path, what='a train_lm.py or nce_train.py checkpoint'):
+def checked_load(path, what='a train_lm.py or nce_train.py checkpoint'):
     """The file at path torch.loaded with weights_only=True (never code from its pickle), or one
     line saying why it cannot be: missing, a folder, not the zip archive torch.save writes, more
     than tensors and plain data, corrupt or truncated."""

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from plumbing.files import checkpoint_iter, finite, save_checkpoints, torch_load, write_json
+from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json
 from plumbing.run import (ArgumentParser, check, check_heads, check_writable, lock_folder, new_folder,
                           progress, rerun_command, run_main)
 from plumbing.device import DTYPES
@@ -144,7 +144,7 @@ def check_resume(args, argv, fixed, saved_flags):
     path = os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         raise missing_checkpoint(args.out_dir)
-    ckpt = torch_load(path)
+    ckpt = checked_load(path)
     saved = saved_flags(ckpt) if isinstance(ckpt, dict) else None
     if saved is not None:
         check_resumed_flags(args, argv, saved, fixed, path, 'run')
