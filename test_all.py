@@ -6,11 +6,15 @@ This file holds the method: it opens with the ten tests that teach it, each agai
 reference (below), then one section per piece, each opening with a '# ====' banner that says what it
 guards (grep '^# ====' for the map): data/tokenizer, model, energy, negatives, NCE, estimation,
 sampling, baselines. The rest lives in tests/:
-    tests/test_guards.py      bad input (one clear line each, the CLI table), resume, locks, a full
-                              disk, memory, torchrun, Ctrl-C and SIGTERM, precision and threads
-    tests/test_job.py         the main job end to end (job/reproduce.py), figures, bench, claims,
-                              human evaluation
-    tests/test_extensions.py  the talk's metric energy and TaiLr, EXO and addition
+    tests/test_bad_input.py   bad input: one clear line each (the CLI table), a full disk, memory,
+                              Ctrl-C and SIGTERM
+    tests/test_resume.py      resume, locks, DDP and torchrun, fp16, finite checkpoints
+    tests/test_hardware.py    precision and threads from the hardware, the wait policy
+    tests/test_job.py         the main job end to end (job/reproduce.py), figures, bench
+    tests/test_claims.py      the claims and their statistics (job/claims.py, job/stats.py)
+    tests/test_human_eval.py  Table 2's protocol (job/human_eval.py)
+    tests/test_metric_ebm.py  the talk's metric energy and TaiLr
+    tests/test_exo_addition.py  EXO and the addition task
     tests/test_layout.py      the files' roles, the import graph, line and function lengths, the
                               README's numbers and every documented command
     tests/common.py           the helpers and fixtures several files share (tiny models, exact

@@ -6,7 +6,9 @@
     python -m job.human_eval      Table 2's protocol: blinded A/B items, binomial test
     python -m job.bench           building blocks timed against naive baselines
 
-and what the reports share: read_report, the one way claims.py and figures.py read the main job's
+with reproduce's recipes in configs.py and its make-like scheduler in pipeline.py, the claims'
+statistical tests in stats.py, and what the
+reports share: read_report, the one way claims.py and figures.py read the main job's
 JSON, checked for its shape, finite numbers and coming from one run; what is wrong is one line,
 `<file>: <what is wrong>; <the fix>`.
 """

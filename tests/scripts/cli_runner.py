@@ -1,4 +1,4 @@
-# Runs every row of the CLI table (tests/test_guards.py) in one python process: argv[1] the rows
+# Runs every row of the CLI table (tests/test_bad_input.py) in one python process: argv[1] the rows
 # (JSON), argv[2] the artifacts folder, argv[3] the results (JSON). Each row's script runs as
 # __main__ with its argv, stderr captured; around each row every file under the artifacts folder is
 # hashed.

@@ -1,5 +1,5 @@
 # Runs the script of argv with its gradients made infinite at the $OVERFLOW_AT-th unscale_ of the
-# GradScaler (test_fp16_scaler_skips_an_overflow_and_resumes_exactly, tests/test_guards.py).
+# GradScaler (test_fp16_scaler_skips_an_overflow_and_resumes_exactly, tests/test_resume.py).
 import os, runpy, sys
 import torch
 

@@ -1,5 +1,5 @@
 # test_importing_plumbing_changes_nothing: importing plumbing and the method files sets no
-# environment variable and reads none of the machine's /proc files (tests/test_guards.py)
+# environment variable and reads none of the machine's /proc files (tests/test_hardware.py)
 import builtins, io, os
 import numpy, torch, tqdm  # what torch reads as it loads is torch's
 opened, real_open = [], io.open

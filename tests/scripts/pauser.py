@@ -1,6 +1,6 @@
 # Runs the script of argv until it stops for good at a known point: right after its first ckpt.pt is
 # saved (a trainer), or after its third finished chunk (negatives.py); it then writes $PAUSE_MARKER
-# and sleeps (paused() in tests/test_guards.py).
+# and sleeps (paused() in tests/test_bad_input.py).
 import os, runpy, sys, time
 import plumbing.trainer
 import numpy as np

@@ -1,4 +1,4 @@
-# test_run_main_reexecutes_a_script_once (tests/test_guards.py): run_main of a script started
+# test_run_main_reexecutes_a_script_once (tests/test_hardware.py): run_main of a script started
 # beside busy cores
 import os, sys
 import plumbing

@@ -1,5 +1,5 @@
 # test_wait_policy_changes_no_number runs this once with each OMP_WAIT_POLICY: a tiny GPT's
-# gradients and samples, saved to argv[1] (tests/test_guards.py)
+# gradients and samples, saved to argv[1] (tests/test_hardware.py)
 import plumbing, sys, torch
 from model import GPT, GPTConfig
 torch.manual_seed(0)

@@ -1,0 +1,148 @@
+"""
+The main job's recipes: sizes, budgets and what each stage trains on, as the flags of each stage's
+script (job/reproduce.py turns them into commands). DEFAULT is the README's run on Shakespeare,
+QUICK its tiny smoke test, QUICK_GPT2 the BPE path, ADDITION and ADDITION_QUICK the task with a
+known answer (docs/addition.md); RELATIVE_TIME turns the LM stage's time into an estimate of a run.
+"""
+
+# Sizes and budgets (README has the stage timings). What was chosen on what (docs/experiments.md):
+#   selection split: each model's best.pt and stopping, n = 64, the MLM's length, mu, EXO's lr;
+#   val (before the protocol): the BIT's ALiBi, its NCE lr 1e-4, pooling over the continuation;
+#   test (looked at, then fixed; no two recipes compared on it since): C6's unit (characters, not
+#   words), the talk table's untruncated proposal, round 2's recipes, addition's N = 6;
+#   not chosen: TaiLr's gamma = 0.01, the smallest tried (the selection NLL prefers gamma -> 0, MLE;
+#   generation quality, the talk's criterion, was not measured).
+# Stopping, this project's protocol (the paper trains for fixed budgets, its Table 4): every LM
+# (BASE, BALM, RALM, TaiLr) stops once its lowest selection loss improved by less than 0.1% over 2
+# evaluations (model.stopped_early), its best weights kept (best.pt); max_iters is a cap that
+# `converged: false` reports. In the paper's structure: BALM = LM + UNIT parameters, RALM's
+# residual the LM's shape, the BIT smaller than the UNIT (docs/experiments.md, 2026-11-26 late).
+DEFAULT = dict(
+    # the cosine decay ends at step 3000; then min_lr until the stopping rule fires (10000: a cap)
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=256, batch_size=16, max_iters=10000,
+            lr_decay_iters=3000, lr=3e-3, min_lr=3e-4, warmup_iters=40, eval_interval=250, patience=2,
+            min_rel_delta=0.001, snapshots='500,1000,2000'),
+    balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
+    residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
+    # the energy's recipe (nce_train.py's defaults, chosen on addition's selection split: docs/addition.md):
+    # ranking NCE over K LM samples per prefix, best.pt by the held-out joint gain, log Z from 64 samples
+    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near
+    # the LM's
+    neg=dict(prefix_len=128, gen_len=64, num_samples=8, select_samples=64, train_prefixes=8000,
+             select_prefixes=256),
+    # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
+    # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
+    # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (docs/experiments.md)
+    mlm=dict(n_layer=3, n_head=5, n_embd=80, max_iters=3000, eval_interval=500, alibi=True, patience=0,
+             min_rel_delta=0, snapshots=''),  # the LM's flags otherwise
+    # TaiLr (Ji et al., 2023): the base LM fine-tuned at its final lr, stopped by the LMs' rule; gamma
+    # not chosen (the selection NLL cannot choose it: docs/experiments.md)
+    tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
+    # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
+    metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
+    # each energy early-stopped on the held-out joint gain (its best.pt: steps after it are not used);
+    # at most 600 steps of 16 prefixes x 9 sequences, about half the LM's tokens
+    bit=dict(batch_size=16, max_iters=600, lr=1e-4, warmup_iters=30, eval_interval=100, eval_prefixes=256,
+             patience=2),
+    unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=100,
+              eval_prefixes=256, patience=2),
+    # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
+    # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
+    # (docs/experiments.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
+    # (a check of the exact one) from 128 samples, the calibration on 8 prefixes (the budget's sizes)
+    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32,
+             step_every=16, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
+    # Figs. 2 right and 3 on hundreds of prefixes
+    samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
+    # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val
+    ordering=dict(train_prefixes=4000, select_prefixes=256, bit_iters=400, max_prefixes=128, num_samples=32),
+)
+# the smoke test: tiny models, and a base LM deliberately undertrained (30 steps, char PPL ~21-25)
+# so that the energy has a large, robust gain to find, which the CI test asserts
+QUICK = dict(
+    lm=dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=16, max_iters=30, lr=3e-3,
+            warmup_iters=10, eval_interval=15, final_eval_windows=256, snapshots='15'),
+    balm=dict(),
+    residual=dict(n_layer=1, n_head=2, n_embd=64),
+    neg=dict(prefix_len=64, gen_len=32, num_samples=2, train_prefixes=1600, select_prefixes=64),
+    mlm=dict(n_embd=32, max_iters=100, alibi=True),
+    bit=dict(batch_size=16, max_iters=600, lr=1e-3, warmup_iters=10, eval_interval=150),
+    unit=dict(batch_size=16, max_iters=300, lr=1e-3, warmup_iters=10, eval_interval=75),
+    ppl=dict(max_prefixes=128, num_samples=64, sweep='2,8,64', step_prefixes=2, step_samples=4,
+             last_step_samples=64, calib_prefixes=4, calib_samples=512),
+    samples=dict(num_prefixes=4, n=32, logz_samples=8, table_prefixes=1, candidates=16, m=4),
+    ordering=dict(train_prefixes=400, select_prefixes=32, bit_iters=100, max_prefixes=16, num_samples=8),
+    tailr=dict(gamma=0.01, max_iters=20, lr=1e-3, eval_interval=10, final_eval_windows=256, snapshots=''),
+    # an LM of 30 steps repeats no 4-gram in 32 characters, which real text does: no rep-N, div
+    metrics=dict(metrics='tr-8,coh,logp', prefixes=64, pool=64, check_prefixes=32, table_prefixes=16, n=8),
+)
+# the paper's tokenizer (GPT-2 BPE, 50,257 tokens) through every stage, with tiny models: a test
+# that the BPE path runs end to end (the vocabulary makes the LM head and the exact last-step
+# enumeration the big costs), not a result
+QUICK_GPT2 = dict(
+    lm=dict(n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=8, max_iters=30, lr=3e-3,
+            warmup_iters=5, eval_interval=15, eval_iters=4, final_eval_windows=32, num_samples=0),
+    balm=dict(),
+    residual=dict(n_layer=1, n_head=2, n_embd=32),
+    neg=dict(prefix_len=24, gen_len=8, num_samples=2, train_prefixes=32, select_prefixes=8),
+    mlm=dict(n_embd=32, max_iters=20, alibi=True),
+    bit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
+    unit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
+    ppl=dict(max_prefixes=4, num_samples=4, sweep='2,4', step_prefixes=2, step_samples=2,
+             last_step_samples=16, calib_prefixes=2, calib_samples=32),
+    samples=dict(num_prefixes=2, n=4, table_prefixes=1, candidates=4, keep=2, table_k=2, m=2),
+    tailr=dict(gamma=0.01, max_iters=10, eval_interval=5, final_eval_windows=32, snapshots=''),
+    # no metric energy: the samples of a 30-step BPE LM never reach real text's metrics (its real
+    # text's log P_LM is above every sample's, its hidden states all alike), so nothing can match them
+)
+# --data addition (data/addition/prepare.py, docs/addition.md): problems `a+b=c` of N = 6 digits, the
+# sum most-significant digit first; each window is one problem (prefix 2N + 2 = 14 tokens, the sum
+# and end of text 8). No metric energy (repetition and coherence say nothing here); EXO distils the
+# BIT into an LM (extensions/exo.py) and addition_eval.py scores every model against the known
+# answer. Sizes for ~14 min on 2 CPU cores (estimated from stage times); only EXO's lr was tuned.
+ADDITION = dict(
+    data=dict(digits=6),
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=66, batch_size=32, max_iters=4000, lr=3e-3,
+            min_lr=3e-4, warmup_iters=40, eval_interval=500, patience=2, min_rel_delta=0.001, snapshots=''),
+    # BALM's lr: 1e-3 of 3e-3 and 1e-3 by the selection loss (3e-3 had not converged at its 4,000-step cap);
+    # every cap below lets the stopping rule fire ((patience + 1) * eval_interval <= max_iters)
+    balm=dict(n_head=3, lr=1e-3, min_lr=1e-4, max_iters=12000),
+    residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=4000),
+    # the recipe (docs/addition.md, chosen on the selection split): 16 LM samples of every training
+    # problem, ranking NCE over them, best.pt by the held-out joint gain with log Z from 64 samples
+    neg=dict(prefix_len=14, gen_len=8, num_samples=16, select_samples=64, train_prefixes=None,
+             select_prefixes=1024),
+    mlm=dict(n_layer=3, n_head=3, n_embd=96, max_iters=2000, eval_interval=500, alibi=True, patience=0,
+             min_rel_delta=0, lr=1e-3),
+    tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, eval_interval=250),
+    bit=dict(batch_size=32, max_iters=8000, lr=3e-4, min_lr=3e-5, warmup_iters=50, eval_interval=500,
+             eval_prefixes=1024, patience=4),
+    unit=dict(batch_size=32, max_iters=8000, lr=2e-4, min_lr=2e-5, warmup_iters=50, eval_interval=500,
+              eval_prefixes=1024, patience=4),
+    ppl=dict(max_prefixes=512, num_samples=64, sweep='2,8,32,64', step_prefixes=64, step_samples=32,
+             step_every=1, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
+    samples=dict(num_prefixes=128, n=64, logz_samples=32, table_prefixes=1, m=16),
+    # EXO's K and lr by the selection split's KL(pi_theta || joint) and P(correct): K = 64 of 8, 32, 64
+    # (K = 8: lr 1e-5 of 3e-6, 1e-5, 3e-5, 1e-4; the loss dpo as well) (docs/addition.md)
+    exo=dict(K=64, batch_size=16, max_iters=400, lr=1e-5, eval_interval=50, eval_prefixes=256,
+             eval_samples=16),
+    accuracy=dict(num_prefixes=1000, ns='1,4,16,64'),
+)
+ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
+    {k: v for k, v in QUICK.items() if k not in ('metrics', 'ordering')}, data=ADDITION['data'],
+    lm=dict(QUICK['lm'], block_size=66, max_iters=60, eval_interval=30, snapshots=''),
+    neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=1600, select_prefixes=64),
+    ppl=dict(QUICK['ppl'], step_every=1), samples=dict(QUICK['samples'], m=2),
+    exo=dict(K=4, batch_size=8, max_iters=20, lr=1e-4, eval_interval=10, eval_prefixes=32, eval_samples=4,
+             logz_samples=64, forward_samples=16),
+    accuracy=dict(num_prefixes=64, ns='1,5,20'),
+)
+
+
+# Stage times of the default run relative to the LM's, from the idle run of the earlier recipe
+# (2026-11-27, bf16 CPU); the negatives and energies of today's recipe from their idle throughputs
+# (docs/reports.md): the LM stage measures this machine's speed, these turn it into a rough
+# estimate of the whole run (on a CPU without bf16, sampling is relatively faster: an overestimate).
+RELATIVE_TIME = dict(lm=1.0, balm=0.43, ralm=0.10, neg_train=0.23, neg_select=0.06, mlm=0.23, bit=0.76,
+                     unit=0.76, tailr=0.066, metrics=0.25, estimate_ppl=0.34, samples=0.08,
+                     samples_untruncated=0.075, claims=0.015)
