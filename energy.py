@@ -366,6 +366,77 @@ def logz_bounds(log_w):
     return T_n, (2 * n - 1) * T_n - 2 * (n - 1) * T_n1
 
 
+# -----------------------------------------------------------------------------
+# where Eq. 4 fails, and log Z from what can be scored exactly
+
+# Fewer effective samples than this flag an Eq. 4 range: chosen on the enumerable addition task, where
+# log Z is exact (docs/addition.md, 'Exact Z'); Kish's ESS of n weights is about n / (1 + cv^2), and the
+# Monte-Carlo SE of T_n about sqrt(1/ESS - 1/n) nats.
+MIN_ESS = 8.0
+
+
+def kish_ess(log_w):
+    """Kish's effective sample size (sum w)^2 / sum w^2 of the weights w = exp(log_w) (..., n), in
+    [1, n], float64. A sharp energy puts all of T_n on one or two samples: ESS near 1. It cannot
+    see mass the n samples missed: a range can fail with a high ESS (logz_diagnostics)."""
+    lw = log_w.double()
+    return torch.exp(2 * lw.logsumexp(-1) - (2 * lw).logsumexp(-1))
+
+
+def logz_diagnostics(log_w, logz_sure=None, min_ess=MIN_ESS):
+    """Per prefix, whether Eq. 4's range from log_w (..., n) can be trusted: Kish's ESS, the largest
+    weight's share of sum w, and `flagged`: ESS below min_ess, or (with logz_sure (...), a sure lower
+    bound of log Z such as logz_enumerate's) the range's upper end below it, where Eq. 4 is provably
+    wrong: the joint probability it implies for a continuation in the known set exceeds 1."""
+    lw = log_w.double()
+    ess, share = kish_ess(lw), torch.exp(lw.amax(-1) - lw.logsumexp(-1))
+    flagged = ess < min_ess
+    if logz_sure is not None:
+        flagged = flagged | (logz_bounds(lw)[1] < logz_sure)
+    return dict(ess=ess, max_share=share, flagged=flagged)
+
+
+def distinct_ids(x):
+    """Continuations x (B, m, L) -> ids (B, m) (int64), equal exactly where two continuations of one
+    prefix are the same sequence (ids are unique across prefixes)."""
+    B, m, L = x.shape
+    rows = torch.arange(B, device=x.device).repeat_interleave(m)[:, None]
+    return torch.unique(torch.cat([rows, x.reshape(B * m, L)], 1), dim=0, return_inverse=True)[1].view(B, m)
+
+
+def logz_enumerate(x, log_p, log_w, known=0):
+    """log Z = log sum_x P_LM(x) exp(-E(x)) from a set S of distinct continuations scored exactly and
+    the LM's samples beyond S. x (B, k + n, L): first `known` continuations fixed before sampling
+    (the real one, the LM's beam: any set that does not depend on the samples), then n untruncated
+    LM samples; log_p (B, k + n) their log P_LM, log_w (..., B, k + n) their -E. S is every distinct
+    continuation among them, A = sum_S P_LM(x) w(x) its exact part, and
+
+        Z_hat = A + (1/n) sum_{i: x_i drawn once, not known} w_i (1 - P_LM(x_i)),
+
+    the mean over i of A(S without x_i) + [x_i outside that set] w_i: each term is unbiased for Z
+    (x_i is independent of the rest), so E[Z_hat] = Z exactly. Where the samples repeat (a peaked LM:
+    addition) most of Z is scored exactly; where none repeats (text) it is T_n's mean, nearly.
+    Returns float64 (...)-shaped `sure` (log A <= log Z, always), `estimate` (log Z_hat, unbiased
+    in Z, so biased low in log Z by Jensen, as T_n) and `mass` (B,) (sum_S P_LM: the LM's share scored)."""
+    B, m = log_p.shape
+    n = m - known
+    if n < 1:
+        raise ValueError(f"log Z needs at least one LM sample beyond the {known} known continuations")
+    ids, lp, lw = distinct_ids(x), log_p.double(), log_w.double()
+    first = torch.ones_like(ids, dtype=torch.bool)  # the first occurrence of each continuation
+    same = ids[:, :, None] == ids[:, None, :]  # (B, m, m)
+    first[:, 1:] = ~same.tril(-1).any(-1)[:, 1:]
+    drawn = same[:, known:, known:].sum(-1)  # (B, n): how often each sample's continuation was drawn
+    in_known = same[:, known:, :known].any(-1)
+    once = (drawn == 1) & ~in_known  # (B, n)
+    ninf = torch.tensor(float('-inf'), dtype=torch.float64, device=lp.device)
+    log_a = torch.where(first, lp + lw, ninf).logsumexp(-1)  # (..., B)
+    log1m_p = torch.log1p(-lp[:, known:].exp().clamp(max=1.0))
+    rest = torch.where(once, lw[..., known:] + log1m_p, ninf).logsumexp(-1) - math.log(n)
+    return dict(sure=log_a, estimate=torch.logaddexp(log_a, rest),
+                mass=torch.where(first, lp, ninf).logsumexp(-1).exp())
+
+
 def kl_to_lm(log_w):
     """KL(p* || P_LM) per prefix of the joint model p* ∝ P_LM exp(log_w), from log_w (..., n) = -E
     of n LM samples: E_p*[log p*/P_LM] = sum_j w_j log_w_j - log mean_j exp(log_w_j), w = softmax(log_w),

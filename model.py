@@ -226,6 +226,22 @@ class GPT(nn.Module):
         tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
         return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
 
+    @torch.no_grad()
+    def beam_search(self, idx, max_new_tokens, width):
+        """The `width` continuations of highest log P_LM that beam search finds for each prompt of
+        idx (B, P): tokens (B, width, L) and their log P_LM (B, width) in float64, best first. Not
+        sampled: a fixed set of likely continuations, which log Z's exact part (energy.logz_enumerate)
+        scores exactly. Each step reruns the whole sequences, as generate_plain does."""
+        B, P = idx.shape
+        x, score = idx[:, None], torch.zeros(B, 1, dtype=torch.float64, device=idx.device)  # one beam
+        for _ in range(max_new_tokens):
+            b, T = x.size(1), x.size(2)
+            logp = F.log_softmax(self.logits(x.flatten(0, 1), first=T - 1)[:, -1].double(), -1).view(B, b, -1)
+            V = logp.size(-1)
+            score, i = (score[..., None] + logp).flatten(1).topk(min(width, b * V), 1)  # (B, width')
+            x = torch.cat([x.gather(1, (i // V)[..., None].expand(-1, -1, T)), (i % V)[..., None]], 2)
+        return x[..., P:], score
+
     # the speed section, below its banner: these three only name its functions
 
     def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
