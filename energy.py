@@ -273,23 +273,25 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
 
 @torch.no_grad()
 def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None,
-                       ectx=None):
+                       ectx=None, return_samples=False):
     """log w = -E(x) of n untruncated LM continuations (the weights of Eq. 4's Z) of each prefix, for each
     energy: (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
     sequences at a time, and memory beyond that holds only the n sampled token ids per prefix.
     prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
     continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
-    original one."""
+    original one. return_samples: also the samples (B, n, gen_len) and their log P_LM (B, n), float64
+    (what logz_enumerate needs)."""
     prefix_len = prefixes.size(1) if prefix_len is None else prefix_len
     with ctx:
-        tokens, _ = lm.generate(prefixes, gen_len, num_samples=n, generator=generator,
-                                max_rows=max_rows)  # (B, n, gen_len)
+        tokens, logp = lm.generate(prefixes, gen_len, num_samples=n, generator=generator,
+                                   max_rows=max_rows)  # (B, n, gen_len)
     known = {}  # each energy scored once, also where another is built from it (share_energies)
     for e in energies:
         if e not in known:
             known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows,
                                            known=known)
-    return -torch.stack([known[e] for e in energies])
+    log_w = -torch.stack([known[e] for e in energies])
+    return (log_w, tokens, logp.double().sum(-1)) if return_samples else log_w
 
 
 def gumbel_keys(log_w, generator=None):

@@ -7,7 +7,14 @@ log Z(prefix) = log E_{x~P_LM}[exp(-E(x))] (Section 3.2). From n samples of the 
     upper  (2n-1) T_n - 2(n-1) mean_i T_{n-1}^{(-i)}                 (Eq. 4, right; leave-one-out)
 
 Both are biased, in opposite directions, and tighten as n grows (Theorem 2), so the joint PPL is a
-range: its low end uses the lower bound of log Z, its high end the upper bound.
+range: its low end uses the lower bound of log Z, its high end the upper bound. They are bounds in
+expectation only, and only once n is large enough: where the energy is sharp (a few continuations
+carry Z, and the samples rarely hold them) both ends fall far below log Z. So each prefix's range
+comes with energy.logz_diagnostics (Kish's effective sample size; flagged when it is too small or
+when the range lies below a sure lower bound of log Z), and beside it the joint PPL from
+energy.logz_enumerate: every distinct continuation seen (the real one, the LM's --beam most likely
+ones, the samples) scored exactly, the rest estimated without bias. Its sure part makes every
+joint probability of the real continuation at most 1.
 
 Also: per-step perplexity (Eq. 5, Fig. 1) with --per_step, exact at the last position by
 enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep.
@@ -24,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from data import SPLITS, check_fits, load_split, window_tokens, windows
-from energy import (kl_to_lm, load_any_energy, logz_bounds, sample_log_weights, score, score_continuations,
-                    share_energies)
+from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate, sample_log_weights,
+                    score, score_continuations, share_energies)
 from model import load_lm, load_lm_and_data
 from data.tokenizer import load_tokenizer
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
@@ -78,14 +85,15 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
             lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
             extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
         e_real = {name: score(e, x, P, ectx) for name, e in energies.items()}
-        log_w = (sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g,
-                                    args.max_rows, ectx=ectx)
-                 if energies else torch.zeros(0, x.size(0), max(sweep)))  # (energies, B, n) = -E
+        log_w, samples, samples_logp = (sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep),
+                                                           ctx, g, args.max_rows, ectx=ectx, return_samples=True)
+                                        if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))
         bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
         kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
+        enum = enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, ctx, ectx)
         recs.append(dict(index=s, lm_logp=lm_logp.cpu(), extra_logp={k: v.cpu() for k, v in extra.items()},
                          energy={k: v.cpu() for k, v in e_real.items()},
-                         kl={k: kl[i] for i, k in enumerate(energies)},
+                         kl={k: kl[i] for i, k in enumerate(energies)}, enum=enum,
                          logz={name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu())
                                       for n, (lo, hi) in bounds.items()}
                                for k, name in enumerate(energies)}))
@@ -96,6 +104,30 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
     return columns(sorted(recs, key=lambda r: r['index']))
 
 
+def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, ctx, ectx):
+    """Per energy, log Z of each prefix of x (B, P+L) by logz_enumerate (the real continuation and the
+    LM's --beam most likely ones known, the first --num_samples samples) and the diagnostics of Eq. 4's
+    range from the same samples: {name: {estimate, sure, mass, ess, max_share, flagged}}, each (B,)."""
+    if not energies:
+        return {}
+    n, L = args.num_samples, x.size(1) - P
+    known, known_logp = x[:, None, P:], lm_logp[:, None]  # (B, 1, L), (B, 1)
+    known_w = {name: -e[:, None] for name, e in e_real.items()}
+    if args.beam:
+        with ctx:
+            beam, beam_logp = lm.beam_search(x[:, :P], L, args.beam)
+        known, known_logp = torch.cat([known, beam], 1), torch.cat([known_logp, beam_logp], 1)
+        for name, e in energies.items():
+            known_w[name] = torch.cat([known_w[name], -score_continuations(e, x[:, :P], beam, P, ectx)], 1)
+    out = {}
+    for k, name in enumerate(energies):
+        z = logz_enumerate(torch.cat([known, samples[:, :n]], 1), torch.cat([known_logp, samples_logp[:, :n]], 1),
+                           torch.cat([known_w[name], log_w[k, :, :n]], 1), known=known.size(1))
+        d = logz_diagnostics(log_w[k, :, :n], z['sure'])
+        out[name] = {key: v.double().cpu() for key, v in dict(z, **d).items()}
+    return out
+
+
 def columns(chunks):
     """The chunks' records joined into one float64 array per quantity, one entry per prefix."""
     cat = lambda get: np.concatenate([get(c).numpy() for c in chunks]).astype(np.float64)
@@ -104,14 +136,18 @@ def columns(chunks):
                 extra_logp={k: cat(lambda c: c['extra_logp'][k]) for k in first['extra_logp']},
                 energy={k: cat(lambda c: c['energy'][k]) for k in first['energy']},
                 kl={k: cat(lambda c: c['kl'][k]) for k in first['kl']},
+                enum={k: {q: cat(lambda c: c['enum'][k][q]) for q in first['enum'][k]} for k in first['enum']},
                 logz={k: {n: {end: cat(lambda c: c['logz'][k][n][end]) for end in ('low', 'high')}
                           for n in first['logz'][k]} for k in first['logz']})
 
 
-def summarize(cols, num_tokens, n, num_chars=None):
+def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
     """PPL of each model over the prefixes: the base LM, extra LMs, and each joint model as a
     range; for every model but the base, the per-prefix gain over the base LM in nats per token
-    (for a joint model at its conservative, high-PPL end) with its standard error."""
+    (for a joint model at its conservative, high-PPL end) with its standard error. A joint model's
+    range never implies a probability above 1 (its low end is capped by logz_enumerate's sure part);
+    with `enumerated` (n = --num_samples) also its PPL and gain from logz_enumerate's estimate and
+    the share of prefixes whose Eq. 4 range logz_diagnostics flags."""
     lp = cols['lm_logp']
 
     def ppl(logp, count):
@@ -124,11 +160,18 @@ def summarize(cols, num_tokens, n, num_chars=None):
     for name, logp in cols['extra_logp'].items():
         rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain(logp)))
     for name, e in cols['energy'].items():
-        logz = cols['logz'][name][n]
-        joint_high = lp - e - logz['low']  # log P bounds: the low log Z gives the high log P
+        logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
+        # log P bounds: the low log Z gives the high log P, never above the sure lower bound's
+        joint_high = lp - e - (logz['low'] if enum is None else np.maximum(logz['low'], enum['sure']))
         joint_low = lp - e - logz['high']
         rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
                          ppl_high=ppl(joint_low, num_tokens), **gain(joint_low)))
+        if enum is not None and enumerated:
+            joint = lp - e - enum['estimate']
+            g = gain(joint)
+            rows[-1].update(ppl_enumerated=ppl(joint, num_tokens), gain_enumerated=g['gain_nats_per_token'],
+                            gain_enumerated_se=g['gain_se'], eq4_flagged=float(enum['flagged'].mean()),
+                            eq4_ess=float(enum['ess'].mean()), scored_mass=float(enum['mass'].mean()))
         if name in cols.get('kl', {}):  # KL(P_joint || P_LM) per token: what a moment-matched energy gains
             kl, se = cols['kl'][name] / L, lambda d: float(d.std(ddof=1) / math.sqrt(len(d)))
             rows[-1].update(predicted_gain=float(kl.mean()), predicted_gain_se=se(kl),
@@ -207,23 +250,30 @@ def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, spl
 # per-step PPL (Eq. 5, Fig. 1)
 
 @torch.no_grad()
-def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every=1):
+def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every=1, diagnostics=None):
     """log P_LM(x_t | x_<t) at each position of the continuation of every row of x (B, P+L), and
     bounds of log Z(x_<=P+k) with k real continuation tokens fixed and the rest marginalised with m
     LM samples, for k on a grid: 0, every, 2 every, ..., and L-1, L (every = 1: each position).
     Z with all L fixed is exp(-E(x)), exactly. Each Z is computed once: the numerator of a step is
-    the denominator of the next. Returns lp (B, L), ks (list), logz_lo and logz_hi (B, len(ks))."""
+    the denominator of the next. Returns lp (B, L), ks (list), logz_lo and logz_hi (B, len(ks)); with
+    a `diagnostics` dict, fills it with logz_diagnostics' ess and flagged (B, len(ks) - 1) of each
+    sampled Z, its sure lower bound the real rest's own term P_LM(x_>P+k | x_<=P+k) exp(-E(x))."""
     B, T = x.shape
     L = T - P
     ks = sorted(set(range(0, L, every)) | {L - 1, L})
     with ctx:
         _, lp = lm.sequence_logprob(x, P, per_token=True)  # (B, L)
     lo, hi = torch.empty(B, len(ks), dtype=torch.float64), torch.empty(B, len(ks), dtype=torch.float64)
+    neg_e = -score(energy, x, P, ectx or ctx).cpu()
+    diag = []
     for j, k in enumerate(ks[:-1]):
         log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows,
-                                   prefix_len=P, ectx=ectx)[0]  # (B, m)
-        lo[:, j], hi[:, j] = (t.cpu() for t in logz_bounds(log_w))
-    lo[:, -1] = hi[:, -1] = -score(energy, x, P, ectx or ctx).cpu()
+                                   prefix_len=P, ectx=ectx)[0].cpu()  # (B, m)
+        lo[:, j], hi[:, j] = logz_bounds(log_w)
+        diag.append(logz_diagnostics(log_w, lp[:, k:].double().sum(1).cpu() + neg_e))
+    lo[:, -1] = hi[:, -1] = neg_e
+    if diagnostics is not None:
+        diagnostics.update({q: torch.stack([d[q] for d in diag], 1) for q in ('ess', 'flagged')})
     return lp.double().cpu(), ks, lo, hi
 
 
@@ -239,8 +289,9 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     idx = np.linspace(0, len(offsets) - 1, min(args.step_prefixes, len(offsets))).round().astype(int)
     x = window_tokens(data, offsets[idx], P + L).to(device)  # (B, P+L), evenly spaced prefixes
     g = rng(args.seed, 'per_step', split, 0, device)
+    diag = {}
     lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx,
-                              getattr(args, 'step_every', 1))
+                              getattr(args, 'step_every', 1), diag)
     width = torch.tensor(np.diff(ks), dtype=torch.float64)  # tokens per segment
     seg_lp = torch.stack([lp[:, k1:k2].sum(1) for k1, k2 in zip(ks, ks[1:])], 1)  # (B, segments)
     step_low = seg_lp + lo[:, 1:] - hi[:, :-1]  # log P of a segment: low numerator, high denominator
@@ -268,7 +319,11 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
                 per_prefix_gain_high=gain_high.tolist(),
                 per_prefix_last_step_gain_exact=(lo[:, -1] - exact_logz).tolist(),
                 last_step_exact_ppl=math.exp(-exact_last.mean().item()),
-                last_step_base_ppl=math.exp(-lp[:, -1].mean().item()))
+                last_step_base_ppl=math.exp(-lp[:, -1].mean().item()),
+                # Eq. 4's diagnostics of each sampled log Z (position k: k tokens fixed), over the prefixes
+                eq4_flagged=diag['flagged'].double().mean(0).tolist(), eq4_ess=diag['ess'].mean(0).tolist(),
+                last_step_eq4_flagged=logz_diagnostics(log_w.cpu(), lp[:, -1].double() + lo[:, -1])['flagged']
+                .double().mean().item())
 
 
 # -----------------------------------------------------------------------------
@@ -302,6 +357,9 @@ def get_args(argv=None):
       help='LM samples per prefix of the calibration reference (n_ref), and as many more for its groups')
     a('--chunk', type=int, default=16, help='prefixes per batch')
     a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
+    a('--beam', type=int, default=0,
+      help="the LM's most likely continuations (beam search of this width) scored exactly in log Z "
+           "(energy.logz_enumerate), beside the real one; worth it where the LM is peaked (addition)")
     a('--out', default='out/ppl.json',
       help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
     a('--force', action='store_true', help='replace --out (and the .txt beside it) if it exists')
@@ -326,6 +384,7 @@ def check_args(args):
         raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of "
                          f"{', '.join(SPLITS)}")
     at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'step_every', 'chunk', 'max_rows')
+    at_least(args, 0, 'beam')
     check(args, 'max_prefixes', lambda v: v == 0 or v >= 2,
           '0 (all) or at least 2 (the gain has a standard error)')
     at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
@@ -401,6 +460,17 @@ def format_table(rows, splits):
     return '\n'.join(lines)
 
 
+def format_enumerated(rows):
+    """One line per joint model and split: its PPL with log Z from logz_enumerate (an estimate, beside
+    Eq. 4's range) and how often that range is flagged; a flagged range is not a pair of bounds."""
+    return ''.join(f"\n{r['model']} ({r['split']}): PPL {r['ppl_enumerated']:.4f} with log Z enumerated "
+                   f"(an estimate: every distinct continuation seen scored exactly, {100 * r['scored_mass']:.1f}% "
+                   f"of the LM's mass; gain {r['gain_enumerated']:+.5f} ({r['gain_enumerated_se']:.5f})); Eq. 4's "
+                   f"range flagged on {100 * r['eq4_flagged']:.1f}% of prefixes (mean ESS {r['eq4_ess']:.1f})"
+                   + (': not bounds there' if r['eq4_flagged'] > 0 else '')
+                   for r in rows if 'ppl_enumerated' in r)
+
+
 def format_calibration(calib, num_samples, gains):
     """One line per energy: the bias of each bound at the default n, against the reference."""
     lines = []
@@ -436,7 +506,8 @@ def format_last_step(ps):
             f"exact PPL {ps['last_step_exact_ppl']:.4f}, "
             f"estimated {ps['last_step_ppl_low']:.4f}-{ps['last_step_ppl_high']:.4f} "
             f"from {ps['last_step_samples']} samples: off by {gap:+.5f} nats/token"
-            + (f", {abs(gap) / se:.1f} Monte-Carlo SE ({se:.5f})" if se > 0 else ''))
+            + (f", {abs(gap) / se:.1f} Monte-Carlo SE ({se:.5f})" if se > 0 else '')
+            + f"; Eq. 4 flagged on {100 * np.mean(ps['eq4_flagged']):.1f}% of the per-step log Z's")
 
 
 def main(argv=None):
@@ -496,7 +567,7 @@ def split_summary(cols, args, split, offsets, data, meta):
     if joint:  # the first joint model's range, in one place
         res.update(joint_ppl_low=joint[0]['ppl_low'], joint_ppl_high=joint[0]['ppl_high'])
     if args.sweep:
-        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n) if 'energy' in r]
+        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n, enumerated=False) if 'energy' in r]
                         for n in sorted(set(args.sweep))}
     return res
 
@@ -506,7 +577,8 @@ def write_results(out, args):
     last = out['splits'][args.splits[-1]]
     gain_se = {r['energy']: r['gain_se'] for r in last['rows'] if 'energy' in r}
     text = (format_table(out['rows'], args.splits) + '\n'
-            + f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)\n"
+            + f"joint PPL as a range from {args.num_samples} LM samples per prefix (Eq. 4)"
+            + format_enumerated(out['rows']) + '\n'
             + format_calibration(last.get('calibration', {}), args.num_samples, gain_se)
             + format_last_step(last.get('per_step')) + format_predicted(last['rows']))
     write_json(out, args.out)

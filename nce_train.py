@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens
-from energy import POOLS, build_energy, energy_state, load_energy, logz_bounds
+from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
+                    logz_enumerate)
 from model import GPTConfig, configure_optimizer, get_lr, load_checkpoint, stopped_early
 from plumbing import (RunDir, all_reduce, check_training_flags, check_training_memory, one_job, precision,
                       rng_seed, run_trainer, setup, teardown_distributed, training_parser)
@@ -72,10 +73,11 @@ def get_args(argv=None):
            'binary: Eq. 3, one negative per positive')
     a('--num_neg', type=int, default=None, at_least=1,
       help='ranking: negatives per positive (default: all K stored)')
-    a('--select', default='gain', choices=['gain', 'loss'],
+    a('--select', default='gain', choices=['gain', 'gain_enumerated', 'loss'],
       help="what chooses best.pt and early stopping on the held-out prefixes: gain, the joint model's "
            "log-likelihood of their real continuations over the LM's (Eq. 2, log Z at Eq. 4's upper end); "
-           "loss, the NCE loss")
+           "gain_enumerated, the same with log Z from energy.logz_enumerate (untruncated negatives: where "
+           "samples repeat, as on addition, Eq. 4 fails); loss, the NCE loss")
     a('--eval_prefixes', type=int, default=256, at_least=1,
       help='held-out prefixes (fixed negatives each) per evaluation')
     args = p.parse_args(argv)
@@ -189,7 +191,7 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
     chooses best.pt by."""
     model.eval()
     P, L, K = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples']
-    sums = torch.zeros(7, dtype=torch.float64)
+    sums = torch.zeros(10, dtype=torch.float64)
     starts = list(range(0, len(rows), batch_size))
     for s in starts[rank::world_size]:
         r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
@@ -201,17 +203,35 @@ def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, ran
         l, acc = nce_loss(e_pos, e_all.gather(1, torch.from_numpy(j).to(device)), loss,
                           *log_ratios(neg, r, j, device))
         d_all = log_ratios(neg, r, every, device)[1]
-        z_low, z_high = logz_bounds(-e_all if d_all is None else d_all - e_all)
+        log_w = -e_all if d_all is None else d_all - e_all
+        z_low, z_high = logz_bounds(log_w)
         gain, gain_high = (-e_pos.double() - z_high) / L, (-e_pos.double() - z_low) / L
+        enum = enumerated_logz(neg, r, tokens[pos], tokens[negs], e_pos, e_all) if d_all is None else None
+        z_enum = z_low if enum is None else enum['estimate']  # truncated negatives: not P_LM's samples
+        diag = logz_diagnostics(log_w, None if enum is None else enum['sure'])
         sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
                               e_all.mean(1).sum().item(), gain.sum().item(), gain_high.sum().item(),
-                              len(r)], dtype=torch.float64)
+                              ((-e_pos.double() - z_enum) / L).sum().item(), diag['ess'].sum().item(),
+                              diag['flagged'].sum().item(), len(r)], dtype=torch.float64)
     model.train()
     sums = all_reduce(sums, device, world_size)
     n = sums[-1].item()
     return dict(held_out_loss=sums[0].item() / n, held_out_acc=sums[1].item() / n,
                 held_out_e_pos=sums[2].item() / n, held_out_e_neg=sums[3].item() / n,
-                held_out_gain=sums[4].item() / n, held_out_gain_high=sums[5].item() / n)
+                held_out_gain=sums[4].item() / n, held_out_gain_high=sums[5].item() / n,
+                held_out_gain_enumerated=sums[6].item() / n, held_out_ess=sums[7].item() / n,
+                held_out_flagged=sums[8].item() / n)
+
+
+def enumerated_logz(neg, rows, pos, negs, e_pos, e_all):
+    """log Z of each held-out prefix by energy.logz_enumerate: its real continuation known, its K
+    stored (untruncated) samples scored exactly where they repeat. pos (b, P+L) and negs (b, K, P+L)
+    are the sequences, e_pos (b,) and e_all (b, K) their energies."""
+    P = neg['meta']['prefix_len']
+    x = torch.cat([pos[:, None, P:], negs[..., P:]], 1)  # (b, 1 + K, L)
+    log_p = torch.from_numpy(np.concatenate([neg['pos_logp'][rows][:, None], neg['logp'][rows]], 1))
+    log_w = -torch.cat([e_pos[:, None], e_all], 1).double()
+    return logz_enumerate(x, log_p.to(x.device), log_w, known=1)
 
 
 def load_pairs(args):
@@ -299,14 +319,16 @@ def report(results, out_dir):
             else "the held-out figures were never finite (NaN): no best.pt was written")
     print(f"best.pt on {results['held_out_prefixes']} held-out prefixes: joint gain over the LM "
           f"{results['held_out_gain']:.5f} nats/token (Eq. 4's upper log Z; "
-          f"{results['held_out_gain_high']:.5f} at T_n), NCE loss {results['held_out_loss']:.4f}, "
+          f"{results['held_out_gain_high']:.5f} at T_n, {results['held_out_gain_enumerated']:.5f} with log Z "
+          f"enumerated; Eq. 4 flagged on {100 * results['held_out_flagged']:.0f}% of prefixes, mean ESS "
+          f"{results['held_out_ess']:.1f}), NCE loss {results['held_out_loss']:.4f}, "
           f"accuracy {results['held_out_acc']:.3f} "
           f"(last weights: gain {results['last_held_out_gain']:.5f}); {results['train_time_s']:.0f}s; {best}")
 
 
 def selected(ev, select):
     """--select's figure of a held-out evaluation, lower is better: -gain, or the NCE loss."""
-    return -ev['held_out_gain'] if select == 'gain' else ev['held_out_loss']
+    return ev['held_out_loss'] if select == 'loss' else -ev[f"held_out_{select}"]
 
 
 @one_job  # --out_dir's lock released however main ends

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import batch_offsets, get_batch, load_meta, load_split
+from data import batch_offsets, get_batch, load_meta, load_split, problem_windows, windows
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, configure_optimizer, get_lr, load_checkpoint, load_lm,
@@ -85,6 +85,9 @@ def get_args(argv=None):
     a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
                                       '(the ordering figure: models along the training run)')
     a('--eval_iters', type=int, default=20, at_least=1, help='selection-set batches per periodic evaluation')
+    a('--select_on', default='window', choices=['window', 'continuation'],
+      help="what the selection loss (stopping, best.pt) scores: every token of its windows, or, on problem "
+           "data (a+b=c, data/addition), only the continuation (the answer) after each problem's prefix")
     a('--final_eval', type=int, default=1, choices=[0, 1],
       help='1: val/test PPL over the whole splits at the end')
     a('--final_eval_windows', type=int, default=0, at_least=0,
@@ -101,7 +104,7 @@ def get_args(argv=None):
 # the flags beside the model's shape that change a run's numbers: a --resume keeps the checkpoint's
 RESUME_FIXED = ('seed', 'data_dir', 'lr', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'batch_size',
                 'grad_accum', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'dropout', 'eval_interval',
-                'eval_iters', 'patience', 'min_rel_delta', 'final_eval_windows', 'residual_of', 'init_from',
+                'eval_iters', 'select_on', 'patience', 'min_rel_delta', 'final_eval_windows', 'residual_of', 'init_from',
                 'match_params')
 
 
@@ -161,10 +164,14 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
     token-weighted sums are reduced, so the result does not depend on the number of processes."""
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
-    batches = offsets.split(args.batch_size)
+    answers = args.select_layout if split == 'select' else None  # (P, L): score the answers only
+    batches = offsets.split(args.batch_size * (args.block_size // sum(answers) if answers else 1))
     for i in range(rank, len(batches), world_size):
         g = torch.Generator().manual_seed(rng_seed(args.seed, 'mlm_mask', split, i))
-        x, y = make_batch(data, batches[i], args.block_size, device, args.objective, vocab_size, g)
+        if answers:
+            x, y = continuation_batch(data, batches[i], *answers, device)
+        else:
+            x, y = make_batch(data, batches[i], args.block_size, device, args.objective, vocab_size, g)
         with ctx:
             _, loss = model(x, y)
         n = (y >= 0).sum().item()
@@ -176,6 +183,15 @@ def evaluate(model, data, split, offsets, args, vocab_size, device, ctx, rank=0,
         raise ValueError(f"the {split} loss is {loss}: training diverged; lower --lr or --weight_decay, "
                          f"or clip harder (--grad_clip)")
     return loss
+
+
+def continuation_batch(data, offsets, P, L, device):
+    """Inputs (B, P+L-1) of the problem windows at offsets and targets with the prefix's positions
+    ignored (-1): the loss of the continuation given its problem, what a task with an answer scores."""
+    x = torch.from_numpy(np.stack([data[o:o + P + L].astype(np.int64) for o in offsets.tolist()])).to(device)
+    y = x[:, 1:].clone()
+    y[:, :P - 1] = -1
+    return x[:, :-1], y
 
 
 def final_evaluation(model, data, args, vocab_size, device, ctx, rank, world_size):
@@ -259,6 +275,7 @@ def init_weights(model, path, meta):
 
 def load_data(args):
     meta = load_meta(args.data_dir)
+    args.select_layout = select_layout(args, meta)
     splits = ('train', 'select', 'val', 'test') if args.final_eval else ('train', 'select', 'val')
     data = {name: load_split(args.data_dir, name, meta) for name in splits}
     for name, d in data.items():
@@ -266,6 +283,20 @@ def load_data(args):
             raise ValueError(f"the {name} split has {len(d)} tokens, fewer than block_size+1 = "
                              f"{args.block_size + 1}: lower --block_size or add text")
     return meta, data
+
+
+def select_layout(args, meta):
+    """(prefix_len, gen_len) of the problems whose answers --select_on continuation scores, else None."""
+    if args.select_on == 'window':
+        return None
+    layout = problem_windows(meta)
+    if layout is None or args.objective == 'mlm':
+        raise ValueError(f"--select_on continuation needs problem data (data/addition) and a causal LM; "
+                         f"{args.data_dir} is not, or drop the flag (--select_on window)")
+    if sum(layout) > args.block_size:
+        raise ValueError(f"--select_on continuation: a problem is {sum(layout)} tokens, more than --block_size "
+                         f"{args.block_size}: raise --block_size")
+    return layout
 
 
 # -----------------------------------------------------------------------------
@@ -297,7 +328,7 @@ def main(argv=None):
     iter_num = ckpt['iter_num'] if ckpt else 0
     # best: the lowest selection loss (best.pt); trail: the lowest loss after each evaluation
     best = {'trail': [], **ckpt['best']} if ckpt and 'best' in ckpt else dict(loss=math.inf, iter=0, trail=[])
-    V, select_offsets = meta['vocab_size'], fixed_select_offsets(len(data['select']), args)
+    V, select_offsets = meta['vocab_size'], fixed_select_offsets(data['select'], args)
     tokens_per_iter = args.batch_size * args.grad_accum * args.block_size
     if master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters (n_embd {raw_model.config.n_embd}), "
@@ -339,7 +370,8 @@ def main(argv=None):
                          improved, snapshot)
 
     results = dict(params=raw_model.num_params(), iters=iter_num, **out.timing(iter_num), dtype=args.dtype,
-                   best_select_loss=best['loss'], best_iter=best['iter'], last_iter=iter_num,
+                   select_on=args.select_on, best_select_loss=best['loss'], best_iter=best['iter'],
+                   last_iter=iter_num,
                    converged=stopped_early(best['trail'], args.patience, args.min_rel_delta),
                    tokens_per_iter=tokens_per_iter, curve=out.learning_curve() if master else [])
     if args.final_eval:  # val and test of the best weights, the ones every later stage uses
@@ -359,9 +391,14 @@ def load_best(raw_model, best_weights, out_dir, residual_of):
     raw_model.load_state_dict(best_weights, strict=not residual_of)
 
 
-def fixed_select_offsets(n, args):
-    """The selection-split windows every periodic evaluation uses (the same each time)."""
-    return batch_offsets(n, args.block_size, args.eval_iters * args.batch_size, args.seed, 'select', 0)
+def fixed_select_offsets(data, args):
+    """The selection-split windows every periodic evaluation uses (the same each time): random windows,
+    or with --select_on continuation evenly spaced problems, as many tokens in all."""
+    if args.select_layout:
+        P, L = args.select_layout
+        n = args.eval_iters * args.batch_size * (args.block_size // (P + L))
+        return torch.from_numpy(windows(data, P, L, max_windows=n))
+    return batch_offsets(len(data), args.block_size, args.eval_iters * args.batch_size, args.seed, 'select', 0)
 
 
 def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world_size):

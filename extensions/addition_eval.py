@@ -13,14 +13,19 @@ sum of a test problem, and how much probability it puts on it.
   samples of the base LM: Algorithm 1 (Section 3.3), one resampled ∝ exp(-E) (Gumbel-max, as
   sample.algorithm_1 and energy.joint_sample draw it), and the joint model's mode among them,
   argmax log P_LM - E; each row also holds the oracle of those samples. Its probability on the
-  correct sum c, P_LM(c|x) exp(-E(x, c)) / Z(x), with Z's term of c exact and the rest from max(ns)
-  untruncated samples (logp_correct_known: never above 1); beside it the range with all of log Z
-  from the samples by Eq. 4's two estimates (energy.logz_bounds), which a sharp energy pushes
-  past 1. The energy scores each distinct continuation of a problem once.
+  correct sum c, P_LM(c|x) exp(-E(x, c)) / Z(x), an estimate: log Z by energy.logz_enumerate, every
+  distinct continuation among c, the LM's --beam most likely ones and max(ns) untruncated samples
+  scored exactly, the rest estimated (unbiased in Z; never above 1, as c is in the scored set).
+  Beside it Eq. 4's range (energy.logz_bounds) with its diagnostics (energy.logz_diagnostics): the
+  share of problems where it is flagged (too few effective samples, or provably below log Z), and
+  the range's mean over the others only; a sharp energy pushes Eq. 4 past 1, which is never printed.
+  The energy scores each distinct continuation of a problem once.
 
 Accuracy: exact match (every digit and the end of text) and per-digit (the N + 1 sum digits),
 means over --num_prefixes test problems with their standard errors. Cost: LM samples per answer
-(greedy: 1), the x-axis of the figure (--plot). Writes --out (JSON) and a table beside it (.txt).
+(greedy: 1), the x-axis of the figure (--plot). Writes --out (JSON, with every problem's outcome of
+every decoder under 'per_problem', so that paired tests can be recomputed: job/claims.py) and a
+table beside it (.txt).
 
     python -m extensions.addition_eval --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
         --extra_lm BALM=out-addition/balm/best.pt EXO=out-addition/exo/best.pt --out out-addition/acc.json
@@ -36,7 +41,8 @@ if not __package__:  # run as a file: the repo root is not on the path
 import torch
 
 from data import SPLITS, check_fits, load_split, window_tokens, windows
-from energy import gumbel_keys, load_any_energy, logz_bounds, score_continuations
+from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
+                    score_continuations)
 from model import load_lm, load_lm_and_data
 from plumbing import (ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup,
                       write_json)
@@ -142,10 +148,11 @@ def energies(energy, pre, x, P):
 
 
 @torch.no_grad()
-def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g):
+def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam=8):
     """Per-problem columns of the joint model: joint_decoders over the base LM's samples (x,
-    logp) = samples, the best-of-n oracle of those samples, and log P_joint(correct sum)
-    low/high (Eq. 2 with Eq. 4's log Z bounds over max(ns) untruncated samples)."""
+    logp) = samples, the best-of-n oracle of those samples, log P_joint(correct sum) (Eq. 2) with
+    log Z by logz_enumerate (the correct sum and the LM's `beam` most likely continuations known,
+    max(ns) untruncated samples), and Eq. 4's range of it with its diagnostics."""
     (P, L), (x, logp) = (pre.size(1), gold.size(1)), samples
     E = energies(energy, pre, x, P)
     out = joint_decoders(x, logp, E, gold, ns, g)
@@ -153,24 +160,35 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g):
     for n in ns:
         out[f'oracle_{n}_exact'], out[f'oracle_{n}_digit'] = ex[:, :n].amax(1), dg[:, :n].amax(1)
     if top_k:  # log Z needs samples of P_LM itself
-        x = lm.generate(pre, L, num_samples=max(ns), generator=g)[0]
+        x, logp = lm.generate(pre, L, num_samples=max(ns), generator=g)
+        logp = logp.double().sum(-1)
         E = energies(energy, pre, x, P)
+    known = [gold[:, None]] + ([lm.beam_search(pre, L, beam)[0]] if beam else [])
+    known = torch.cat(known, 1)  # (B, k, L): fixed before sampling
+    logp_known = lm.sequence_logprob(torch.cat([pre[:, None].expand(-1, known.size(1), -1), known], 2)
+                                     .flatten(0, 1), P).double().view(known.shape[:2])
+    e_known = energies(energy, pre, known, P)
+    log_a = logp_known[:, 0] - e_known[:, 0]  # the correct sum's term of Z
+    z = logz_enumerate(torch.cat([known, x], 1), torch.cat([logp_known, logp], 1),
+                       -torch.cat([e_known, E], 1), known=known.size(1))
     z_low, z_high = logz_bounds(-E)
-    e_gold = score_continuations(energy, pre, gold[:, None], P, nullcontext())[:, 0]
-    logp = lm.sequence_logprob(torch.cat([pre, gold], 1), P).double()
-    out['logp_correct_low'], out['logp_correct_high'] = logp - e_gold - z_high, logp - e_gold - z_low
-    out['logp_correct'] = logp_correct_known(logp - e_gold, x, E, gold)
+    diag = logz_diagnostics(-E, z['sure'])
+    # a probability is at most 1: Eq. 4's low end raised to the sure lower bound of log Z
+    out['logp_correct_low'], out['logp_correct_high'] = log_a - z_high, log_a - torch.maximum(z_low, z['sure'])
+    out['logp_correct'] = log_a - z['estimate']
+    out['eq4_flagged'], out['eq4_ess'], out['scored_mass'] = diag['flagged'].double(), diag['ess'], z['mass']
     return out
 
 
-def logp_correct_known(log_a, x, E, gold):
-    """log P_joint(correct sum) (B,) with Z split at the known answer c: Z = a + b, a = P_LM(c)
-    exp(-E(c)) exact (log_a, (B,)), b = E_{x~P_LM}[1{x != c} exp(-E(x))] from the samples x (B, n, L)
-    with energies E (B, n). Eq. 4's estimates put all of Z on the samples: where an energy is sharp
-    and c is rare among them, they miss Z's largest term and exceed 1; a / (a + b) cannot."""
-    other = torch.where(scores(x, gold)[0].bool(), float('-inf'), -E.double())  # the samples unlike c
-    log_b = torch.logsumexp(other, 1) - math.log(x.size(1))
-    return log_a - torch.logaddexp(log_a, log_b)
+def eq4_summary(cols):
+    """Eq. 4's P(correct) range as a result only where it holds: the share of problems whose range
+    logz_diagnostics flags, the mean ESS, and the range's mean over the unflagged problems (None if
+    none); the LM's mass that logz_enumerate scored exactly."""
+    ok = cols['eq4_flagged'] == 0
+    mean = lambda k: cols[k][ok].exp().mean().item() if ok.any() else None
+    return dict(eq4_flagged=cols['eq4_flagged'].mean().item(), eq4_ess=cols['eq4_ess'].mean().item(),
+                eq4_unflagged=int(ok.sum()), p_correct_low=mean('logp_correct_low'),
+                p_correct_high=mean('logp_correct_high'), scored_mass=cols['scored_mass'].mean().item())
 
 
 LM_DECODERS = {'majority': 'majority vote', 'rerank': 'log-prob rerank', 'oracle': 'oracle'}
@@ -187,11 +205,10 @@ def rows_of(name, cols, ns, params):
 
     p, p_se = mean_se(cols['logp_correct'].exp())
     if name == 'JOINT':
-        p_low, p_high = (cols[f'logp_correct_{end}'].exp().mean().item() for end in ('low', 'high'))
         return [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
                      **acc(f'{key}_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
                      oracle_digit=mean_se(cols[f'oracle_{n}_digit'])[0], p_correct=p, p_correct_se=p_se,
-                     p_correct_low=p_low, p_correct_high=p_high)
+                     p_correct_estimator='logz_enumerate', **eq4_summary(cols))
                 for key, method in JOINT_DECODERS.items() for n in ns]
     return ([dict(model=name, method=how, n=1, lm_samples=1, params=params, **acc(how), p_correct=p,
                   p_correct_se=p_se) for how in ('greedy', 'sampled')] +
@@ -202,14 +219,20 @@ def rows_of(name, cols, ns, params):
 
 def format_table(rows):
     lines = [f"{'model':<10} {'method':<24} {'LM samples':>10} {'exact (SE)':>16} {'per digit (SE)':>16} "
-             f"{'oracle exact':>12} {'P(correct) (SE)':>16} {'Eq. 4 range':>13}"]
+             f"{'oracle exact':>12} {'P(correct) (SE)':>16} {'Eq. 4 range, unflagged problems':>32}"]
     for r in rows:
         p = f"{r['p_correct']:.3f} ({r['p_correct_se']:.3f})"
-        p += (f" {r['p_correct_low']:>6.3f}-{r['p_correct_high']:.3f}" if 'p_correct_low' in r else '')
+        if 'eq4_flagged' in r:
+            p += (f" {r['p_correct_low']:>6.3f}-{r['p_correct_high']:.3f}" if r['p_correct_low'] is not None
+                  else '     -') + f" ({100 * r['eq4_flagged']:.0f}% flagged)"
         oracle = f"{r['oracle_exact']:.3f}" if 'oracle_exact' in r else ''
         lines.append(f"{r['model']:<10} {r['method']:<24} {r['lm_samples']:>10} "
                      f"{r['exact']:>8.3f} ({r['exact_se']:.3f}) {r['digit']:>8.3f} ({r['digit_se']:.3f}) "
                      f"{oracle:>12} {p}")
+    if any('eq4_flagged' in r for r in rows):
+        lines.append("JOINT P(correct): an estimate, log Z by energy.logz_enumerate (every distinct continuation "
+                     "seen scored exactly, the rest estimated); Eq. 4's range only where logz_diagnostics does "
+                     "not flag it")
     return '\n'.join(lines)
 
 
@@ -228,6 +251,8 @@ def get_args(argv=None):
     a('--num_prefixes', type=int, default=1000, help='problems (evenly spaced over the split)')
     a('--ns', default='1,4,16,64', help='LM samples per answer of the decoders that choose among samples')
     a('--top_k', type=int, default=0, help="the LMs' samples (Algorithm 1's proposal): top-k (0: all)")
+    a('--beam', type=int, default=8,
+      help="the LM's most likely continuations (beam search) scored exactly in log Z (0: none)")
     a('--batch', type=int, default=64, help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
@@ -237,7 +262,7 @@ def get_args(argv=None):
     a('--quiet', action='store_true', help='no table printed (it is still written)')
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'batch')
-    at_least(args, 0, 'top_k')
+    at_least(args, 0, 'top_k', 'beam')
     try:
         args.ns = sorted({int(n) for n in args.ns.split(',')})
     except ValueError:
@@ -280,16 +305,18 @@ def main(argv=None):
             cols[name].append(c)
             if energy and name == 'BASE LM':  # the joint model chooses among the base LM's samples
                 cols['JOINT'].append(joint_columns(lm, energy, pre, gold, samples, args.ns, args.top_k,
-                                                   rng(args.seed, 'addition joint', args.split, b, device)))
-    rows = []
+                                                   rng(args.seed, 'addition joint', args.split, b, device),
+                                                   args.beam))
+    rows, per_problem = [], {}
     for name, parts in cols.items():
         merged = {k: torch.cat([c[k] for c in parts]).cpu() for k in parts[0]}
         params = (lm if name == 'JOINT' else lms[name]).num_params() + (
             sum(p.numel() for p in energy.parameters()) if name == 'JOINT' else 0)
         rows += rows_of(name, merged, args.ns, params)
+        per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()}
     res = dict(split=args.split, num_prefixes=len(offsets), prefix_len=P, gen_len=L, ns=args.ns,
-               top_k=args.top_k, lm=args.lm, energy=args.energy, extra_lm=args.extra_lm, seed=args.seed,
-               rows=rows)
+               top_k=args.top_k, beam=args.beam, lm=args.lm, energy=args.energy, extra_lm=args.extra_lm,
+               seed=args.seed, rows=rows, per_problem=per_problem)
     write_json(res, args.out)
     table = format_table(rows)
     with open(os.path.splitext(args.out)[0] + '.txt', 'w') as f:

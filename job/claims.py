@@ -68,6 +68,31 @@ def log_probs(split):
     return out
 
 
+def enumerated_log_probs(split):
+    """As log_probs, each joint model with log Z from energy.logz_enumerate (an estimate), where
+    estimate_ppl.py wrote it; {} otherwise."""
+    cols = split['per_prefix']
+    return {f'JOINT {name}': np.array(cols['lm_logp']) - np.array(cols['energy'][name]) - np.array(z['estimate'])
+            for name, z in cols.get('enum', {}).items()}
+
+
+def withhold_if_flagged(claim, split, lp, L):
+    """A claim on joint models whose Eq. 4 ranges logz_diagnostics flags on any prefix gets no verdict
+    and no p (it leaves Holm's family): those ranges are not bounds. It keeps, labelled an estimate, the
+    same comparison with log Z from logz_enumerate."""
+    enum = split['per_prefix'].get('enum', {})
+    flagged = {m: float(np.mean(enum[m[6:]]['flagged'])) for m in claim['models']
+               if m.startswith('JOINT ') and m[6:] in enum}
+    if not any(flagged.values()):
+        return claim
+    est = enumerated_log_probs(split)
+    claim.update(holds=None, p=None, eq4_flagged=flagged,
+                 not_measurable="Eq. 4's range is flagged (energy.logz_diagnostics) on " + ', '.join(
+                     f"{100 * v:.1f}% of {m}'s prefixes" for m, v in flagged.items() if v),
+                 enumerated=compare(dict(lp, **est), *claim['models'], L))
+    return claim
+
+
 def compare(lp, better, worse, L):
     """Per prefix, nats/token by which `better` beats `worse` (positive: the claim's direction)."""
     res = paired((lp[better] - lp[worse]) / L)
@@ -273,7 +298,8 @@ def lm_convergence(out_dir, ppl, ppl_path):
 # what claims.py reads of ppl.json (estimate_ppl.py) and samples.json (sample.py)
 PPL_RUN = {'rows': [{'model': str, 'params': int}], 'hashes?': {'*': str}}
 PER_PREFIX = {'lm_logp': NUMBERS, 'extra_logp': {'*': NUMBERS}, 'energy': {'*': NUMBERS},
-              'logz': {'*': {'*': {'low': NUMBERS, 'high': NUMBERS}}}, 'kl?': {'*': NUMBERS}}
+              'logz': {'*': {'*': {'low': NUMBERS, 'high': NUMBERS}}}, 'kl?': {'*': NUMBERS},
+              'enum?': {'*': {'estimate': NUMBERS, 'flagged': NUMBERS}}}
 PER_STEP = {'energy': str, 'position': list, 'per_prefix_gain': [NUMBERS],
             'per_prefix_last_step_gain_exact': NUMBERS, 'per_prefix_gain_low?': [NUMBERS],
             'per_prefix_gain_high?': [NUMBERS]}
@@ -341,6 +367,8 @@ def measure(out_dir, split='test', seed=0):
     L, lp = res['gen_len'], log_probs(res)
     claims = dict(C1=compare(lp, 'JOINT BIT', 'BALM', L), C2=compare(lp, 'JOINT UNIT', 'RALM', L),
                   C3=claim_c3(lp, {r['model']: r['params'] for r in ppl['rows']}, L))
+    for k in ('C1', 'C2', 'C3'):
+        withhold_if_flagged(claims[k], res, lp, L)
     if res.get('per_step'):  # estimate_ppl.py --per_step measures it on one split (test)
         claims['C4'] = claim_c4(res['per_step'])
     if res.get('calibration') and res.get('per_step'):
@@ -451,12 +479,19 @@ def format_claims(result):
              f"{'verdict (alone)':<16} verdict (Holm)"]
     for k, c in result['claims'].items():
         v, vh = VERDICT[c['holds']], VERDICT[c.get('holds_holm')]
+        if c.get('not_measurable'):
+            v = vh = 'not measurable'
         if k == 'T3':
             v, vh = (x if h is not None else 'inconclusive'
                      for x, h in ((v, c['holds']), (vh, c.get('holds_holm'))))
         p = 'n/a' if c.get('p') is None else f"{c['p']:.4f}"
         lines.append(f"{k:<5} {CLAIM_TEXT[k]:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {UNITS[k]:<13} {p:>7} "
                      f"{v:<16} {vh}" + (f" (= {c['same_as']})" if c.get('same_as') else ''))
+    for k, c in result['claims'].items():
+        if c.get('not_measurable'):
+            e = c['enumerated']
+            lines.append(f"{k}: not measurable from Eq. 4: {c['not_measurable']}; with log Z enumerated (an "
+                         f"estimate) {e['diff']:+.5f} ({e['se']:.5f}) {UNITS[k]}, p {e['p']:.4f}")
     m = result.get('multiplicity')
     if m:
         lines.append(f"Holm: {len(m['family'])} claims at family-wise level {m['alpha']:.4f} "
