@@ -113,7 +113,7 @@ def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w
     n, L = args.num_samples, x.size(1) - P
     known, known_logp = x[:, None, P:], lm_logp[:, None]  # (B, 1, L), (B, 1)
     known_w = {name: -e[:, None] for name, e in e_real.items()}
-    if args.beam:
+    if getattr(args, 'beam', 0):
         with ctx:
             beam, beam_logp = lm.beam_search(x[:, :P], L, args.beam)
         known, known_logp = torch.cat([known, beam], 1), torch.cat([known_logp, beam_logp], 1)
@@ -161,9 +161,9 @@ def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
         rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain(logp)))
     for name, e in cols['energy'].items():
         logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
-        # log P bounds: the low log Z gives the high log P, never above the sure lower bound's
-        joint_high = lp - e - (logz['low'] if enum is None else np.maximum(logz['low'], enum['sure']))
-        joint_low = lp - e - logz['high']
+        # log P bounds: the low log Z gives the high log P; neither end below the sure lower bound of log Z
+        sure = -np.inf if enum is None else enum['sure']
+        joint_high, joint_low = lp - e - np.maximum(logz['low'], sure), lp - e - np.maximum(logz['high'], sure)
         rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
                          ppl_high=ppl(joint_low, num_tokens), **gain(joint_low)))
         if enum is not None and enumerated:

@@ -28,6 +28,7 @@ Read these first:
     test_nce_loss_brute_force                   Eq. 3, binary and ranking, in float64
     test_logz_bounds_brute_force                Eq. 4's two bounds, and their bias (Theorem 2)
     test_logz_bounds_exact_enumeration          log Z against every continuation of a 4-token LM
+    test_logz_enumerate_is_unbiased_exactly     log Z where Eq. 4 fails: E[Z_hat] = Z over every n-tuple
     test_per_step_exact                         Eq. 5 telescopes to the joint log-probability
     test_algorithm_1_and_joint_sample_agree     Algorithm 1, plain and chunked
     test_joint_ppl_end_to_end_on_the_copy_task  NCE learns what the LM cannot; the PPL range holds it
@@ -60,8 +61,9 @@ import train_lm
 from data import (batch_offsets, load_meta, load_negatives, load_split, negatives_command,
                   read_negatives_meta, window_tokens, windows)
 from data.shakespeare.prepare import strip_markup
-from energy import (Energy, build_energy, energy_state, joint_sample, kl_to_lm, leave_one_out_lse,
-                    load_energy, logz_bounds, mlm_mask, sample_log_weights, score, score_continuations)
+from energy import (MIN_ESS, Energy, build_energy, energy_state, joint_sample, kish_ess, kl_to_lm,
+                    leave_one_out_lse, load_energy, logz_bounds, logz_diagnostics, logz_enumerate, mlm_mask,
+                    sample_log_weights, score, score_continuations)
 from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, mc_se, per_step, per_step_report,
                           summarize)
 import model as model_module
@@ -234,6 +236,33 @@ def test_logz_bounds_exact_enumeration():
     lo, hi = logz_bounds(lw)
     sd = (w.var(1) / N).sqrt()  # delta method: sd(T_N) ~ sd(w / Z) / sqrt(N)
     assert ((lo - exact).abs() < 4 * sd + 0.002).all() and ((hi - exact).abs() < 4 * sd + 0.002).all()
+
+
+def test_logz_enumerate_is_unbiased_exactly():
+    """energy.logz_enumerate's Z_hat (the exact part over the distinct continuations seen, the rest by
+    leave-one-out) has expectation exactly Z: the mean over every ordered n-tuple of draws from P_LM,
+    weighted by its probability, in float64; with or without a known set. Its sure part never
+    exceeds log Z. Dropping the (1 - P_LM(x_i)) factor of the rest would be off by a lot here."""
+    g = torch.Generator().manual_seed(0)
+    V, L, n = 2, 2, 3  # 4 continuations, 64 ordered triples
+    conts = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    log_p = torch.log_softmax(torch.randn(len(conts), generator=g, dtype=torch.float64) * 1.5, 0)
+    log_w = torch.randn(len(conts), generator=g, dtype=torch.float64) * 2
+    log_z = torch.logsumexp(log_p + log_w, 0)
+    tuples = torch.tensor(list(itertools.product(range(len(conts)), repeat=n)))  # (64, n)
+    prob = log_p[tuples].sum(1).exp()  # each tuple's probability
+    assert abs(prob.sum().item() - 1) < 1e-12
+    for known in ([], [2], [0, 3, 0]):  # none, one, and a repeated known continuation
+        idx = torch.cat([torch.tensor(known, dtype=torch.long).expand(len(tuples), -1), tuples], 1)
+        z = logz_enumerate(conts[idx], log_p[idx], log_w[idx], known=len(known))
+        assert abs((prob * z['estimate'].exp()).sum().item() - log_z.exp().item()) < 1e-12, known
+        assert (z['sure'] <= log_z + 1e-12).all() and (z['estimate'] >= z['sure']).all()
+        seen = [set(r.tolist()) for r in idx]
+        mass = torch.tensor([log_p[list(s)].exp().sum().item() for s in seen], dtype=torch.float64)
+        assert torch.allclose(z['mass'], mass, atol=1e-12)
+    # leading dims of log_w (several energies) are kept
+    z2 = logz_enumerate(conts[tuples], log_p[tuples], torch.stack([log_w, -log_w])[:, tuples])
+    assert z2['estimate'].shape == (2, len(tuples))
 
 
 def test_per_step_exact():
@@ -1853,7 +1882,7 @@ def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, 
     energy = load_energy(eval_ckpts['bit'], lm_path=lm_ckpt)[0]
     rows, neg_idx = np.arange(7), np.tile([1, 2], (7, 1))
     ev = nce_train.evaluate(energy, data, neg, rows, neg_idx, 3, 'ranking', 'cpu', contextlib.nullcontext())
-    gains, highs, losses = [], [], []
+    gains, highs, losses, enums = [], [], [], []
     for r in rows:
         x = window_tokens(data, neg['offsets'][r:r + 1], P + L)
         with torch.no_grad():
@@ -1867,6 +1896,11 @@ def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, 
         highs.append((-e_pos - low) / L)
         d_pos = float(neg['pos_logp'][r] - neg['pos_logq'][r]) if truncated else 0.0
         losses.append(math.log1p(sum(math.exp((d[k] - e[k]) - (d_pos - e_pos)) for k in (1, 2))))
+        conts = [tuple(x[0, P:].tolist())] + [tuple(c) for c in samples.tolist()]
+        logp = [float(neg['pos_logp'][r])] + [float(v) for v in neg['logp'][r]]
+        enums.append((-e_pos - ref_enumerate(conts, logp, [-e_pos] + list(-e), 1)[0]) / L)
+    # untruncated: log Z enumerated, the real continuation known; truncated: T_n's gain (not P_LM's samples)
+    assert abs(ev['held_out_gain_enumerated'] - np.mean(highs if truncated else enums)) < 1e-5
     assert abs(ev['held_out_gain'] - np.mean(gains)) < 1e-5
     assert abs(ev['held_out_gain_high'] - np.mean(highs)) < 1e-5
     assert ev['held_out_gain'] < ev['held_out_gain_high']  # the upper log Z is the conservative end
@@ -2142,6 +2176,115 @@ def test_evaluate_prefixes_exact():
     assert row['ppl_low'] <= row['ppl_high']
     for k in ('ppl_low', 'ppl_high'):
         assert abs(math.log(row[k]) - math.log(exact_ppl)) < 0.03, (k, row[k], exact_ppl)
+
+
+def ref_enumerate(conts, log_p, log_w, known):
+    """logz_enumerate by its definition, in float64 Python loops: the mean over the samples i of
+    A(S_-i) + [x_i not in S_-i] w_i, S_-i the distinct continuations among the known ones and the
+    samples other than i; and log A(S) of all of them. conts: hashable continuations."""
+    n = len(conts) - known
+    A = lambda idx: sum(math.exp(log_p[j] + log_w[j]) for j in {conts[j]: j for j in idx}.values())
+    terms = []
+    for i in range(known, len(conts)):
+        rest = [j for j in range(len(conts)) if j != i]
+        terms.append(A(rest) + (math.exp(log_w[i]) if conts[i] not in {conts[j] for j in rest} else 0.0))
+    return math.log(sum(terms) / n), math.log(A(range(len(conts))))
+
+
+@pytest.mark.parametrize('known', [0, 1, 3])
+def test_logz_enumerate_brute_force(known):
+    g = torch.Generator().manual_seed(known)
+    x = torch.randint(3, (4, 12, 2), generator=g)  # 9 continuations: many repeats among 12
+    code = x[..., 0] * 3 + x[..., 1]  # each continuation's own P_LM and weight
+    log_p = (-torch.randn(9, generator=g, dtype=torch.float64).abs() - 1)[code]  # each P_LM below 1/e
+    log_w = (torch.randn(9, generator=g, dtype=torch.float64) * 3)[code]
+    z = logz_enumerate(x, log_p, log_w, known=known)
+    for b in range(4):
+        conts = [tuple(c) for c in x[b].tolist()]
+        est, sure = ref_enumerate(conts, log_p[b].tolist(), log_w[b].tolist(), known)
+        assert abs(z['estimate'][b].item() - est) < 1e-12 and abs(z['sure'][b].item() - sure) < 1e-12
+
+
+def test_kish_ess_and_diagnostics_closed_form():
+    """Kish's ESS (sum w)^2 / sum w^2: n for equal weights, (1 + r)^2 / (1 + r^2) for two weights in ratio
+    r, near 1 for one dominant weight; flagged below MIN_ESS, or where Eq. 4's upper end is below a sure
+    lower bound of log Z (whatever the ESS)."""
+    lw = torch.zeros(3, 16, dtype=torch.float64)
+    lw[1, 0] = 30.0  # one weight e^30 among ones
+    lw[2, :8] = math.log(3.0)
+    ess = kish_ess(lw)
+    assert abs(ess[0].item() - 16) < 1e-12 and abs(ess[1].item() - 1) < 1e-10
+    assert abs(ess[2].item() - (8 * 3 + 8) ** 2 / (8 * 9 + 8)) < 1e-12
+    two = torch.tensor([0.0, math.log(0.25)], dtype=torch.float64)
+    assert abs(kish_ess(two).item() - 1.25 ** 2 / (1 + 0.25 ** 2)) < 1e-12
+    d = logz_diagnostics(lw)
+    assert d['flagged'].tolist() == [False, True, False] and 16 >= MIN_ESS > 1
+    assert abs(d['max_share'][0].item() - 1 / 16) < 1e-12 and d['max_share'][1].item() > 1 - 1e-9
+    upper = logz_bounds(lw)[1]
+    sure = torch.stack([upper[0] + 1.0, upper[1], upper[2] - 1.0])  # above, at, below the upper end
+    assert logz_diagnostics(lw, sure)['flagged'].tolist() == [True, True, False]
+
+
+class SpikeEnergy(torch.nn.Module):
+    """A tiny random energy, set to -depth on one continuation: sharp where that continuation is rare
+    under the LM, as the addition energy is on a correct sum the LM seldom writes."""
+
+    def __init__(self, base, target, depth):
+        super().__init__()
+        self.base, self.target, self.depth = base, target, depth
+
+    def forward(self, x, prefix_len):
+        hit = (x[:, prefix_len:] == self.target).all(1)
+        return torch.where(hit, -self.depth, self.base(x, prefix_len))
+
+
+def test_sharp_energy_eq4_fails_and_enumeration_holds():
+    """Where exp(-E) is e^10 on a continuation P_LM gives < 1% (e^-6 elsewhere), Eq. 4 from n = 8 misses it:
+    both ends far below log Z, and flagged; logz_enumerate with that continuation known (the real one,
+    or the LM's beam) is within 1e-3 nats of the exact log Z, and its sure part is below it."""
+    V, L, P = 4, 3, 2
+    lm, prefixes = toy_lm(V), torch.tensor([[0, 0], [1, 2], [3, 1]])
+    conts, lp, _, _ = enumerate_joint(lm, rand_energy(V), prefixes[0], L, V, P)
+    target = conts[(lp - math.log(2e-3)).abs().argmin()]  # one the LM gives ~0.2%
+    e = SpikeEnergy(rand_energy(V), target, 10.0)
+    exact = torch.stack([enumerate_joint(lm, e, p, L, V, P)[3] for p in prefixes])
+    assert 1e-3 < lp[(conts == target).all(1)].exp() < 1e-2
+    log_w, x, x_logp = sample_log_weights(lm, [e], prefixes, L, 8 * 64, NULL, torch.Generator().manual_seed(0),
+                                          return_samples=True)
+    log_w = log_w[0].view(3, 64, 8)[0]  # 64 draws of n = 8 for the first prefix
+    x, x_logp = x[0].view(64, 8, L), x_logp[0].view(64, 8)
+    lo, hi = logz_bounds(log_w)
+    assert (hi < exact[0] - 3).float().mean() > 0.9  # Eq. 4's "upper" end, 3 nats and more below log Z
+    known = target.expand(64, 1, L)
+    with torch.no_grad():
+        known_lp = lm.sequence_logprob(torch.cat([prefixes[0], target])[None], P).double().expand(64, 1)
+    known_w = -energies(e, torch.cat([prefixes[0], target])[None], P).expand(64, 1)
+    z = logz_enumerate(torch.cat([known, x], 1), torch.cat([known_lp, x_logp], 1),
+                       torch.cat([known_w, log_w], 1), known=1)
+    assert ((z['estimate'] - exact[0]).abs() < 1e-3).all() and (z['sure'] <= exact[0] + 1e-5).all()  # float32 LM
+    assert logz_diagnostics(log_w, z['sure'])['flagged'].float().mean() > 0.9
+    # a flat energy (E constant): nothing flagged, every estimate exact
+    flat = torch.full((64, 8), -0.7, dtype=torch.float64)
+    assert not logz_diagnostics(flat)['flagged'].any()
+    zf = logz_enumerate(x, x_logp, flat)['estimate'].exp()  # unbiased, not exact: Eq. 4 is exact here
+    assert (zf.mean() - math.exp(-0.7)).abs() < 4 * zf.std() / 8 and zf.std() > 0
+
+
+def test_beam_search_finds_the_most_likely_continuations():
+    """GPT.beam_search with a beam as wide as every continuation is the exact top list; narrower,
+    its log-probs are those of its continuations, in order."""
+    V, L, P = 4, 3, 2
+    lm = toy_lm(V)
+    prefixes = torch.tensor([[0, 0], [1, 2]])
+    tokens, logp = lm.beam_search(prefixes, L, V ** L)
+    assert tokens.shape == (2, V ** L, L) and logp.dtype == torch.float64
+    for b in range(2):
+        conts, lp, _, _ = enumerate_joint(lm, rand_energy(V), prefixes[b], L, V, P)
+        assert torch.allclose(logp[b], lp.sort(descending=True).values, atol=1e-6)
+    tokens, logp = lm.beam_search(prefixes, L, 3)
+    seqs = torch.cat([prefixes[:, None].expand(-1, 3, -1), tokens], 2).flatten(0, 1)
+    assert torch.allclose(lm.sequence_logprob(seqs, P).double().view(2, 3), logp, atol=1e-5)
+    assert (logp[:, :-1] >= logp[:, 1:]).all()
 
 
 @pytest.mark.parametrize('pool', ['continuation', 'all'])

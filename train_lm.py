@@ -130,6 +130,7 @@ def check_args(args, argv):
                          "the others none")
     if args.gamma is not None and args.gamma > 1:
         raise ValueError(f"--gamma {args.gamma}: must be in [0, 1]")
+    args.select_layout = None  # (P, L) of --select_on continuation, from the data (load_data)
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
     check_training_flags(args, argv, shape | set(RESUME_FIXED), saved_flags)

@@ -174,7 +174,8 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam=8):
     z_low, z_high = logz_bounds(-E)
     diag = logz_diagnostics(-E, z['sure'])
     # a probability is at most 1: Eq. 4's low end raised to the sure lower bound of log Z
-    out['logp_correct_low'], out['logp_correct_high'] = log_a - z_high, log_a - torch.maximum(z_low, z['sure'])
+    out['logp_correct_low'], out['logp_correct_high'] = (log_a - torch.maximum(z_high, z['sure']),
+                                                         log_a - torch.maximum(z_low, z['sure']))
     out['logp_correct'] = log_a - z['estimate']
     out['eq4_flagged'], out['eq4_ess'], out['scored_mass'] = diag['flagged'].double(), diag['ess'], z['mass']
     return out

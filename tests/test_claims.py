@@ -110,6 +110,28 @@ def test_model_claims_decide_both_ways():
     assert claims.claim_c3(worse, {'JOINT BIT': 5, 'JOINT UNIT': 9}, 10)['holds'] is False
 
 
+def test_claims_on_flagged_ranges_give_no_verdict():
+    """A claim on a joint model whose Eq. 4 range logz_diagnostics flags on any prefix gets no verdict
+    and no p (it leaves Holm's family), says why, and keeps the comparison with log Z from
+    logz_enumerate, labelled; unflagged, the verdict stands. The table says 'not measurable'."""
+    rng = np.random.default_rng(3)
+    n = 100
+    lm = rng.normal(-50, 3, n)
+    e = rng.normal(0, 0.1, n)
+    logz = -1.0 + rng.normal(0, 0.01, n)  # JOINT BIT = LM + 1 - e: better than BALM = LM by ~0.1 nats/token
+    split = dict(per_prefix=dict(lm_logp=lm.tolist(), energy={'BIT': e.tolist()},
+                                 enum={'BIT': dict(estimate=(logz + 0.5).tolist(), flagged=[0.0] * n)}))
+    lp = {'BALM': lm, 'JOINT BIT': lm - e - logz}
+    c1 = claims.withhold_if_flagged(claims.compare(lp, 'JOINT BIT', 'BALM', 10), split, lp, 10)
+    assert c1['holds'] is True and c1['p'] is not None and 'not_measurable' not in c1
+    split['per_prefix']['enum']['BIT']['flagged'][7] = 1.0  # one prefix's range is not a pair of bounds
+    c1 = claims.withhold_if_flagged(claims.compare(lp, 'JOINT BIT', 'BALM', 10), split, lp, 10)
+    assert c1['holds'] is None and c1['p'] is None and '1.0%' in c1['not_measurable']
+    assert c1['enumerated']['diff'] == pytest.approx(np.mean(-e - logz - 0.5) / 10)
+    result = dict(claims=dict(C1=c1), multiplicity=stats.correct(dict(C1=c1)), lms={})
+    assert result['multiplicity']['family'] == [] and 'not measurable' in claims.format_claims(result)
+
+
 def test_c4_c5_c7_decide_both_ways():
     """C4 (early per-step gain above the last step's, from the early gain's conservative end), C5
     (the expected bounds bracket the reference) and C7 (the joint model's log-likelihoods closer to

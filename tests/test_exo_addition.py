@@ -243,13 +243,14 @@ def test_addition_windows_are_the_problems(addition_run):
 def test_addition_eval_against_brute_force(addition_run, tmp_path):
     """The base LM's greedy answers and its probability of the correct sums, recomputed by a
     float64 forward; with E = 0 the joint model's probability is the LM's (log Z = 0 exactly) and
-    Algorithm 1's scores are those of plain LM samples."""
+    Algorithm 1's scores are those of plain LM samples; every problem's outcome is saved."""
     d, lm_path = addition_run
     out = tmp_path / 'acc.json'
-    addition_eval.main(['--lm', lm_path, '--energy', str(d / 'zero.pt'), '--ns', '1,4',
+    addition_eval.main(['--lm', lm_path, '--energy', str(d / 'zero.pt'), '--ns', '1,8',
                         '--num_prefixes', '16',
                         '--extra_lm', f'TWIN={lm_path}', '--out', str(out)])
-    rows = {(r['model'], r['method']): r for r in json.loads(out.read_text())['rows']}
+    res = json.loads(out.read_text())
+    rows = {(r['model'], r['method']): r for r in res['rows']}
     meta = load_meta(str(d / 'data'))
     data = load_split(str(d / 'data'), 'test', meta)
     x = window_tokens(data, windows(data, 8, 5, max_windows=16), 13)
@@ -264,31 +265,34 @@ def test_addition_eval_against_brute_force(addition_run, tmp_path):
     p = lp.exp().mean().item()
     assert rows['BASE LM', 'sampled']['p_correct'] == pytest.approx(p, rel=1e-5)
     assert rows['TWIN', 'greedy']['exact'] == rows['BASE LM', 'greedy']['exact']
-    for n in (1, 4):
+    for n in (1, 8):
         joint = rows['JOINT', f'Algorithm 1, n = {n}']
+        # E = 0: Eq. 4 is exact (8 equal weights: ESS 8, not flagged)
+        assert joint['eq4_flagged'] == 0 and joint['eq4_ess'] == pytest.approx(8)
         assert joint['p_correct_low'] == pytest.approx(p, rel=1e-5) == joint['p_correct_high']
-        # E = 0: a / (a + b) = P(c) / (P(c) + the share of the 4 samples unlike c), not P(c) itself
-        assert 0 < joint['p_correct'] <= 1
+        assert 0 < joint['p_correct'] <= 1  # logz_enumerate: unbiased in Z, not exact
         assert joint['exact'] <= joint['oracle_exact'] and joint['digit'] <= joint['oracle_digit']
+    per = res['per_problem']
+    assert per['BASE LM']['greedy_exact'] == hit.all(1).double().tolist()
+    assert len(per['JOINT']['a1_8_exact']) == 16 and set(per['JOINT']['a1_8_exact']) <= {0.0, 1.0}
 
 
-def test_p_correct_with_the_known_term_exact():
-    """logp_correct_known against a / (a + b) by hand: b the mean of exp(-E) over the samples
-    unlike the answer (0 where every sample is the answer); where Eq. 4 puts all of Z on samples
-    that miss the answer and the energy is sharp, its estimate exceeds 1, this one cannot."""
-    gold = torch.tensor([[1, 2], [3, 4]])
-    x = torch.tensor([[[1, 2], [2, 2], [0, 2]], [[3, 4], [3, 4], [3, 4]]])  # (2 problems, 3 samples, 2)
-    E = torch.tensor([[0.5, 2.0, -1.0], [0.3, 0.3, 0.3]], dtype=torch.float64)
-    log_a = torch.tensor([math.log(0.6) - 0.5, math.log(0.9) - 0.3], dtype=torch.float64)
-    b = (math.exp(-2.0) + math.exp(1.0)) / 3
-    want = [0.6 * math.exp(-0.5) / (0.6 * math.exp(-0.5) + b), 1.0]
-    got = addition_eval.logp_correct_known(log_a, x, E, gold).exp().tolist()
-    assert got == pytest.approx(want, rel=1e-12)
-    # a sharp energy, the answer absent from the samples: Eq. 4's T_n gives P far above 1
-    x_miss, E_miss = x[:1, 1:], torch.tensor([[8.0, 9.0]], dtype=torch.float64)
-    log_a = torch.tensor([math.log(0.05)], dtype=torch.float64)  # P_LM(c) = 0.05, E(c) = 0
-    assert (log_a - logz_bounds(-E_miss)[0]).exp().item() > 100
-    assert 0.9 < addition_eval.logp_correct_known(log_a, x_miss, E_miss, gold[:1]).exp().item() <= 1
+def test_p_correct_never_above_one_and_eq4_flagged(addition_run, tmp_path):
+    """A sharp random energy: P(correct) from logz_enumerate is at most 1 on every problem (the answer
+    is in the scored set), Eq. 4's range is reported only over the problems it does not flag (at most
+    1 there too), and the share flagged is in the JSON and the table."""
+    d, lm_path = addition_run
+    out = tmp_path / 'acc.json'
+    addition_eval.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--ns', '1,16', '--num_prefixes', '32',
+                        '--out', str(out), '--quiet'])
+    res = json.loads(out.read_text())
+    assert max(res['per_problem']['JOINT']['logp_correct']) <= 1e-12
+    assert max(res['per_problem']['JOINT']['logp_correct_low']) <= 1e-12
+    for r in (r for r in res['rows'] if r['model'] == 'JOINT'):
+        assert 0 <= r['eq4_flagged'] <= 1 and r['p_correct'] <= 1
+        assert r['p_correct_high'] is None or r['p_correct_high'] <= 1
+        assert (r['p_correct_low'] is None) == (r['eq4_unflagged'] == 0)
+    assert 'flagged' in out.with_suffix('.txt').read_text()
 
 
 def hand_built_decoding():
