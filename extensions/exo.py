@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from data import check_fits, check_problem_windows, load_split, window_tokens, windows
 from energy import load_any_energy, logz_bounds, score_continuations
+import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_checkpoint, load_lm, load_lm_and_data
 from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
                       check_training_memory, check_writable, file_hash, given_flags, lock_folder,
