@@ -22,14 +22,16 @@ Algorithm 1 (sample.algorithm_1, tested equal) in chunks, for any n in bounded m
 The interface an extension plugs into (extensions/metrics.py's MetricEnergy is one): an energy is
 a module whose `energy(x, prefix_len)` is E (B,); it may have `shares_prompt` and `forward_shared`
 as Energy's (score_continuations uses them) and `energies`, {name: Energy} it is built from
-(share_energies). A checkpoint of another kind than 'energy' names, as ckpt['loader'], the module
-of extensions/ whose `load(ckpt, path, lm_path, device)` builds it (load_any_energy).
+(share_energies). Its loader registers here: `register_energy_loader(kind, load)` puts
+`load(ckpt, path, lm_path, device)` in ENERGY_LOADERS for checkpoints of ckpt['kind'] == kind, and
+load_any_energy loads them wherever an energy loads. This file names no extension: the extension
+registers itself when imported (extensions/metrics.py's last line), so an import graph shows every
+arrow; a method script (estimate_ppl.py, sample.py) loads one when run through `python -m
+extensions.run`, and a checkpoint of a kind nobody registered is refused with the module that
+registers it (its ckpt['loader']).
 """
 
-import importlib
 import math
-import os
-import re
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 
@@ -193,7 +195,7 @@ def energy_state(energy, lm_path, meta):
 
 def load_energy(path, lm_path=None, device='cpu'):
     """An NCE-trained Energy in eval mode, and its checkpoint; with lm_path, checked to be the
-    residual of that LM. (load_any_energy also loads the energies of extensions/.)"""
+    residual of that LM. (load_any_energy also loads the energies extensions register.)"""
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'energy':
         raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not an energy (nce_train.py)")
@@ -208,20 +210,28 @@ def load_energy(path, lm_path=None, device='cpu'):
     return energy.to(device).eval(), ckpt
 
 
-LOADERS = {'metric_energy': 'extensions.metrics'}  # checkpoints written before ckpt['loader']
+ENERGY_LOADERS = {}  # checkpoint kind -> load(ckpt, path, lm_path, device): an extension's energy
+
+
+def register_energy_loader(kind, load):
+    """An extension's energy plugs in: checkpoints whose ckpt['kind'] is `kind` load through
+    load(ckpt, path, lm_path, device), an energy module in eval mode (the interface above)."""
+    if kind == 'energy' or ENERGY_LOADERS.get(kind, load) is not load:
+        raise ValueError(f"an energy loader for kind '{kind}' is registered already")
+    ENERGY_LOADERS[kind] = load
 
 
 def load_any_energy(path, lm_path=None, device='cpu'):
     """(energy in eval mode, checkpoint) of any kind: an NCE-trained Energy (load_energy), or
-    another kind built by the module of extensions/ that its checkpoint names (the interface above)."""
+    another kind through the loader its extension registered (ENERGY_LOADERS)."""
     ckpt = load_checkpoint(path)
-    loader = ckpt.get('loader', LOADERS.get(ckpt['kind']))
-    if loader is None:
-        return load_energy(path, lm_path, device)  # an energy, or refused there
-    name = re.fullmatch(r'extensions\.([a-z_][a-z0-9_]*)', str(loader))
-    if not name or not os.path.isfile(os.path.join(os.path.dirname(__file__), 'extensions', name[1] + '.py')):
-        raise ValueError(f"{path} names the loader '{loader}', not a module of this repo's extensions/")
-    return importlib.import_module(loader).load(ckpt, path, lm_path, device), ckpt
+    if ckpt['kind'] in ENERGY_LOADERS:
+        return ENERGY_LOADERS[ckpt['kind']](ckpt, path, lm_path, device), ckpt
+    if 'loader' in ckpt:  # written by an extension this process has not imported
+        raise ValueError(f"{path} holds a '{ckpt['kind']}' energy, whose loader no imported module "
+                         f"registered: run the script through the extensions' launcher, which imports "
+                         f"{ckpt['loader']} (docs/using.md, 'Extensions')")
+    return load_energy(path, lm_path, device)  # an energy, or refused there
 
 
 def share_energies(energies):

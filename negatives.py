@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from data import SPLITS, check_fits, load_negatives, load_split, read_negatives_meta, window_tokens, windows
 from model import load_lm_and_data, proposal_logprobs
-from plumbing import (DTYPES, ArgumentParser, at_least, atomic_write, check, check_free_space, check_memory,
-                      check_writable, disk_full, file_hash, precision, progress, rerun_command, rng, run_main,
-                      setup, teardown_distributed, write_json)
+from plumbing import (ArgumentParser, at_least, atomic_write, check, check_free_space, check_memory,
+                      check_writable, common_flags, disk_full, file_hash, precision, progress, rerun_command,
+                      rng, run_main, setup, teardown_distributed, write_json)
 
 MAX_SAMPLES = 2**16  # stored continuations per prefix: beyond it a mistyped size, not an experiment
 CHUNK_TOKENS = 2**16  # the default chunk's sequences, in tokens: one decode of all its rows
@@ -67,7 +67,7 @@ def get_args(argv=None):
     a('--lm', default='out/lm/best.pt', help='base LM checkpoint (train_lm.py)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='train', choices=SPLITS)
-    a('--out_dir', required=True, help='where the negatives go')
+    common_flags(p, 'out_dir', help=dict(out_dir='where the negatives go'))
     a('--prefix_len', type=int, default=128)
     a('--gen_len', type=int, default=64)
     a('--stride', type=int, default=None, help='between prefix starts (default: prefix_len + gen_len)')
@@ -79,10 +79,7 @@ def get_args(argv=None):
     a('--chunk', type=int, default=None,
       help='prefixes per generate call and per resumable unit (default: about 2^16 sampled tokens, '
            'prompts included)')
-    a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES)
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true')
+    common_flags(p, 'device', 'dtype', 'seed', 'quiet')
     args = p.parse_args(argv)
     # all checked before out_dir is created: a folder made with bad flags would refuse the fixed rerun
     at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')

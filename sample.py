@@ -30,9 +30,9 @@ from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
                     score_continuations)  # load_any_energy: an NCE energy or an extension's
 from model import load_lm_and_data
-from plumbing import (DTYPES, TIME_LIMIT_S, ArgumentParser, at_least, check_free_space, check_memory,
-                      check_new, check_time, check_writable, duration, forward_seconds, precision, progress,
-                      rng, run_main, setup, write_json)
+from plumbing import (TIME_LIMIT_S, ArgumentParser, at_least, check_free_space, check_memory, check_new,
+                      check_time, check_writable, common_flags, duration, forward_seconds, precision,
+                      progress, rng, run_main, setup, write_json)
 from data.tokenizer import load_tokenizer
 
 
@@ -172,12 +172,9 @@ def get_args(argv=None):
     a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
     a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
     a('--out', default='out/samples.json')
-    a('--force', action='store_true', help=FORCE_HELP)
-    a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES,
-      help='autocast dtype of sampling and of scoring (auto: from the hardware and the widths)')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true')
+    common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
+        force=FORCE_HELP, dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the '
+                                'widths)'))
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n', 'chunk', 'max_rows')
     at_least(args, 0, 'top_k', 'table_k', 'table_prefixes', 'print_prefixes')

@@ -54,11 +54,12 @@ import torch.nn.functional as F
 
 from data import check_fits, check_problem_windows, load_split, window_tokens, windows
 from energy import load_any_energy, logz_bounds, score_continuations
+import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_checkpoint, load_lm, load_lm_and_data
 from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
-                      check_training_memory, check_writable, file_hash, given_flags, lock_folder,
-                      missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main, save_checkpoint,
-                      setup, write_json)
+                      check_training_memory, check_writable, common_flags, file_hash, given_flags,
+                      lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,
+                      save_checkpoint, setup, write_json)
 
 MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 
@@ -159,7 +160,7 @@ def get_args(argv=None):
     a('--energy', required=True,
       help='E, the reward r = -E (nce_train.py best.pt or metric_ebm.py energy.pt)')
     a('--data_dir', default=None, help='default: the data the LM was trained on')
-    a('--out_dir', required=True, help='best.pt (an LM checkpoint), results.json, log')
+    common_flags(p, 'out_dir', help=dict(out_dir='best.pt (an LM checkpoint), results.json, log'))
     a('--prefix_len', type=int, default=128, help='x: tokens of the prefix')
     a('--gen_len', type=int, default=64, help='y: tokens of the continuation')
     a('--loss', default='exo', choices=['exo', 'dpo'],
@@ -180,11 +181,8 @@ def get_args(argv=None):
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--resume', action='store_true',
       help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")
-    a('--force', action='store_true',
-      help="start over, replacing --out_dir's ckpt.pt, best.pt and results.json")
-    a('--device', default='cpu')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true')
+    common_flags(p, 'force', 'device', 'seed', 'quiet',
+                 help=dict(force="start over, replacing --out_dir's ckpt.pt, best.pt and results.json"))
     args = p.parse_args(argv)
     at_least(args, 1, 'prefix_len', 'gen_len', 'batch_size', 'max_iters', 'eval_interval', 'eval_prefixes')
     at_least(args, 2, 'K', 'eval_samples', 'logz_samples')
@@ -240,7 +238,7 @@ def resumed(args, argv):
 def resume_hint(argv):
     """Stopped: what out_dir holds, and the command that resumes (or reruns) it."""
     p = ArgumentParser(add_help=False)
-    p.add_argument('--out_dir', required=True)
+    common_flags(p, 'out_dir')
     p.add_argument('--max_iters', type=int, default=None)
     args = p.parse_known_args(argv)[0]
     ckpt, best = (os.path.join(args.out_dir, f) for f in ('ckpt.pt', 'best.pt'))

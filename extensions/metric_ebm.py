@@ -34,7 +34,7 @@ from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm, load_lm_and_data
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_memory, check_new, check_writable,
+from plumbing import (ArgumentParser, at_least, check, check_memory, check_new, check_writable, common_flags,
                       file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
                       write_json, write_text)
 
@@ -66,13 +66,10 @@ def get_args(argv=None):
       help="the table's joint samples: Algorithm 1 from n top-k LM samples (0: untruncated: the joint model)")
     a('--top_p', type=float, default=0.9, help='top-p (nucleus) decoding')
     a('--chunk', type=int, default=16, help='prefixes per batch')
-    a('--out_dir', default='out/metrics')
-    a('--force', action='store_true', help='replace the results of an earlier fit in --out_dir')
-    a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES,
-      help='autocast dtype of sampling, scoring (auto: from the hardware)')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true')
+    common_flags(p, 'out_dir', 'force', 'device', 'dtype', 'seed', 'quiet',
+                 default=dict(out_dir='out/metrics'),
+                 help=dict(force='replace the results of an earlier fit in --out_dir',
+                           dtype='autocast dtype of sampling, scoring (auto: from the hardware)'))
     args = p.parse_args(argv)
     at_least(args, 1, 'prefix_len', 'gen_len', 'check_prefixes', 'table_prefixes', 'n', 'top_k', 'chunk')
     at_least(args, 0, 'joint_top_k')

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from energy import load_energy
+from energy import load_energy, register_energy_loader
 from model import load_lm
 from plumbing import file_hash
 
@@ -260,9 +260,9 @@ def fit_mu(f_data, f_pool, names=None, log_p0=None, tol=1e-10, max_steps=100, ac
 # checkpoints
 
 def metric_energy_state(energy, lm_path, lm_hash, meta, energy_files, fit):
-    """What a metric-energy checkpoint records: the module that loads it (load below), the metric
-    names, mu, the base LM (by hash), the trained energies among the metrics (path and hash each)
-    and how mu was fitted."""
+    """What a metric-energy checkpoint records: the module that registers its loader (load below;
+    named where it is not imported), the metric names, mu, the base LM (by hash), the trained
+    energies among the metrics (path and hash each) and how mu was fitted."""
     return dict(kind='metric_energy', loader='extensions.metrics', names=energy.names,
                 model=dict(mu=energy.mu.cpu()), lm_path=lm_path, lm_hash=lm_hash, meta=meta,
                 energies=energy_files, fit=fit)
@@ -270,7 +270,7 @@ def metric_energy_state(energy, lm_path, lm_hash, meta, energy_files, fit):
 
 def load(ckpt, path, lm_path=None, device='cpu'):
     """A MetricEnergy from its checkpoint, checked to be fitted to the LM at lm_path: the loader
-    that energy.load_any_energy calls for a checkpoint naming this module (energy.py's interface)."""
+    of kind 'metric_energy' that this module registers (energy.py's interface), below."""
     lm_path = lm_path or ckpt['lm_path']
     if file_hash(lm_path) != ckpt['lm_hash']:
         raise ValueError(f"metric energy {path} was fitted to another LM ({ckpt['lm_path']}) than {lm_path}: "
@@ -283,3 +283,6 @@ def load(ckpt, path, lm_path=None, device='cpu'):
                              f"the fit: fit it again")
         energies[name] = load_energy(e_path, lm_path, device)[0]
     return MetricEnergy(ckpt['names'], lm, energies, ckpt['model']['mu']).to(device).eval()
+
+
+register_energy_loader('metric_energy', load)  # importing this module plugs the metric energy in

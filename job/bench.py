@@ -60,8 +60,8 @@ from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
-from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable, pick_device, run_main,
-                      write_json)
+from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable, common_flags,
+                      pick_device, run_main, write_json)
 
 
 def get_args(argv=None):
@@ -69,11 +69,11 @@ def get_args(argv=None):
     a = p.add_argument
     a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
     a('--out', default='out/bench.json', help='the JSON of all figures is written here')
-    a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
+    common_flags(p, 'device')
     a('--threads', type=int, default=0,
       help='CPU threads (0: torch default); 1 is steadier when other processes share the cores')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true', help='print only the JSON line (no progress on stderr, no table)')
+    common_flags(p, 'seed', 'quiet',
+                 help=dict(quiet='print only the JSON line (no progress on stderr, no table)'))
     a('--quick', action='store_true',
       help='smoke test: 1 warmup, 3 repeats, at most 2 sampling prompts and 8 samples per log Z prefix')
     a('--warmup', type=int, default=2, help='untimed runs before each measurement')

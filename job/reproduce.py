@@ -245,7 +245,8 @@ def stages(args, pipe):
 def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
     """Table 1 and Figs. 1-2 left (estimate_ppl.py: every model on val and test, Eq. 4-5), then
     joint samples and their analyses (sample.py: Figs. 2 right and 3)."""
-    stage('estimate_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
+    plug_in = ['-m', 'extensions.run'] if metric else []  # its launcher loads the metric energy
+    stage('estimate_ppl', [*plug_in, 'estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
                            '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
                            *metric,
                            '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",

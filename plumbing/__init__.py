@@ -25,9 +25,9 @@ from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_
                             checked_load, checkpoint_iter, disk_full, file_hash, finite, first_missing,
                             free_space, load_weights, not_a_file, out_of_space, save_checkpoint,
                             save_checkpoints, write_json, write_text)
-from plumbing.run import (LOCKS, ArgumentParser, at_least, check, check_heads, check_new,  # noqa: F401
-                          check_writable, interrupt, lock_folder, named_paths, new_folder, one_job, progress,
-                          rerun_command, run_main)
+from plumbing.run import (COMMON_FLAGS, LOCKS, ArgumentParser, at_least, check, check_heads,  # noqa: F401
+                          check_new, check_writable, common_flags, interrupt, lock_folder, named_paths,
+                          new_folder, one_job, progress, rerun_command, run_main)
 from plumbing.trainer import (RunDir, check_new_run, check_resumed_flags, check_resumed_iters,  # noqa: F401
                               check_training_flags, checkpoint_hint, diverged, given_flags, micro_batches,
                               missing_checkpoint, run_trainer, training_parser)

@@ -1,7 +1,7 @@
 """
 The entry point and bad input: run_main (one `error:` line instead of a traceback, Ctrl-C and
-SIGTERM hints, the output folders of a failed run removed), ArgumentParser and the flag checks,
-and one job per output folder (lock_folder).
+SIGTERM hints, the output folders of a failed run removed), ArgumentParser, the flags every script
+shares (common_flags) and the flag checks, and one job per output folder (lock_folder).
 """
 
 import argparse
@@ -19,7 +19,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from plumbing.device import set_wait_policy
+from plumbing.device import DTYPES, set_wait_policy
 from plumbing.files import disk_full, first_missing, nearest_existing
 
 # -----------------------------------------------------------------------------
@@ -27,6 +27,27 @@ from plumbing.files import disk_full, first_missing, nearest_existing
 
 
 DEBUG_HELP = "Bad input stops with one 'error:' line; REBM_DEBUG=1 in the environment shows the traceback."
+
+# the flags every script shares, one default each (common_flags): --device auto everywhere
+COMMON_FLAGS = dict(
+    out_dir=dict(required=True, help='where the outputs go'),
+    force=dict(action='store_true', help='replace the outputs of an earlier run'),
+    device=dict(default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': CUDA, else MPS, else the CPU)"),
+    dtype=dict(default='auto', choices=DTYPES,
+               help="autocast dtype ('auto': from the hardware, docs/using.md)"),
+    seed=dict(type=int, default=1337, help='every random stream derives from it (rng_seed)'),
+    quiet=dict(action='store_true', help='no progress bar'),
+)
+
+
+def common_flags(parser, *names, help=None, default=None):
+    """Adds the shared flags `names` (of COMMON_FLAGS) to parser, in that order; help: {name: a
+    script's own text}; default: {name: value} (--out_dir then optional)."""
+    for name in names:
+        kw = dict(COMMON_FLAGS[name], **{'help': (help or {})[name]} if name in (help or {}) else {})
+        if name in (default or {}):
+            kw = dict({k: v for k, v in kw.items() if k != 'required'}, default=default[name])
+        parser.add_argument(f'--{name}', **kw)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -11,9 +11,8 @@ import sys
 import time
 
 from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json
-from plumbing.run import (ArgumentParser, check, check_heads, check_writable, lock_folder, new_folder,
-                          progress, rerun_command, run_main)
-from plumbing.device import DTYPES
+from plumbing.run import (ArgumentParser, check, check_heads, check_writable, common_flags, lock_folder,
+                          new_folder, progress, rerun_command, run_main)
 
 
 def training_parser(description, out_dir, **defaults):
@@ -21,7 +20,8 @@ def training_parser(description, out_dir, **defaults):
     the trainer's defaults; each adds its own."""
     p = ArgumentParser(description=description)
     a = p.add_argument
-    a('--out_dir', default=out_dir, help='checkpoints, log and results go here')
+    common_flags(p, 'out_dir', help=dict(out_dir='checkpoints, log and results go here'),
+                 default=dict(out_dir=out_dir))
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
     a('--batch_size', type=int, default=16, at_least=1,
       help='per micro-batch per process: sequences (train_lm.py), positives with their negatives '
@@ -46,13 +46,11 @@ def training_parser(description, out_dir, **defaults):
     a('--min_rel_delta', type=float, default=0.0, at_least=0,
       help='early stopping: the smallest relative improvement that counts (0.001: 0.1%%; 0: any)')
     a('--log_interval', type=int, default=10, at_least=1)
-    a('--device', default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': cuda if available)")
-    a('--dtype', default='auto', choices=DTYPES,
-      help="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
-           "on a CPU bf16 where it has bf16 units; float16 on a CPU is emulated, slow, for tests)")
+    common_flags(p, 'device', 'dtype', help=dict(
+        dtype="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
+              "on a CPU bf16 where it has bf16 units; float16 on a CPU is emulated, slow, for tests)"))
     a('--compile', action='store_true', help='torch.compile the model')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true', help='no progress bar')
+    common_flags(p, 'seed', 'quiet')
     p.set_defaults(**defaults)
     return p
 

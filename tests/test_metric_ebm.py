@@ -3,6 +3,7 @@ moment matching against exact enumeration, the KL projection, metric_ebm.py end 
 """
 
 import copy
+import json
 import math
 import os
 import re
@@ -16,10 +17,11 @@ from extensions import metric_ebm, metrics
 import sample
 import train_lm
 from data import load_meta, load_split, window_tokens, windows
-from energy import (Energy, load_any_energy, sample_log_weights, score, score_continuations, share_energies)
+from energy import (ENERGY_LOADERS, Energy, load_any_energy, register_energy_loader, sample_log_weights,
+                    score, score_continuations, share_energies)
 from model import load_checkpoint, load_lm
-from tests.common import (CPU, EVAL_L, EVAL_P, NULL, TRAIN_FLAGS, enumerable_problem, rand_energy,
-                          sample_argv, tiny_gpt)
+from tests.common import (CPU, EVAL_L, EVAL_P, NULL, TRAIN_FLAGS, assert_clean_error, enumerable_problem,
+                          rand_energy, run_scripts, sample_argv, tiny_gpt)
 
 pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
 
@@ -269,10 +271,12 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
 
 
 def test_an_energy_checkpoint_names_its_loader(metric_run, lm_ckpt, eval_ckpts, tmp_path):
-    """energy.load_any_energy builds a metric energy through the module its checkpoint names
-    (energy.py's interface), one written before that key through 'metric_energy''s, with the same
-    energies; a loader outside this repo's extensions/ is refused, an LM as before."""
+    """energy.load_any_energy builds a metric energy through the loader extensions.metrics registered
+    (energy.py's interface), one written before ckpt['loader'] as well, with the same energies; a
+    kind nobody registered is refused with the module its checkpoint names, a second loader for a
+    kind too; an LM as before."""
     out, _ = metric_run
+    assert ENERGY_LOADERS['metric_energy'] is metrics.load
     ckpt = load_checkpoint(str(out / 'energy_aggregate.pt'))
     assert ckpt['loader'] == 'extensions.metrics'
     new, _ = load_any_energy(str(out / 'energy_aggregate.pt'), lm_ckpt)
@@ -282,10 +286,22 @@ def test_an_energy_checkpoint_names_its_loader(metric_run, lm_ckpt, eval_ckpts, 
     x = torch.randint(0, new.config.vocab_size, (5, EVAL_P + EVAL_L),
                       generator=torch.Generator().manual_seed(0))
     assert torch.equal(old(x, EVAL_P), new(x, EVAL_P)) and list(old.energies) == ['BIT']
-    for loader in ('os', 'extensions.nothing', 'extensions.metrics.os', 'extensions/metrics', 'job.claims'):
-        torch.save(dict(ckpt, loader=loader), tmp_path / 'bad.pt')
-        with pytest.raises(ValueError, match=f"names the loader '{re.escape(loader)}', not a module of"):
-            load_any_energy(str(tmp_path / 'bad.pt'), lm_ckpt)
+    torch.save(dict(ckpt, kind='other_energy', loader='extensions.other'), tmp_path / 'other.pt')
+    with pytest.raises(ValueError, match="holds a 'other_energy' energy, whose loader no imported module "
+                                         "registered: .* imports extensions.other"):
+        load_any_energy(str(tmp_path / 'other.pt'), lm_ckpt)
+    for kind in ('energy', 'metric_energy'):
+        with pytest.raises(ValueError, match=f"an energy loader for kind '{kind}' is registered already"):
+            register_energy_loader(kind, lambda *a: None)
+    register_energy_loader('metric_energy', metrics.load)  # the same one again (a re-import): no change
+    argv = ['estimate_ppl.py', '--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--splits',
+            'test', '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '2',
+            '--num_samples', '4', '--calib_prefixes', '0', *CPU]
+    alone, plugged = run_scripts([[*argv, '--out', str(tmp_path / 'a.json')],
+                                  ['-m', 'extensions.run', *argv, '--out', str(tmp_path / 'b.json')]])
+    assert_clean_error(alone, "'metric_energy' energy", 'imports extensions.metrics')  # the method alone
+    assert plugged.returncode == 0, plugged.stderr[-500:]
+    assert 'JOINT METRICS' in {r['model'] for r in json.load(open(tmp_path / 'b.json'))['rows']}
     with pytest.raises(ValueError, match="holds a 'lm' model, not an energy"):
         load_any_energy(lm_ckpt, lm_ckpt)
     assert isinstance(load_any_energy(eval_ckpts['bit'], lm_ckpt)[0], Energy)
