@@ -129,27 +129,7 @@ def check_claims_from_run(out):
         assert moved['C2'] == res['claims']['C2']  # UNIT vs RALM: untouched
 
 
-def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
-    """reproduce.Pipeline: a stage whose folder is newer than its inputs resumes (--resume kept);
-    one whose folder predates them (a model it used was retrained) is kept as folder.old and
-    starts over, without --resume."""
-    from job import reproduce
-    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'))
-    dep, folder = tmp_path / 'dep.txt', tmp_path / 'stage'
-    write = lambda path: ['-c', f"import os, sys; os.makedirs({str(path.parent)!r}, exist_ok=True); "
-                                f"open({str(path)!r}, 'w').write(' '.join(sys.argv))"]
-    pipe.run('dep', write(dep), str(dep))
-    folder.mkdir()
-    (folder / 'ckpt.pt').write_text('an interrupted run of the current inputs')
-    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
-    assert '--resume' in (folder / 'done').read_text() and not (tmp_path / 'stage.old').exists()
-    os.remove(folder / 'done')
-    time.sleep(0.05)
-    pipe.run('dep', write(dep) + ['again'], str(dep))  # not run: dep.txt is there
-    os.utime(dep)  # as if the dependency was redone after the stage's folder was written
-    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
-    assert (tmp_path / 'stage.old' / 'ckpt.pt').exists() and '--resume' not in (folder / 'done').read_text()
-    assert 'kept as' in capsys.readouterr().out
+# the scheduler's "done" by provenance (a stage made again when what made it changed): test_provenance.py
 
 
 # reproduce.py --jobs (issue 37, item 6): stages that need not each other's outputs run at once, each on
