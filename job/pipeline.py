@@ -11,6 +11,7 @@ whose hash is not the recorded one (copied from another run, edited) is refused 
 """
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -214,8 +215,7 @@ class Pipeline:
         # stage resumes) and says the one command that continues, rather than a stage's own
         with open(log, 'w') if log else contextlib.nullcontext() as f:
             proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=self.env, stdout=f,
-                                    stderr=subprocess.STDOUT if log else None,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                    stderr=subprocess.STDOUT if log else None, preexec_fn=stage_setup)
         self.running[name] = (proc, time.time(), log)
 
     def wait(self, *names):
@@ -231,8 +231,8 @@ class Pipeline:
         proc, t0, log = self.running.pop(name)
         if proc.returncode != 0:
             self.stop()
-            where = f"its log {log} ends: {last_line(log)}" if log else "its message is above"
-            sys.exit(f"error: stage '{name}' failed ({where}); fix it and rerun: finished stages are skipped")
+            sys.exit(f"error: stage '{name}' failed ({why_failed(proc.returncode, log)}); fix it and rerun: "
+                     f"finished stages are skipped")
         if name in self.records:
             self.record(name)
         self.timings[name] = round(time.time() - t0, 1)
@@ -249,9 +249,28 @@ class Pipeline:
         self.running.clear()
 
 
-def last_line(log):
-    """The last line a stage wrote to its log (progress bars' carriage returns count as line ends)."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stage_setup():
+    """In a stage's process, before it runs: Ctrl-C is the job's alone (it ends the stages and
+    says how to continue), and the stage dies with the job (a kill -9 of the job alone leaves no
+    orphan writing into the run; every write is atomic and every stage resumes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the job's stop() alone
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def why_failed(returncode, log):
+    """How a stage ended: the signal that killed it, else its log's first `error:` line (the
+    reason; what follows it is often a consequence), else its log's last line."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else -returncode
+        return f"killed by {name}" + (f"; its log: {log}" if log else '')
+    if not log:
+        return "its message is above"
     with open(log, 'rb') as f:
-        f.seek(max(0, os.path.getsize(log) - 4096))
         lines = [l.strip() for l in re.split(r'[\r\n]', f.read().decode(errors='replace')) if l.strip()]
-    return lines[-1][:300] if lines else '(nothing)'
+    error = next((l for l in lines if l.startswith('error:')), None)
+    return f"its log {log} says: {error[:300]}" if error else \
+        f"its log {log} ends: {lines[-1][:300] if lines else '(nothing)'}"
