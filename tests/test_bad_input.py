@@ -337,7 +337,8 @@ def test_an_empty_path_flag_is_refused(module, argv, flag):
 
 
 ABSURD_JSON = [
-    ('{"num_samples": 1' + '0' * 400 + '}', r'holds the number 100000000000\.\.\. \(401 characters\), beyond'),
+    ('{"num_samples": 1' + '0' * 400 + '}',
+     r'holds the number 100000000000\.\.\. \(401 characters\), beyond'),
     ('{"logp": [-1.5, 1e308]}', 'holds the number 1e308, beyond any a rebm file holds'),
     ('[1e400]', 'holds the number 1e400, beyond'),
     ('[' * 100_000 + ']' * 100_000, 'is nested too deeply to be a rebm file'),

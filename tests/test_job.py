@@ -207,13 +207,15 @@ def test_pipeline_stages_die_with_the_job(tmp_path):
     cmd, done = fake_stage(tmp_path, 'slow', 60)
     job = subprocess.Popen([sys.executable, '-c', (
         "import sys, time; from job.pipeline import Pipeline\n"
-        f"p = Pipeline({str(tmp_path / 'timings.json')!r}, jobs=2, threads=1); p.run('slow', {cmd!r}, {done!r})\n"
+        f"p = Pipeline({str(tmp_path / 'timings.json')!r}, jobs=2, threads=1)\n"
+        f"p.run('slow', {cmd!r}, {done!r})\n"
         "print(p.running['slow'][0].pid, flush=True); time.sleep(60)")], cwd=ROOT, stdout=subprocess.PIPE,
         text=True)
     stage = int(next(line for line in job.stdout if line.strip().isdigit()))  # after the command line
     job.kill()
     job.wait()
-    alive = lambda: os.path.exists(f'/proc/{stage}') and 'Z' not in open(f'/proc/{stage}/stat').read().split()[2]
+    alive = lambda: (os.path.exists(f'/proc/{stage}')
+                     and 'Z' not in open(f'/proc/{stage}/stat').read().split()[2])  # a zombie is dead
     deadline = time.time() + 10
     while alive() and time.time() < deadline:
         time.sleep(0.1)
