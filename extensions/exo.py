@@ -235,7 +235,8 @@ def resumed(args, argv):
     for flag, what in (('lm', 'LM'), ('energy', 'energy')):  # energy_hash: not in ckpt.pt from before it
         if ckpt['exo'].get(f'{flag}_hash', file_hash(getattr(args, flag))) != file_hash(getattr(args, flag)):
             raise ValueError(f"--{flag} {getattr(args, flag)} is not the {what} {path} trained from (its "
-                             f"file changed): --resume continues that run; start a new one in another --out_dir")
+                             f"file changed): --resume continues that run; start a new one in another "
+                             f"--out_dir")
     best = os.path.join(args.out_dir, 'best.pt')
     if 'best_hash' in ckpt and (not os.path.isfile(best) or file_hash(best) != ckpt['best_hash']):
         raise ValueError(f"{best} is not the best policy of the run {path} holds (missing, or from another "

@@ -496,10 +496,11 @@ def test_exo_resume_checks_what_it_resumes(addition_run, tmp_path):
     exo.main([*flags, '--out_dir', str(run)])
     exo.main([*flags, '--out_dir', str(other), '--lr', '0.1'])
     mine = (run / 'ckpt.pt').read_bytes()
-    for ckpt, match in ((lm_path, r'ckpt.pt is not an EXO checkpoint \(a train_lm.py or nce_train.py one\?\): '
-                                  r'it lacks exo, optimizer'),
-                        (run / 'best.pt', r'ckpt.pt is an EXO best.pt \(the policy alone\): it lacks optimizer'),
-                        (other / 'ckpt.pt', r'best.pt is not the best policy of the run .*ckpt.pt holds')):
+    wrong = [(lm_path, r'ckpt.pt is not an EXO checkpoint \(a train_lm.py or nce_train.py one\?\): '
+                       r'it lacks exo, optimizer'),
+             (run / 'best.pt', r'ckpt.pt is an EXO best.pt \(the policy alone\): it lacks optimizer'),
+             (other / 'ckpt.pt', r'best.pt is not the best policy of the run .*ckpt.pt holds')]
+    for ckpt, match in wrong:
         shutil.copy(ckpt, run / 'ckpt.pt')
         with pytest.raises(ValueError, match=match):
             exo.main([*flags, '--out_dir', str(run), '--resume', '--max_iters', '4'])
