@@ -246,11 +246,11 @@ def main(argv=None):
     for s in progress(range(0, prefixes.size(0), args.chunk), quiet=args.quiet, desc='joint sampling'):
         results += joint_records(lm, energy, prefixes[s:s + args.chunk],
                                  None if gold is None else gold[s:s + args.chunk], s, args, tok, g, ctx, ectx)
-    for rec in results[:args.print_prefixes]:
-        print_record(rec)
     report = dict(args=vars(args), dtype=dict(sample=dtype, score=edtype), samples=results,
                   **analyses(results))
-    write_json(report, args.out)
+    write_json(report, args.out)  # before the screen: `| head` ending the printing loses nothing
+    for rec in results[:args.print_prefixes]:
+        print_record(rec)
     print("unique n-grams % (n=1..4): "
           + '; '.join(f"{k} " + ' '.join('-' if v is None else f'{v:.1f}' for v in vals)
                       for k, vals in report['unique_ngrams'].items()))

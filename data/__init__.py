@@ -114,13 +114,36 @@ def move_into(tmp, out_dir):
     os.rmdir(tmp)
 
 
+JSON_BOUND = 1e100  # no number a rebm script writes comes near it; arithmetic on such numbers overflows
+
+
+class AbsurdNumber(ValueError):
+    pass
+
+
+def bounded(parse):
+    """json's number parser `parse`, refusing a number beyond JSON_BOUND (10^400, 1e308)."""
+    def check(text):
+        v = parse(text)
+        if not abs(v) <= JSON_BOUND:
+            raise AbsurdNumber(text if len(text) <= 24 else f"{text[:12]}... ({len(text)} characters)")
+        return v
+    return check
+
+
 def read_json(path, fix='restore or regenerate it'):
-    """A JSON file, or one error line naming it."""
+    """A JSON file, or one error line naming it (also for a number beyond JSON_BOUND or nesting
+    deeper than Python's recursion limit)."""
     if not_a_file(path):
         raise ValueError(f"{path} {not_a_file(path)}: {fix}")
     try:
         with open(path) as f:
-            return json.load(f)
+            return json.load(f, parse_int=bounded(int), parse_float=bounded(float))
+    except AbsurdNumber as e:
+        raise ValueError(f"{path} holds the number {e}, beyond any a rebm file holds (|x| <= 1e100): "
+                         f"{fix}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply to be a rebm file: {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}; empty or truncated?): {fix}") from None
 

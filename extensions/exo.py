@@ -225,14 +225,35 @@ def resumed(args, argv):
         return None
     path = os.path.join(args.out_dir, 'ckpt.pt')
     ckpt = load_checkpoint(path)
+    check_exo_checkpoint(ckpt, path)
     check_resumed_flags(args, argv, ckpt['exo'], FIXED, path, 'EXO run')
     if 'max_iters' not in given_flags(argv):
         args.max_iters = ckpt['exo']['max_iters']
     check_resumed_iters(args.max_iters, ckpt['iter_num'], path)
-    if file_hash(args.lm) != ckpt['exo']['lm_hash']:
-        raise ValueError(f"--lm {args.lm} is not the LM {path} trained from (its file changed): --resume "
-                         f"continues that run; start a new one in another --out_dir")
+    for flag, what in (('lm', 'LM'), ('energy', 'energy')):  # energy_hash: not in ckpt.pt from before it
+        if ckpt['exo'].get(f'{flag}_hash', file_hash(getattr(args, flag))) != file_hash(getattr(args, flag)):
+            raise ValueError(f"--{flag} {getattr(args, flag)} is not the {what} {path} trained from (its "
+                             f"file changed): --resume continues that run; start a new one in another "
+                             f"--out_dir")
+    best = os.path.join(args.out_dir, 'best.pt')
+    if 'best_hash' in ckpt and (not os.path.isfile(best) or file_hash(best) != ckpt['best_hash']):
+        raise ValueError(f"{best} is not the best policy of the run {path} holds (missing, or from another "
+                         f"run: its hash differs): start over with --force, or restore that run's best.pt")
     return ckpt
+
+
+RESUMABLE = ('exo', 'model', 'optimizer', 'iter_num', 'curve', 'best_iter')  # what ckpt.pt holds
+
+
+def check_exo_checkpoint(ckpt, path):
+    """ckpt.pt is an EXO run's (evaluate saves it): not an LM's, nor an EXO best.pt (no optimizer)."""
+    missing = [k for k in RESUMABLE if k not in ckpt]
+    if not missing and isinstance(ckpt['exo'], dict) and 'lm_hash' in ckpt['exo']:
+        return
+    what = ('an EXO best.pt (the policy alone)' if isinstance(ckpt.get('exo'), dict)
+            else 'not an EXO checkpoint (a train_lm.py or nce_train.py one?)')
+    raise ValueError(f"{path} is {what}: it lacks {', '.join(missing) or 'exo.lm_hash'}, so --resume cannot "
+                     f"continue it; start over with --force, or resume the folder of an EXO run")
 
 
 def resume_hint(argv):
@@ -249,7 +270,8 @@ def resume_hint(argv):
         return f"nothing was saved (the first evaluation saves); rerun: {rerun_command(argv)}"
     saved = torch.load(ckpt, map_location='cpu', weights_only=True, mmap=True)
     argv = [a for a in argv if a != '--force']
-    return (f"{ckpt} holds iteration {saved['iter_num']} of {args.max_iters or saved['exo']['max_iters']} "
+    return (f"{ckpt} holds iteration {saved.get('iter_num')} of "
+            f"{args.max_iters or saved.get('exo', {}).get('max_iters')} "
             f"({best}: the best policy so far); resume with: {rerun_command(argv, add=('--resume',))}")
 
 
@@ -296,7 +318,8 @@ def main(argv=None):
     train, train_offsets, _ = prefixes_of(data_dir, meta, 'train', args)
     sel = eval_table(sft, energy, data_dir, meta, 'select', args, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    state = dict(ckpt, objective=f'exo ({args.loss})', exo=dict(vars(args), lm_hash=file_hash(args.lm)))
+    state = dict(ckpt, objective=f'exo ({args.loss})',
+                 exo=dict(vars(args), lm_hash=file_hash(args.lm), energy_hash=file_hash(args.energy)))
     state = {k: v for k, v in state.items() if k not in ('optimizer', 'scaler', 'rng_state')}
     curve, best, start, t0 = [], None, 0, time.time()
     if saved:  # the run as it stood after its evaluation at saved['iter_num'], before that step
@@ -337,7 +360,9 @@ def evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device
         save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
                         os.path.join(args.out_dir, 'best.pt'))
     save_checkpoint(dict(state, model=policy.state_dict(), optimizer=opt.state_dict(), iter_num=it,
-                         curve=curve, best_iter=best['iter']), os.path.join(args.out_dir, 'ckpt.pt'))
+                         curve=curve, best_iter=best['iter'],
+                         best_hash=file_hash(os.path.join(args.out_dir, 'best.pt'))),
+                    os.path.join(args.out_dir, 'ckpt.pt'))
     if not args.quiet:
         print(f"iter {it}: select {format_kl(kl)}{' (best)' if best is curve[-1] else ''}", flush=True)
     return best

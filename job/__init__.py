@@ -19,6 +19,8 @@ import os
 from data import read_json
 from plumbing import file_hash
 
+from job.pipeline import check_chain
+
 NUMBER = 'a number'  # a shape: an int or a float (JSON's null, a NaN when written, is not one)
 NUMBER_OR_NULL = 'a number or null'  # e.g. a standard error, null where it was NaN
 NUMBERS = [NUMBER]
@@ -28,9 +30,11 @@ FROM_ONE_RUN = ("rerun it and estimate_ppl.py on one run's models (reproduce.py 
 
 
 def read_report(out_dir, name, fix, shape=dict):
-    """out_dir/name as JSON with the shape `shape` (shape_problem) and every number finite."""
+    """out_dir/name as JSON with the shape `shape` (shape_problem) and every number finite, and
+    of this run: the file its stage recorded, made from what the run holds (pipeline.check_chain)."""
     path = os.path.join(out_dir, name)
     obj = read_json(path, fix)
+    check_chain(out_dir, name)
     check_shape(obj, shape, path, fix)
     return obj
 

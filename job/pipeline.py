@@ -1,10 +1,17 @@
 """
-The main job's scheduler: stages run like make (skipped when done and newer than what they depend
-on, resumed when half done), one at a time in the terminal or, with --jobs N, N at a time in the
-background with a log each. Stage times go to timings.json.
+The main job's scheduler: stages run like make, one at a time in the terminal or, with --jobs N, N
+at a time in the background with a log each. Stage times go to timings.json.
+
+"Done" is decided by provenance, not by the presence or age of files: <out_dir>/provenance.json
+records, for each stage, what made it (its flags, the run folder written as <out>, and the hashes
+of the outputs of the stages it read) and the hashes of its outputs (its done file and best.pt). A
+stage is skipped when this run would make it from the same, resumed when it began from the same
+and has not finished, and otherwise starts over (its folder kept as <folder>.old). An output
+whose hash is not the recorded one (copied from another run, edited) is refused in one line.
 """
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -14,10 +21,12 @@ import sys
 import time
 
 from data import read_json
-from plumbing import write_json
+from plumbing import file_hash, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stages run from the repo root
 FIX = 'delete it to rerun its stage'
+PROVENANCE = 'provenance.json'
+FREE_FLAGS = ('--resume', '--force', '--quiet')  # they change no number
 
 
 def finished(path):
@@ -31,13 +40,86 @@ def finished(path):
     return meta.get('complete', True) and 'select' in meta.get('num_tokens', {'select': 0})
 
 
-def newest_mtime(folder):
-    return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs), default=0)
+def inside(path, folder):
+    return os.path.abspath(path).startswith(os.path.abspath(folder) + os.sep)
+
+
+def stage_flags(cmd, out_dir):
+    """A stage's command as far as it changes numbers: FREE_FLAGS left out, and the run folder
+    written <out> (a run folder moved or renamed is the same run)."""
+    out = re.escape(out_dir)
+    return [re.sub(rf'(^|=){out}(?=/|$)', r'\1<out>', c).rstrip('/') or c for c in cmd if c not in FREE_FLAGS]
+
+
+def flag_values(flags):
+    """['x.py', '--seed', '7', '--energy', 'A=a', 'B=b'] -> {'the command': 'x.py', '--seed': '7',
+    '--energy': 'A=a B=b'}"""
+    values, key = {'the command': []}, 'the command'
+    for f in flags:
+        if f.startswith('--'):
+            key, values[f] = f, []
+        else:
+            values[key].append(f)
+    return {k: ' '.join(v) or '(set)' for k, v in values.items()}
+
+
+def difference(rec, want):
+    """What differs between a stage's record and what this run would make it from, in words
+    (None: nothing)."""
+    if rec is None:
+        return "no record of what made it"
+    old, new = flag_values(rec['flags']), flag_values(want['flags'])
+    for k in list(new) + [k for k in old if k not in new]:
+        if old.get(k) != new.get(k):
+            return f"{k} {old.get(k, '(not given)')} -> {new.get(k, '(not given)')}"
+    return next((f"stage '{d}' was made again" for d, h in want['inputs'].items()
+                 if rec['inputs'].get(d) != h), None)
+
+
+def read_records(path):
+    """provenance.json: {stage: {'flags': [...], 'inputs': {stage: {path: hash}}, 'outputs': {path:
+    hash} or None}} ({} where there is none yet)."""
+    if not os.path.exists(path):
+        return {}
+    records = read_json(path, 'delete it (every stage of the run then starts over)')
+    ok = isinstance(records, dict) and all(
+        isinstance(r, dict) and isinstance(r.get('flags'), list) and isinstance(r.get('inputs'), dict)
+        and isinstance(r.get('outputs'), (dict, type(None))) for r in records.values())
+    if not ok:
+        raise ValueError(f"{path} is not a table of stage records: delete it (every stage of the run "
+                         f"then starts over)")
+    return records
+
+
+def check_chain(out_dir, name):
+    """For readers of a run (job.read_report): out_dir/name, where a stage of the job recorded it,
+    is the file it wrote, and every stage it was made from, up the chain, is the one the run now
+    holds (none made again since). A folder without provenance.json is not checked."""
+    records = read_records(os.path.join(out_dir, PROVENANCE))
+    path, name = os.path.join(out_dir, name), os.path.normpath(name)
+    stage = next((s for s, r in records.items() if name in (r['outputs'] or {})), None)
+    if stage is None:
+        return
+    if os.path.isfile(path) and file_hash(path) != records[stage]['outputs'][name]:
+        raise ValueError(f"{path}: not the file stage '{stage}' wrote in this run (copied from another run, "
+                         f"or edited: its hash is not the one in {PROVENANCE}); delete it and rerun "
+                         f"python -m job.reproduce with this --out_dir")
+    todo, seen = [stage], set()
+    while todo:
+        s = todo.pop()
+        seen.add(s)
+        for dep, outs in records[s]['inputs'].items():
+            if dep in records and records[dep]['outputs'] != outs:
+                raise ValueError(f"{path}: made from another '{dep}' than the one in {out_dir} (a mix of two "
+                                 f"runs: '{dep}' was made again since); rerun python -m job.reproduce with "
+                                 f"this --out_dir: it remakes what is stale")
+            if dep in records and dep not in seen:
+                todo.append(dep)
 
 
 class Pipeline:
-    """Runs stages in order, like make: a stage is skipped when its `done` file exists and is
-    newer than the `done` files of the stages it depends on.
+    """Runs stages in order, like make: a stage is skipped when provenance.json says it was made
+    from what this run would make it from (see the module's docstring).
 
     jobs = 1 (the default): each stage runs in the terminal, one after another. jobs > 1 (make -j):
     `run` waits for the stages the new one depends on and for a free slot, starts it in the
@@ -45,31 +127,40 @@ class Pipeline:
     Stages start in the order of the calls. Code that reads a stage's outputs calls wait() first."""
 
     def __init__(self, timings_path, jobs=1, threads=None):
-        self.timings_path, self.done, self.jobs = timings_path, {}, jobs
+        self.timings_path, self.done, self.folders, self.jobs = timings_path, {}, {}, jobs
+        self.out_dir = os.path.dirname(timings_path) or '.'
         self.timings = read_json(timings_path, 'delete it (it only records stage times) and rerun') \
             if os.path.exists(timings_path) else {}
         if not isinstance(self.timings, dict):
             raise ValueError(f"{timings_path} is not a table of stage times: delete it and rerun")
+        self.records_path = os.path.join(self.out_dir, PROVENANCE)
+        self.records = read_records(self.records_path)
         self.running = {}  # stage -> (process, start time, its log or None: the terminal)
         # a stage's threads follow --jobs alone, never the load (threads change float rounding)
         self.env = None if jobs == 1 else dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
 
     def run(self, name, cmd, done, deps=(), folder=None):
-        """Run the stage unless done. Its folder, if older than what it depends on (a model it
-        used was retrained), is kept as folder.old and the stage starts over instead of resuming."""
-        self.done[name] = done
+        """Run the stage unless done. A half-done one made from the same resumes; one made from
+        something else starts over, its folder kept as folder.old (without --resume)."""
+        self.done[name], self.folders[name] = done, folder
         if deps:
             self.wait(*deps)  # with jobs > 1: what it reads is written
-        newest_dep = max((os.path.getmtime(self.done[d]) for d in deps), default=0)
-        if finished(done) and os.path.getmtime(done) >= newest_dep:
-            print(f"[{name}] done already ({done} exists): skipped")
-            return
-        if folder and os.path.isdir(folder) and newest_mtime(folder) < newest_dep:
-            shutil.rmtree(folder + '.old', ignore_errors=True)
-            os.replace(folder, folder + '.old')
-            print(f"[{name}] its inputs changed since {folder} was written: kept as {folder}.old, "
-                  "starting over")
-            cmd = [c for c in cmd if c != '--resume']
+        if not inside(done, self.out_dir):  # the prepared data, shared by runs: used as it is
+            if finished(done):
+                print(f"[{name}] done already ({done} exists): skipped")
+                return
+        else:
+            want, rec = self.provenance(cmd, deps), self.records.get(name)
+            why = difference(rec, want)
+            if why is None and finished(done):
+                if rec['outputs'] is None:  # it finished, but the job stopped before recording it
+                    self.record(name)
+                self.check_outputs(name)
+                print(f"[{name}] done already ({done}, made from the same inputs): skipped")
+                return
+            cmd = self.clear(name, cmd, why)
+            self.records[name] = dict(want, outputs=None)  # begun: a stop resumes it, if made from the same
+            write_json(self.records, self.records_path)
         if self.jobs == 1:  # in the terminal, to its end
             self.start(name, cmd)
             self.wait(name)
@@ -79,14 +170,52 @@ class Pipeline:
         os.makedirs(os.path.dirname(self.timings_path) or '.', exist_ok=True)
         self.start(name, cmd, os.path.join(os.path.dirname(self.timings_path), f'{name}.log'))
 
+    def clear(self, name, cmd, why):
+        """The command to run: a stage made from something else (`why`) starts over, its folder
+        kept as folder.old (so no --resume); one made from the same (why None) resumes."""
+        folder, done = self.folders[name], self.done[name]
+        if why and folder and os.path.isdir(folder):
+            shutil.rmtree(folder + '.old', ignore_errors=True)
+            os.replace(folder, folder + '.old')
+            print(f"[{name}] {why} since {folder} was written: kept as {folder}.old, starting over")
+            return [c for c in cmd if c != '--resume']
+        if why and os.path.exists(done):
+            print(f"[{name}] {why} since {done} was written: making it again")
+        return cmd
+
+    def provenance(self, cmd, deps):
+        """What a stage is made from: its flags that change numbers, the outputs of its deps."""
+        return dict(flags=stage_flags(cmd, self.out_dir), inputs={d: self.outputs(d) for d in deps})
+
+    def outputs(self, name):
+        """{path: hash} of a stage's done file and the best.pt in its folder (paths in the run
+        folder relative to it, so a moved run folder is the same run)."""
+        folder = self.folders.get(name)
+        files = [self.done[name]] + ([os.path.join(folder, 'best.pt')] if folder else [])
+        return {os.path.relpath(f, self.out_dir) if inside(f, self.out_dir) else f: file_hash(f)
+                for f in files if os.path.isfile(f)}
+
+    def record(self, name):
+        self.records[name]['outputs'] = self.outputs(name)
+        write_json(self.records, self.records_path)
+
+    def check_outputs(self, name):
+        """A done stage's outputs are the ones it recorded: one line naming a file copied from
+        another run or edited since."""
+        now, folder = self.outputs(name), self.folders[name] or self.done[name]
+        for f, h in self.records[name]['outputs'].items():
+            if now.get(f) != h:
+                raise ValueError(f"{os.path.join(self.out_dir, f)} is not the file stage '{name}' wrote in "
+                                 f"this run (copied from another run, or edited: its hash is not the one "
+                                 f"in {self.records_path}); delete {folder} to rerun that stage")
+
     def start(self, name, cmd, log=None):
         print(f"[{name}] $ python {' '.join(cmd)}" + (f"  > {log}" if log else ''), flush=True)
         # Ctrl-C is for this process alone: it kills the stages (safe: every write is atomic and every
         # stage resumes) and says the one command that continues, rather than a stage's own
         with open(log, 'w') if log else contextlib.nullcontext() as f:
             proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=self.env, stdout=f,
-                                    stderr=subprocess.STDOUT if log else None,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                    stderr=subprocess.STDOUT if log else None, preexec_fn=stage_setup)
         self.running[name] = (proc, time.time(), log)
 
     def wait(self, *names):
@@ -102,8 +231,10 @@ class Pipeline:
         proc, t0, log = self.running.pop(name)
         if proc.returncode != 0:
             self.stop()
-            where = f"its log {log} ends: {last_line(log)}" if log else "its message is above"
-            sys.exit(f"error: stage '{name}' failed ({where}); fix it and rerun: finished stages are skipped")
+            sys.exit(f"error: stage '{name}' failed ({why_failed(proc.returncode, log)}); fix it and rerun: "
+                     f"finished stages are skipped")
+        if name in self.records:
+            self.record(name)
         self.timings[name] = round(time.time() - t0, 1)
         write_json(self.timings, self.timings_path)
         if log:
@@ -118,9 +249,28 @@ class Pipeline:
         self.running.clear()
 
 
-def last_line(log):
-    """The last line a stage wrote to its log (progress bars' carriage returns count as line ends)."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stage_setup():
+    """In a stage's process, before it runs: Ctrl-C is the job's alone (it ends the stages and
+    says how to continue), and the stage dies with the job (a kill -9 of the job alone leaves no
+    orphan writing into the run; every write is atomic and every stage resumes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the job's stop() alone
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def why_failed(returncode, log):
+    """How a stage ended: the signal that killed it, else its log's first `error:` line (the
+    reason; what follows it is often a consequence), else its log's last line."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else -returncode
+        return f"killed by {name}" + (f"; its log: {log}" if log else '')
+    if not log:
+        return "its message is above"
     with open(log, 'rb') as f:
-        f.seek(max(0, os.path.getsize(log) - 4096))
         lines = [l.strip() for l in re.split(r'[\r\n]', f.read().decode(errors='replace')) if l.strip()]
-    return lines[-1][:300] if lines else '(nothing)'
+    error = next((l for l in lines if l.startswith('error:')), None)
+    return f"its log {log} says: {error[:300]}" if error else \
+        f"its log {log} ends: {lines[-1][:300] if lines else '(nothing)'}"

@@ -9,10 +9,11 @@ The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end,
     T1-T3 measured (claims.py) -> figures
 
 Each stage is the command a user would type (printed before it runs); the recipes are in
-job/configs.py, the scheduler in job/pipeline.py. Like make, a stage whose
-outputs exist and are newer than those of the stages it depends on is skipped, and a half-done
-one resumes: an interrupted run just continues, and a retrained model reruns what depends on it
-(from scratch: the stage's old folder is kept as <folder>.old). Everything
+job/configs.py, the scheduler in job/pipeline.py. Like make, but by content: a stage made from
+what this run would make it from (its number-changing flags, the hashes of what it read, recorded
+in <out_dir>/provenance.json) is skipped, a half-done one resumes, and one made from anything else
+(another --seed, a retrained model) starts over, its old folder kept as <folder>.old; an output
+copied from another run or edited is refused in one line. Everything
 lands in --out_dir: checkpoints, results.json (one row per model and split), claims.json, the
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.

@@ -9,6 +9,7 @@ import errno
 import fcntl
 import functools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -71,10 +72,25 @@ class ArgumentParser(argparse.ArgumentParser):
         parsed = super().parse_args(args, namespace)
         for name, minimum in self.minimums.items():
             at_least(parsed, minimum, name)
+        for action in self._actions:
+            check_not_empty(action, getattr(parsed, action.dest, None))
         return parsed
 
     def error(self, message):
         raise ValueError(f"{message} (see {self.prog} --help)")
+
+
+# a flag that names a file or folder (a NAME=PATH list too): '' is refused, never read as "the default"
+PATH_FLAG = re.compile(r'(_dir|^out|^lm|^energy|init_from|residual_of|negatives|^plot|copy_to|^extra_lm|'
+                       r'^compare|energy_metric)$')
+
+
+def check_not_empty(action, value):
+    values = value if isinstance(value, list) else [value]
+    if action.option_strings and PATH_FLAG.search(action.dest) and any(
+            isinstance(v, str) and not v.strip() for v in values):
+        raise ValueError(f"{action.option_strings[0]} '': an empty path; give a file or folder, or leave the "
+                         f"flag out for its default")
 
 
 def check(args, name, ok, must):

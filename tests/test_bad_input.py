@@ -271,6 +271,7 @@ def val_without_balm(ppl):
 REPORT_RUNS = {  # {name: (file, its edit)}: one defect each in a copy of fake_claims_run
     'run_list': ('ppl.json', lambda ppl: [ppl]),
     'run_nan': ('ppl.json', lambda ppl: ppl['splits']['test'].update(num_samples=math.nan)),
+    'run_huge_int': ('ppl.json', lambda ppl: ppl['splits']['test'].update(num_samples=10 ** 400)),
     'run_no_balm': ('ppl.json', drop_balm),
     'run_short_val': ('ppl.json', val_with_a_short_column),
     'run_val_no_balm': ('ppl.json', val_without_balm),
@@ -312,6 +313,44 @@ def test_reports_read_the_fake_run(tmp_path):
         claims.main(['--out_dir', str(tmp_path / 'run')])
         res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path / 'run')])
         assert res.returncode == 0 and (tmp_path / 'run' / 'fig3_loglik.png').exists(), res.stderr
+
+
+# issue 48, item 4: inputs checked at the door. An empty path flag is refused by plumbing's
+# ArgumentParser, naming the flag (never read as "the default"); JSON with absurd content is one line.
+
+EMPTY_PATHS = [
+    ('job.reproduce', ['--quick', '--out_dir', ''], '--out_dir'),
+    ('job.reproduce', ['--quick', '--data_dir', ''], '--data_dir'),
+    ('train_lm', ['--out_dir', ' '], '--out_dir'),
+    ('train_lm', ['--init_from', ''], '--init_from'),
+    ('extensions.exo', ['--lm', '', '--energy', 'e.pt', '--out_dir', 'x'], '--lm'),
+    ('extensions.metric_ebm', ['--lm', 'a.pt', '--compare', 'BIT=b.pt', '', '--out_dir', 'x'], '--compare'),
+    ('job.claims', ['--out_dir', ''], '--out_dir'),
+]
+
+
+@pytest.mark.parametrize('module, argv, flag', EMPTY_PATHS)
+def test_an_empty_path_flag_is_refused(module, argv, flag):
+    get_args = importlib.import_module(module).get_args
+    with pytest.raises(ValueError, match=rf"^{flag} '': an empty path; give a file or folder"):
+        get_args(argv)
+
+
+ABSURD_JSON = [
+    ('{"num_samples": 1' + '0' * 400 + '}',
+     r'holds the number 100000000000\.\.\. \(401 characters\), beyond'),
+    ('{"logp": [-1.5, 1e308]}', 'holds the number 1e308, beyond any a rebm file holds'),
+    ('[1e400]', 'holds the number 1e400, beyond'),
+    ('[' * 100_000 + ']' * 100_000, 'is nested too deeply to be a rebm file'),
+]
+
+
+@pytest.mark.parametrize('text, match', ABSURD_JSON, ids=['int-10^400', 'float-1e308', 'float-1e400', 'deep'])
+def test_absurd_json_is_one_line(tmp_path, text, match):
+    from data import read_json
+    (tmp_path / 'ppl.json').write_text(text)
+    with pytest.raises(ValueError, match=rf"ppl.json {match}.*: the fix"):
+        read_json(str(tmp_path / 'ppl.json'), 'the fix')
 
 
 # (id, script, argv with {name} for cli_artifacts paths and {new} for a fresh output path,
@@ -709,6 +748,12 @@ CLI_TABLE = [
      '{run_other_lm}/samples.json: its --lm {energy} is not the LM'),
     ('figures-claims-of-another-ppl', ['-m', 'job.figures', '--out_dir', '{run_stale_claims}'],
      '{run_stale_claims}/claims.json: it was measured on another ppl.json'),
+    # issue 48, item 4: an empty path flag, a number no rebm file holds
+    ('reproduce-out-dir-empty', [*R, '--out_dir', ''], "--out_dir '': an empty path"),
+    ('reproduce-data-dir-empty', [*R, '--data_dir', ''], "--data_dir '': an empty path"),
+    ('train-out-dir-empty', [*T, '--out_dir', ''], "--out_dir '': an empty path"),
+    ('claims-ppl-huge-int', ['-m', 'job.claims', '--out_dir', '{run_huge_int}'],
+     '{run_huge_int}/ppl.json holds the number 100000000000... (401 characters)'),
 ]
 
 
@@ -1569,6 +1614,12 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
                          text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert 'Broken pipe' not in res.stderr and 'error' not in res.stderr, res.stderr
     assert res.returncode in (0, 141), res  # 141: sample.py outlived head's read, as a Unix tool would
+    # issue 48, item 5: the file is written before the screen, so a reader that leaves once the setup
+    # lines are read (head -3: threads, sample and score precision) loses no finished sampling
+    shell = f"{shlex.join([sys.executable, *argv, '--out', str(tmp_path / 'q.json')])} --force | head -3"
+    res = subprocess.run(['bash', '-c', f'set -o pipefail; {shell}'], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1'))
+    assert res.returncode in (0, 141) and json.loads((tmp_path / 'q.json').read_text())['samples'], res
 
 
 def test_memory_check_respects_ulimit_v():

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import types
 
 import numpy as np
@@ -483,6 +484,34 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
     assert {'BASE LM', 'EXO'} <= {r['model'] for r in rows}
     with pytest.raises(ValueError, match='unknown loss'):
         exo.exo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), loss='kl')
+
+
+def test_exo_resume_checks_what_it_resumes(addition_run, tmp_path):
+    """exo.py --resume by content (issue 48, item 2): a ckpt.pt of the wrong kind (an LM's, an EXO
+    best.pt), another run's ckpt.pt beside this run's best.pt, and an --energy replaced at the same
+    path are each one line, before any step."""
+    d, lm_path = addition_run
+    energy = str(tmp_path / 'energy.pt')
+    shutil.copy(d / 'bit.pt', energy)
+    flags = ['--lm', lm_path, '--energy', energy, '--prefix_len', '8', '--gen_len', '5', '--K', '4',
+             '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8', '--eval_samples', '4',
+             '--logz_samples', '32', '--forward_samples', '8', '--max_iters', '2', '--quiet']
+    run, other = tmp_path / 'run', tmp_path / 'other'
+    exo.main([*flags, '--out_dir', str(run)])
+    exo.main([*flags, '--out_dir', str(other), '--lr', '0.1'])
+    mine = (run / 'ckpt.pt').read_bytes()
+    wrong = [(lm_path, r'ckpt.pt is not an EXO checkpoint \(a train_lm.py or nce_train.py one\?\): '
+                       r'it lacks exo, optimizer'),
+             (run / 'best.pt', r'ckpt.pt is an EXO best.pt \(the policy alone\): it lacks optimizer'),
+             (other / 'ckpt.pt', r'best.pt is not the best policy of the run .*ckpt.pt holds')]
+    for ckpt, match in wrong:
+        shutil.copy(ckpt, run / 'ckpt.pt')
+        with pytest.raises(ValueError, match=match):
+            exo.main([*flags, '--out_dir', str(run), '--resume', '--max_iters', '4'])
+    (run / 'ckpt.pt').write_bytes(mine)
+    shutil.copy(d / 'zero.pt', energy)
+    with pytest.raises(ValueError, match=r'--energy .*energy.pt is not the energy .*ckpt.pt trained from'):
+        exo.main([*flags, '--out_dir', str(run), '--resume', '--max_iters', '4'])
 
 
 def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):

@@ -129,37 +129,18 @@ def check_claims_from_run(out):
         assert moved['C2'] == res['claims']['C2']  # UNIT vs RALM: untouched
 
 
-def test_pipeline_restarts_a_stage_whose_inputs_changed(tmp_path, capsys):
-    """reproduce.Pipeline: a stage whose folder is newer than its inputs resumes (--resume kept);
-    one whose folder predates them (a model it used was retrained) is kept as folder.old and
-    starts over, without --resume."""
-    from job import reproduce
-    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'))
-    dep, folder = tmp_path / 'dep.txt', tmp_path / 'stage'
-    write = lambda path: ['-c', f"import os, sys; os.makedirs({str(path.parent)!r}, exist_ok=True); "
-                                f"open({str(path)!r}, 'w').write(' '.join(sys.argv))"]
-    pipe.run('dep', write(dep), str(dep))
-    folder.mkdir()
-    (folder / 'ckpt.pt').write_text('an interrupted run of the current inputs')
-    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
-    assert '--resume' in (folder / 'done').read_text() and not (tmp_path / 'stage.old').exists()
-    os.remove(folder / 'done')
-    time.sleep(0.05)
-    pipe.run('dep', write(dep) + ['again'], str(dep))  # not run: dep.txt is there
-    os.utime(dep)  # as if the dependency was redone after the stage's folder was written
-    pipe.run('stage', write(folder / 'done') + ['--resume'], str(folder / 'done'), ['dep'], str(folder))
-    assert (tmp_path / 'stage.old' / 'ckpt.pt').exists() and '--resume' not in (folder / 'done').read_text()
-    assert 'kept as' in capsys.readouterr().out
+# the scheduler's "done" by provenance (a stage made again when what made it changed): test_provenance.py
 
 
 # reproduce.py --jobs (issue 37, item 6): stages that need not each other's outputs run at once, each on
 # cores // jobs threads and into its own log; a failure or Ctrl-C stops them all with one line
 
 def fake_stage(tmp_path, name, seconds, fail=False):
-    """(cmd, done) of a stage that sleeps, then records when it ran and on how many threads."""
+    """(cmd, done) of a stage that sleeps, then records when it ran and on how many threads (fail:
+    True or a mode of tests/scripts/fake_stage.py)."""
     script = os.path.join(SCRIPTS, 'fake_stage.py')
     done = str(tmp_path / f'{name}.json')
-    return [str(script), done, str(seconds), 'fail' if fail else 'ok'], done
+    return [str(script), done, str(seconds), 'fail' if fail is True else fail or 'ok'], done
 
 
 def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
@@ -195,12 +176,50 @@ def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
         pipe.run('bad', *fake_stage(tmp_path, 'bad', 0.5, fail=True))
         pipe.run('after', *fake_stage(tmp_path, 'after', 0), ['bad'])
     msg = str(e.value.code)
-    assert msg == (f"error: stage 'bad' failed (its log {tmp_path / 'bad.log'} ends: error: boom); fix it "
+    assert msg == (f"error: stage 'bad' failed (its log {tmp_path / 'bad.log'} says: error: boom); fix it "
                    "and rerun: finished stages are skipped"), msg
     assert time.time() - t0 < 30 and not pipe.running
     assert not (tmp_path / 'slow.json').exists() and not (tmp_path / 'after.json').exists()
     with pytest.raises(ValueError, match='--jobs 0: at least 1'):
         reproduce_args(['--jobs', '0'])
+
+
+@pytest.mark.parametrize('jobs, mode, said', [
+    (2, 'late', "its log {log} says: error: the real reason"),  # the first error line, not the last line
+    (2, 'kill', "killed by SIGKILL; its log: {log}"),
+    (1, 'kill', "killed by SIGKILL"),
+])
+def test_pipeline_says_why_a_stage_failed(tmp_path, jobs, mode, said):
+    """A failed stage is named by its first `error:` line (what follows is often a consequence),
+    a stage ended by a signal as such (issue 48, item 3)."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=jobs, threads=1)
+    with pytest.raises(SystemExit) as e:
+        pipe.run('bad', *fake_stage(tmp_path, 'bad', 0, fail=mode))
+        pipe.wait()
+    assert str(e.value.code) == (f"error: stage 'bad' failed ({said.format(log=tmp_path / 'bad.log')}); "
+                                 "fix it and rerun: finished stages are skipped")
+
+
+def test_pipeline_stages_die_with_the_job(tmp_path):
+    """kill -9 of the job alone (not its process group): its stages die with it (the parent-death
+    signal), none runs on as an orphan."""
+    cmd, done = fake_stage(tmp_path, 'slow', 60)
+    job = subprocess.Popen([sys.executable, '-c', (
+        "import sys, time; from job.pipeline import Pipeline\n"
+        f"p = Pipeline({str(tmp_path / 'timings.json')!r}, jobs=2, threads=1)\n"
+        f"p.run('slow', {cmd!r}, {done!r})\n"
+        "print(p.running['slow'][0].pid, flush=True); time.sleep(60)")], cwd=ROOT, stdout=subprocess.PIPE,
+        text=True)
+    stage = int(next(line for line in job.stdout if line.strip().isdigit()))  # after the command line
+    job.kill()
+    job.wait()
+    alive = lambda: (os.path.exists(f'/proc/{stage}')
+                     and 'Z' not in open(f'/proc/{stage}/stat').read().split()[2])  # a zombie is dead
+    deadline = time.time() + 10
+    while alive() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive()
 
 
 def test_reproduce_jobs_refused_on_a_gpu(monkeypatch, tmp_path):
