@@ -438,7 +438,7 @@ CLI_TABLE = [
     ('train-existing-ckpt', [*T, '--out_dir', '{lm}'], 'ckpt.pt exists: pass --resume'),
     ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
     ('train-batch-beyond-memory', [*T, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
-    ('train-out-dir-empty', [*T, '--out_dir', ''], '--out_dir is empty: give a folder path'),
+    ('train-out-dir-empty', [*T, '--out_dir', ''], "--out_dir '': an empty path"),
     ('train-width-beyond-memory', [*T, '--n_embd', '1000000000'], 'of n_embd 1000000000 on --batch_size'),
     ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
     ('train-resume-other-width', [*T, '--out_dir', '{lm}', '--resume', '--n_embd', '64'],
@@ -751,7 +751,6 @@ CLI_TABLE = [
     # issue 48, item 4: an empty path flag, a number no rebm file holds
     ('reproduce-out-dir-empty', [*R, '--out_dir', ''], "--out_dir '': an empty path"),
     ('reproduce-data-dir-empty', [*R, '--data_dir', ''], "--data_dir '': an empty path"),
-    ('train-out-dir-empty', [*T, '--out_dir', ''], "--out_dir '': an empty path"),
     ('claims-ppl-huge-int', ['-m', 'job.claims', '--out_dir', '{run_huge_int}'],
      '{run_huge_int}/ppl.json holds the number 100000000000... (401 characters)'),
 ]
