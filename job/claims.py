@@ -50,7 +50,7 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.claims")
 from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model, check_shape,
                  input_hashes, read_report)
-from job.stats import (ALPHA, correct, decide, equivalence_p, jackknife_se, mean_se, paired,
+from job.stats import (ALPHA, correct, decide, equivalence_p, jackknife_se, mcnemar, mean_se, paired,
                        studentised_permutation)
 from plumbing import ArgumentParser, run_main, write_json, write_text
 
@@ -310,6 +310,8 @@ SAMPLE = {'base': str, 'joint': str, 'gold?': str, 'joint_energy': NUMBER, 'gold
 SAMPLES = {'args?': {'lm?': str}, 'samples': [SAMPLE]}
 NEEDED = {'extra_logp': ('RALM', 'BALM'), 'energy': ('BIT', 'UNIT')}  # C1-C3's models
 PPL_FIX = 'rerun estimate_ppl.py (reproduce.py runs it)'
+ACCURACY = {'ns': [int], 'per_problem': {'*': {'*': NUMBERS}}}
+ACCURACY_FIX = 'rerun python -m extensions.addition_eval (reproduce.py --data addition runs it)'
 
 
 def read_ppl(out_dir, split):
@@ -382,9 +384,36 @@ def measure(out_dir, split='test', seed=0):
         claims.update(untruncated_claims(samples, untruncated, seed))
     if 'JOINT METRICS' in lp:
         claims.update(talk_claims(lp, res, L))
+    if os.path.exists(os.path.join(out_dir, 'accuracy.json')):  # a task with a known answer: addition
+        claims.update(decoder_claims(read_report(out_dir, 'accuracy.json', ACCURACY_FIX, ACCURACY)))
     multiplicity = correct(claims)
     return dict(split=split, lms=lm_convergence(out_dir, ppl, path), claims=claims,
                 multiplicity=multiplicity, statistics=STATISTICS, inputs=input_hashes(out_dir))
+
+
+# the decoders compared on addition (accuracy.json), each pair on the same problems and, for the
+# decoders among n samples, the same n samples of the base LM: (better, worse) as (model, column)
+DECODERS = {'JOINT': ('a1', 'mode'), 'BASE LM': ('greedy', 'majority', 'rerank'), 'BALM': ('greedy', 'rerank')}
+DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode', ('BASE LM', 'greedy'): 'LM greedy',
+                 ('BASE LM', 'majority'): 'LM majority vote', ('BASE LM', 'rerank'): 'LM log-prob rerank',
+                 ('BALM', 'greedy'): 'BALM greedy', ('BALM', 'rerank'): 'BALM log-prob rerank',
+                 ('EXO', 'greedy'): 'EXO LM greedy'}
+
+
+def decoder_claims(acc):
+    """D1..: on a task with a known answer (extensions/addition_eval.py's accuracy.json), each joint
+    decoder at the largest n above each LM decoder, and the EXO LM's greedy above the base LM's: exact
+    McNemar tests on the per-problem exact matches (paired: same problems, same samples)."""
+    per, n = acc['per_problem'], max(acc['ns'])
+    col = lambda model, how: np.array(per[model][f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact'])
+    pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] for model in ('BASE LM', 'BALM')
+             if model in per for how in DECODERS[model]]
+    pairs += [(('greedy', 'EXO'), ('greedy', 'BASE LM'))] if 'EXO' in per else []
+    out = {}
+    for i, ((h1, m1), (h2, m2)) in enumerate(pairs, 1):
+        what = f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else '')
+        out[f'D{i}'] = dict(mcnemar(col(m1, h1), col(m2, h2)), models=[m1, m2], decoders=[h1, h2], what=what)
+    return out
 
 
 def untruncated_claims(samples, untruncated, seed):
@@ -444,6 +473,8 @@ STATISTICS = dict(  # per claim: what is measured, how it is tested, what it doe
     C6='pooled unique character n-grams (n = 4, 6, 8), joint minus base; jackknife SE, studentised '
        'permutation p (joint and base swapped within prefixes, each permutation over its own SE); not '
        'shown: that the joint model is more diverse than real text',
+    D='exact match per problem, the first decoder minus the second, on the same problems and (among n) the '
+      'same base-LM samples; exact McNemar test on the discordant problems; not shown: another task',
     C7='|mean log-lik. gap to real text| under the base LM minus under the joint model (nats per '
        'sequence); jackknife SE, studentised permutation p (the two gaps swapped within prefixes); with '
        'top-k proposals the gap is mostly truncation (C7u: without)',
@@ -479,13 +510,14 @@ def format_claims(result):
              f"{'verdict (alone)':<16} verdict (Holm)"]
     for k, c in result['claims'].items():
         v, vh = VERDICT[c['holds']], VERDICT[c.get('holds_holm')]
+        what, unit = CLAIM_TEXT.get(k, c.get('what', '')[:44]), UNITS.get(k, 'exact match')
         if c.get('not_measurable'):
             v = vh = 'not measurable'
         if k == 'T3':
             v, vh = (x if h is not None else 'inconclusive'
                      for x, h in ((v, c['holds']), (vh, c.get('holds_holm'))))
         p = 'n/a' if c.get('p') is None else f"{c['p']:.4f}"
-        lines.append(f"{k:<5} {CLAIM_TEXT[k]:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {UNITS[k]:<13} {p:>7} "
+        lines.append(f"{k:<5} {what:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {unit:<13} {p:>7} "
                      f"{v:<16} {vh}" + (f" (= {c['same_as']})" if c.get('same_as') else ''))
     for k, c in result['claims'].items():
         if c.get('not_measurable'):

@@ -230,10 +230,10 @@ def stages(args, pipe):
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
-    pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
-             ['estimate_ppl', 'samples', 'samples_untruncated'])
-    if 'accuracy' in cfg:
+    if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
         accuracy(script, path, lm_ckpt, cfg, stronger_energy(pipe, path))
+    pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
+             ['estimate_ppl', 'samples', 'samples_untruncated'] + ['accuracy'] * ('accuracy' in cfg))
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
@@ -268,9 +268,11 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
 
 def stronger_energy(pipe, path):
     """'bit' or 'unit': the energy whose joint model gains more on the selection split's held-out
-    prefixes (nce_train.py's held_out_gain): the one EXO distils and the accuracy table uses."""
+    prefixes (nce_train.py's held_out_gain_enumerated, log Z by energy.logz_enumerate: Eq. 4's
+    held_out_gain fails where the energy is sharp): the one EXO distils and the accuracy table uses."""
     pipe.wait('bit', 'unit')
-    gain = {k: read_json(path(k, 'results.json'), FIX)['held_out_gain'] for k in ('bit', 'unit')}
+    res = {k: read_json(path(k, 'results.json'), FIX) for k in ('bit', 'unit')}
+    gain = {k: r.get('held_out_gain_enumerated', r['held_out_gain']) for k, r in res.items()}
     return max(gain, key=gain.get)
 
 

@@ -75,6 +75,22 @@ def paired(d):
     return dict(res, z=mean / se if se > 0 else None, df=df, p=p, holds=decide(mean, p), prefixes=len(d))
 
 
+def mcnemar(a, b):
+    """Exact McNemar test of paired 0/1 outcomes a and b (one per problem, two decoders on the same
+    problems and samples): the difference of their means with its paired SE, and the two-sided exact
+    binomial p-value of the discordant pairs (a right and b wrong: k of them, the reverse: m),
+    min(1, 2 P(X <= min(k, m))) for X ~ Binomial(k + m, 1/2); p = 1 with no discordant pair."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or not np.isin(np.concatenate([a, b]), (0.0, 1.0)).all():
+        raise ValueError("McNemar's test needs two equally long vectors of 0/1 outcomes")
+    k, m = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    n = k + m
+    tail = sum(math.comb(n, i) for i in range(min(k, m) + 1)) / 2 ** n if n else 1.0
+    p = min(1.0, 2 * tail)
+    res = mean_se(a - b)
+    return dict(res, p=p, holds=decide(res['diff'], p), problems=len(a), discordant=[k, m])
+
+
 def holm(pvalues):
     """Holm's (1979) step-down adjusted p-values, in the order given: sorted ascending, the j-th
     smallest (j = 0, 1, ...) is max over i <= j of min(1, (m - i) p_(i)); a hypothesis is rejected

@@ -132,6 +132,31 @@ def test_claims_on_flagged_ranges_give_no_verdict():
     assert result['multiplicity']['family'] == [] and 'not measurable' in claims.format_claims(result)
 
 
+def test_mcnemar_brute_force_and_decoder_claims():
+    """stats.mcnemar against the binomial tail summed by hand, decided both ways and not at all; the
+    decoder claims of an accuracy.json pair the right columns (same problems) and leave Holm's family
+    as any claim with a p."""
+    a = np.array([1] * 30 + [0] * 5 + [1] * 60 + [0] * 5)
+    b = np.array([0] * 30 + [1] * 5 + [1] * 60 + [0] * 5)
+    r = stats.mcnemar(a, b)
+    tail = sum(math.comb(35, i) for i in range(6)) / 2 ** 35
+    assert r['p'] == pytest.approx(2 * tail, rel=1e-12) and r['discordant'] == [30, 5]
+    assert r['holds'] is True and r['diff'] == pytest.approx(0.25)
+    assert stats.mcnemar(b, a)['holds'] is False and stats.mcnemar(a, a) == dict(stats.mcnemar(a, a), p=1.0)
+    assert stats.mcnemar([1, 1, 1, 0], [0, 0, 0, 1])['p'] == pytest.approx(2 * 5 / 16)  # 3 vs 1: not decided
+    assert stats.mcnemar([1, 1, 1, 0], [0, 0, 0, 1])['holds'] is None
+    with pytest.raises(ValueError, match='0/1'):
+        stats.mcnemar(a * 2, b)
+    per = {'JOINT': {'a1_4_exact': a.tolist(), 'mode_4_exact': a.tolist()},
+           'BASE LM': {'greedy_exact': b.tolist(), 'majority_4_exact': b.tolist(), 'rerank_4_exact': a.tolist()},
+           'EXO': {'greedy_exact': a.tolist()}}
+    d = claims.decoder_claims(dict(ns=[1, 4], per_problem=per))
+    assert [c['what'] for c in d.values()][:3] == ['Alg. 1 > LM greedy (n = 4)', 'Alg. 1 > LM majority vote (n = 4)',
+                                                   'Alg. 1 > LM log-prob rerank (n = 4)']
+    assert [c['holds'] for c in d.values()] == [True, True, None, True, True, None, True]
+    assert d['D7']['models'] == ['EXO', 'BASE LM']
+
+
 def test_c4_c5_c7_decide_both_ways():
     """C4 (early per-step gain above the last step's, from the early gain's conservative end), C5
     (the expected bounds bracket the reference) and C7 (the joint model's log-likelihoods closer to
