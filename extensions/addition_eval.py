@@ -231,9 +231,9 @@ def format_table(rows):
                      f"{r['exact']:>8.3f} ({r['exact_se']:.3f}) {r['digit']:>8.3f} ({r['digit_se']:.3f}) "
                      f"{oracle:>12} {p}")
     if any('eq4_flagged' in r for r in rows):
-        lines.append("JOINT P(correct): an estimate, log Z by energy.logz_enumerate (every distinct continuation "
-                     "seen scored exactly, the rest estimated); Eq. 4's range only where logz_diagnostics does "
-                     "not flag it")
+        lines.append("JOINT P(correct): an estimate, log Z by energy.logz_enumerate (every distinct "
+                     "continuation seen scored exactly, the rest estimated); Eq. 4's range only where "
+                     "logz_diagnostics does not flag it")
     return '\n'.join(lines)
 
 

@@ -135,7 +135,8 @@ ADDITION = dict(
 )
 ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
     {k: v for k, v in QUICK.items() if k not in ('metrics', 'ordering')}, data=ADDITION['data'],
-    lm=dict(QUICK['lm'], block_size=66, max_iters=60, eval_interval=30, snapshots='', select_on='continuation'),
+    lm=dict(QUICK['lm'], block_size=66, max_iters=60, eval_interval=30, snapshots='',
+            select_on='continuation'),
     mlm=dict(QUICK['mlm'], select_on='window'),
     neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=1600, select_prefixes=64),
     ppl=dict(QUICK['ppl'], step_every=1), samples=dict(QUICK['samples'], m=2),
