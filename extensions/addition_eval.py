@@ -314,7 +314,8 @@ def main(argv=None):
         params = (lm if name == 'JOINT' else lms[name]).num_params() + (
             sum(p.numel() for p in energy.parameters()) if name == 'JOINT' else 0)
         rows += rows_of(name, merged, args.ns, params)
-        per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()}
+        per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()
+                             if k.endswith('_exact') or k.startswith('logp_correct') or k == 'eq4_flagged'}
     res = dict(split=args.split, num_prefixes=len(offsets), prefix_len=P, gen_len=L, ns=args.ns,
                top_k=args.top_k, beam=args.beam, lm=args.lm, energy=args.energy, extra_lm=args.extra_lm,
                seed=args.seed, rows=rows, per_problem=per_problem)
