@@ -520,7 +520,8 @@ def format_claims(result):
             v, vh = (x if h is not None else 'inconclusive'
                      for x, h in ((v, c['holds']), (vh, c.get('holds_holm'))))
         p = 'n/a' if c.get('p') is None else f"{c['p']:.4f}"
-        lines.append(f"{k:<5} {what:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {unit:<13} {p:>7} "
+        diff = '(see below)' if c.get('not_measurable') else f"{c['diff']:>+12.5f} ({c['se']:.5f})"
+        lines.append(f"{k:<5} {what:<44} {diff:>24} {unit:<13} {p:>7} "
                      f"{v:<16} {vh}" + (f" (= {c['same_as']})" if c.get('same_as') else ''))
     for k, c in result['claims'].items():
         if c.get('not_measurable'):
