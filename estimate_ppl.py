@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from data import SPLITS, check_fits, load_split, window_tokens, windows
-from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate, sample_log_weights,
-                    score, score_continuations, share_energies)
+from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
+                    sample_log_weights, score, score_continuations, share_energies)
 from model import load_lm, load_lm_and_data
 from data.tokenizer import load_tokenizer
 from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
@@ -85,9 +85,10 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
             lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
             extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
         e_real = {name: score(e, x, P, ectx) for name, e in energies.items()}
-        log_w, samples, samples_logp = (sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep),
-                                                           ctx, g, args.max_rows, ectx=ectx, return_samples=True)
-                                        if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))
+        log_w, samples, samples_logp = (
+            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g, args.max_rows,
+                               ectx=ectx, return_samples=True)
+            if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))  # log_w: (energies, B, n)
         bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
         kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
         enum = enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, ctx, ectx)
@@ -121,7 +122,8 @@ def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w
             known_w[name] = torch.cat([known_w[name], -score_continuations(e, x[:, :P], beam, P, ectx)], 1)
     out = {}
     for k, name in enumerate(energies):
-        z = logz_enumerate(torch.cat([known, samples[:, :n]], 1), torch.cat([known_logp, samples_logp[:, :n]], 1),
+        z = logz_enumerate(torch.cat([known, samples[:, :n]], 1),
+                           torch.cat([known_logp, samples_logp[:, :n]], 1),
                            torch.cat([known_w[name], log_w[k, :, :n]], 1), known=known.size(1))
         d = logz_diagnostics(log_w[k, :, :n], z['sure'])
         out[name] = {key: v.double().cpu() for key, v in dict(z, **d).items()}
@@ -136,7 +138,8 @@ def columns(chunks):
                 extra_logp={k: cat(lambda c: c['extra_logp'][k]) for k in first['extra_logp']},
                 energy={k: cat(lambda c: c['energy'][k]) for k in first['energy']},
                 kl={k: cat(lambda c: c['kl'][k]) for k in first['kl']},
-                enum={k: {q: cat(lambda c: c['enum'][k][q]) for q in first['enum'][k]} for k in first['enum']},
+                enum={k: {q: cat(lambda c: c['enum'][k][q]) for q in first['enum'][k]}
+                      for k in first['enum']},
                 logz={k: {n: {end: cat(lambda c: c['logz'][k][n][end]) for end in ('low', 'high')}
                           for n in first['logz'][k]} for k in first['logz']})
 
@@ -163,7 +166,8 @@ def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
         logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
         # log P bounds: the low log Z gives the high log P; neither end below the sure lower bound of log Z
         sure = -np.inf if enum is None else enum['sure']
-        joint_high, joint_low = lp - e - np.maximum(logz['low'], sure), lp - e - np.maximum(logz['high'], sure)
+        joint_high = lp - e - np.maximum(logz['low'], sure)
+        joint_low = lp - e - np.maximum(logz['high'], sure)
         rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
                          ppl_high=ppl(joint_low, num_tokens), **gain(joint_low)))
         if enum is not None and enumerated:
@@ -464,9 +468,10 @@ def format_enumerated(rows):
     """One line per joint model and split: its PPL with log Z from logz_enumerate (an estimate, beside
     Eq. 4's range) and how often that range is flagged; a flagged range is not a pair of bounds."""
     return ''.join(f"\n{r['model']} ({r['split']}): PPL {r['ppl_enumerated']:.4f} with log Z enumerated "
-                   f"(an estimate: every distinct continuation seen scored exactly, {100 * r['scored_mass']:.1f}% "
-                   f"of the LM's mass; gain {r['gain_enumerated']:+.5f} ({r['gain_enumerated_se']:.5f})); Eq. 4's "
-                   f"range flagged on {100 * r['eq4_flagged']:.1f}% of prefixes (mean ESS {r['eq4_ess']:.1f})"
+                   f"(an estimate: every distinct continuation seen scored exactly, "
+                   f"{100 * r['scored_mass']:.1f}% of the LM's mass; gain {r['gain_enumerated']:+.5f} "
+                   f"({r['gain_enumerated_se']:.5f})); Eq. 4's range flagged on "
+                   f"{100 * r['eq4_flagged']:.1f}% of prefixes (mean ESS {r['eq4_ess']:.1f})"
                    + (': not bounds there' if r['eq4_flagged'] > 0 else '')
                    for r in rows if 'ppl_enumerated' in r)
 
@@ -567,7 +572,8 @@ def split_summary(cols, args, split, offsets, data, meta):
     if joint:  # the first joint model's range, in one place
         res.update(joint_ppl_low=joint[0]['ppl_low'], joint_ppl_high=joint[0]['ppl_high'])
     if args.sweep:
-        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n, enumerated=False) if 'energy' in r]
+        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n, enumerated=False)
+                            if 'energy' in r]
                         for n in sorted(set(args.sweep))}
     return res
 

@@ -104,8 +104,8 @@ def get_args(argv=None):
 # the flags beside the model's shape that change a run's numbers: a --resume keeps the checkpoint's
 RESUME_FIXED = ('seed', 'data_dir', 'lr', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'batch_size',
                 'grad_accum', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'dropout', 'eval_interval',
-                'eval_iters', 'select_on', 'patience', 'min_rel_delta', 'final_eval_windows', 'residual_of', 'init_from',
-                'match_params')
+                'eval_iters', 'select_on', 'patience', 'min_rel_delta', 'final_eval_windows', 'residual_of',
+                'init_from', 'match_params')
 
 
 def saved_flags(ckpt):
@@ -295,8 +295,8 @@ def select_layout(args, meta):
         raise ValueError(f"--select_on continuation needs problem data (data/addition) and a causal LM; "
                          f"{args.data_dir} is not, or drop the flag (--select_on window)")
     if sum(layout) > args.block_size:
-        raise ValueError(f"--select_on continuation: a problem is {sum(layout)} tokens, more than --block_size "
-                         f"{args.block_size}: raise --block_size")
+        raise ValueError(f"--select_on continuation: a problem is {sum(layout)} tokens, more than "
+                         f"--block_size {args.block_size}: raise --block_size")
     return layout
 
 
@@ -399,7 +399,8 @@ def fixed_select_offsets(data, args):
         P, L = args.select_layout
         n = args.eval_iters * args.batch_size * (args.block_size // (P + L))
         return torch.from_numpy(windows(data, P, L, max_windows=n))
-    return batch_offsets(len(data), args.block_size, args.eval_iters * args.batch_size, args.seed, 'select', 0)
+    n = args.eval_iters * args.batch_size
+    return batch_offsets(len(data), args.block_size, n, args.seed, 'select', 0)
 
 
 def train_step(model, scaler, train, V, args, iter_num, device, ctx, rank, world_size):

@@ -18,7 +18,7 @@ sum of a test problem, and how much probability it puts on it.
   scored exactly, the rest estimated (unbiased in Z; never above 1, as c is in the scored set).
   Beside it Eq. 4's range (energy.logz_bounds) with its diagnostics (energy.logz_diagnostics): the
   share of problems where it is flagged (too few effective samples, or provably below log Z), and
-  the range's mean over the others only; a sharp energy pushes Eq. 4 past 1, which is never printed.
+  the range's mean only where none is; a sharp energy pushes Eq. 4 past 1, which is never printed.
   The energy scores each distinct continuation of a problem once.
 
 Accuracy: exact match (every digit and the end of text) and per-digit (the N + 1 sum digits),
@@ -182,15 +182,24 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam=8):
     return out
 
 
+def kept_columns(n):
+    """The per-problem columns the JSON keeps (what the paired tests and P(correct) need): exact match of
+    greedy, one sample and each decoder at the largest n, and the probabilities of the correct sum."""
+    decoders = [f'{how}_{n}_exact' for how in list(LM_DECODERS) + list(JOINT_DECODERS)]
+    return {'greedy_exact', 'sampled_exact', *decoders, 'logp_correct', 'logp_correct_low',
+            'logp_correct_high', 'eq4_flagged'}
+
+
 def eq4_summary(cols):
-    """Eq. 4's P(correct) range as a result only where it holds: the share of problems whose range
-    logz_diagnostics flags, the mean ESS, and the range's mean over the unflagged problems (None if
-    none); the LM's mass that logz_enumerate scored exactly."""
-    ok = cols['eq4_flagged'] == 0
-    mean = lambda k: cols[k][ok].exp().mean().item() if ok.any() else None
+    """Eq. 4's P(correct) range as a result only where it holds on every problem: the share of problems
+    whose range logz_diagnostics flags, the mean ESS, and the range's mean where none is flagged (else
+    None: the unflagged problems are no random subset, e.g. those whose samples hold c more often than
+    P_LM(c)); the LM's mass that logz_enumerate scored exactly."""
+    ok = not cols['eq4_flagged'].any()
+    mean = lambda k: cols[k].exp().mean().item() if ok else None
     return dict(eq4_flagged=cols['eq4_flagged'].mean().item(), eq4_ess=cols['eq4_ess'].mean().item(),
-                eq4_unflagged=int(ok.sum()), p_correct_low=mean('logp_correct_low'),
-                p_correct_high=mean('logp_correct_high'), scored_mass=cols['scored_mass'].mean().item())
+                p_correct_low=mean('logp_correct_low'), p_correct_high=mean('logp_correct_high'),
+                scored_mass=cols['scored_mass'].mean().item())
 
 
 LM_DECODERS = {'majority': 'majority vote', 'rerank': 'log-prob rerank', 'oracle': 'oracle'}
@@ -221,20 +230,20 @@ def rows_of(name, cols, ns, params):
 
 def format_table(rows):
     lines = [f"{'model':<10} {'method':<24} {'LM samples':>10} {'exact (SE)':>16} {'per digit (SE)':>16} "
-             f"{'oracle exact':>12} {'P(correct) (SE)':>16} {'Eq. 4 range, unflagged problems':>32}"]
+             f"{'oracle exact':>12} {'P(correct) (SE)':>16} {'Eq. 4 range':>13}"]
     for r in rows:
         p = f"{r['p_correct']:.3f} ({r['p_correct_se']:.3f})"
         if 'eq4_flagged' in r:
             p += (f" {r['p_correct_low']:>6.3f}-{r['p_correct_high']:.3f}" if r['p_correct_low'] is not None
-                  else '     -') + f" ({100 * r['eq4_flagged']:.0f}% flagged)"
+                  else f"  flagged on {100 * r['eq4_flagged']:.0f}% of problems: no range")
         oracle = f"{r['oracle_exact']:.3f}" if 'oracle_exact' in r else ''
         lines.append(f"{r['model']:<10} {r['method']:<24} {r['lm_samples']:>10} "
                      f"{r['exact']:>8.3f} ({r['exact_se']:.3f}) {r['digit']:>8.3f} ({r['digit_se']:.3f}) "
                      f"{oracle:>12} {p}")
     if any('eq4_flagged' in r for r in rows):
-        lines.append("JOINT P(correct): an estimate, log Z by energy.logz_enumerate (every distinct continuation "
-                     "seen scored exactly, the rest estimated); Eq. 4's range only where logz_diagnostics does "
-                     "not flag it")
+        lines.append("JOINT P(correct): an estimate, log Z by energy.logz_enumerate (every distinct "
+                     "continuation seen scored exactly, the rest estimated); Eq. 4's range only where "
+                     "logz_diagnostics flags it on no problem")
     return '\n'.join(lines)
 
 
@@ -315,7 +324,8 @@ def main(argv=None):
         params = (lm if name == 'JOINT' else lms[name]).num_params() + (
             sum(p.numel() for p in energy.parameters()) if name == 'JOINT' else 0)
         rows += rows_of(name, merged, args.ns, params)
-        per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()}
+        per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()
+                             if k in kept_columns(args.ns[-1])}
     res = dict(split=args.split, num_prefixes=len(offsets), prefix_len=P, gen_len=L, ns=args.ns,
                top_k=args.top_k, beam=args.beam, lm=args.lm, energy=args.energy, extra_lm=args.extra_lm,
                seed=args.seed, rows=rows, per_problem=per_problem)

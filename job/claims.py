@@ -72,7 +72,8 @@ def enumerated_log_probs(split):
     """As log_probs, each joint model with log Z from energy.logz_enumerate (an estimate), where
     estimate_ppl.py wrote it; {} otherwise."""
     cols = split['per_prefix']
-    return {f'JOINT {name}': np.array(cols['lm_logp']) - np.array(cols['energy'][name]) - np.array(z['estimate'])
+    lp = np.array(cols['lm_logp'])
+    return {f'JOINT {name}': lp - np.array(cols['energy'][name]) - np.array(z['estimate'])
             for name, z in cols.get('enum', {}).items()}
 
 
@@ -393,8 +394,10 @@ def measure(out_dir, split='test', seed=0):
 
 # the decoders compared on addition (accuracy.json), each pair on the same problems and, for the
 # decoders among n samples, the same n samples of the base LM: (better, worse) as (model, column)
-DECODERS = {'JOINT': ('a1', 'mode'), 'BASE LM': ('greedy', 'majority', 'rerank'), 'BALM': ('greedy', 'rerank')}
-DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode', ('BASE LM', 'greedy'): 'LM greedy',
+DECODERS = {'JOINT': ('a1', 'mode'), 'BASE LM': ('greedy', 'majority', 'rerank'),
+            'BALM': ('greedy', 'rerank')}
+DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode',
+                 ('BASE LM', 'greedy'): 'LM greedy',
                  ('BASE LM', 'majority'): 'LM majority vote', ('BASE LM', 'rerank'): 'LM log-prob rerank',
                  ('BALM', 'greedy'): 'BALM greedy', ('BALM', 'rerank'): 'BALM log-prob rerank',
                  ('EXO', 'greedy'): 'EXO LM greedy'}
@@ -517,7 +520,8 @@ def format_claims(result):
             v, vh = (x if h is not None else 'inconclusive'
                      for x, h in ((v, c['holds']), (vh, c.get('holds_holm'))))
         p = 'n/a' if c.get('p') is None else f"{c['p']:.4f}"
-        lines.append(f"{k:<5} {what:<44} {c['diff']:>+12.5f} ({c['se']:.5f}) {unit:<13} {p:>7} "
+        diff = '(see below)' if c.get('not_measurable') else f"{c['diff']:>+12.5f} ({c['se']:.5f})"
+        lines.append(f"{k:<5} {what:<44} {diff:>24} {unit:<13} {p:>7} "
                      f"{v:<16} {vh}" + (f" (= {c['same_as']})" if c.get('same_as') else ''))
     for k, c in result['claims'].items():
         if c.get('not_measurable'):

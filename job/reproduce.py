@@ -415,7 +415,9 @@ def report(out, timings, data_dir):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the energies' held-out
     gains and NCE accuracies, and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
     ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
-    keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')
+    keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se',
+            'ppl_enumerated', 'gain_enumerated', 'gain_enumerated_se', 'eq4_flagged', 'eq4_ess',
+            'scored_mass')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
     lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
     nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX) for k in ('bit', 'unit')}

@@ -148,11 +148,13 @@ def test_mcnemar_brute_force_and_decoder_claims():
     with pytest.raises(ValueError, match='0/1'):
         stats.mcnemar(a * 2, b)
     per = {'JOINT': {'a1_4_exact': a.tolist(), 'mode_4_exact': a.tolist()},
-           'BASE LM': {'greedy_exact': b.tolist(), 'majority_4_exact': b.tolist(), 'rerank_4_exact': a.tolist()},
+           'BASE LM': {'greedy_exact': b.tolist(), 'majority_4_exact': b.tolist(),
+                       'rerank_4_exact': a.tolist()},
            'EXO': {'greedy_exact': a.tolist()}}
     d = claims.decoder_claims(dict(ns=[1, 4], per_problem=per))
-    assert [c['what'] for c in d.values()][:3] == ['Alg. 1 > LM greedy (n = 4)', 'Alg. 1 > LM majority vote (n = 4)',
-                                                   'Alg. 1 > LM log-prob rerank (n = 4)']
+    assert [c['what'] for c in d.values()][:3] == [
+        'Alg. 1 > LM greedy (n = 4)', 'Alg. 1 > LM majority vote (n = 4)',
+        'Alg. 1 > LM log-prob rerank (n = 4)']
     assert [c['holds'] for c in d.values()] == [True, True, None, True, True, None, True]
     assert d['D7']['models'] == ['EXO', 'BASE LM']
 

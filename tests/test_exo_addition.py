@@ -241,6 +241,30 @@ def test_addition_windows_are_the_problems(addition_run):
     assert addition_eval.answer_layout(data, meta) == (8, 5)
 
 
+def test_lm_selected_on_the_answer(addition_run, tmp_path):
+    """train_lm.py --select_on continuation: the selection loss is the mean NLL of the answers' tokens
+    (the sum and the end of text) given their problems, over evenly spaced problems of the selection
+    split, equal to a float64 forward of those problems; text data is refused in one line."""
+    d, _ = addition_run
+    out = tmp_path / 'lm'
+    res = train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(out), '--max_iters', '6',
+                         '--eval_interval', '3', '--final_eval', '0', '--select_on', 'continuation',
+                         *TRAIN_FLAGS])
+    meta = load_meta(str(d / 'data'))
+    data = load_split(str(d / 'data'), 'select', meta)
+    lm = load_lm(str(out / 'best.pt'))[0]
+    args = train_lm.get_args(['--data_dir', str(d / 'data'), '--out_dir', str(tmp_path / 'x'),
+                              '--select_on', 'continuation', *TRAIN_FLAGS])
+    n = 2 * args.batch_size * (args.block_size // 13)  # as many tokens as the windows' rule would score
+    x = window_tokens(data, windows(data, 8, 5, max_windows=n), 13)
+    lp = logprobs64(lm, x[:, :-1])[:, 7:].gather(-1, x[:, 8:, None]).squeeze(-1)  # (problems, 5)
+    assert res['select_on'] == 'continuation'
+    assert res['best_select_loss'] == pytest.approx(-lp.mean().item(), rel=1e-5)
+    with pytest.raises(ValueError, match='--select_on continuation needs problem data'):
+        train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(tmp_path / 'm'), '--objective', 'mlm',
+                       '--max_iters', '2', '--select_on', 'continuation', *TRAIN_FLAGS])
+
+
 def test_addition_eval_against_brute_force(addition_run, tmp_path):
     """The base LM's greedy answers and its probability of the correct sums, recomputed by a
     float64 forward; with E = 0 the joint model's probability is the LM's (log Z = 0 exactly) and
@@ -280,19 +304,19 @@ def test_addition_eval_against_brute_force(addition_run, tmp_path):
 
 def test_p_correct_never_above_one_and_eq4_flagged(addition_run, tmp_path):
     """A sharp random energy: P(correct) from logz_enumerate is at most 1 on every problem (the answer
-    is in the scored set), Eq. 4's range is reported only over the problems it does not flag (at most
-    1 there too), and the share flagged is in the JSON and the table."""
+    is in the scored set), Eq. 4's range is reported only where it flags no problem, and the share
+    flagged is in the JSON and the table."""
     d, lm_path = addition_run
     out = tmp_path / 'acc.json'
-    addition_eval.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--ns', '1,16', '--num_prefixes', '32',
-                        '--out', str(out), '--quiet'])
+    addition_eval.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--ns', '1,16',
+                        '--num_prefixes', '32', '--out', str(out), '--quiet'])
     res = json.loads(out.read_text())
     assert max(res['per_problem']['JOINT']['logp_correct']) <= 1e-12
     assert max(res['per_problem']['JOINT']['logp_correct_low']) <= 1e-12
     for r in (r for r in res['rows'] if r['model'] == 'JOINT'):
         assert 0 <= r['eq4_flagged'] <= 1 and r['p_correct'] <= 1
         assert r['p_correct_high'] is None or r['p_correct_high'] <= 1
-        assert (r['p_correct_low'] is None) == (r['eq4_unflagged'] == 0)
+        assert (r['p_correct_low'] is None) == (r['eq4_flagged'] > 0)
     assert 'flagged' in out.with_suffix('.txt').read_text()
 
 
