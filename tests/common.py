@@ -430,3 +430,39 @@ def python_files():
 
 def is_test(path):
     return path == 'test_all.py' or path.startswith('tests/')
+
+
+# ---- shared by the method's test files ----
+
+
+# run_ddp_and_single runs each trainer under tests/scripts/ddp_recorder.py: as the process group
+# closes it saves the rank's parameters, so that the test sees whether DDP left every rank with the
+# same weights; every all_reduce and broadcast must hand over a tensor on the run's device (--device),
+# as NCCL requires
+
+def run_ddp_and_single(script, main, flags, tmp_path):
+    """Run a trainer with 2 gloo processes and in-process alone (6 iterations, evals at 3 and 6);
+    assert their per-iteration train and val losses agree, and that DDP left both ranks with the
+    same parameters (ddp_recorder.py saves each rank's). Returns (ddp dir, single dir, the single
+    run's results, its train losses)."""
+    ddp, single, params = str(tmp_path / 'ddp'), str(tmp_path / 'single'), tmp_path / 'params'
+    params.mkdir()
+    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                      os.path.join(SCRIPTS, 'ddp_recorder.py'), script, '--out_dir', ddp, *flags],
+                     env=dict(PARAMS_DIR=str(params), PYTHONPATH=ROOT))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '2 process(es)' in res.stdout
+    p0, p1 = (torch.load(params / f'rank{r}.pt', weights_only=True) for r in (0, 1))
+    assert p0.numel() > 0 and torch.equal(p0, p1)  # every rank ends with the same weights
+    r1 = main(['--out_dir', single, *flags])
+    (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
+    assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
+    for it in ls:
+        assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
+    for it in vs:
+        assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
+    return ddp, single, r1, ls
+
+
+# peaked after token 0, flat after tokens 1 and 3: the top-2 mass depends on the previous token
+BIGRAM = [[3.0, 2.0, -2.0, -3.0], [0.3, 0.0, 0.2, 0.1], [-1.0, 0.5, 1.5, 0.2], [0.25, 0.2, -0.1, 0.3]]
