@@ -11,8 +11,6 @@ import train_lm
 
 from tests.common import run_script, tiny_gpt
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== baselines: RALM (Eq. 6), BALM, the paper's presets ====

@@ -18,8 +18,6 @@ from plumbing import rng_seed
 
 from tests.common import prepare_corpus
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== data/tokenizer: tokens round-trip, each document prepared once (train/select/val/test),

@@ -18,8 +18,6 @@ import train_lm
 from test_all import energies
 from tests.common import CORPUS, EVAL_L, EVAL_P, NULL, TRAIN_FLAGS, prepare_corpus
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== energy: E(x) (energy.py): padding, pooling, context, UNIT/BIT bodies, MLM masks,

@@ -18,8 +18,6 @@ from plumbing import file_hash
 from test_all import enumerate_joint
 from tests.common import CPU, EVAL_L, EVAL_P, logprobs64, ppl_argv, run_script
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== estimation from the command line: estimate_ppl.py's rows, hashes, splits, seed, DDP ====

@@ -23,8 +23,6 @@ from model import load_checkpoint
 from plumbing import file_hash
 from tests.common import (ROOT, SCRIPTS, TRAIN_FLAGS, fake_main_job_json, run_script)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== pipeline: the main job end to end (job/reproduce.py), figures.py, bench.py runs ====

@@ -13,8 +13,6 @@ import re
 
 from tests.common import ROOT, assert_clean_error, is_test, python_files, run_scripts
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 

@@ -23,8 +23,6 @@ from model import load_checkpoint, load_lm
 from tests.common import (CPU, EVAL_L, EVAL_P, NULL, TRAIN_FLAGS, assert_clean_error, enumerable_problem,
                           rand_energy, run_scripts, sample_argv, tiny_gpt)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== metric EBM and TaiLr (Ji et al.): metrics on hand-made text, moment matching vs exact enumeration,

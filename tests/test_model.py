@@ -24,8 +24,6 @@ from test_all import brute_proposal64, decoding_case
 from tests.common import (NEG_FLAGS, ROOT, SCRIPTS, TRAIN_FLAGS, logprobs64, neg_files, read_log,
                           run_ddp_and_single, run_script, tiny_gpt)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== model: the GPT LM (model.py, train_lm.py): attention, KV cache, shared-prompt decoding, log-probs,

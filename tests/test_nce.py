@@ -23,8 +23,6 @@ from plumbing import rng
 from test_all import ref_bounds, ref_enumerate, softplus64, tv, unigram_lm
 from tests.common import BIGRAM, CPU, NCE_FLAGS, NEG_FLAGS, prepare_corpus, run_ddp_and_single
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== NCE: training the energy (nce_train.py, Eq. 3): the losses, truncated noise, what the LM cannot see,

@@ -17,8 +17,6 @@ import negatives
 from test_all import brute_proposal64
 from tests.common import NEG_FLAGS, logprobs64, neg_files
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== negatives: the LM's samples with log P_LM and log q, the real continuation's too (negatives.py);

@@ -31,8 +31,6 @@ from plumbing import save_checkpoint
 from tests.common import (NCE_FLAGS, NEG_FLAGS, ROOT, SCRIPTS, TRAIN_FLAGS, assert_clean_error, is_test,
                           neg_files, ppl_argv, python_files, read_log, run_script)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== the method's runs stopped and resumed, distributed, in fp16: resume is exact, one job per

@@ -21,8 +21,6 @@ import sample
 from test_all import empirical, energies, enumerate_continuations, enumerate_joint, toy_lm, tv
 from tests.common import BIGRAM, EVAL_L, EVAL_P, NULL, logprobs64, rand_energy, tiny_gpt
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== sampling: Algorithm 1, Table 3, top-k auto-regressive, analyses (sample.py) ====
