@@ -1302,6 +1302,7 @@ def run_bad_cases(cases):
     before = {c: dir_snapshot(p) if p is not None and os.path.exists(p) else None
               for c, (_, _, p) in cases.items()}
     results = run_scripts([argv for argv, _, _ in cases.values()])
+    assert len(results) == len(cases)
     return {c: (res, msg, p, before[c]) for (c, (_, msg, p)), res in zip(cases.items(), results)}
 
 

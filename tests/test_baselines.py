@@ -71,6 +71,7 @@ def test_ralm_training_and_checkpoint(lm_corpus, lm_ckpt, tmp_path):
     base, _ = load_lm(str(lm_ckpt))
     assert isinstance(ralm, RALM) and ckpt['residual_of'][0] == str(lm_ckpt)
     assert not any(k.startswith('base.') for k in ckpt['model'])  # the frozen base is not copied
+    assert len(ralm.base.state_dict()) == len(base.state_dict()) > 0
     for (k, v), (_, w) in zip(ralm.base.state_dict().items(), base.state_dict().items()):
         assert torch.equal(v, w), k  # and stayed frozen
 

@@ -97,6 +97,7 @@ def test_estimate_ppl_cli_split(lm_corpus, lm_ckpt, eval_ckpts, ppl_run, split):
     last = [enumerate_joint(lm, energy, x[b, :-1], 1, meta['vocab_size'], EVAL_P) for b in range(2)]
     exact_last = [lp_t[b, -1].item() - last[b][2][x[b, -1]].item() - last[b][3].item() for b in range(2)]
     assert abs(ps['last_step_exact_ppl'] - math.exp(-np.mean(exact_last))) < 1e-4 * ps['last_step_exact_ppl']
+    assert len(ps['joint_ppl_low']) == len(ps['joint_ppl_high']) == len(ps['position'])
     assert all(a <= b for a, b in zip(ps['joint_ppl_low'], ps['joint_ppl_high']))
 
 

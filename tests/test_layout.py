@@ -66,6 +66,7 @@ def test_every_documented_command_runs():
     keys = sorted(commands, key=str)
     helps = run_scripts([[*script.split(), *([sub] if sub else []), '--help'] for script, sub in keys])
     stale = []
+    assert len(helps) == len(keys)
     for key, res in zip(keys, helps):
         assert res.returncode == 0 and 'usage:' in res.stdout, (key, res.stderr[-500:])
         takes = help_flags(res.stdout)
@@ -79,7 +80,9 @@ def test_a_wing_script_run_as_a_file_says_how_to_run_it():
     a file, each stops with one line that gives its `python -m` command, before any work."""
     wings = [p for p, t in python_files().items() if '/' in p and is_script(t)]
     assert len(wings) >= 12, wings
-    for path, res in zip(wings, run_scripts([[p, '--help'] for p in wings])):
+    helps = run_scripts([[p, '--help'] for p in wings])
+    assert len(helps) == len(wings)
+    for path, res in zip(wings, helps):
         assert_clean_error(res, f"python -m {path[:-3].replace('/', '.')}")
 
 
@@ -372,3 +375,42 @@ def test_functions_fit_on_a_screen():
     wide = [f'{p}:{i}' for p in python_files() for i, line in enumerate(open(os.path.join(ROOT, p)), 1)
             if len(line.rstrip('\n')) > MAX_LINE_CHARS]
     assert not wide, wide
+
+
+def zip_without_strict(node):
+    """node is zip(...) or enumerate(zip(...)) without strict=True: it stops at the shorter argument."""
+    if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'enumerate' and node.args:
+        node = node.args[0]
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == 'zip'
+            and not any(k.arg == 'strict' for k in node.keywords))
+
+
+def asserts_over_a_zip(stmt):
+    """stmt is a for loop over a zip with an assert in its body, or an assert over a comprehension of one."""
+    if isinstance(stmt, ast.For):
+        return zip_without_strict(stmt.iter) and any(isinstance(n, ast.Assert) for s in stmt.body
+                                                     for n in ast.walk(s))
+    return isinstance(stmt, ast.Assert) and any(zip_without_strict(g.iter) for n in ast.walk(stmt.test)
+                                                if isinstance(n, ast.comprehension) for g in [n])
+
+
+def test_loops_over_a_zip_check_lengths():
+    """A test that asserts over zip(a, b) (a for loop, or all(...) over a comprehension) asserts their
+    lengths in the statement before (or zips with strict=True): zip stops at the shorter, so an empty
+    or a short list would pass unchecked."""
+    bad = []
+    for path, tree in python_files().items():
+        if not is_test(path):
+            continue
+        for node in ast.walk(tree):
+            for field in ('body', 'orelse', 'finalbody'):
+                stmts = getattr(node, field, None)
+                if not isinstance(stmts, list):
+                    continue
+                for i, stmt in enumerate(stmts):
+                    checked = i > 0 and isinstance(stmts[i - 1], ast.Assert) and any(
+                        isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'len'
+                        for n in ast.walk(stmts[i - 1]))
+                    if asserts_over_a_zip(stmt) and not checked:
+                        bad.append(f'{path}:{stmt.lineno}')
+    assert not bad, f'assert len(a) == len(b) before these loops over zip(a, b): {bad}'

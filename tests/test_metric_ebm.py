@@ -313,6 +313,7 @@ def test_sample_cli_with_a_metric_energy(metric_run, lm_corpus, lm_ckpt, tmp_pat
     me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     data = load_split(lm_corpus, 'test', load_meta(lm_corpus))
     x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
+    assert len(rep['samples']) == len(x) == 3
     for r, row in zip(rep['samples'], x):
         assert float(me(row[None], EVAL_P).detach()) == pytest.approx(r['gold_energy'], abs=1e-6)
         assert math.isfinite(r['joint_energy']) and len(r['next_tokens']) == 3

@@ -313,6 +313,7 @@ def test_nce_batch_scores_each_distinct_sequence_once(fox_negatives, eval_ckpts,
     e = energy(tokens, P)
     l2, a2, g2 = loss_and_grads(e[pos], e[negs])
     assert abs(l1 - l2) < 1e-6 and a1 == a2 and l1 > 0
+    assert len(g1) == len(g2) > 0
     assert all((a - b).abs().max().item() < 1e-6 for a, b in zip(g1, g2))
     assert max(g.abs().max().item() for g in g1) > 1e-3  # a gradient to compare
 
