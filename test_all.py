@@ -1,11 +1,21 @@
-"""The rebm test suite: the method's tests. CPU only, tiny models and tiny synthetic corpora in pytest's
-tmp_path. Every numeric check is against an independent reference (float64 brute force, exact
-enumeration or a closed form). Run them all: python -m pytest -q test_all.py tests
+"""The method's tests to read first: each equation against an exact reference (float64 brute force,
+exact enumeration or a closed form), CPU only, tiny models. About a minute on 2 idle cores:
 
-This file holds the method: it opens with the ten tests that teach it, each against an exact
-reference (below), then one section per piece, each opening with a '# ====' banner that says what it
-guards (grep '^# ====' for the map): data/tokenizer, model, energy, negatives, NCE, estimation,
-sampling, baselines. The rest lives in tests/:
+    python -m pytest -q test_all.py            # the learner's command: these tests
+    python -m pytest -q test_all.py tests      # every test (CI's and the README's command)
+
+This file opens with the eleven tests that teach the method (below), then the helpers they share
+with tests/, then the estimators' own tests ('# ==== estimation'). tests/ holds the rest, a file a
+concept or a concern, each section of the method under the '# ====' banner it had here:
+    tests/test_data.py        the tokenizers and prepare.py: round-trips, each document once, windows
+    tests/test_model.py       the GPT LM: attention, KV cache, shared-prompt decoding, log-probs,
+                              sampling and q, training, early stopping, DDP
+    tests/test_energy.py      E(x): padding, pooling, context, UNIT/BIT bodies, MLM masks, checkpoints
+    tests/test_negatives.py   negatives.py: the LM's samples with log P_LM and log q
+    tests/test_nce.py         nce_train.py (Eq. 3): log ratios, truncated noise, DDP, best on select
+    tests/test_estimation.py  estimate_ppl.py from the command line (the estimators are here)
+    tests/test_sampling.py    Algorithm 1's frequencies and ESS, Table 3, top-k sampling, sample.py
+    tests/test_baselines.py   RALM (Eq. 6), BALM, the paper's presets
     tests/test_bad_input.py   bad input: one clear line each (the CLI table), a full disk, memory,
                               Ctrl-C and SIGTERM
     tests/test_resume.py      resume, locks, DDP and torchrun, fp16, finite checkpoints
@@ -15,10 +25,15 @@ sampling, baselines. The rest lives in tests/:
     tests/test_human_eval.py  Table 2's protocol (job/human_eval.py)
     tests/test_metric_ebm.py  the talk's metric energy and TaiLr
     tests/test_exo_addition.py  EXO and the addition task
+    tests/test_provenance.py  the main job's provenance.json
+    tests/test_docs.py        the numbers and flag values of README.md and docs/ against the code
     tests/test_layout.py      the files' roles, the import graph, line and function lengths, the
-                              README's numbers and every documented command
-    tests/common.py           the helpers and fixtures several files share (tiny models, exact
-                              references, the tiny trained checkpoints: each trained once a run)
+                              README's numbers, every documented command, length checks before zips
+    tests/common.py           the helpers several files share (tiny models, exact references, flags),
+                              imported by name (this file imports its own from there too)
+    tests/conftest.py         the fixtures tests/ shares (the tiny trained checkpoints, each trained
+                              once a run), served by pytest to every file under tests/; this file
+                              takes none
     tests/scripts/            the child scripts the tests run (wrappers of a trainer, a CLI runner)
 
 Read these first:
@@ -67,9 +82,8 @@ from tests.common import CPU, NULL, enumerable_problem, logprobs64, prepare_corp
 
 
 # =============================================================================
-# ==== read these first: the method, each piece against an exact reference (helpers and fixtures
-#      they use are defined further down or in tests/common.py; each section below has the rest of
-#      its tests) ====
+# ==== read these first: the method, each piece against an exact reference (the helpers they use
+#      are defined below them or in tests/common.py; the rest of each piece's tests are in tests/) ====
 
 @pytest.mark.parametrize('p', [1, 2, 5, 17, 31])  # ragged prompt lengths up to block_size - 1
 @pytest.mark.parametrize('alibi', [False, True])
@@ -466,7 +480,7 @@ def empirical(tokens, V):
 
 # =============================================================================
 # ==== estimation: log Z bounds (Eq. 4) and their calibration, joint and per-step PPL (Eq. 5)
-#      vs exact enumeration; estimate_ppl.py; the copy task end to end ====
+#      vs exact enumeration (estimate_ppl.py's command line: tests/test_estimation.py) ====
 
 def lme(a):
     """log mean exp of a float64 numpy vector, shifted by its max (no log(S - w_i) anywhere)."""

@@ -1,6 +1,6 @@
 """The main job end to end (python -m job.reproduce, its --quick forms and --jobs), its scheduler,
 figures.py and bench.py. The claims' tests are in test_claims.py, human evaluation's in
-test_human_eval.py, the method's in test_all.py.
+test_human_eval.py, the method's in test_all.py and the files named there.
 """
 
 import importlib.util

@@ -414,3 +414,28 @@ def test_loops_over_a_zip_check_lengths():
                     if asserts_over_a_zip(stmt) and not checked:
                         bad.append(f'{path}:{stmt.lineno}')
     assert not bad, f'assert len(a) == len(b) before these loops over zip(a, b): {bad}'
+
+
+MAX_TEST_ALL_LINES = 1300  # the learner's file: the read-first tests and the estimators' (about a minute)
+
+
+def test_the_test_map_names_every_test_file():
+    """test_all.py stays the learner's file (at most MAX_TEST_ALL_LINES lines; the rest of a piece's
+    tests go to tests/) and its docstring names every file under tests/, none that is gone; the
+    shared fixtures come from tests/conftest.py (no pytest_plugins), and test_all.py takes none of
+    them (pytest serves that conftest.py to tests/ only)."""
+    trees = python_files()
+    doc = ast.get_docstring(trees['test_all.py'])
+    named = set(re.findall(r'tests/[\w/]*\w(?:\.py|/)', doc))
+    files = {p for p in trees if p.startswith('tests/') and p.count('/') == 1 and p != 'tests/__init__.py'}
+    assert named == files | {'tests/scripts/'}, sorted(named ^ (files | {'tests/scripts/'}))
+    lines = sum(1 for _ in open(os.path.join(ROOT, 'test_all.py'), encoding='utf-8'))
+    assert lines <= MAX_TEST_ALL_LINES, f'test_all.py: {lines} lines; what a learner need not read: tests/'
+    plugins = [p for p, t in trees.items() if is_test(p) and any(
+        isinstance(n, ast.Assign) and any(getattr(x, 'id', None) == 'pytest_plugins' for x in n.targets)
+        for n in t.body)]
+    assert not plugins, f'{plugins}: shared fixtures belong in tests/conftest.py'
+    fixtures = {n.name for n in trees['tests/conftest.py'].body if isinstance(n, ast.FunctionDef)}
+    taken = {a.arg for n in ast.walk(trees['test_all.py']) if isinstance(n, ast.FunctionDef)
+             for a in n.args.args} & fixtures
+    assert not taken, f'test_all.py takes the fixtures {sorted(taken)}, which only tests/ sees'
