@@ -80,7 +80,6 @@ import sample
 from tests.common import CPU, NULL, enumerable_problem, logprobs64, prepare_corpus, rand_energy, tiny_gpt
 
 
-
 # =============================================================================
 # ==== read these first: the method, each piece against an exact reference (the helpers they use
 #      are defined below them or in tests/common.py; the rest of each piece's tests are in tests/) ====

@@ -1,6 +1,6 @@
 """estimate_ppl.py from the command line (Table 1, Eq. 4 and 5): deterministic, its hashes and rows,
-the splits, the seed, a zero energy, DDP. The estimators themselves are tested in test_all.py.
-The tests to read first are in test_all.py."""
+the splits, the seed, a zero energy, DDP. The estimators themselves (and the tests to read first)
+are in test_all.py."""
 
 import json
 import math
