@@ -1,5 +1,5 @@
-"""The tests beyond the method's: test_all.py, at the top level, holds the method's and says what each
-file here holds."""
+"""The tests beyond those to read first: test_all.py, at the top level, holds the method's read-first
+tests and says what each file here holds; conftest.py the fixtures shared here, common.py the helpers."""
 
 import pytest
 

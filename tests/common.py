@@ -1,7 +1,7 @@
 """What several test files share, defined once: running the scripts, tiny models and exact
-references, corpora and the tiny trained checkpoints. The test files import the helpers by name and
-take the fixtures through `pytest_plugins = ['tests.common']`: one definition, so a session-scoped
-checkpoint is trained once a run, whichever files run.
+references, corpora, the flags of the tiny runs. The test files (test_all.py too) import these
+helpers by name; the fixtures built from them (the tiny trained checkpoints, each trained once a run,
+whichever files run) are in tests/conftest.py, which pytest serves to every file under tests/.
 """
 
 import ast
@@ -15,19 +15,13 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 
 from extensions import metrics
-import negatives
-import sample
-import train_lm
-from data import load_meta
 from data.text import prepare as text_prepare
-from energy import Energy, build_energy, energy_state
-from model import GPT, GPTConfig, load_checkpoint
-from plumbing import save_checkpoint
+from energy import Energy
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root: the tests run from there
 SCRIPTS = os.path.join(ROOT, 'tests', 'scripts')  # the child scripts the tests run, each by its path
@@ -157,62 +151,6 @@ NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size'
 EVAL_P, EVAL_L = 8, 4  # the prefix and continuation lengths of the command-line tests
 
 
-@pytest.fixture(scope='session')
-def lm_corpus(tmp_path_factory):
-    """A repetitive one-file char corpus (2.7k chars) that a tiny model learns in a few dozen steps."""
-    return prepare_corpus(tmp_path_factory.mktemp('lm_corpus'), {'fox.txt': CORPUS},
-                          extra=['--val_frac', '0.1', '--test_frac', '0.1'])
-
-
-@pytest.fixture(scope='session')
-def lm_ckpt(lm_corpus, tmp_path_factory):
-    """A checkpoint of a few training steps on lm_corpus."""
-    out = str(tmp_path_factory.mktemp('lm_ckpt'))
-    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--max_iters', '2', '--eval_interval', '2',
-                   '--final_eval', '0', *TRAIN_FLAGS])
-    return os.path.join(out, 'ckpt.pt')
-
-
-@pytest.fixture(scope='session')
-def mlm_ckpt(lm_corpus, tmp_path_factory):
-    """A bidirectional masked-LM pretraining (block_size 8) on lm_corpus: a BIT's init_from."""
-    out = str(tmp_path_factory.mktemp('mlm_ckpt'))
-    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'mlm', '--max_iters', '2',
-                   '--eval_interval', '2', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
-    return os.path.join(out, 'ckpt.pt')
-
-
-@pytest.fixture(scope='session')
-def fox_negatives(lm_ckpt, tmp_path_factory):
-    """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and every selection prefix."""
-    out = tmp_path_factory.mktemp('fox_neg')
-    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('select', ['--chunk', '8'])):
-        negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
-    return dict(train=str(out / 'train'), select=str(out / 'select'))
-
-
-@pytest.fixture(scope='session')
-def eval_ckpts(lm_corpus, lm_ckpt, tmp_path_factory):
-    """An energy for lm_ckpt with a random head, one with the zero head (E = 0), and a second
-    LM (lm_ckpt with one weight changed: another file hash)."""
-    d = tmp_path_factory.mktemp('eval_ckpts')
-    meta = dict(load_meta(lm_corpus), data_dir=lm_corpus)
-    paths = {}
-    for name, head_std in (('bit', 0.5), ('zero', None)):
-        torch.manual_seed(0)
-        energy = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
-        if head_std:
-            with torch.no_grad():
-                energy.head.weight.normal_(0.0, head_std)
-        paths[name] = str(d / f'{name}.pt')
-        save_checkpoint(energy_state(energy, lm_ckpt, meta), paths[name])
-    ck = load_checkpoint(lm_ckpt)
-    ck['model'] = {k: v + 0.01 if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
-    paths['lm2'] = str(d / 'lm2.pt')
-    save_checkpoint(ck, paths['lm2'])
-    return paths
-
-
 def ppl_argv(lm, energy, out, *extra):
     return ['--lm', lm, '--energy', f'BIT={energy}', '--splits', 'val,test', '--prefix_len', str(EVAL_P),
             '--gen_len', str(EVAL_L), '--max_prefixes', '5', '--num_samples', '8', '--chunk', '2',
@@ -227,17 +165,6 @@ def neg_files(d):
     return {f: open(os.path.join(d, f), 'rb').read() for f in names}
 
 
-@pytest.fixture(scope='session')
-def train_negatives(lm_ckpt, tmp_path_factory):
-    """negatives.py in one go: lm_ckpt's samples for 23 train prefixes in 5 chunks. Returns (its
-    dir, its flags)."""
-    a = str(tmp_path_factory.mktemp('train_negatives') / 'a')
-    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
-    res = run_script(['negatives.py', '--out_dir', a, *flags])
-    assert res.returncode == 0, res.stdout + res.stderr
-    return a, flags
-
-
 # ---- sampling ----
 
 def sample_argv(lm, energy, out):
@@ -245,14 +172,6 @@ def sample_argv(lm, energy, out):
             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
             '--candidates', '6', '--keep', '4', '--table_k', '3', '--autoregressive',
             '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
-
-
-@pytest.fixture(scope='session')
-def sample_run(lm_ckpt, eval_ckpts, tmp_path_factory):
-    """sample.main on 3 test prefixes, with Table 3 and top-k auto-regressive sampling: (the JSON
-    file it wrote, what it returned)."""
-    out = tmp_path_factory.mktemp('sample_run') / 's.json'
-    return out, sample.main(sample_argv(lm_ckpt, eval_ckpts['bit'], out))
 
 
 # ---- metric EBM and TaiLr ----
@@ -339,18 +258,6 @@ def write_samples(path, samples=HE_SAMPLES):
     return str(path)
 
 
-@pytest.fixture(scope='session')
-def he_export(tmp_path_factory):
-    """human_eval.py export of HE_SAMPLES, joint vs base with 3 attention checks: (its out dir,
-    the samples file)."""
-    d = tmp_path_factory.mktemp('he_export')
-    samples = write_samples(d / 'samples.json')
-    res = run_script(['-m', 'job.human_eval', 'export', '--samples', samples, '--systems', 'joint,base',
-                      '--checks', '3', '--out_dir', str(d / 'he')])
-    assert res.returncode == 0, res.stderr
-    return d / 'he', samples
-
-
 def exported_votes(out_dir):
     """The exported items.jsonl and the votes of the three simulated raters on it."""
     jsonl = [json.loads(l) for l in (out_dir / 'items.jsonl').read_text().splitlines()]
@@ -430,3 +337,39 @@ def python_files():
 
 def is_test(path):
     return path == 'test_all.py' or path.startswith('tests/')
+
+
+# ---- shared by the method's test files ----
+
+
+# run_ddp_and_single runs each trainer under tests/scripts/ddp_recorder.py: as the process group
+# closes it saves the rank's parameters, so that the test sees whether DDP left every rank with the
+# same weights; every all_reduce and broadcast must hand over a tensor on the run's device (--device),
+# as NCCL requires
+
+def run_ddp_and_single(script, main, flags, tmp_path):
+    """Run a trainer with 2 gloo processes and in-process alone (6 iterations, evals at 3 and 6);
+    assert their per-iteration train and val losses agree, and that DDP left both ranks with the
+    same parameters (ddp_recorder.py saves each rank's). Returns (ddp dir, single dir, the single
+    run's results, its train losses)."""
+    ddp, single, params = str(tmp_path / 'ddp'), str(tmp_path / 'single'), tmp_path / 'params'
+    params.mkdir()
+    res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                      os.path.join(SCRIPTS, 'ddp_recorder.py'), script, '--out_dir', ddp, *flags],
+                     env=dict(PARAMS_DIR=str(params), PYTHONPATH=ROOT))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '2 process(es)' in res.stdout
+    p0, p1 = (torch.load(params / f'rank{r}.pt', weights_only=True) for r in (0, 1))
+    assert p0.numel() > 0 and torch.equal(p0, p1)  # every rank ends with the same weights
+    r1 = main(['--out_dir', single, *flags])
+    (ld, vd), (ls, vs) = read_log(ddp), read_log(single)
+    assert sorted(ld) == sorted(ls) == list(range(1, 7)) and sorted(vd) == sorted(vs) == [3, 6]
+    for it in ls:
+        assert abs(ld[it] - ls[it]) < 1e-4, (it, ld[it], ls[it])
+    for it in vs:
+        assert abs(vd[it] - vs[it]) < 1e-4, (it, vd[it], vs[it])
+    return ddp, single, r1, ls
+
+
+# peaked after token 0, flat after tokens 1 and 3: the top-2 mass depends on the previous token
+BIGRAM = [[3.0, 2.0, -2.0, -3.0], [0.3, 0.0, 0.2, 0.1], [-1.0, 0.5, 1.5, 0.2], [0.25, 0.2, -0.1, 0.3]]

@@ -43,8 +43,6 @@ from tests.common import (CORPUS, EVAL_L, EVAL_P, HE_SAMPLES, NCE_FLAGS, NEG_FLA
                           fake_main_job_json, neg_files, ppl_argv, prepare_corpus, run_script, run_scripts,
                           sample_argv, write_hand_key_and_votes, write_samples)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
     """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
@@ -1304,6 +1302,7 @@ def run_bad_cases(cases):
     before = {c: dir_snapshot(p) if p is not None and os.path.exists(p) else None
               for c, (_, _, p) in cases.items()}
     results = run_scripts([argv for argv, _, _ in cases.values()])
+    assert len(results) == len(cases)
     return {c: (res, msg, p, before[c]) for (c, (_, msg, p)), res in zip(cases.items(), results)}
 
 

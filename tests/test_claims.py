@@ -14,8 +14,6 @@ from job import claims, stats
 from energy import logz_bounds
 from estimate_ppl import calibrate
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== claims (job/claims.py): each claim's verdict decided both ways on made-up data, its p-value

@@ -30,8 +30,6 @@ from extensions import addition_eval, exo
 from data.addition import prepare as addition_prepare
 from tests.common import (NULL, TRAIN_FLAGS, UNWRITABLE, logprobs64, tiny_gpt)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== EXO and addition (Ji et al., ICML 2024; issue 31): EXO's loss against exact enumeration (its gradient

@@ -15,8 +15,6 @@ from plumbing import budget
 from model import GPTConfig
 from tests.common import (ROOT, SCRIPTS)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ---- --dtype auto: the precision this hardware runs natively (faked hardware) ----

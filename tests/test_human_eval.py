@@ -17,8 +17,6 @@ from tests.common import (HAND_KEY, HE_SAMPLES, dir_snapshot, exported_votes, ha
                           prefs_good, prefs_half, run_script, simulate_votes, write_hand_key_and_votes,
                           write_samples)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== human evaluation (job/human_eval.py): Table 2's protocol, blinded A/B items, attention

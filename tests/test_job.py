@@ -1,6 +1,6 @@
 """The main job end to end (python -m job.reproduce, its --quick forms and --jobs), its scheduler,
 figures.py and bench.py. The claims' tests are in test_claims.py, human evaluation's in
-test_human_eval.py, the method's in test_all.py.
+test_human_eval.py, the method's in test_all.py and the files named there.
 """
 
 import importlib.util
@@ -22,8 +22,6 @@ from data import load_meta
 from model import load_checkpoint
 from plumbing import file_hash
 from tests.common import (ROOT, SCRIPTS, TRAIN_FLAGS, fake_main_job_json, run_script)
-
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
 
 
 # =============================================================================

@@ -13,8 +13,6 @@ import re
 
 from tests.common import ROOT, assert_clean_error, is_test, python_files, run_scripts
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # ==== layout: scripts import modules, never another script's plumbing; every function fits on a screen ====
 
@@ -68,6 +66,7 @@ def test_every_documented_command_runs():
     keys = sorted(commands, key=str)
     helps = run_scripts([[*script.split(), *([sub] if sub else []), '--help'] for script, sub in keys])
     stale = []
+    assert len(helps) == len(keys)
     for key, res in zip(keys, helps):
         assert res.returncode == 0 and 'usage:' in res.stdout, (key, res.stderr[-500:])
         takes = help_flags(res.stdout)
@@ -81,7 +80,9 @@ def test_a_wing_script_run_as_a_file_says_how_to_run_it():
     a file, each stops with one line that gives its `python -m` command, before any work."""
     wings = [p for p, t in python_files().items() if '/' in p and is_script(t)]
     assert len(wings) >= 12, wings
-    for path, res in zip(wings, run_scripts([[p, '--help'] for p in wings])):
+    helps = run_scripts([[p, '--help'] for p in wings])
+    assert len(helps) == len(wings)
+    for path, res in zip(wings, helps):
         assert_clean_error(res, f"python -m {path[:-3].replace('/', '.')}")
 
 
@@ -374,3 +375,67 @@ def test_functions_fit_on_a_screen():
     wide = [f'{p}:{i}' for p in python_files() for i, line in enumerate(open(os.path.join(ROOT, p)), 1)
             if len(line.rstrip('\n')) > MAX_LINE_CHARS]
     assert not wide, wide
+
+
+def zip_without_strict(node):
+    """node is zip(...) or enumerate(zip(...)) without strict=True: it stops at the shorter argument."""
+    if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'enumerate' and node.args:
+        node = node.args[0]
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == 'zip'
+            and not any(k.arg == 'strict' for k in node.keywords))
+
+
+def asserts_over_a_zip(stmt):
+    """stmt is a for loop over a zip with an assert in its body, or an assert over a comprehension of one."""
+    if isinstance(stmt, ast.For):
+        return zip_without_strict(stmt.iter) and any(isinstance(n, ast.Assert) for s in stmt.body
+                                                     for n in ast.walk(s))
+    return isinstance(stmt, ast.Assert) and any(zip_without_strict(g.iter) for n in ast.walk(stmt.test)
+                                                if isinstance(n, ast.comprehension) for g in [n])
+
+
+def test_loops_over_a_zip_check_lengths():
+    """A test that asserts over zip(a, b) (a for loop, or all(...) over a comprehension) asserts their
+    lengths in the statement before (or zips with strict=True): zip stops at the shorter, so an empty
+    or a short list would pass unchecked."""
+    bad = []
+    for path, tree in python_files().items():
+        if not is_test(path):
+            continue
+        for node in ast.walk(tree):
+            for field in ('body', 'orelse', 'finalbody'):
+                stmts = getattr(node, field, None)
+                if not isinstance(stmts, list):
+                    continue
+                for i, stmt in enumerate(stmts):
+                    checked = i > 0 and isinstance(stmts[i - 1], ast.Assert) and any(
+                        isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'len'
+                        for n in ast.walk(stmts[i - 1]))
+                    if asserts_over_a_zip(stmt) and not checked:
+                        bad.append(f'{path}:{stmt.lineno}')
+    assert not bad, f'assert len(a) == len(b) before these loops over zip(a, b): {bad}'
+
+
+MAX_TEST_ALL_LINES = 1300  # the learner's file: the read-first tests and the estimators' (about a minute)
+
+
+def test_the_test_map_names_every_test_file():
+    """test_all.py stays the learner's file (at most MAX_TEST_ALL_LINES lines; the rest of a piece's
+    tests go to tests/) and its docstring names every file under tests/, none that is gone; the
+    shared fixtures come from tests/conftest.py (no pytest_plugins), and test_all.py takes none of
+    them (pytest serves that conftest.py to tests/ only)."""
+    trees = python_files()
+    doc = ast.get_docstring(trees['test_all.py'])
+    named = set(re.findall(r'tests/[\w/]*\w(?:\.py|/)', doc))
+    files = {p for p in trees if p.startswith('tests/') and p.count('/') == 1 and p != 'tests/__init__.py'}
+    assert named == files | {'tests/scripts/'}, sorted(named ^ (files | {'tests/scripts/'}))
+    lines = sum(1 for _ in open(os.path.join(ROOT, 'test_all.py'), encoding='utf-8'))
+    assert lines <= MAX_TEST_ALL_LINES, f'test_all.py: {lines} lines; what a learner need not read: tests/'
+    plugins = [p for p, t in trees.items() if is_test(p) and any(
+        isinstance(n, ast.Assign) and any(getattr(x, 'id', None) == 'pytest_plugins' for x in n.targets)
+        for n in t.body)]
+    assert not plugins, f'{plugins}: shared fixtures belong in tests/conftest.py'
+    fixtures = {n.name for n in trees['tests/conftest.py'].body if isinstance(n, ast.FunctionDef)}
+    taken = {a.arg for n in ast.walk(trees['test_all.py']) if isinstance(n, ast.FunctionDef)
+             for a in n.args.args} & fixtures
+    assert not taken, f'test_all.py takes the fixtures {sorted(taken)}, which only tests/ sees'

@@ -23,8 +23,6 @@ from model import load_checkpoint, load_lm
 from tests.common import (CPU, EVAL_L, EVAL_P, NULL, TRAIN_FLAGS, assert_clean_error, enumerable_problem,
                           rand_energy, run_scripts, sample_argv, tiny_gpt)
 
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
-
 
 # =============================================================================
 # ==== metric EBM and TaiLr (Ji et al.): metrics on hand-made text, moment matching vs exact enumeration,
@@ -315,6 +313,7 @@ def test_sample_cli_with_a_metric_energy(metric_run, lm_corpus, lm_ckpt, tmp_pat
     me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     data = load_split(lm_corpus, 'test', load_meta(lm_corpus))
     x = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)
+    assert len(rep['samples']) == len(x) == 3
     for r, row in zip(rep['samples'], x):
         assert float(me(row[None], EVAL_P).detach()) == pytest.approx(r['gold_energy'], abs=1e-6)
         assert math.isfinite(r['joint_energy']) and len(r['next_tokens']) == 3

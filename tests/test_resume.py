@@ -1,7 +1,7 @@
 """The method's runs stopped and resumed, distributed and in fp16: resume is exact, one job per
 folder, DDP on 2 processes and torchrun as documented (a rank killed under it), every collective on
 the run's device; a diverged run's checkpoints stay finite, non-finite ones are refused, results
-are not replaced without --force. The method's own tests are in test_all.py.
+are not replaced without --force. The method's own tests: test_all.py and the files it names.
 """
 
 import ast
@@ -30,8 +30,6 @@ from model import GPT, load_checkpoint, load_lm
 from plumbing import save_checkpoint
 from tests.common import (NCE_FLAGS, NEG_FLAGS, ROOT, SCRIPTS, TRAIN_FLAGS, assert_clean_error, is_test,
                           neg_files, ppl_argv, python_files, read_log, run_script)
-
-pytest_plugins = ['tests.common']  # the fixtures several test files share, defined once there
 
 
 # =============================================================================

@@ -1,7 +1,7 @@
 # Runs the trainer of argv (ddp_recorder.py SCRIPT FLAGS..., under torchrun) with two checks added: as
 # the process group closes it saves the rank's parameters to $PARAMS_DIR/rank{r}.pt; every
 # all_reduce and broadcast refuses a tensor that is not on the run's device (--device), as NCCL
-# does. Used by run_ddp_and_single (test_all.py) and test_negatives_under_ddp_match_one_process.
+# does. Used by run_ddp_and_single (tests/common.py) and test_negatives_under_ddp_match_one_process.
 import os, runpy, sys
 import torch
 import torch.distributed as dist

@@ -1,0 +1,108 @@
+"""The fixtures the files under tests/ share: a tiny corpus and the tiny checkpoints, negatives, samples
+and exports made from it, each made once a session (pytest serves this file to every test under
+tests/). test_all.py, at the top level, takes none of them: it makes what it needs in its tests. The
+helpers the files share, plain functions and constants, are in tests/common.py, imported by name.
+"""
+
+import os
+
+import pytest
+import torch
+
+import negatives
+import sample
+import train_lm
+from data import load_meta
+from energy import build_energy, energy_state
+from model import load_checkpoint
+from plumbing import save_checkpoint
+
+from tests.common import (CORPUS, NEG_FLAGS, TRAIN_FLAGS, prepare_corpus, run_script, sample_argv,
+                          write_samples)
+
+
+@pytest.fixture(scope='session')
+def lm_corpus(tmp_path_factory):
+    """A repetitive one-file char corpus (2.7k chars) that a tiny model learns in a few dozen steps."""
+    return prepare_corpus(tmp_path_factory.mktemp('lm_corpus'), {'fox.txt': CORPUS},
+                          extra=['--val_frac', '0.1', '--test_frac', '0.1'])
+
+
+@pytest.fixture(scope='session')
+def lm_ckpt(lm_corpus, tmp_path_factory):
+    """A checkpoint of a few training steps on lm_corpus."""
+    out = str(tmp_path_factory.mktemp('lm_ckpt'))
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', *TRAIN_FLAGS])
+    return os.path.join(out, 'ckpt.pt')
+
+
+@pytest.fixture(scope='session')
+def mlm_ckpt(lm_corpus, tmp_path_factory):
+    """A bidirectional masked-LM pretraining (block_size 8) on lm_corpus: a BIT's init_from."""
+    out = str(tmp_path_factory.mktemp('mlm_ckpt'))
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--objective', 'mlm', '--max_iters', '2',
+                   '--eval_interval', '2', '--final_eval', '0', *TRAIN_FLAGS, '--block_size', '8'])
+    return os.path.join(out, 'ckpt.pt')
+
+
+@pytest.fixture(scope='session')
+def fox_negatives(lm_ckpt, tmp_path_factory):
+    """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and every selection prefix."""
+    out = tmp_path_factory.mktemp('fox_neg')
+    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('select', ['--chunk', '8'])):
+        negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
+    return dict(train=str(out / 'train'), select=str(out / 'select'))
+
+
+@pytest.fixture(scope='session')
+def eval_ckpts(lm_corpus, lm_ckpt, tmp_path_factory):
+    """An energy for lm_ckpt with a random head, one with the zero head (E = 0), and a second
+    LM (lm_ckpt with one weight changed: another file hash)."""
+    d = tmp_path_factory.mktemp('eval_ckpts')
+    meta = dict(load_meta(lm_corpus), data_dir=lm_corpus)
+    paths = {}
+    for name, head_std in (('bit', 0.5), ('zero', None)):
+        torch.manual_seed(0)
+        energy = build_energy('bit', lm_ckpt, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+        if head_std:
+            with torch.no_grad():
+                energy.head.weight.normal_(0.0, head_std)
+        paths[name] = str(d / f'{name}.pt')
+        save_checkpoint(energy_state(energy, lm_ckpt, meta), paths[name])
+    ck = load_checkpoint(lm_ckpt)
+    ck['model'] = {k: v + 0.01 if k.endswith('lm_head.weight') else v for k, v in ck['model'].items()}
+    paths['lm2'] = str(d / 'lm2.pt')
+    save_checkpoint(ck, paths['lm2'])
+    return paths
+
+
+@pytest.fixture(scope='session')
+def train_negatives(lm_ckpt, tmp_path_factory):
+    """negatives.py in one go: lm_ckpt's samples for 23 train prefixes in 5 chunks. Returns (its
+    dir, its flags)."""
+    a = str(tmp_path_factory.mktemp('train_negatives') / 'a')
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
+    res = run_script(['negatives.py', '--out_dir', a, *flags])
+    assert res.returncode == 0, res.stdout + res.stderr
+    return a, flags
+
+
+@pytest.fixture(scope='session')
+def sample_run(lm_ckpt, eval_ckpts, tmp_path_factory):
+    """sample.main on 3 test prefixes, with Table 3 and top-k auto-regressive sampling: (the JSON
+    file it wrote, what it returned)."""
+    out = tmp_path_factory.mktemp('sample_run') / 's.json'
+    return out, sample.main(sample_argv(lm_ckpt, eval_ckpts['bit'], out))
+
+
+@pytest.fixture(scope='session')
+def he_export(tmp_path_factory):
+    """human_eval.py export of HE_SAMPLES, joint vs base with 3 attention checks: (its out dir,
+    the samples file)."""
+    d = tmp_path_factory.mktemp('he_export')
+    samples = write_samples(d / 'samples.json')
+    res = run_script(['-m', 'job.human_eval', 'export', '--samples', samples, '--systems', 'joint,base',
+                      '--checks', '3', '--out_dir', str(d / 'he')])
+    assert res.returncode == 0, res.stderr
+    return d / 'he', samples
