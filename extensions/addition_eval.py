@@ -40,11 +40,11 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m extensions.addition_eval")
 import torch
 
-from data import SPLITS, check_fits, load_split, window_tokens, windows
+from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
 from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
-from model import load_lm, load_lm_and_data
+from model import load_lm
 from plumbing import (ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup,
                       write_json)
 
