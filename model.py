@@ -481,24 +481,23 @@ def flops_per_token(config, num_params):
 # -----------------------------------------------------------------------------
 # training: nanoGPT's optimiser and schedule, and the stopping rule, for both trainers
 
-def configure_optimizer(model, args, device):
+def configure_optimizer(model, lr, weight_decay, betas, device):
     """AdamW with weight decay on matrices only (nanoGPT's configure_optimizers), over the
     trainable parameters (a RALM's base LM stays frozen)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
-                             fused=device.startswith('cuda'))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.startswith('cuda'))
 
 
-def get_lr(it, args):
-    """Linear warmup, then cosine decay from --lr to --min_lr at --lr_decay_iters (nanoGPT's)."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / (args.warmup_iters + 1)
-    if it > args.lr_decay_iters:
-        return args.min_lr
-    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+def get_lr(it, lr, min_lr, warmup_iters, lr_decay_iters):
+    """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters (nanoGPT's)."""
+    if it < warmup_iters:
+        return lr * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
 def stopped_early(trail, patience, min_rel_delta=0.0):

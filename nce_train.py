@@ -144,12 +144,13 @@ def untied_rows(data, neg, chunk=65536):
     return np.concatenate(keep)
 
 
-def training_pool(train, neg, args):
-    """The training prefixes batches are drawn from: untied_rows for the ranking loss, all for binary."""
-    if args.loss == 'binary':
+def training_pool(train, neg, loss, path):
+    """The training prefixes batches are drawn from: untied_rows for the ranking loss, all for binary
+    (path: where the negatives neg came from)."""
+    if loss == 'binary':
         return np.arange(len(neg['offsets']))
     pool = untied_rows(train, neg)
-    guards.check_untied(pool, args.negatives)
+    guards.check_untied(pool, path)
     return pool
 
 
@@ -229,10 +230,10 @@ def load_pairs(args):
     return neg, held_neg, data, dict(meta, data_dir=data_dir)
 
 
-def negatives_per_pair(args, neg, held_neg):
-    """M: 1 for binary NCE, --num_neg (default all K) for ranking; held-out pairs need M too."""
+def negatives_per_pair(loss, num_neg, neg, held_neg):
+    """M: 1 for binary NCE, num_neg (None: all K) for ranking; held-out pairs need M too."""
     K, K_held = neg['meta']['num_samples'], held_neg['meta']['num_samples']
-    M = 1 if args.loss == 'binary' else (args.num_neg or K)
+    M = 1 if loss == 'binary' else (num_neg or K)
     guards.check_num_neg(M, K, K_held)
     return M
 
@@ -285,12 +286,12 @@ def main(argv=None):
 
     neg, held_neg, data, meta = load_pairs(args)
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
-    M = negatives_per_pair(args, neg, held_neg)
+    M = negatives_per_pair(args.loss, args.num_neg, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
-    pool = training_pool(train, neg, args)
+    pool = training_pool(train, neg, args.loss, args.negatives)
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M), device)
     raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args, device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only
     if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
@@ -306,7 +307,7 @@ def main(argv=None):
     if ckpt:
         best = dict(value=ckpt.get('best_value', ckpt.get('best_loss')), iter=ckpt['best_iter'],
                     eval=ckpt.get('best_eval', {}), trail=ckpt.get('best_trail', []))
-    held_rows, held_negs = held_out_pairs(held_neg, M, args)
+    held_rows, held_negs = held_out_pairs(held_neg, M, args.eval_prefixes, args.seed)
     tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
         print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, "
@@ -315,7 +316,7 @@ def main(argv=None):
     out.start(master, iter_num, args.max_iters, tokens_per_iter, args.quiet)
     last_eval = {}
     while iter_num < args.max_iters and not stopped_early(best['trail'], args.patience, args.min_rel_delta):
-        lr = get_lr(iter_num, args)
+        lr = get_lr(iter_num, args.lr, args.min_lr, args.warmup_iters, args.lr_decay_iters)
         for group in optimizer.param_groups:
             group['lr'] = lr
         stats = train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size)
@@ -367,11 +368,11 @@ def main(argv=None):
     return results
 
 
-def held_out_pairs(held_neg, M, args):
-    """The fixed held-out pairs that choose best.pt: the first --eval_prefixes prefixes of the
+def held_out_pairs(held_neg, M, eval_prefixes, seed):
+    """The fixed held-out pairs that choose best.pt: the first eval_prefixes prefixes of the
     selection split, M of their stored negatives each (rows (N,), negative indices (N, M))."""
-    n = min(args.eval_prefixes, len(held_neg['offsets']))
-    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, args.seed, 'held_out', 0)[1]
+    n = min(eval_prefixes, len(held_neg['offsets']))
+    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, seed, 'held_out', 0)[1]
 
 
 def train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size):

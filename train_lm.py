@@ -254,7 +254,7 @@ def main(argv=None):
     raw_model, ckpt = build_model(args, meta, device)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
     raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args, device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only
     if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
@@ -274,7 +274,7 @@ def main(argv=None):
     out.start(master, iter_num, args.max_iters, tokens_per_iter, args.quiet)
     best_weights = None  # every rank keeps its own copy (reading best.pt back would race rank 0's write)
     while iter_num < args.max_iters and not stopped_early(best['trail'], args.patience, args.min_rel_delta):
-        lr = get_lr(iter_num, args)
+        lr = get_lr(iter_num, args.lr, args.min_lr, args.warmup_iters, args.lr_decay_iters)
         for group in optimizer.param_groups:
             group['lr'] = lr
         train_loss = train_step(model, scaler, data['train'], V, args, iter_num, device, ctx, rank,

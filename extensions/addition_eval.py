@@ -45,8 +45,8 @@ from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics,
                     score_continuations)
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
-from plumbing import (ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup,
-                      write_json)
+from plumbing import (ArgumentParser, at_least, check_new, check_writable, common_flags, named_paths, rng,
+                      run_main, setup, write_json)
 
 
 def answer_layout(data, meta):
@@ -258,10 +258,8 @@ def get_args(argv=None):
     a('--batch', type=int, default=64, help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
-    a('--force', action='store_true', help='replace --out')
-    a('--device', default='cpu')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true', help='no table printed (it is still written)')
+    common_flags(p, 'force', 'device', 'seed', 'quiet',
+                 help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'batch')
     at_least(args, 0, 'top_k', 'beam')
