@@ -7,6 +7,7 @@ The on-disk format of a prepared corpus, shared by every data/<corpus>/prepare.p
                                               eot id, token and document counts per split
 
 meta.json is written last, so a data dir that has one is complete.
+load_lm_and_data gives a trained LM with the prepared data it goes with (its vocabulary checked).
 """
 
 import errno
