@@ -38,8 +38,11 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, KVCache, check_vocab, load_checkpoint, load_lm
+from model import GPT, GPTConfig, KVCache, load_lm
 from plumbing import file_hash, load_weights
+from plumbing.checkpoints import (check_energy_of, check_finite, check_kind, check_mlm_init, check_registered,
+                                  load_checkpoint)
+from plumbing.guards import check_unit_sizes
 
 POOLS = ('continuation', 'all')
 
@@ -158,21 +161,13 @@ def build_energy(kind, lm_path, meta, init_from=None, sizes=None, pool='continua
     if kind == 'unit':
         src_path = init_from or lm_path
         src, _ = load_lm(src_path, meta=meta)
-        for k, v in sizes.items():
-            if getattr(src.config, k) != v:
-                raise ValueError(f"a UNIT energy has the shape of the LM it starts from ({src_path}: "
-                                 f"{k}={getattr(src.config, k)}), not {k}={v}: drop the size flags")
+        check_unit_sizes(src.config, sizes, src_path)
         energy = Energy(replace(src.config, **changes), pool, context)
         energy.body.load_state_dict(src.state_dict())
     elif kind == 'bit':
         if init_from:
             ckpt = load_checkpoint(init_from)
-            if ckpt['kind'] != 'mlm':
-                raise ValueError(f"{init_from} is a '{ckpt['kind']}' checkpoint: a BIT starts from a "
-                                 f"masked-LM one (train_lm.py --objective mlm)")
-            check_vocab(ckpt, meta, init_from)  # same size is not enough: the same tokens
-            if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
-                raise ValueError(f"{init_from} was pretrained with another vocabulary than this data")
+            check_mlm_init(ckpt, meta, init_from)  # a masked LM of the same tokens
             energy = Energy(GPTConfig(**dict(ckpt['config'], **changes)), pool, context)
             load_weights(energy.body, ckpt['model'], init_from)
         else:
@@ -197,16 +192,11 @@ def load_energy(path, lm_path=None, device='cpu'):
     """An NCE-trained Energy in eval mode, and its checkpoint; with lm_path, checked to be the
     residual of that LM. (load_any_energy also loads the energies extensions register.)"""
     ckpt = load_checkpoint(path)
-    if ckpt['kind'] != 'energy':
-        raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not an energy (nce_train.py)")
-    if lm_path is not None and file_hash(lm_path) != ckpt['lm_hash']:
-        raise ValueError(f"energy {path} is the residual of another LM ({ckpt['lm_path']}, hash "
-                         f"{ckpt['lm_hash']}) than {lm_path}: pass the LM it was trained with")
+    check_kind(ckpt, path, 'energy')
+    check_energy_of(ckpt, path, lm_path)
     energy = Energy(GPTConfig(**ckpt['config']), ckpt['pool'], ckpt.get('context'))
     load_weights(energy, ckpt['model'], path)
-    if not all(torch.isfinite(p).all() for p in energy.parameters()):
-        raise ValueError(f"{path} holds non-finite weights (its training diverged): "
-                         "retrain it with a lower --lr")
+    check_finite(energy, path)
     return energy.to(device).eval(), ckpt
 
 
@@ -227,10 +217,7 @@ def load_any_energy(path, lm_path=None, device='cpu'):
     ckpt = load_checkpoint(path)
     if ckpt['kind'] in ENERGY_LOADERS:
         return ENERGY_LOADERS[ckpt['kind']](ckpt, path, lm_path, device), ckpt
-    if 'loader' in ckpt:  # written by an extension this process has not imported
-        raise ValueError(f"{path} holds a '{ckpt['kind']}' energy, whose loader no imported module "
-                         f"registered: run the script through the extensions' launcher, which imports "
-                         f"{ckpt['loader']} (docs/using.md, 'Extensions')")
+    check_registered(ckpt, path)  # written by an extension this process has not imported
     return load_energy(path, lm_path, device)  # an energy, or refused there
 
 

@@ -30,14 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import SPLITS, check_fits, load_split, window_tokens, windows
+from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
 from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     sample_log_weights, score, score_continuations, share_energies)
-from model import load_lm, load_lm_and_data
+from model import load_lm
 from data.tokenizer import load_tokenizer
-from plumbing import (DTYPES, ArgumentParser, at_least, check, check_free_space, check_memory, check_new,
-                      check_writable, file_hash, named_paths, precision, progress, rng, run_main, setup,
-                      teardown_distributed, write_json, write_text)
+from plumbing import (ArgumentParser, common_flags, file_hash, guards, precision, progress, rng, run_main,
+                      setup, teardown_distributed, write_json, write_text)
 
 
 def mc_se(log_w):
@@ -366,62 +365,10 @@ def get_args(argv=None):
            "(energy.logz_enumerate), beside the real one; worth it where the LM is peaked (addition)")
     a('--out', default='out/ppl.json',
       help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
-    a('--force', action='store_true', help='replace --out (and the .txt beside it) if it exists')
-    a('--device', default='auto')
-    a('--dtype', default='auto', choices=DTYPES,
-      help='autocast dtype of sampling and of scoring (auto: from the hardware and the widths)')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true')
-    args = p.parse_args(argv)
-    check_args(args)
-    return args
-
-
-def check_args(args):
-    """Every flag checked before any work (one line naming the flag); --sweep and --splits parsed."""
-    try:
-        args.sweep = [int(n) for n in args.sweep.split(',') if n]
-    except ValueError:
-        raise ValueError(f"--sweep {args.sweep}: must be comma-separated integers, e.g. 2,4,16") from None
-    args.splits = [s for s in args.splits.split(',') if s]
-    if not args.splits or any(s not in SPLITS for s in args.splits):
-        raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of "
-                         f"{', '.join(SPLITS)}")
-    at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'step_every', 'chunk', 'max_rows')
-    at_least(args, 0, 'beam')
-    check(args, 'max_prefixes', lambda v: v == 0 or v >= 2,
-          '0 (all) or at least 2 (the gain has a standard error)')
-    at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
-    if args.per_step is not None and not args.energy:
-        raise ValueError("--per_step needs an energy: pass --energy NAME=CKPT")
-    energies, extra = named_paths(args.energy, '--energy'), named_paths(args.extra_lm, '--extra_lm')
-    taken = set(energies) & set(extra) | {'BASE LM'} & (set(energies) | set(extra))
-    if taken:
-        raise ValueError(f"--energy/--extra_lm: the name {min(taken)} is taken (by the other flag, or the "
-                         f"base LM's row): give each model its own name")
-    if min([args.num_samples] + args.sweep) < 2:
-        raise ValueError("--num_samples and --sweep values must be at least 2 "
-                         "(the upper bound needs leave-one-out)")
-    at_least(args, 0, 'calib_prefixes')
-    if args.per_step is not None:
-        at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
-    # a batch's samples (int64 tokens) and their -E (float64, per energy): held at once
-    per_sample = 8 * args.gen_len + 8 * max(1, len(args.energy))
-    n_max = max([args.num_samples] + args.sweep)
-    check_memory(args.chunk * n_max * per_sample, f"--num_samples/--sweep {n_max} x --chunk {args.chunk}",
-                 "lower --num_samples/--sweep (or --chunk)")
-    if args.calib_prefixes:  # the reference: at least 2 groups of n samples, held at once
-        check_memory(2 * args.num_samples * per_sample, f"--num_samples {args.num_samples} (calibrated "
-                     f"against --calib_samples >= 2 x {args.num_samples})",
-                     "lower --num_samples (or pass --calib_prefixes 0)")
-        if args.calib_samples < 2 * args.num_samples:
-            raise ValueError(f"--calib_samples {args.calib_samples} must be at least 2 x --num_samples "
-                             f"({2 * args.num_samples}): the calibration cuts as many samples into groups "
-                             f"of n "
-                             f"(or pass --calib_prefixes 0)")
-        check_memory(args.calib_samples * per_sample, f"--calib_samples {args.calib_samples}", "lower it")
-    check_writable(args.out, '--out', folder=False)
-    check_new(args.out, '--out', args.force, also=[os.path.splitext(args.out)[0] + '.txt'])
+    common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
+        force='replace --out (and the .txt beside it) if it exists',
+        dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the widths)'))
+    return p.parse_args(argv)
 
 
 def load_models(args, device):
@@ -431,8 +378,7 @@ def load_models(args, device):
     energies = {name: load_any_energy(path, args.lm, device)[0] for name, path in map(name_path, args.energy)}
     share_energies(energies)
     extra = {name: load_lm(path, device, meta=meta)[0] for name, path in map(name_path, args.extra_lm)}
-    if args.per_step and args.per_step not in energies:
-        raise ValueError(f"--per_step {args.per_step} names no energy (have: {', '.join(energies)})")
+    guards.check_per_step_name(args.per_step, energies)
     check_fits(args.prefix_len + args.gen_len, {'LM': lm, **{f'energy {n}': m for n, m in energies.items()},
                                                 **{f'LM {n}': m for n, m in extra.items()}})
     return lm, meta, data_dir, energies, extra
@@ -516,7 +462,7 @@ def format_last_step(ps):
 
 
 def main(argv=None):
-    args = get_args(argv)
+    args = guards.check_ppl_flags(get_args(argv), SPLITS)  # every flag, and the memory its sizes need
     rank, world_size, device = setup(args.device)
     lm, meta, data_dir, energies, extra_lms = load_models(args, device)
     P, L = args.prefix_len, args.gen_len
@@ -531,12 +477,7 @@ def main(argv=None):
     datas = {split: load_split(data_dir, split, meta) for split in args.splits}
     prefixes = {split: windows(datas[split], P, L, max_windows=args.max_prefixes or None)
                 for split in args.splits}
-    for split, offsets in prefixes.items():
-        if len(offsets) < 2:
-            raise ValueError(f"the {split} split has fewer than 2 windows of {P + L} tokens: "
-                             "lower --prefix_len/--gen_len")
-    # the JSON holds ~0.2 KiB per prefix and model (0.86 MB for 512 prefixes x 8 models): 1 KiB bounds it
-    check_free_space(args.out, 2**16 + 2**10 * sum(map(len, prefixes.values())) * len(params), '--out')
+    guards.check_ppl_prefixes(prefixes, P + L, args.out, len(params))  # 2 windows each, and the disk
     for split in args.splits:
         data, offsets = datas[split], prefixes[split]
         cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank,

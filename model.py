@@ -17,12 +17,11 @@ bf16 attention by matmuls, and `generate`, generate_plain's cached twin, which a
 log-probs of its tokens under the untruncated LM and under the proposal.
 
 Last, sizing helpers; what both trainers take of nanoGPT's training (AdamW's groups, the cosine
-schedule) and this project's stopping rule; and load_lm, a trained P_LM (with load_lm_and_data, the
-data it goes with) from a checkpoint whose file checks live in plumbing.files.
+schedule) and this project's stopping rule; and load_lm, a trained P_LM from a checkpoint whose
+checks live in plumbing.checkpoints (data.load_lm_and_data: an LM with the data it goes with).
 """
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -30,8 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import load_meta
-from plumbing import checked_load, file_hash, load_weights
+from plumbing import load_weights
+from plumbing.checkpoints import check_finite, check_kind, check_residual_base, check_vocab, load_checkpoint
+from plumbing.guards import check_sampling
 
 
 @dataclass
@@ -437,20 +437,6 @@ def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p
     return (tokens, logp, logq) if return_proposal else (tokens, logp)
 
 
-def check_sampling(config, P, max_new_tokens, top_k, top_p, temperature):
-    V = config.vocab_size
-    if P + max_new_tokens > config.block_size:
-        raise ValueError(f"prompt of {P} tokens + {max_new_tokens} new tokens exceeds the model's "
-                         f"block_size {config.block_size}: shorten the prompt or the generation")
-    if top_k is not None and not 1 <= top_k <= V:
-        raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {V} "
-                         "(or None for no truncation)")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no truncation)")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0")
-
-
 def decode_steps(model, logits, cache, pos, steps, top_k, top_p, temperature, generator):
     """`steps` tokens for each row of logits (N, V), the first drawn from them and each next one
     from the model's logits through the cache (positions pos..). Returns (tokens, logp, logq),
@@ -495,24 +481,23 @@ def flops_per_token(config, num_params):
 # -----------------------------------------------------------------------------
 # training: nanoGPT's optimiser and schedule, and the stopping rule, for both trainers
 
-def configure_optimizer(model, args, device):
+def configure_optimizer(model, lr, weight_decay, betas, device):
     """AdamW with weight decay on matrices only (nanoGPT's configure_optimizers), over the
     trainable parameters (a RALM's base LM stays frozen)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
-                             fused=device.startswith('cuda'))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.startswith('cuda'))
 
 
-def get_lr(it, args):
-    """Linear warmup, then cosine decay from --lr to --min_lr at --lr_decay_iters (nanoGPT's)."""
-    if it < args.warmup_iters:
-        return args.lr * (it + 1) / (args.warmup_iters + 1)
-    if it > args.lr_decay_iters:
-        return args.min_lr
-    ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+def get_lr(it, lr, min_lr, warmup_iters, lr_decay_iters):
+    """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters (nanoGPT's)."""
+    if it < warmup_iters:
+        return lr * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
 def stopped_early(trail, patience, min_rel_delta=0.0):
@@ -528,63 +513,23 @@ def stopped_early(trail, patience, min_rel_delta=0.0):
 
 
 # -----------------------------------------------------------------------------
-# loading an LM: the method's entry point to a trained P_LM (the checks of its file: plumbing.files)
-
-def load_checkpoint(path):
-    """A rebm checkpoint: a dict with the model's weights and what it is ('kind'), read with
-    weights_only=True (checked_load: the file's checks)."""
-    ckpt = checked_load(path)
-    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:
-        raise ValueError(f"{path} is not a rebm checkpoint (no 'model'/'kind' entries)")
-    return ckpt
-
-
-def check_vocab(ckpt, meta, path):
-    """A model only makes sense with the tokenizer it was trained with."""
-    ours = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'chars')}
-    theirs = {k: ckpt['meta'].get(k) for k in ('tokenizer', 'vocab_size', 'chars')}
-    if ours != theirs:
-        raise ValueError(f"checkpoint {path} was trained with another vocabulary "
-                         f"({theirs['tokenizer']}, {theirs['vocab_size']} tokens) than this data "
-                         f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
-
+# loading an LM: the method's entry point to a trained P_LM (its checks: plumbing.checkpoints)
 
 def load_lm(path, device='cpu', meta=None, kind='lm'):
     """A GPT (or RALM) from a train_lm.py checkpoint, in eval mode; with meta, checked against
     that data. kind='mlm' loads a masked-LM body instead."""
     ckpt = load_checkpoint(path)
-    if ckpt['kind'] != kind:
-        what = {'lm': 'a language model', 'mlm': 'a masked LM (train_lm.py --objective mlm)'}[kind]
-        raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not {what}")
+    check_kind(ckpt, path, kind)
     if meta is not None:
         check_vocab(ckpt, meta, path)
     config = GPTConfig(**ckpt['config'])
     if ckpt.get('residual_of'):  # a RALM: its base LM is rebuilt from its own checkpoint
-        base_path, base_hash = ckpt['residual_of']
-        if not os.path.isfile(base_path) or file_hash(base_path) != base_hash:
-            raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), "
-                             "which is missing or changed")
-        model = RALM(config, load_lm(base_path)[0])
+        check_residual_base(ckpt, path)
+        model = RALM(config, load_lm(ckpt['residual_of'][0])[0])
         missing = load_weights(model, ckpt['model'], path, strict=False).missing_keys
         assert all(k.startswith('base.') for k in missing), missing
     else:
         model = GPT(config)
         load_weights(model, ckpt['model'], path)
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise ValueError(f"{path} holds non-finite weights (its training diverged): "
-                         "retrain it with a lower --lr")
+    check_finite(model, path)
     return model.to(device).eval(), ckpt
-
-
-def load_lm_and_data(lm_path, data_dir=None, device='cpu'):
-    """The LM at lm_path and the prepared data it goes with: data_dir, else the folder it was trained
-    on (its checkpoint records it), checked to have its vocabulary. Returns (lm, ckpt, data_dir, meta)."""
-    lm, ckpt = load_lm(lm_path, device)
-    if data_dir is None:
-        data_dir = ckpt['meta']['data_dir']
-        if not os.path.exists(os.path.join(data_dir, 'meta.json')):  # e.g. a relative path, another folder
-            raise ValueError(f"{lm_path} was trained on the data in {data_dir}, which holds no prepared data "
-                             f"seen from here ({os.getcwd()}): pass --data_dir with that data")
-    meta = load_meta(data_dir)
-    check_vocab(ckpt, meta, lm_path)
-    return lm, ckpt, data_dir, meta

@@ -43,9 +43,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import load_meta, load_negatives, load_split, untruncated, window_tokens
 from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
                     logz_enumerate)
-from model import GPTConfig, configure_optimizer, get_lr, load_checkpoint, stopped_early
-from plumbing import (RunDir, all_reduce, check_training_flags, check_training_memory, one_job, precision,
-                      rng_seed, run_trainer, setup, teardown_distributed, training_parser)
+from model import configure_optimizer, get_lr, stopped_early
+from plumbing import (RunDir, all_reduce, checkpoints, guards, one_job, precision, rng_seed, run_trainer,
+                      setup, teardown_distributed, training_parser)
 
 
 def get_args(argv=None):
@@ -80,22 +80,7 @@ def get_args(argv=None):
            "samples repeat, as on addition, Eq. 4 fails); loss, the NCE loss")
     a('--eval_prefixes', type=int, default=256, at_least=1,
       help='held-out prefixes (fixed negatives each) per evaluation')
-    args = p.parse_args(argv)
-    check_training_flags(args, argv, RESUME_FIXED, saved_flags)
-    return args
-
-
-# what a resumed energy is, and the flags that change a run's numbers: a flag given with --resume
-# must agree with the run it continues (left out, it takes the checkpoint's value)
-RESUME_FIXED = ('energy', 'init_from', 'pool', 'context', 'n_layer', 'n_head', 'n_embd', 'dropout',
-                'loss', 'num_neg', 'select', 'seed', 'negatives', 'held_out_negatives', 'lr', 'min_lr',
-                'warmup_iters', 'lr_decay_iters', 'batch_size', 'grad_accum', 'weight_decay', 'beta1',
-                'beta2', 'grad_clip', 'eval_interval', 'eval_prefixes', 'patience', 'min_rel_delta')
-
-
-def saved_flags(ckpt):
-    """The flags an energy's checkpoint ran with (None: another kind, which build() refuses)."""
-    return ckpt.get('args', {}) if ckpt.get('kind') == 'energy' else None
+    return p.parse_args(argv)
 
 
 def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
@@ -159,15 +144,13 @@ def untied_rows(data, neg, chunk=65536):
     return np.concatenate(keep)
 
 
-def training_pool(train, neg, args):
-    """The training prefixes batches are drawn from: untied_rows for the ranking loss, all for binary."""
-    if args.loss == 'binary':
+def training_pool(train, neg, loss, path):
+    """The training prefixes batches are drawn from: untied_rows for the ranking loss, all for binary
+    (path: where the negatives neg came from)."""
+    if loss == 'binary':
         return np.arange(len(neg['offsets']))
     pool = untied_rows(train, neg)
-    if len(pool) == 0:
-        raise ValueError(f"every stored sample in {args.negatives} equals its prefix's real continuation: "
-                         f"the ranking loss has nothing to learn from; use --loss binary or sample more "
-                         f"negatives")
+    guards.check_untied(pool, path)
     return pool
 
 
@@ -236,42 +219,22 @@ def enumerated_logz(neg, rows, pos, negs, e_pos, e_all):
 
 def load_pairs(args):
     """The train and held-out negatives (checked to come from --lm and to agree, and the held-out
-    ones not to be training prefixes), and the splits their positives come from."""
-    lm = load_checkpoint(args.lm)  # first: what --lm is decides which message is right
-    if lm['kind'] != 'lm':
-        raise ValueError(f"--lm {args.lm} holds a '{lm['kind']}' model, not a language model: pass the "
-                         f"train_lm.py checkpoint the negatives were sampled from")
+    ones not to be training prefixes: guards.check_pairs), and the splits their positives come from."""
+    guards.check_nce_lm(checkpoints.load_checkpoint(args.lm), args.lm)  # first: it decides which error
     neg, held_neg = (load_negatives(args.negatives, lm_path=args.lm),
                      load_negatives(args.held_out_negatives, lm_path=args.lm))
-    if held_neg['meta']['split'] == neg['meta']['split']:
-        raise ValueError(f"--held_out_negatives {args.held_out_negatives} holds prefixes of the "
-                         f"{neg['meta']['split']} split, which --negatives trains on: held-out pairs must "
-                         f"not be training prefixes (negatives.py --split select)")
-    if neg['meta']['split'] != 'train':  # the energy learns on them: val and test are only reported
-        raise ValueError(f"--negatives {args.negatives} were made from the {neg['meta']['split']} split: "
-                         f"the energy trains on the train split (negatives.py --split train)")
-    for key in ('prefix_len', 'gen_len', 'data_dir'):
-        if held_neg['meta'][key] != neg['meta'][key]:
-            raise ValueError(f"train and held-out negatives differ in {key} ({neg['meta'][key]} vs "
-                             f"{held_neg['meta'][key]}): regenerate one")
-    if held_neg['meta']['split'] != 'select':  # they choose best.pt: val and test are only reported
-        raise ValueError(f"--held_out_negatives {args.held_out_negatives} were made from the "
-                         f"{held_neg['meta']['split']} split: held-out pairs choose the energy kept, so "
-                         f"they come from the selection split (negatives.py --split select); val and test "
-                         f"are only reported")
+    guards.check_pairs(args, neg['meta'], held_neg['meta'])
     data_dir = neg['meta']['data_dir']
     meta = load_meta(data_dir)
     data = {n['meta']['split']: load_split(data_dir, n['meta']['split'], meta) for n in (neg, held_neg)}
     return neg, held_neg, data, dict(meta, data_dir=data_dir)
 
 
-def negatives_per_pair(args, neg, held_neg):
-    """M: 1 for binary NCE, --num_neg (default all K) for ranking; held-out pairs need M too."""
+def negatives_per_pair(loss, num_neg, neg, held_neg):
+    """M: 1 for binary NCE, num_neg (None: all K) for ranking; held-out pairs need M too."""
     K, K_held = neg['meta']['num_samples'], held_neg['meta']['num_samples']
-    M = 1 if args.loss == 'binary' else (args.num_neg or K)
-    if not 1 <= M <= min(K, K_held):
-        raise ValueError(f"--num_neg {M} must be between 1 and the {min(K, K_held)} stored negatives "
-                         f"per prefix (train {K}, held-out {K_held})")
+    M = 1 if loss == 'binary' else (num_neg or K)
+    guards.check_num_neg(M, K, K_held)
     return M
 
 
@@ -281,35 +244,14 @@ def build(args, meta, length, rows, device):
     if args.resume:
         model, ckpt = load_energy(os.path.join(args.out_dir, 'ckpt.pt'), args.lm)
         model.train()
-        check_memory_of(model.config, rows, args, device)
-    else:
-        check_memory_of(planned_config(args), rows, args, device)  # before any weight is allocated
+        guards.check_energy_memory(model.config, rows, args.batch_size, device)
+    else:  # before any weight is allocated
+        guards.check_energy_memory(guards.planned_config(args), rows, args.batch_size, device)
         sizes = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model, ckpt = build_energy(args.energy, args.lm, meta, args.init_from, sizes, args.pool,
                                    context=args.context, dropout=args.dropout), None
-    if length > model.config.block_size:
-        raise ValueError(f"prefix_len + gen_len = {length} of the negatives exceeds the energy's block_size "
-                         f"{model.config.block_size}: regenerate shorter negatives or give the energy a "
-                         f"larger block")
+    guards.check_energy_block(length, model.config.block_size)
     return model, ckpt
-
-
-def planned_config(args):
-    """The shape of the energy build_energy will make, read before it allocates a weight: that of
-    --init_from's model or of the LM, with the size flags of a BIT from scratch (a UNIT refuses
-    them)."""
-    src = load_checkpoint(args.init_from or args.lm)['config']
-    sizes = {} if args.init_from or args.energy == 'unit' else dict(
-        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    return GPTConfig(**dict(src, **{k: v for k, v in sizes.items() if v is not None}))
-
-
-def check_memory_of(config, rows, args, device):
-    """A training step of the energy config on `rows` sequences must fit (as train_lm.py checks)."""
-    check_training_memory(config, rows, device,
-                          f"training an energy of n_layer {config.n_layer}, n_embd {config.n_embd} on "
-                          f"--batch_size {args.batch_size} x {rows // args.batch_size} sequences per pair",
-                          "lower --batch_size (--grad_accum keeps the batch) or the energy's size")
 
 
 def report(results, out_dir):
@@ -333,7 +275,7 @@ def selected(ev, select):
 
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
-    args = get_args(argv)
+    args = guards.check_nce_flags(get_args(argv), argv)  # every flag, and --resume's, before any work
     out = RunDir(args)  # one job per folder; log.jsonl, results.json
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
     rank, world_size, device = setup(args.device)
@@ -344,12 +286,12 @@ def main(argv=None):
 
     neg, held_neg, data, meta = load_pairs(args)
     P, L = neg['meta']['prefix_len'], neg['meta']['gen_len']
-    M = negatives_per_pair(args, neg, held_neg)
+    M = negatives_per_pair(args.loss, args.num_neg, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
-    pool = training_pool(train, neg, args)
+    pool = training_pool(train, neg, args.loss, args.negatives)
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M), device)
     raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args, device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only
     if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
@@ -365,7 +307,7 @@ def main(argv=None):
     if ckpt:
         best = dict(value=ckpt.get('best_value', ckpt.get('best_loss')), iter=ckpt['best_iter'],
                     eval=ckpt.get('best_eval', {}), trail=ckpt.get('best_trail', []))
-    held_rows, held_negs = held_out_pairs(held_neg, M, args)
+    held_rows, held_negs = held_out_pairs(held_neg, M, args.eval_prefixes, args.seed)
     tokens_per_iter = args.batch_size * args.grad_accum * (1 + M) * (P + L)
     if master:
         print(f"{raw_model.kind.upper()} energy, {raw_model.num_params() / 1e6:.2f}M parameters, "
@@ -374,7 +316,7 @@ def main(argv=None):
     out.start(master, iter_num, args.max_iters, tokens_per_iter, args.quiet)
     last_eval = {}
     while iter_num < args.max_iters and not stopped_early(best['trail'], args.patience, args.min_rel_delta):
-        lr = get_lr(iter_num, args)
+        lr = get_lr(iter_num, args.lr, args.min_lr, args.warmup_iters, args.lr_decay_iters)
         for group in optimizer.param_groups:
             group['lr'] = lr
         stats = train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size)
@@ -426,11 +368,11 @@ def main(argv=None):
     return results
 
 
-def held_out_pairs(held_neg, M, args):
-    """The fixed held-out pairs that choose best.pt: the first --eval_prefixes prefixes of the
+def held_out_pairs(held_neg, M, eval_prefixes, seed):
+    """The fixed held-out pairs that choose best.pt: the first eval_prefixes prefixes of the
     selection split, M of their stored negatives each (rows (N,), negative indices (N, M))."""
-    n = min(args.eval_prefixes, len(held_neg['offsets']))
-    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, args.seed, 'held_out', 0)[1]
+    n = min(eval_prefixes, len(held_neg['offsets']))
+    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, seed, 'held_out', 0)[1]
 
 
 def train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size):

@@ -28,12 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data import SPLITS, check_fits, load_negatives, load_split, read_negatives_meta, window_tokens, windows
-from model import load_lm_and_data, proposal_logprobs
-from plumbing import (ArgumentParser, at_least, atomic_write, check, check_free_space, check_memory,
-                      check_writable, common_flags, disk_full, file_hash, precision, progress, rerun_command,
-                      rng, run_main, setup, teardown_distributed, write_json)
+from data import load_lm_and_data
+from model import proposal_logprobs
+from plumbing import (ArgumentParser, atomic_write, common_flags, disk_full, file_hash, guards, precision,
+                      progress, rerun_command, rng, run_main, setup, teardown_distributed, write_json)
 
-MAX_SAMPLES = 2**16  # stored continuations per prefix: beyond it a mistyped size, not an experiment
 CHUNK_TOKENS = 2**16  # the default chunk's sequences, in tokens: one decode of all its rows
 
 
@@ -80,41 +79,21 @@ def get_args(argv=None):
       help='prefixes per generate call and per resumable unit (default: about 2^16 sampled tokens, '
            'prompts included)')
     common_flags(p, 'device', 'dtype', 'seed', 'quiet')
-    args = p.parse_args(argv)
-    # all checked before out_dir is created: a folder made with bad flags would refuse the fixed rerun
-    at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')
-    if args.chunk is None:  # small models decode ~8x faster in 4,096 rows than in 512 (addition)
-        args.chunk = max(1, CHUNK_TOKENS // (args.num_samples * (args.prefix_len + args.gen_len)))
-    check(args, 'num_samples', lambda v: v <= MAX_SAMPLES,
-          f"at most {MAX_SAMPLES:,} (the paper stores 16 or 128 per prefix)")
-    check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
-    check(args, 'temperature', lambda v: 0 <= v < float('inf'), 'a finite number >= 0 (0: greedy)')
-    # a chunk's samples come back at once: int64 tokens, float32 log P_LM and log q per token
-    check_memory(args.chunk * args.num_samples * 16 * args.gen_len,
-                 f"--num_samples {args.num_samples} x --chunk {args.chunk}", "lower them")
-    check_writable(args.out_dir, '--out_dir')
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None):
-    args = get_args(argv)
+    args = guards.check_negatives_flags(get_args(argv), CHUNK_TOKENS)  # before out_dir is created
     rank, world_size, device = setup(args.device)
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
-    if args.top_k is not None and args.top_k > lm.config.vocab_size:
-        raise ValueError(f"--top_k {args.top_k}: must be at most the vocabulary size {lm.config.vocab_size}")
     P, L, K = args.prefix_len, args.gen_len, args.num_samples
     check_fits(P + L, {'LM': lm})
     dtype, ctx = precision(device, args.dtype, 'sample', verbose=rank == 0, width=lm.config.n_embd)
     data = load_split(data_dir, args.split, meta)
     offsets = windows(data, P, L, args.stride, args.max_prefixes)
-    if len(offsets) == 0:
-        raise ValueError(f"the {args.split} split is shorter than {P + L} tokens: "
-                         "lower --prefix_len/--gen_len")
     N, n_chunks = len(offsets), (len(offsets) + args.chunk - 1) // args.chunk
-    # every file, before any is created: tokens, log P_LM and log q of the samples, the two of the
-    # real continuations, offsets, done; 64 KiB for meta.json and the last block of each file
-    itemsize = np.dtype(meta['dtype']).itemsize
-    check_free_space(args.out_dir, N * K * (L * itemsize + 8) + N * 24 + n_chunks + 2**16, '--out_dir')
+    guards.check_negatives_run(args, lm.config.vocab_size, offsets, n_chunks, 
+                               np.dtype(meta['dtype']).itemsize)
     settings = dict(lm_path=args.lm, lm_hash=file_hash(args.lm), data_dir=data_dir, split=args.split,
                     prefix_len=P, gen_len=L, stride=args.stride, num_prefixes=N, num_samples=K,
                     top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, chunk=args.chunk,
@@ -159,10 +138,7 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
             old = read_negatives_meta(out_dir)
             old.pop('complete', None)
             old.setdefault('precision', settings['precision'])  # written before it was recorded
-            if old != settings and chunks_done(out_dir):
-                diff = sorted(k for k in settings if old.get(k) != settings[k])
-                raise ValueError(f"{out_dir} holds negatives made with other settings ({', '.join(diff)}): "
-                                 f"use another --out_dir or delete it")
+            guards.check_same_settings(old, settings, out_dir, chunks_done(out_dir))
             fresh = old != settings
         if fresh:
             create_outputs(out_dir, settings, offsets, n_chunks)

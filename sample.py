@@ -29,10 +29,9 @@ import torch
 from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
                     score_continuations)  # load_any_energy: an NCE energy or an extension's
-from model import load_lm_and_data
-from plumbing import (TIME_LIMIT_S, ArgumentParser, at_least, check_free_space, check_memory, check_new,
-                      check_time, check_writable, common_flags, duration, forward_seconds, precision,
-                      progress, rng, run_main, setup, write_json)
+from data import load_lm_and_data
+from plumbing import (TIME_LIMIT_S, ArgumentParser, common_flags, duration, guards, precision, progress, rng,
+                      run_main, setup, write_json)
 from data.tokenizer import load_tokenizer
 
 
@@ -132,8 +131,8 @@ def unique_ngrams(texts, n):
     return 100.0 * len(set(grams)) / len(grams) if grams else None  # None: no n-gram (JSON has no NaN)
 
 
-FORCE_HELP = (f'replace --out if it exists; run sampling estimated (crudely, check_sampling_time) to take '
-              f'more than {duration(TIME_LIMIT_S)}, which is refused without it')
+FORCE_HELP = (f'replace --out if it exists; run sampling estimated (crudely, guards.check_sampling_time) to '
+              f'take more than {duration(TIME_LIMIT_S)}, which is refused without it')
 
 
 def get_args(argv=None):
@@ -175,67 +174,30 @@ def get_args(argv=None):
     common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
         force=FORCE_HELP, dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the '
                                 'widths)'))
-    args = p.parse_args(argv)
-    at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n', 'chunk', 'max_rows')
-    at_least(args, 0, 'top_k', 'table_k', 'table_prefixes', 'print_prefixes')
-    if args.logz_samples == 1 or args.logz_samples < 0:
-        raise ValueError(f"--logz_samples {args.logz_samples}: "
-                         "0 (off) or at least 2 (the bounds need leave-one-out)")
-    at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
-    per_sample = 8 * args.gen_len + 8  # int64 tokens and a float64 energy, held at once per batch
-    check_memory(args.chunk * args.logz_samples * per_sample,
-                 f"--logz_samples {args.logz_samples} x --chunk {args.chunk}", "lower them")
-    if args.autoregressive or args.table_k:  # next_token_table: m completions of max_rows / 16 rows
-        rows = max(1, args.max_rows // min(args.m, 16))
-        check_memory(rows * args.m * per_sample, f"--m {args.m}", "lower it")
-    check_writable(args.out, '--out', folder=False)
-    check_new(args.out, '--out', args.force)
-    return args
-
-
-def check_prefix_count(args, held):
-    """--num_prefixes against the `held` windows the split has (a larger count takes them all, and
-    says so), and the disk for the JSON of those taken."""
-    if held < args.num_prefixes:
-        print(f"--num_prefixes {args.num_prefixes}: the {args.split} split holds {held:,} prefixes of "
-              f"--prefix_len {args.prefix_len} + --gen_len {args.gen_len} tokens: taking all {held:,}",
-              flush=True)
-    # the JSON holds each prefix's texts and tokens: 0.23 MB for 256 prefixes of 64 tokens (~0.9 KiB each)
-    check_free_space(args.out, 2**16 + min(held, args.num_prefixes) * (2**12 + 2**6 * args.gen_len), '--out')
+    return p.parse_args(argv)
 
 
 def main(argv=None):
-    args = get_args(argv)
+    args = guards.check_sample_flags(get_args(argv))  # every flag, and the memory its sizes need
     device = setup(args.device)[2]
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy, _ = load_any_energy(args.energy, args.lm, device)
     dtype, ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)
     edtype, ectx = precision(device, args.dtype, 'score', width=energy.config.n_embd)
     tok = load_tokenizer(meta)
-    V = lm.config.vocab_size
-    if not 0 <= args.top_k <= V:
-        raise ValueError(f"--top_k must be between 0 and the vocabulary size {V}")
-    if ((args.autoregressive or args.table_k)
-            and not (0 <= args.table_k <= args.keep <= min(args.candidates, V) and args.m >= 1)):
-        raise ValueError(f"need 0 <= --table_k ({args.table_k}) <= --keep ({args.keep}) "
-                         f"<= --candidates ({args.candidates}) "
-                         f"and the vocabulary size ({V}), and --m ({args.m}) >= 1")
+    guards.check_sample_vocab(args, lm.config.vocab_size)
     if args.prompt is not None:
         ids = tok.encode(args.prompt)
-        if not ids:
-            raise ValueError("--prompt is empty")
+        guards.check_prompt(ids)
         prefixes, gold = torch.tensor([ids]), None
     else:
         data = load_split(data_dir, args.split, meta)
         offsets = windows(data, args.prefix_len, args.gen_len, max_windows=args.num_prefixes)
-        if len(offsets) == 0:
-            raise ValueError(f"no window of {args.prefix_len + args.gen_len} tokens "
-                             f"in the {args.split} split")
-        check_prefix_count(args, len(windows(data, args.prefix_len, args.gen_len)))
+        guards.check_prefix_count(args, offsets, len(windows(data, args.prefix_len, args.gen_len)))
         x = window_tokens(data, offsets, args.prefix_len + args.gen_len)
         prefixes, gold = x[:, :args.prefix_len], x[:, args.prefix_len:]
     check_fits(prefixes.size(1) + args.gen_len, {'LM': lm, 'energy': energy})
-    check_sampling_time(lm, energy, *prefixes.shape, args, device)
+    guards.check_sampling_time(lm, energy, *prefixes.shape, args, device)  # beyond an hour: --force
     g = rng(args.seed, 'joint_samples', args.split, 0, device)
     prefixes = prefixes.to(device)
     B = min(args.chunk, prefixes.size(0))
@@ -257,22 +219,6 @@ def main(argv=None):
     print("mean LM log-likelihood: " + ', '.join(f'{k} {v:.2f}' for k, v in report['mean_lm_logp'].items()) +
           f"; -> {args.out}")
     return report
-
-
-def check_sampling_time(lm, energy, B, P, args, device):
-    """Says how long sampling B prefixes of P tokens takes, by a crude estimate from its forward
-    tokens (forward_seconds), before it starts; beyond TIME_LIMIT_S only with
-    --force. Sequences sampled and scored: n (Algorithm 1) and --logz_samples per prefix, and
-    candidates x m completions for each Table-3 view and each step of --autoregressive."""
-    L, C = args.gen_len, min(args.candidates, lm.config.vocab_size)
-    rows = B * (args.n + args.logz_samples)
-    sampled, scored = rows * L, rows * (P + L)
-    views = (min(B, args.table_prefixes) if args.table_k else 0) + (B * L if args.autoregressive else 0)
-    sampled, scored = sampled + views * C * args.m * L, scored + views * C * args.m * (P + L)
-    seconds = forward_seconds(2 * lm.num_params() * sampled,
-                              2 * sum(p.numel() for p in energy.parameters()) * scored, device)
-    check_time(seconds, f"sampling {B} prefixes with --n {args.n}"
-                        + (f", --m {args.m}" if views else ''), args.force)
 
 
 def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):

@@ -27,10 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import batch_offsets, get_batch, load_meta, load_split, problem_windows, windows
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
-from model import (GPT, RALM, GPTConfig, check_vocab, configure_optimizer, get_lr, load_checkpoint, load_lm,
-                   stopped_early, width_for_params)
-from plumbing import (RunDir, all_reduce, check_training_flags, check_training_memory, file_hash, one_job,
-                      precision, rng_seed, run_trainer, setup, teardown_distributed, training_parser)
+from model import GPT, RALM, GPTConfig, configure_optimizer, get_lr, load_lm, stopped_early, width_for_params
+from plumbing import (RunDir, all_reduce, checkpoints, file_hash, guards, one_job, precision, rng_seed,
+                      run_trainer, setup, teardown_distributed, training_parser)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -96,44 +95,7 @@ def get_args(argv=None):
     preset = p.parse_known_args(argv)[0].preset
     if preset:
         p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])
-    args = p.parse_args(argv)
-    check_args(args, argv)
-    return args
-
-
-# the flags beside the model's shape that change a run's numbers: a --resume keeps the checkpoint's
-RESUME_FIXED = ('seed', 'data_dir', 'lr', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'batch_size',
-                'grad_accum', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'dropout', 'eval_interval',
-                'eval_iters', 'select_on', 'patience', 'min_rel_delta', 'final_eval_windows', 'residual_of',
-                'init_from', 'match_params')
-
-
-def saved_flags(ckpt):
-    """The flags a checkpoint of this trainer ran with, its shape and precision included (None: an
-    energy, which build_model refuses)."""
-    if ckpt.get('kind') not in ('lm', 'mlm'):
-        return None
-    return dict(ckpt.get('args', {}), **ckpt['config'], objective=ckpt.get('objective', ckpt['kind']),
-                gamma=ckpt.get('gamma'), dtype=ckpt.get('args', {}).get('dtype'))
-
-
-def check_args(args, argv):
-    """Every flag in range, and with --resume those given (argv) agreeing with the checkpoint,
-    before any work: one line naming the flag."""
-    try:
-        args.snapshots = sorted({int(i) for i in args.snapshots.split(',') if i.strip()})
-    except ValueError:
-        raise ValueError(f"--snapshots {args.snapshots}: must be comma-separated iteration numbers, "
-                         f"e.g. 250,500") from None
-    if (args.objective == 'tailr') != (args.gamma is not None):
-        raise ValueError("--objective tailr and --gamma go together: TaiLr needs its gamma in [0, 1], "
-                         "the others none")
-    if args.gamma is not None and args.gamma > 1:
-        raise ValueError(f"--gamma {args.gamma}: must be in [0, 1]")
-    args.select_layout = None  # (P, L) of --select_on continuation, from the data (load_data)
-    shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
-    shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    check_training_flags(args, argv, shape | set(RESUME_FIXED), saved_flags)
+    return p.parse_args(argv)
 
 
 def tailr_loss(logits, targets, gamma):
@@ -226,30 +188,18 @@ def build_model(args, meta, device):
         model, ckpt = load_lm(ckpt_path, meta=meta, kind='mlm' if mlm else 'lm')
         args.residual_of = (ckpt.get('residual_of') or [None])[0]
         return model.train(), ckpt
-    if args.residual_of and mlm:
-        raise ValueError("--residual_of trains a RALM, a causal LM: it does not go with --objective mlm")
     if args.match_params:
         args.n_embd = width_for_params(args.match_params, args.n_layer, args.n_head, meta['vocab_size'] + mlm,
                                        args.block_size, args.bias)
     config = GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + mlm, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias,
                        causal=not mlm, alibi=args.alibi)
-    if args.match_params:
-        with torch.device('meta'):  # counted before any memory is spent on it
-            n_params = GPT(config).num_params()
-        if not 0.5 < n_params / args.match_params < 2:
-            raise ValueError(f"--match_params {args.match_params}: the nearest width (n_embd {args.n_embd}) "
-                             f"gives {n_params:,} parameters: change --n_layer to get near it")
-    what = (f"training {args.n_layer} layers of n_embd {args.n_embd} on --batch_size {args.batch_size} x "
-            f"--block_size {args.block_size}")
-    check_training_memory(config, args.batch_size, device, what,
-                          "lower them (--grad_accum keeps the batch)")
+    with torch.device('meta'):  # BALM's parameters, counted before any memory is spent on it
+        n_params = GPT(config).num_params() if args.match_params else None
+    guards.check_new_lm(args, config, device, n_params)
     if args.residual_of:
         base = load_lm(args.residual_of, meta=meta)[0]
-        if args.block_size > base.config.block_size:
-            raise ValueError(f"--block_size {args.block_size} exceeds that of --residual_of "
-                             f"{args.residual_of} ({base.config.block_size}): a RALM reads no further back "
-                             f"than its base LM")
+        guards.check_ralm_base(args.block_size, base, args.residual_of)
     model = RALM(config, base) if args.residual_of else GPT(config)
     if args.init_from:
         init_weights(model, args.init_from, meta)
@@ -259,17 +209,12 @@ def build_model(args, meta, device):
 def init_weights(model, path, meta):
     """Copy a checkpoint's weights into a model of the same shape. Only the vocabulary may differ,
     by the extra [MASK] row of an MLM: that row keeps its fresh initialisation."""
-    src = load_checkpoint(path)
-    if src['kind'] == 'energy':
-        raise ValueError(f"--init_from {path} is an energy (nce_train.py), not a train_lm.py checkpoint: "
-                         f"start from an LM or a masked LM")
-    check_vocab(src, meta, path)
+    src = checkpoints.load_checkpoint(path)
+    checkpoints.check_lm_init(src, meta, path)
     state = model.state_dict()
     for k, v in state.items():
         w = src['model'].get(k)
-        if w is None or w.shape[1:] != v.shape[1:] or not 0 <= v.shape[0] - w.shape[0] <= 1:
-            raise ValueError(f"{path} does not have this model's shape ({k}): "
-                             f"use the sizes it was trained with")
+        checkpoints.check_same_shape(k, w, v, path)
         v[:w.shape[0]] = w
     model.load_state_dict(state)
 
@@ -279,10 +224,7 @@ def load_data(args):
     args.select_layout = select_layout(args, meta)
     splits = ('train', 'select', 'val', 'test') if args.final_eval else ('train', 'select', 'val')
     data = {name: load_split(args.data_dir, name, meta) for name in splits}
-    for name, d in data.items():
-        if len(d) <= args.block_size + 1:
-            raise ValueError(f"the {name} split has {len(d)} tokens, fewer than block_size+1 = "
-                             f"{args.block_size + 1}: lower --block_size or add text")
+    guards.check_split_lengths(data, args.block_size)
     return meta, data
 
 
@@ -291,12 +233,7 @@ def select_layout(args, meta):
     if args.select_on == 'window':
         return None
     layout = problem_windows(meta)
-    if layout is None or args.objective == 'mlm':
-        raise ValueError(f"--select_on continuation needs problem data (data/addition) and a causal LM; "
-                         f"{args.data_dir} is not, or drop the flag (--select_on window)")
-    if sum(layout) > args.block_size:
-        raise ValueError(f"--select_on continuation: a problem is {sum(layout)} tokens, more than "
-                         f"--block_size {args.block_size}: raise --block_size")
+    guards.check_select_layout(layout, args)
     return layout
 
 
@@ -304,7 +241,7 @@ def select_layout(args, meta):
 
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
-    args = get_args(argv)
+    args = guards.check_lm_flags(get_args(argv), argv)  # every flag, and --resume's, before any work
     out = RunDir(args)  # one job per folder; log.jsonl, results.json
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
     rank, world_size, device = setup(args.device)
@@ -317,7 +254,7 @@ def main(argv=None):
     raw_model, ckpt = build_model(args, meta, device)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
     raw_model.to(device)
-    optimizer = configure_optimizer(raw_model, args, device)
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device)
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only
     if ckpt:  # --resume: optimizer and scaler continue where they stopped
         optimizer.load_state_dict(ckpt['optimizer'])
@@ -337,7 +274,7 @@ def main(argv=None):
     out.start(master, iter_num, args.max_iters, tokens_per_iter, args.quiet)
     best_weights = None  # every rank keeps its own copy (reading best.pt back would race rank 0's write)
     while iter_num < args.max_iters and not stopped_early(best['trail'], args.patience, args.min_rel_delta):
-        lr = get_lr(iter_num, args)
+        lr = get_lr(iter_num, args.lr, args.min_lr, args.warmup_iters, args.lr_decay_iters)
         for group in optimizer.param_groups:
             group['lr'] = lr
         train_loss = train_step(model, scaler, data['train'], V, args, iter_num, device, ctx, rank,
@@ -388,7 +325,7 @@ def main(argv=None):
 def load_best(raw_model, best_weights, out_dir, residual_of):
     """The weights of the lowest selection loss into raw_model: this run's copy, or best.pt when the
     best came before a --resume (best_weights None); a RALM's are its residual's only."""
-    best_weights = best_weights or load_checkpoint(os.path.join(out_dir, 'best.pt'))['model']
+    best_weights = best_weights or checkpoints.load_checkpoint(os.path.join(out_dir, 'best.pt'))['model']
     raw_model.load_state_dict(best_weights, strict=not residual_of)
 
 

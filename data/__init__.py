@@ -7,6 +7,7 @@ The on-disk format of a prepared corpus, shared by every data/<corpus>/prepare.p
                                               eot id, token and document counts per split
 
 meta.json is written last, so a data dir that has one is complete.
+load_lm_and_data gives a trained LM with the prepared data it goes with (its vocabulary checked).
 """
 
 import errno
@@ -19,7 +20,9 @@ import tempfile
 import numpy as np
 import torch
 
+from model import load_lm
 from plumbing import check_free_space, disk_full, file_hash, not_a_file, out_of_space, rng, write_json
+from plumbing.checkpoints import check_vocab, data_dir_of
 from data.tokenizer import build_tokenizer, tokenizer_meta
 
 # select: documents carved from training that choose what is tuned (early stopping, learning
@@ -168,6 +171,16 @@ def load_meta(data_dir):
         raise ValueError(f"{path} lacks {', '.join(missing)}: it is not a prepared data dir's meta.json; "
                          "re-run prepare.py")
     return meta
+
+
+def load_lm_and_data(lm_path, data_dir=None, device='cpu'):
+    """The LM at lm_path and the prepared data it goes with: data_dir, else the folder it was trained
+    on (its checkpoint records it), checked to have its vocabulary. Returns (lm, ckpt, data_dir, meta)."""
+    lm, ckpt = load_lm(lm_path, device)
+    data_dir = data_dir_of(ckpt, lm_path, data_dir)
+    meta = load_meta(data_dir)
+    check_vocab(ckpt, meta, lm_path)
+    return lm, ckpt, data_dir, meta
 
 
 ADDITION_CHARS = set('0123456789+=')

@@ -40,13 +40,13 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m extensions.addition_eval")
 import torch
 
-from data import SPLITS, check_fits, load_split, window_tokens, windows
+from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
 from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
-from model import load_lm, load_lm_and_data
-from plumbing import (ArgumentParser, at_least, check_new, check_writable, named_paths, rng, run_main, setup,
-                      write_json)
+from model import load_lm
+from plumbing import (ArgumentParser, at_least, check_new, check_writable, common_flags, named_paths, rng,
+                      run_main, setup, write_json)
 
 
 def answer_layout(data, meta):
@@ -267,10 +267,8 @@ def get_args(argv=None):
     a('--batch', type=int, default=64, help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
-    a('--force', action='store_true', help='replace --out')
-    a('--device', default='cpu')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true', help='no table printed (it is still written)')
+    common_flags(p, 'force', 'device', 'seed', 'quiet',
+                 help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)
     at_least(args, 1, 'num_prefixes', 'batch')
     at_least(args, 0, 'top_k', 'beam')

@@ -30,10 +30,10 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m extensions.metric_ebm")
 import torch
 
-from data import SPLITS, check_fits, load_split, window_tokens, windows
+from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
-from model import load_lm, load_lm_and_data
+from model import load_lm
 from plumbing import (ArgumentParser, at_least, check, check_memory, check_new, check_writable, common_flags,
                       file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
                       write_json, write_text)

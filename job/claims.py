@@ -52,7 +52,7 @@ from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_mode
                  input_hashes, read_report)
 from job.stats import (ALPHA, correct, decide, equivalence_p, jackknife_se, mcnemar, mean_se, paired,
                        studentised_permutation)
-from plumbing import ArgumentParser, run_main, write_json, write_text
+from plumbing import ArgumentParser, common_flags, run_main, write_json, write_text
 
 T3_MARGIN = 0.5  # T3's equivalence margin, a fraction of the predicted gain
 
@@ -549,10 +549,10 @@ def format_claims(result):
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument('--out_dir', default='out',
-                   help="the main job's folder (ppl.json, samples.json, lm/, ralm/, balm/)")
+    common_flags(p, 'out_dir', default=dict(out_dir='out'),
+                 help=dict(out_dir="the main job's folder (ppl.json, samples.json, lm/, ralm/, balm/)"))
     p.add_argument('--split', default='test', help='the split of the model comparisons')
-    p.add_argument('--seed', type=int, default=1337, help="of C6 and C7's permutation tests")
+    common_flags(p, 'seed', help=dict(seed="of C6 and C7's permutation tests"))
     return p.parse_args(argv)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.figures")
 from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_claims_inputs, check_same_lm, read_report)
-from plumbing import check_writable, run_main
+from plumbing import check_writable, common_flags, run_main
 
 # the paper's Fig. 3 colours: real text red, BASE LM black, the joint model green
 KINDS = {'gold': ('real text', 'tab:red'), 'base': ('BASE LM', 'black'), 'joint': ('JOINT', 'tab:green'),
@@ -209,7 +209,8 @@ MAX_DPI = 1200
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--out_dir', default='out', help='where ppl.json and samples.json are, and the PNGs go')
+    common_flags(p, 'out_dir', default=dict(out_dir='out'),
+                 help=dict(out_dir='where ppl.json and samples.json are, and the PNGs go'))
     p.add_argument('--split', default=None,
                    help="split of Fig. 1 and Fig. 2 left (default: the one ppl.json's per-step PPL used)")
     p.add_argument('--copy_to', default=None,

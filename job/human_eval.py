@@ -27,7 +27,7 @@ import sys
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.human_eval")
-from plumbing import ArgumentParser, at_least, check_writable, not_a_file, run_main, write_json
+from plumbing import ArgumentParser, at_least, check_writable, common_flags, not_a_file, run_main, write_json
 
 
 def binomial_p_value(wins, losses):
@@ -188,10 +188,8 @@ def main(argv=None):
     e.add_argument('--systems', default='joint,base',
                    help='the two systems compared (base, joint, worst, gold)')
     e.add_argument('--checks', type=int, default=2, help='attention-check items (system vs real text)')
-    e.add_argument('--out_dir', default='out/human_eval')
-    e.add_argument('--force', action='store_true',
-                   help='overwrite an existing key.json (votes collected against it become unscorable)')
-    e.add_argument('--seed', type=int, default=1337)
+    common_flags(e, 'out_dir', 'force', 'seed', default=dict(out_dir='out/human_eval'), help=dict(
+        force='overwrite an existing key.json (votes collected against it become unscorable)'))
     s = sub.add_parser('score', help='read votes back and report the preference')
     s.add_argument('--key', default='out/human_eval/key.json')
     s.add_argument('--votes', required=True, help='CSV with columns rater,item,choice')

@@ -44,7 +44,7 @@ import torch
 from data import problem_windows, read_json
 from energy import Energy
 from model import GPT, GPTConfig
-from plumbing import (DTYPES, ArgumentParser, check_writable, lock_folder, one_job, pick_device,
+from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
                       rerun_command, run_main, write_json)
 
 from job.configs import ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME
@@ -86,15 +86,14 @@ def get_args(argv=None):
                         "data in data/shakespeare_gpt2)")
     p.add_argument('--data', default='shakespeare', choices=['shakespeare', 'addition'],
                    help='the corpus prepared and its sizes (addition: docs/addition.md)')
-    p.add_argument('--out_dir', default=None, help='default: out/ (out-quick/, out-quick-gpt2/ with --quick; '
-                                                   'out-addition/, out-quick-addition/ for --data addition)')
+    common_flags(p, 'out_dir', default=dict(out_dir=None), help=dict(
+        out_dir='default: out/ (out-quick/, out-quick-gpt2/ with --quick; out-addition/, out-quick-addition/ '
+                'for --data addition)'))
     p.add_argument('--data_dir', default=None,
                    help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2), data/addition')
-    p.add_argument('--seed', type=int, default=1337)
-    p.add_argument('--quiet', action='store_true', help='no progress bars in the stages')
-    p.add_argument('--device', default='auto', help='passed to every stage')
-    p.add_argument('--dtype', default='auto', choices=DTYPES,
-                   help="passed to every stage ('auto': each stage measures what is fastest for its work)")
+    common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
+        quiet='no progress bars in the stages', device='passed to every stage',
+        dtype="passed to every stage ('auto': each stage measures what is fastest for its work)"))
     p.add_argument('--jobs', type=int, default=1,
                    help="stages run at once, like make -j (CPU only). 1: one after another, each on every "
                         "core, in the terminal. N > 1: a stage starts once those it needs have ended, on "

@@ -14,6 +14,11 @@ nothing (no environment variable, no file read) until a function is called.
                 checkpoints: saved atomically, their files checked as they load (weights_only=True)
     trainer.py  what the two trainers share besides their loop: the flags and their checks,
                 --resume's, the output folder (RunDir), the lines of a diverged or interrupted run
+    guards.py   the method scripts' own checks, each called in one line from the script: flags beyond
+                argparse, memory, time and disk budgets, the trainers' --resume fields, the files'
+                agreement (`from plumbing import guards`)
+    checkpoints.py  a checkpoint's checks as the method loads it: kind, vocabulary, a RALM's base and an
+                energy's LM unchanged, finite weights; load_checkpoint
 """
 
 from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check_time,  # noqa: F401

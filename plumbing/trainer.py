@@ -75,18 +75,23 @@ def check_training_flags(args, argv, fixed, saved_flags):
     check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
     for name in ('dropout', 'beta1', 'beta2'):
         check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
-    if args.patience and args.max_iters < (args.patience + 1) * args.eval_interval:
-        raise ValueError(f"--patience {args.patience} can never stop a run of --max_iters {args.max_iters}: "
-                         f"the stopping rule needs {args.patience + 1} evaluations (--eval_interval "
-                         f"{args.eval_interval}), so `converged: false` would be forced, not measured; raise "
-                         f"--max_iters to at least {(args.patience + 1) * args.eval_interval} or lower "
-                         f"--eval_interval")
+    check_patience(args.patience, args.max_iters, args.eval_interval)
     check_writable(args.out_dir, '--out_dir')
     new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt'))  # a run that fails before saving leaves none
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     if args.resume:
         check_resume(args, argv, fixed, saved_flags)
     args.grad_accum = micro_batches(args.grad_accum, int(os.environ.get('WORLD_SIZE', 1)))
+
+
+def check_patience(patience, max_iters, eval_interval):
+    """A --patience that can fire within --max_iters."""
+    if patience and max_iters < (patience + 1) * eval_interval:
+        raise ValueError(f"--patience {patience} can never stop a run of --max_iters {max_iters}: "
+                         f"the stopping rule needs {patience + 1} evaluations (--eval_interval "
+                         f"{eval_interval}), so `converged: false` would be forced, not measured; raise "
+                         f"--max_iters to at least {(patience + 1) * eval_interval} or lower "
+                         f"--eval_interval")
 
 
 # -----------------------------------------------------------------------------

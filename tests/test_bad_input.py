@@ -36,7 +36,7 @@ from data import load_meta, load_negatives
 from data.text import prepare as text_prepare
 from energy import Energy, build_energy, energy_state
 from model import GPT, GPTConfig, load_checkpoint
-from plumbing import file_hash, save_checkpoint, write_json
+from plumbing import file_hash, guards, save_checkpoint, write_json
 from data.addition import prepare as addition_prepare
 from tests.common import (CORPUS, EVAL_L, EVAL_P, HE_SAMPLES, NCE_FLAGS, NEG_FLAGS, ROOT, SCRIPTS,
                           TRAIN_FLAGS, UNWRITABLE, assert_clean_error, dir_snapshot, exported_votes,
@@ -969,9 +969,9 @@ def test_sampling_time_is_said_up_front(tmp_path, capsys):
         energy = Energy(GPTConfig(vocab_size=79, causal=False, **shape))
     args = sample.get_args(['--out', str(tmp_path / 's.json'), '--n', '100000'])
     with pytest.raises(ValueError, match=r'--n 100000, --m 32 would take ~.* h by a crude estimate.*--force'):
-        sample.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
+        guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
     args.n = 100
-    sample.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
+    guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
     assert capsys.readouterr().out.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
     with pytest.raises(SystemExit):
         sample.get_args(['--help'])

@@ -180,7 +180,8 @@ def check_readme_addition(readme):
 MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'data/__init__.py',
            'job/__init__.py', 'extensions/__init__.py', 'plumbing/__init__.py', 'plumbing/run.py',
            'plumbing/device.py', 'plumbing/budget.py', 'plumbing/files.py',
-           'plumbing/trainer.py', 'job/configs.py', 'job/pipeline.py',
+           'plumbing/trainer.py', 'plumbing/guards.py', 'plumbing/checkpoints.py', 'job/configs.py',
+           'job/pipeline.py',
            'job/stats.py'}  # job/figures.py is a script
 
 
@@ -323,11 +324,58 @@ def test_the_method_names_no_module_in_a_string():
     assert not bad, bad
 
 
+GUARD_MODULES = ('plumbing/guards.py', 'plumbing/checkpoints.py', 'plumbing/trainer.py', 'plumbing/run.py')
+MAX_CHECK_LINES = 25  # a checking function, def line included
+MAX_GUARD_SHARE = 0.10  # of a method file's lines
+
+
+def guard_lines(tree):
+    """The lines of tree that guard rather than compute: a function whose name starts with check_, an
+    `if` whose body only raises, any other raise, and a statement that only calls a check (check*,
+    at_least, guards.*); each statement's lines counted once."""
+    lines = set()
+
+    def visit(node):
+        for n in ast.iter_child_nodes(node):
+            call = n.value.func if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) else None
+            name = getattr(call, 'id', None) or getattr(call, 'attr', '')
+            owner = getattr(getattr(call, 'value', None), 'id', '')
+            if (isinstance(n, ast.FunctionDef) and n.name.startswith('check_')
+                    or isinstance(n, ast.If) and not n.orelse and all(isinstance(b, ast.Raise)
+                                                                      for b in n.body)
+                    or isinstance(n, ast.Raise) or name.startswith('check') or name == 'at_least'
+                    or owner == 'guards'):
+                lines.update(range(n.lineno, n.end_lineno + 1))
+            else:
+                visit(n)
+    visit(tree)
+    return lines
+
+
+def test_the_method_keeps_its_guards_in_plumbing():
+    """Issue 47: in the method files get_args declares flags and nothing else (it returns parse_args;
+    main checks them in one line), their guard lines (guard_lines) are at most MAX_GUARD_SHARE of each
+    file, and no checking function of plumbing's guards is longer than MAX_CHECK_LINES."""
+    trees, bad = python_files(), []
+    for path in sorted(METHOD_FILES):
+        fn = next((n for n in trees[path].body
+                   if isinstance(n, ast.FunctionDef) and n.name == 'get_args'), None)
+        if fn is not None:
+            ret = fn.body[-1]
+            bad += [f'{path}: get_args ends in {ast.unparse(ret)[:60]}'] * (
+                not isinstance(ret, ast.Return) or 'parse_args(argv)' not in ast.unparse(ret))
+            bad += [f'{path}: get_args checks' for _ in guard_lines(fn)][:1]
+        share = len(guard_lines(trees[path])) / len(open(os.path.join(ROOT, path)).read().splitlines())
+        bad += [f'{path}: guard lines {share:.0%}'] * (share > MAX_GUARD_SHARE)
+    long = [f'{p}:{n.name} ({n.end_lineno - n.lineno + 1} lines)' for p in GUARD_MODULES
+            for n in ast.walk(trees[p]) if isinstance(n, ast.FunctionDef) and n.name.startswith('check')
+            and n.end_lineno - n.lineno + 1 > MAX_CHECK_LINES]
+    assert not bad + long, bad + long
+
+
 COMMON = {'--device', '--dtype', '--seed', '--quiet', '--force', '--out_dir'}  # plumbing.COMMON_FLAGS
-# still declaring them by hand: being edited elsewhere (estimate_ppl.py, addition_eval.py,
-# job/reproduce.py) or not converted yet (issue 47, item 2)
-COMMON_BY_HAND = {'estimate_ppl.py', 'extensions/addition_eval.py', 'job/reproduce.py', 'job/claims.py',
-                  'job/figures.py', 'job/human_eval.py', 'data/addition/prepare.py',
+# still declaring them by hand: the data preparers (their --out_dir is the data folder, --seed the split's)
+COMMON_BY_HAND = {'data/addition/prepare.py',
                   'data/cc_news/prepare.py', 'data/shakespeare/prepare.py', 'data/text/prepare.py'}
 
 

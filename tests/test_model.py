@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from data import batch_offsets, load_meta, load_split
+from plumbing import guards
 from model import GPTConfig, RALM, SelfAttention, load_checkpoint, load_lm, proposal_logprobs, stopped_early
 import negatives
 import train_lm
@@ -348,7 +349,8 @@ def test_early_stopping_keeps_the_best(lm_corpus, tmp_path):
     meta = load_meta(lm_corpus)
     best, ckpt = load_lm(os.path.join(out, 'best.pt'), meta=meta)
     assert ckpt['iter_num'] == res['best_iter'] and os.path.exists(os.path.join(out, 'iter_10.pt'))
-    args = train_lm.get_args(['--data_dir', lm_corpus, '--out_dir', str(tmp_path / 'x'), *TRAIN_FLAGS])
+    argv = ['--data_dir', lm_corpus, '--out_dir', str(tmp_path / 'x'), *TRAIN_FLAGS]
+    args = guards.check_lm_flags(train_lm.get_args(argv), argv)
     data = load_split(lm_corpus, 'select', meta)
     offsets = batch_offsets(len(data), args.block_size, args.eval_iters * args.batch_size, args.seed,
                                      'select', 0)
@@ -368,7 +370,8 @@ def test_a_stopping_rule_that_cannot_fire_is_refused(script, tmp_path):
     common = ['--out_dir', str(tmp_path / 'o'), '--eval_interval', '500', '--patience', '2']
     args = dict(train_lm=['--data_dir', str(tmp_path)],
                 nce_train=['--negatives', 'n', '--held_out_negatives', 'h'])[script] + common
-    get_args = getattr(sys.modules[script], 'get_args')
+    checked = dict(train_lm=guards.check_lm_flags, nce_train=guards.check_nce_flags)[script]
+    get_args = lambda argv: checked(getattr(sys.modules[script], 'get_args')(argv), argv)  # as main takes them
     with pytest.raises(ValueError, match=r'--patience 2 can never stop .* --max_iters 1000.*least 1500'):
         get_args([*args, '--max_iters', '1000'])
     assert get_args([*args, '--max_iters', '1500']).patience == 2

@@ -27,7 +27,7 @@ import train_lm
 from data import load_negatives
 from energy import load_energy
 from model import GPT, load_checkpoint, load_lm
-from plumbing import save_checkpoint
+from plumbing import guards, save_checkpoint
 from tests.common import (NCE_FLAGS, NEG_FLAGS, ROOT, SCRIPTS, TRAIN_FLAGS, assert_clean_error, is_test,
                           neg_files, ppl_argv, python_files, read_log, run_script)
 
@@ -348,7 +348,8 @@ def test_results_are_not_replaced_without_force(lm_ckpt, eval_ckpts, tmp_path):
         estimate_ppl.main(argv)
     (tmp_path / 's.json').write_text('{}')
     with pytest.raises(ValueError, match='pass --force'):
-        sample.get_args(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--out', str(tmp_path / 's.json')])
+        guards.check_sample_flags(sample.get_args(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--out',
+                                                   str(tmp_path / 's.json')]))
     (tmp_path / 'm').mkdir()
     (tmp_path / 'm' / 'energy.pt').write_text('x')
     with pytest.raises(ValueError, match='pass --force'):

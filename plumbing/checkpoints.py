@@ -1,0 +1,106 @@
+"""
+The checks of a checkpoint as the method loads it (model.load_lm, energy.load_energy and the
+trainers' --init_from): a rebm checkpoint of the kind asked for, its vocabulary that of the data,
+a RALM's base LM and an energy's LM the very files it was trained with, finite weights. Each
+refuses with one line naming the file; none changes what is loaded.
+"""
+
+import os
+
+import torch
+
+from plumbing.files import checked_load, file_hash
+
+KINDS = {'lm': 'a language model', 'mlm': 'a masked LM (train_lm.py --objective mlm)',
+         'energy': 'an energy (nce_train.py)'}
+
+
+def load_checkpoint(path):
+    """A rebm checkpoint: a dict with the model's weights and what it is ('kind'), read with
+    weights_only=True (checked_load: the file's checks)."""
+    ckpt = checked_load(path)
+    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:
+        raise ValueError(f"{path} is not a rebm checkpoint (no 'model'/'kind' entries)")
+    return ckpt
+
+
+def check_kind(ckpt, path, kind):
+    """The checkpoint at path holds a model of `kind` ('lm', 'mlm' or 'energy')."""
+    if ckpt['kind'] != kind:
+        raise ValueError(f"{path} holds a '{ckpt['kind']}' model, not {KINDS[kind]}")
+
+
+def check_vocab(ckpt, meta, path):
+    """A model only makes sense with the tokenizer it was trained with."""
+    ours = {k: meta.get(k) for k in ('tokenizer', 'vocab_size', 'chars')}
+    theirs = {k: ckpt['meta'].get(k) for k in ('tokenizer', 'vocab_size', 'chars')}
+    if ours != theirs:
+        raise ValueError(f"checkpoint {path} was trained with another vocabulary "
+                         f"({theirs['tokenizer']}, {theirs['vocab_size']} tokens) than this data "
+                         f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
+
+
+def check_residual_base(ckpt, path):
+    """A RALM's base LM (its checkpoint's residual_of: path and hash) is there, unchanged."""
+    base_path, base_hash = ckpt['residual_of']
+    if not os.path.isfile(base_path) or file_hash(base_path) != base_hash:
+        raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), "
+                         "which is missing or changed")
+
+
+def check_energy_of(ckpt, path, lm_path):
+    """An energy checkpoint is the residual of the LM at lm_path (None: not checked)."""
+    if lm_path is not None and file_hash(lm_path) != ckpt['lm_hash']:
+        raise ValueError(f"energy {path} is the residual of another LM ({ckpt['lm_path']}, hash "
+                         f"{ckpt['lm_hash']}) than {lm_path}: pass the LM it was trained with")
+
+
+def check_registered(ckpt, path):
+    """A checkpoint written by an extension whose loader this process has not registered."""
+    if 'loader' in ckpt:
+        raise ValueError(f"{path} holds a '{ckpt['kind']}' energy, whose loader no imported module "
+                         f"registered: run the script through the extensions' launcher, which imports "
+                         f"{ckpt['loader']} (docs/using.md, 'Extensions')")
+
+
+def check_finite(model, path):
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise ValueError(f"{path} holds non-finite weights (its training diverged): "
+                         "retrain it with a lower --lr")
+
+
+def check_mlm_init(ckpt, meta, path):
+    """A BIT's --init_from: a masked LM of this data's vocabulary (plus its [MASK] token)."""
+    if ckpt['kind'] != 'mlm':
+        raise ValueError(f"{path} is a '{ckpt['kind']}' checkpoint: a BIT starts from a "
+                         f"masked-LM one (train_lm.py --objective mlm)")
+    check_vocab(ckpt, meta, path)  # same size is not enough: the same tokens
+    if ckpt['config']['vocab_size'] != meta['vocab_size'] + 1:
+        raise ValueError(f"{path} was pretrained with another vocabulary than this data")
+
+
+def check_lm_init(src, meta, path):
+    """train_lm.py's --init_from: an LM or masked LM of this data's vocabulary."""
+    if src['kind'] == 'energy':
+        raise ValueError(f"--init_from {path} is an energy (nce_train.py), not a train_lm.py checkpoint: "
+                         f"start from an LM or a masked LM")
+    check_vocab(src, meta, path)
+
+
+def check_same_shape(name, w, v, path):
+    """A copied weight w fits v; only the vocabulary may differ, by an MLM's extra [MASK] row."""
+    if w is None or w.shape[1:] != v.shape[1:] or not 0 <= v.shape[0] - w.shape[0] <= 1:
+        raise ValueError(f"{path} does not have this model's shape ({name}): "
+                         f"use the sizes it was trained with")
+
+
+def data_dir_of(ckpt, lm_path, data_dir=None):
+    """The prepared data an LM goes with: data_dir, else the folder its checkpoint records, which
+    must hold prepared data seen from here."""
+    if data_dir is not None:
+        return data_dir
+    data_dir = ckpt['meta']['data_dir']
+    if not os.path.exists(os.path.join(data_dir, 'meta.json')):  # e.g. a relative path, another folder
+        raise ValueError(f"{lm_path} was trained on the data in {data_dir}, which holds no prepared data "
+                         f"seen from here ({os.getcwd()}): pass --data_dir with that data")
+    return data_dir
