@@ -371,7 +371,7 @@ def test_a_stopping_rule_that_cannot_fire_is_refused(script, tmp_path):
     args = dict(train_lm=['--data_dir', str(tmp_path)],
                 nce_train=['--negatives', 'n', '--held_out_negatives', 'h'])[script] + common
     checked = dict(train_lm=guards.check_lm_flags, nce_train=guards.check_nce_flags)[script]
-    get_args = lambda argv: checked(getattr(sys.modules[script], 'get_args')(argv), argv)  # as main takes them
+    get_args = lambda argv: checked(getattr(sys.modules[script], 'get_args')(argv), argv)  # as main does
     with pytest.raises(ValueError, match=r'--patience 2 can never stop .* --max_iters 1000.*least 1500'):
         get_args([*args, '--max_iters', '1000'])
     assert get_args([*args, '--max_iters', '1500']).patience == 2
