@@ -80,6 +80,24 @@ def lm_logprobs(lm, prompts, L, V, rows=4096):
     return torch.stack(out)
 
 
+@torch.no_grad()
+def energies(energy, prompts, P, L, V, ctx):
+    """E (B, V^L) in float64 of every continuation of each prompt (B, P), for a causal energy (UNIT):
+    the V^(L-1) sequences prompt + (L-1) tokens run once, and each of their V last tokens attends to
+    their K/V (score_continuations' prompt sharing, with the first L-1 tokens as the prompt: its
+    pooled states from P on are those of the continuation). ~6x less work than every sequence."""
+    if not getattr(energy, 'config', None) or not energy.config.causal:
+        raise ValueError("--energy: enumeration shares the first L-1 tokens, which needs a causal energy "
+                         "(a UNIT, nce_train.py --energy unit)")
+    heads = all_continuations(V, L - 1).to(prompts.device)
+    last = torch.arange(V, device=prompts.device).expand(heads.size(0), V)[..., None]  # (V^(L-1), V, 1)
+    out = []
+    for p in prompts:
+        x = torch.cat([p.expand(heads.size(0), -1), heads], 1)
+        out.append(score_continuations(energy, x, last, P, ctx).reshape(-1))  # row s * V + v
+    return torch.stack(out)
+
+
 def exact_values(log_p, E, real):
     """Exact per-prompt values from log P_LM and E (B, C) of all C continuations and the real one's
     row (B,): log Z (Eq. 2's normaliser), the LM's and the joint model's log-likelihood of the
@@ -130,10 +148,12 @@ def check_fast(idx, cont, log_p, E, known_rows):
     ref = logz_enumerate(x, lp, lw, known=k)
     known = torch.zeros_like(log_p, dtype=torch.bool).scatter_(1, known_rows, True)
     sure, est = estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp().clamp(max=1.0)), known)
-    return max((ref['sure'].view(B, r) - sure).abs().max().item(), (ref['estimate'].view(B, r) - est).abs().max().item())
+    diff = lambda a, b: (a.view(B, r) - b).abs().max().item()
+    return max(diff(ref['sure'], sure), diff(ref['estimate'], est))
 
 
-def replicate_errors(log_p, E, log_z, known_rows, cont, ns, reps, seed, split, chunk=2 ** 22, check=16):
+def replicate_errors(log_p, E, log_z, known_rows, cont, ns, reps, seed, split, slack=0.01, chunk=2 ** 22,
+                     check=16):
     """For each n: per (prompt, replicate) Eq. 4's T_n and upper end, logz_enumerate's sure bound
     and estimate (minus the exact log Z), Kish's ESS and logz_diagnostics' sure-bound flag (the range's
     upper end below logz_enumerate's sure bound). cont: all_continuations; estimate_fast is checked
@@ -161,6 +181,7 @@ def replicate_errors(log_p, E, log_z, known_rows, cont, ns, reps, seed, split, c
         for k in ('T_n', 'upper', 'sure', 'estimate'):
             res[k] = res[k] - log_z[:, None]  # errors against the exact log Z
         res['covered'] = (res['T_n'] <= 0) & (res['upper'] >= 0)
+        res['near'] = (res['T_n'] <= slack) & (res['upper'] >= -slack)  # within slack nats of the range
         c = slice(0, check)
         res['fast_vs_logz_enumerate'] = check_fast(sample_indices(cdf[c], 2 * n, g).view(-1, 2, n), cont,
                                                    log_p[c], E[c], known_rows[c])
@@ -174,11 +195,13 @@ def error_table(reps, tol):
     coverage; the sure bound's mean gap."""
     rows = []
     for n, r in reps.items():
-        row = dict(n=n, eq4_coverage=r['covered'].double().mean().item())
+        row = dict(n=n, eq4_coverage=r['covered'].double().mean().item(),
+                   eq4_coverage_slack=r['near'].double().mean().item())
         for k in ('T_n', 'upper', 'estimate', 'sure'):
             e = r[k]
             row[k] = dict(bias=e.mean().item(), spread=e.std(1).mean().item(), mean_abs=e.abs().mean().item(),
-                          rmse=e.pow(2).mean().sqrt().item(), within_tol=(e.abs() <= tol).double().mean().item(),
+                          rmse=e.pow(2).mean().sqrt().item(),
+                          within_tol=(e.abs() <= tol).double().mean().item(),
                           prompts_within_tol_median=(e.abs().median(1).values <= tol).double().mean().item())
         row['ess_median'] = r['ess'].median().item()
         row['sure_flag_share'] = r['sure_flag'].double().mean().item()
@@ -196,18 +219,18 @@ def threshold_curve(reps, thresholds):
         for n, r in reps.items():
             flagged = (r['ess'] < t) | r['sure_flag']
             kept = ~flagged
-            cov = r['covered'][kept].double().mean().item() if kept.any() else None
+            cov = lambda c: c[kept].double().mean().item() if kept.any() else None
             per_n.append(dict(n=n, flagged=flagged.double().mean().item(), unflagged=int(kept.sum()),
-                              coverage_unflagged=cov))
+                              coverage_unflagged=cov(r['covered']), coverage_slack_unflagged=cov(r['near'])))
         curve.append(dict(min_ess=t, per_n=per_n))
     return curve
 
 
-def choose_threshold(curve, target):
-    """The rule: the smallest threshold whose unflagged ranges contain the exact log Z at >= target at
-    every n (an n with none unflagged meets it); else the one whose worst n is best. (threshold, met)."""
-    worst = lambda c: min((p['coverage_unflagged'] for p in c['per_n'] if p['coverage_unflagged'] is not None),
-                          default=1.0)
+def choose_threshold(curve, target, key='coverage_slack_unflagged'):
+    """The rule: the smallest threshold whose unflagged ranges contain the exact log Z (within the
+    slack, by default) at >= target at every n (an n with none unflagged meets it); else the one
+    whose worst n is best. Returns (threshold, met)."""
+    worst = lambda c: min((p[key] for p in c['per_n'] if p[key] is not None), default=1.0)
     for c in curve:
         if worst(c) >= target:
             return c['min_ess'], True
@@ -226,9 +249,12 @@ def get_args(argv=None):
     a('--select_prompts', type=int, default=200, help='problems of --select_split')
     a('--ns', default='8,16,32,64,128,256,512,1024', help='LM samples per log Z estimate')
     a('--reps', type=int, default=200, help='replicates of n samples per prompt')
-    a('--beam', type=int, default=8, help="the LM's beam width: logz_enumerate's known set beside the real one")
+    a('--beam', type=int, default=8,
+      help="the LM's beam width: logz_enumerate's known set beside the real one")
     a('--tol', type=float, default=0.01, help='nats: an estimate within this of the exact log Z')
     a('--target', type=float, default=0.9, help="MIN_ESS's rule: the unflagged ranges' coverage")
+    a('--slack', type=float, default=0.01,
+      help="MIN_ESS's rule: a range 'contains' log Z within this many nats of either end")
     a('--dtype', default='float32', choices=('float32', 'bfloat16'), help="the energy's forward")
     a('--out', required=True, help='JSON results')
     a('--plot', default=None, help='a PNG: error and coverage against n (needs matplotlib)')
@@ -252,30 +278,38 @@ def get_args(argv=None):
 
 
 def enumerate_split(lm, energy, data, P, L, V, count, ctx, beam, log):
-    """Exact log P_LM and E (B, V^L) of every continuation of `count` evenly spaced problems, their
-    prompts' text rows, the real continuation's row and the known set's rows (real + beam)."""
+    """Exact log P_LM and E (B, V^L) of every continuation of `count` evenly spaced problems, the
+    problems' rows, the real continuation's row and the known set's rows (real + the LM's beam)."""
     x = window_tokens(data, windows(data, P, L, max_windows=count), P + L)
     prompts, real = x[:, :P], index_of(x[:, P:], V)
     cont = all_continuations(V, L)
     t0 = time.time()
     log_p = lm_logprobs(lm, prompts, L, V)
+    known_rows = torch.cat([real[:, None], index_of(lm.beam_search(prompts, L, beam)[0], V)], 1)
     t1 = time.time()
-    E = torch.cat([score_continuations(energy, p[None], cont[None], P, ctx) for p in prompts])
+    E = energies(energy, prompts, P, L, V, ctx)
     t2 = time.time()
-    beam_rows = index_of(lm.beam_search(prompts, L, beam)[0], V)
-    log(f"  {len(prompts)} prompts x {V ** L:,} continuations: LM {t1 - t0:.0f} s, energy {t2 - t1:.0f} s")
-    return x, log_p, E, real, torch.cat([real[:, None], beam_rows], 1), cont, dict(lm_s=t1 - t0, energy_s=t2 - t1)
+    # the shared-prefix energies against whole sequences scored apart, on the known rows
+    direct = score_continuations(energy, prompts, cont[known_rows], P, ctx)
+    times = dict(lm_s=t1 - t0, energy_s=t2 - t1,
+                 energy_vs_direct=(E.gather(1, known_rows) - direct).abs().max().item())
+    log(f"  {len(prompts)} prompts x {V ** L:,} continuations: LM and beam {t1 - t0:.0f} s, "
+        f"energy {t2 - t1:.0f} s (against whole sequences: {times['energy_vs_direct']:.2g})")
+    return x, log_p, E, real, known_rows, cont, times
 
 
 def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
     V = meta['vocab_size']
-    x, log_p, E, real, known_rows, cont, times = enumerate_split(lm, energy, data, P, L, V, count, ctx, args.beam, log)
+    x, log_p, E, real, known_rows, cont, times = enumerate_split(lm, energy, data, P, L, V, count, ctx,
+                                                                 args.beam, log)
     mass_err = (log_p.logsumexp(-1).exp() - 1).abs().max().item()
     if mass_err > 1e-6:
-        raise ValueError(f"the LM's probabilities of all continuations sum to 1 +- {mass_err:.2g}, not within 1e-6")
+        raise ValueError(f"the LM's probabilities of all continuations sum to 1 +- {mass_err:.2g}, "
+                         f"not within 1e-6")
     ex = exact_values(log_p, E, real)
     t0 = time.time()
-    reps = replicate_errors(log_p, E, ex['log_z'], known_rows, cont, args.ns, args.reps, args.seed, split)
+    reps = replicate_errors(log_p, E, ex['log_z'], known_rows, cont, args.ns, args.reps, args.seed, split,
+                            args.slack)
     times['replicates_s'] = time.time() - t0
     log(f"  replicates: {times['replicates_s']:.0f} s")
     chars = meta['chars']
@@ -287,11 +321,13 @@ def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
                        lm_mode_correct=bool(ex['lm_mode_correct'][i]),
                        joint_mode_correct=bool(ex['joint_mode_correct'][i]),
                        real_in_beam=bool((known_rows[i, 1:] == real[i]).any()),
-                       estimate_abs_error_median={n: r['estimate'][i].abs().median().item() for n, r in reps.items()},
+                       estimate_abs_error_median={n: r['estimate'][i].abs().median().item()
+                                                  for n, r in reps.items()},
                        eq4_coverage={n: r['covered'][i].double().mean().item() for n, r in reps.items()})
                   for i in range(len(x))]
     summary = dict(prompts=len(x), lm_mass_max_error=mass_err,
-                   p_lm_correct=ex['lm_logp'].exp().mean().item(), p_joint_correct=ex['joint_ll'].exp().mean().item(),
+                   p_lm_correct=ex['lm_logp'].exp().mean().item(),
+                   p_joint_correct=ex['joint_ll'].exp().mean().item(),
                    joint_ll_real=ex['joint_ll'].mean().item(), lm_logp_real=ex['lm_logp'].mean().item(),
                    lm_mode_exact=ex['lm_mode_correct'].double().mean().item(),
                    joint_mode_exact=ex['joint_mode_correct'].double().mean().item(),
@@ -306,7 +342,8 @@ def format_table(rows, tol):
     for r in rows:
         t, u, e = r['T_n'], r['upper'], r['estimate']
         lines.append(f"{r['n']:>5} | {t['bias']:>9.3f} {t['spread']:>7.3f} {t['mean_abs']:>7.3f} | "
-                     f"{u['bias']:>10.3f} | {r['eq4_coverage']:>10.3f} | {e['bias']:>10.5f} {e['spread']:>8.5f} "
+                     f"{u['bias']:>10.3f} | {r['eq4_coverage']:>10.3f} | "
+                     f"{e['bias']:>10.5f} {e['spread']:>8.5f} "
                      f"{e['mean_abs']:>8.5f} {e['within_tol']:>7.3f}")
     return '\n'.join(lines)
 
@@ -321,7 +358,8 @@ def main(argv=None):
     energy = load_any_energy(args.energy, args.lm, device)[0]
     layout = problem_windows(meta)
     if layout is None:
-        raise ValueError(f"{data_dir} holds no addition problems (python -m data.addition.prepare --digits 2)")
+        raise ValueError(f"{data_dir} holds no addition problems "
+                         f"(python -m data.addition.prepare --digits 2)")
     P, L = layout
     V = meta['vocab_size']
     if V ** L > MAX_CONTINUATIONS:
@@ -331,28 +369,32 @@ def main(argv=None):
     res = dict(lm=args.lm, energy=args.energy, data_dir=data_dir, prefix_len=P, gen_len=L, vocab_size=V,
                continuations_per_prompt=V ** L, ns=args.ns, reps=args.reps, beam=args.beam, tol=args.tol,
                dtype=args.dtype, seed=args.seed, torch=torch.__version__, thresholds=list(THRESHOLDS),
-               target=args.target)
+               target=args.target, slack=args.slack)
     splits = {}
     for split, count in ((args.select_split, args.select_prompts), (args.split, args.prompts)):
         log(f"{split}:")
-        reps, summary, per_prompt, times = run_split(args, lm, energy, load_split(data_dir, split, meta), meta,
-                                                     P, L, count, split, ctx, log)
+        data = load_split(data_dir, split, meta)
+        reps, summary, per_prompt, times = run_split(args, lm, energy, data, meta, P, L, count, split, ctx,
+                                                     log)
         splits[split] = reps
         res[split] = dict(exact=summary, table=error_table(reps, args.tol),
-                          threshold_curve=threshold_curve(reps, THRESHOLDS), per_prompt=per_prompt, times=times)
+                          threshold_curve=threshold_curve(reps, THRESHOLDS), per_prompt=per_prompt,
+                          times=times)
     chosen, met = choose_threshold(res[args.select_split]['threshold_curve'], args.target)
-    rule = (f"the smallest ESS threshold of {list(THRESHOLDS)} at which, on {args.select_split}, the Eq. 4 "
-            f"ranges that logz_diagnostics leaves unflagged contain the exact log Z at >= {args.target:g} "
-            f"at every n of {args.ns}")
+    rule = (f"the smallest ESS threshold of {list(THRESHOLDS)} at which, on {args.select_split}, the "
+            f"Eq. 4 ranges that logz_diagnostics leaves unflagged contain the exact log Z (within "
+            f"{args.slack:g} nats of an end) at >= {args.target:g} at every n of {args.ns} (an n with "
+            f"every range flagged meets it)")
     res['min_ess'] = dict(chosen=chosen, rule_met=met, rule=rule if met else rule + ' (none met it: '
                           'the threshold whose worst n is best)',
-                          on_split=next(c for c in res[args.split]['threshold_curve'] if c['min_ess'] == chosen))
+                          on_split=next(c for c in res[args.split]['threshold_curve']
+                                        if c['min_ess'] == chosen))
     write_json(res, args.out)
     if not args.quiet:
         print(f"\n{args.split}: {res[args.split]['exact']}")
         print(format_table(res[args.split]['table'], args.tol))
         print(f"MIN_ESS {chosen} ({'rule met' if met else 'rule not met'}); on {args.split}: "
-              + ', '.join(f"n={p['n']}: flagged {p['flagged']:.2f}, covered {p['coverage_unflagged']}"
+              + ', '.join(f"n={p['n']}: flagged {p['flagged']:.2f}, covered {p['coverage_slack_unflagged']}"
                           for p in res['min_ess']['on_split']['per_n']))
     if args.plot:
         plot(res, args.split, args.select_split, chosen, args.plot)
@@ -372,14 +414,17 @@ def plot(res, split, select_split, chosen, path):
                             ('estimate', 'logz_enumerate (known: real + beam 8)', 'D-')):
         a1.plot(ns, [max(r[k]['mean_abs'], 1e-7) for r in rows], style, label=label)
     a1.axhline(res['tol'], color='gray', lw=0.8, ls=':', label=f"{res['tol']:g} nats")
-    a1.set(xscale='log', yscale='log', xlabel='LM samples n', ylabel=f'mean |error| vs exact log Z (nats, {split})')
+    a1.set(xscale='log', yscale='log', xlabel='LM samples n',
+           ylabel=f'mean |error| vs exact log Z (nats, {split})')
     a1.legend(fontsize=7)
     curve = next(c for c in res[split]['threshold_curve'] if c['min_ess'] == chosen)['per_n']
     a2.plot(ns, [r['eq4_coverage'] for r in rows], 'o-', label='Eq. 4 range contains log Z')
-    a2.plot(ns, [p['coverage_unflagged'] if p['coverage_unflagged'] is not None else float('nan') for p in curve],
-            's--', label=f'... among unflagged (MIN_ESS {chosen:g}, chosen on {select_split})')
+    nan = lambda v: float('nan') if v is None else v
+    a2.plot(ns, [nan(p['coverage_slack_unflagged']) for p in curve], 's--',
+            label=f"... within {res['slack']:g}, unflagged (MIN_ESS {chosen:g}, from {select_split})")
     a2.plot(ns, [1 - p['flagged'] for p in curve], 'x:', label='share unflagged')
-    a2.plot(ns, [r['estimate']['within_tol'] for r in rows], 'D-', label=f"logz_enumerate within {res['tol']:g}")
+    a2.plot(ns, [r['estimate']['within_tol'] for r in rows], 'D-',
+            label=f"logz_enumerate within {res['tol']:g}")
     a2.set(xscale='log', ylim=(-0.02, 1.02), xlabel='LM samples n', ylabel='share of (prompt, replicate)')
     a2.legend(fontsize=7)
     fig.tight_layout()

@@ -121,18 +121,21 @@ def test_sharp_energy_eq4_far_off_enumerate_exact():
     sure, est = exact_logz.estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp()), known)
     assert (est - log_z).abs().max() < 1e-6 and (sure <= log_z + 1e-12).all()
     # without the sharp continuation known, the estimate misses it as Eq. 4 does
-    _, est0 = exact_logz.estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp()), torch.zeros_like(known))
+    nothing = torch.zeros_like(known)
+    _, est0 = exact_logz.estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp()), nothing)
     assert (log_z - est0[missed]).min() > 15
     # the replicate pipeline reports the same: coverage 0 for Eq. 4, error < 1e-6 for the estimate
     cont = exact_logz.all_continuations(4, 3)[:64]
-    reps = exact_logz.replicate_errors(log_p, E, log_z, torch.tensor([[7]]), cont, [8], 50, 0, 'test', check=1)
+    reps = exact_logz.replicate_errors(log_p, E, log_z, torch.tensor([[7]]), cont, [8], 50, 0, 'test',
+                                       check=1)
     row = exact_logz.error_table(reps, 0.01)[0]
     assert row['estimate']['within_tol'] == 1.0 and row['estimate']['mean_abs'] < 1e-6
     assert row['eq4_coverage'] < 0.1 and row['fast_vs_logz_enumerate'] < 1e-12
 
 
 def test_min_ess_rule():
-    curve = [dict(min_ess=t, per_n=[dict(n=8, coverage_unflagged=c8), dict(n=64, coverage_unflagged=c64)])
+    cov = 'coverage_slack_unflagged'
+    curve = [dict(min_ess=t, per_n=[{'n': 8, cov: c8}, {'n': 64, cov: c64}])
              for t, c8, c64 in ((1, 0.5, 0.95), (2, 0.85, 0.97), (4, 0.92, 0.96), (8, None, 0.99))]
     assert exact_logz.choose_threshold(curve, 0.9) == (4, True)
     assert exact_logz.choose_threshold(curve, 0.98) == (8, True)  # n = 8 all flagged: met
