@@ -46,6 +46,27 @@ from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, lo
 from model import load_lm_and_data
 from plumbing import ArgumentParser, at_least, check_new, check_writable, rng, run_main, setup, write_json
 
+# The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
+# scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,
+# evaluated every 100 steps instead of 500 (one epoch is 8 LM steps), capped at 2,000; the UNIT from the
+# LM's weights by ranking NCE over 16 LM samples, best.pt by the held-out gain on all 200 selection
+# problems (64 samples each), capped at 1,500 steps; no MLM/BIT (a BIT shares no prefix: enumeration
+# would cost 6x more).
+RECIPE = [
+    'python -m data.addition.prepare --digits 2 --train 1700 --select 200 --val 200 --test 400 '
+    '--out_dir {o}/data',
+    'python train_lm.py --data_dir {o}/data --out_dir {o}/lm --objective lm --n_layer 3 --n_head 3 '
+    '--n_embd 96 --block_size 66 --batch_size 32 --max_iters 2000 --lr 3e-3 --min_lr 3e-4 --warmup_iters 40 '
+    "--eval_interval 100 --patience 2 --min_rel_delta 0.001 --snapshots ''",
+    'python negatives.py --lm {o}/lm/best.pt --split train --out_dir {o}/neg_train --num_samples 16 '
+    '--prefix_len 6 --gen_len 4',
+    'python negatives.py --lm {o}/lm/best.pt --split select --out_dir {o}/neg_select --max_prefixes 200 '
+    '--num_samples 64 --prefix_len 6 --gen_len 4',
+    'python nce_train.py --lm {o}/lm/best.pt --negatives {o}/neg_train --held_out_negatives {o}/neg_select '
+    '--energy unit --init_from {o}/lm/best.pt --out_dir {o}/unit --batch_size 32 --max_iters 1500 --lr 2e-4 '
+    '--min_lr 2e-5 --warmup_iters 50 --eval_interval 100 --eval_prefixes 200 --patience 4',
+]  # each with --seed 0 --device cpu --dtype bfloat16 (the job's); then this script with OMP_NUM_THREADS=1
+
 MAX_CONTINUATIONS = 2 ** 20  # V^L above this is not enumerated (N = 2 addition: 28,561)
 THRESHOLDS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
