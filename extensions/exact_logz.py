@@ -44,7 +44,8 @@ from data import load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
 from model import load_lm_and_data
-from plumbing import ArgumentParser, at_least, check_new, check_writable, rng, run_main, setup, write_json
+from plumbing import (ArgumentParser, at_least, check_new, check_writable, file_hash, rng, run_main, setup,
+                      write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
 # scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,
@@ -277,6 +278,8 @@ def get_args(argv=None):
     a('--slack', type=float, default=0.01,
       help="MIN_ESS's rule: a range 'contains' log Z within this many nats of either end")
     a('--dtype', default='float32', choices=('float32', 'bfloat16'), help="the energy's forward")
+    a('--cache', default=None,
+      help='a folder for the enumerated log P_LM and E (saved every 20 problems): a rerun resumes')
     a('--out', required=True, help='JSON results')
     a('--plot', default=None, help='a PNG: error and coverage against n (needs matplotlib)')
     a('--force', action='store_true', help='replace --out and --plot')
@@ -295,34 +298,53 @@ def get_args(argv=None):
         if path is not None:
             check_writable(path, f, folder=False)
             check_new(path, f, args.force)
+    if args.cache:
+        os.makedirs(args.cache, exist_ok=True)
     return args
 
 
-def enumerate_split(lm, energy, data, P, L, V, count, ctx, beam, log):
+def enumerate_split(lm, energy, data, P, L, V, count, ctx, beam, log, cache=None, key='', chunk=20):
     """Exact log P_LM and E (B, V^L) of every continuation of `count` evenly spaced problems, the
-    problems' rows, the real continuation's row and the known set's rows (real + the LM's beam)."""
+    problems' rows, the real continuation's row and the known set's rows (real + the LM's beam).
+    With a cache folder, each `chunk` of problems is saved there once enumerated, and reused by a
+    rerun whose key (models' hashes, split, count, dtype) is the same."""
     x = window_tokens(data, windows(data, P, L, max_windows=count), P + L)
     prompts, real = x[:, :P], index_of(x[:, P:], V)
     cont = all_continuations(V, L)
-    t0 = time.time()
-    log_p = lm_logprobs(lm, prompts, L, V)
-    known_rows = torch.cat([real[:, None], index_of(lm.beam_search(prompts, L, beam)[0], V)], 1)
-    t1 = time.time()
-    E = energies(energy, prompts, P, L, V, ctx)
-    t2 = time.time()
+    parts, times = [], dict(lm_s=0.0, energy_s=0.0)
+    for c0 in range(0, len(x), chunk):
+        path = cache and os.path.join(cache, f'{key}_{c0}.pt')
+        if path and os.path.exists(path):
+            part = torch.load(path, weights_only=True)
+        else:
+            pr = prompts[c0:c0 + chunk]
+            t0 = time.time()
+            part = dict(log_p=lm_logprobs(lm, pr, L, V), beam=index_of(lm.beam_search(pr, L, beam)[0], V))
+            t1 = time.time()
+            part['E'] = energies(energy, pr, P, L, V, ctx)
+            part.update(lm_s=t1 - t0, energy_s=time.time() - t1)
+            if path:
+                torch.save(part, path + '.tmp')
+                os.replace(path + '.tmp', path)
+        parts.append(part)
+        times['lm_s'] += part['lm_s']
+        times['energy_s'] += part['energy_s']
+        log(f"  {c0 + len(part['E'])} of {len(x)} prompts enumerated")
+    log_p, E = torch.cat([p['log_p'] for p in parts]), torch.cat([p['E'] for p in parts])
+    known_rows = torch.cat([real[:, None], torch.cat([p['beam'] for p in parts])], 1)
     # the shared-prefix energies against whole sequences scored apart, on the known rows
     direct = score_continuations(energy, prompts, cont[known_rows], P, ctx)
-    times = dict(lm_s=t1 - t0, energy_s=t2 - t1,
-                 energy_vs_direct=(E.gather(1, known_rows) - direct).abs().max().item())
-    log(f"  {len(prompts)} prompts x {V ** L:,} continuations: LM and beam {t1 - t0:.0f} s, "
-        f"energy {t2 - t1:.0f} s (against whole sequences: {times['energy_vs_direct']:.2g})")
+    times['energy_vs_direct'] = (E.gather(1, known_rows) - direct).abs().max().item()
+    log(f"  {len(prompts)} prompts x {V ** L:,} continuations: LM and beam {times['lm_s']:.0f} s, "
+        f"energy {times['energy_s']:.0f} s (against whole sequences: {times['energy_vs_direct']:.2g})")
     return x, log_p, E, real, known_rows, cont, times
 
 
 def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
     V = meta['vocab_size']
+    key = f"{split}_{count}_{args.beam}_{args.dtype}_{file_hash(args.lm)}_{file_hash(args.energy)}"
     x, log_p, E, real, known_rows, cont, times = enumerate_split(lm, energy, data, P, L, V, count, ctx,
-                                                                 args.beam, log)
+                                                                 args.beam, log, args.cache, key)
     mass_err = (log_p.logsumexp(-1).exp() - 1).abs().max().item()
     if mass_err > 1e-6:
         raise ValueError(f"the LM's probabilities of all continuations sum to 1 +- {mass_err:.2g}, "
