@@ -140,3 +140,18 @@ def test_min_ess_rule():
     assert exact_logz.choose_threshold(curve, 0.9) == (4, True)
     assert exact_logz.choose_threshold(curve, 0.98) == (8, True)  # n = 8 all flagged: met
     assert exact_logz.choose_threshold(curve[:3], 0.99) == (4, False)  # none meets: the best worst n
+
+
+def test_cache_resumes(tmp_path, monkeypatch):
+    """enumerate_split with a cache: a rerun loads every chunk (no model call) and gives the same values."""
+    lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
+    data = torch.randint(0, V, (5 * 7,), generator=torch.Generator().manual_seed(0)).numpy()
+    run = lambda: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, 2, lambda s: None,
+                                             str(tmp_path), 'k', chunk=3)
+    first = run()
+    assert len(list(tmp_path.glob('k_*.pt'))) == 3  # chunks of 3, 3, 1 problems
+    monkeypatch.setattr(exact_logz, 'energies', lambda *a: 1 / 0)  # a rerun must not score again
+    second = run()
+    for a, b in zip(first[:6], second[:6]):
+        assert torch.equal(a, b)
+    assert first[4].shape == (7, 3) and torch.equal(first[4][:, 0], first[3])  # real, then the beam of 2
