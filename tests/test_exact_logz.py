@@ -1,0 +1,157 @@
+"""extensions/exact_logz.py: the enumeration against brute force on a tiny vocabulary, the
+replicate sampler against P_LM, estimate_fast against energy.logz_enumerate, a sharp energy where
+Eq. 4 at n = 8 is far off and logz_enumerate is not, and MIN_ESS's rule.
+"""
+
+import itertools
+import math
+
+import torch
+
+from energy import logz_bounds, logz_enumerate, score_continuations
+from extensions import exact_logz
+from tests.common import NULL, rand_energy, tiny_gpt
+
+V, P, L = 4, 2, 3
+
+
+def brute(lm, energy, prompts):
+    """log P_LM and E (B, V^L) of every continuation, one full sequence at a time, in
+    itertools.product's order."""
+    cont = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    lp, E = [], []
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.cat([p.expand(len(cont), -1), cont], 1)
+            lp.append(lm.sequence_logprob(x, P).double())
+            E.append(energy(x, P).double())
+    return cont, torch.stack(lp), torch.stack(E)
+
+
+def test_enumeration_matches_brute_force():
+    lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
+    prompts = torch.tensor([[0, 1], [3, 2], [2, 2]])
+    cont, lp_ref, E_ref = brute(lm, energy, prompts)
+    assert torch.equal(exact_logz.all_continuations(V, L), cont)
+    assert torch.equal(exact_logz.index_of(cont, V), torch.arange(V ** L))
+    log_p = exact_logz.lm_logprobs(lm, prompts, L, V, rows=5)  # rows: several blocks
+    assert (log_p.logsumexp(-1).exp() - 1).abs().max() < 1e-12  # sums to 1
+    assert (log_p - lp_ref).abs().max() < 1e-5  # float32 forward against float32 sequence_logprob
+    assert log_p.exp().std(-1).min() > 0.01  # not uniform: a wrong order would show
+    E = torch.cat([score_continuations(energy, p[None], cont[None], P, NULL) for p in prompts])
+    assert (E - E_ref).abs().max() < 1e-5 and E.std() > 0.5
+    real = torch.tensor([5, 17, 60])
+    ex = exact_logz.exact_values(log_p, E, real)
+    log_z = torch.logsumexp(lp_ref - E_ref, -1)  # Eq. 2's normaliser, from the brute force
+    assert (ex['log_z'] - log_z).abs().max() < 1e-5
+    joint = lp_ref - E_ref - log_z[:, None]
+    assert (ex['joint_ll'] - joint[torch.arange(3), real]).abs().max() < 1e-5
+    assert torch.equal(ex['joint_mode_correct'], joint.argmax(-1) == real)
+
+
+def chi_square(counts, probs):
+    expected = probs * counts.sum()
+    return ((counts - expected) ** 2 / expected).sum().item()
+
+
+def test_sampler_draws_from_p_lm():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 20, dtype=torch.float64) * 1.5, -1)
+    g = torch.Generator().manual_seed(1)
+    idx = exact_logz.sample_indices(probs.cumsum(-1), 40000, g)
+    assert idx.min() >= 0 and idx.max() < 20
+    for b in range(2):
+        counts = torch.bincount(idx[b], minlength=20).double()
+        assert chi_square(counts, probs[b]) < 50  # 19 dof: p ~ 1e-4 at 50
+        assert chi_square(counts, probs[b].flip(0)) > 500  # a wrong distribution fails
+        assert chi_square(counts, probs[1 - b]) > 500
+
+
+def random_case(B=5, C=30, k=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    log_p = torch.log_softmax(torch.randn(B, C, dtype=torch.float64, generator=g) * 2, -1)
+    E = torch.randn(B, C, dtype=torch.float64, generator=g) * 2
+    known_rows = torch.randint(0, C, (B, k), generator=g)
+    known_rows[0, 1] = known_rows[0, 0]  # a known set with a repeat
+    return log_p, E, known_rows, g
+
+
+def test_fast_estimator_equals_logz_enumerate():
+    """estimate_fast (sorted runs) is logz_enumerate (pairwise ids): repeats, samples in the known set."""
+    C, L3 = 30, 3
+    cont = torch.tensor(list(itertools.product(range(4), repeat=L3)))[:C]
+    for n in (2, 8, 64):
+        log_p, E, known_rows, g = random_case(C=C, seed=n)
+        idx = exact_logz.sample_indices(log_p.exp().cumsum(-1), 3 * n, g).view(-1, 3, n)
+        assert exact_logz.check_fast(idx, cont, log_p, E, known_rows) < 1e-12
+        # and check_fast can fail: a wrong log_p gives another estimate
+        log_p2 = log_p.roll(1, -1)
+        B, r = idx.shape[:2]
+        rows = torch.cat([known_rows[:, None].expand(-1, r, -1), idx], -1).reshape(B * r, -1)
+        ref = logz_enumerate(cont[rows], log_p.repeat_interleave(r, 0).gather(1, rows),
+                             (-E).repeat_interleave(r, 0).gather(1, rows), known=known_rows.size(1))
+        known = torch.zeros_like(log_p, dtype=torch.bool).scatter_(1, known_rows, True)
+        _, est2 = exact_logz.estimate_fast(idx, log_p2 - E, -E, torch.log1p(-log_p2.exp()), known)
+        assert (ref['estimate'].view(B, r) - est2).abs().max() > 1e-3
+
+
+def sharp_case():
+    """One continuation of P_LM 1e-3 with E = -25 (weight e^25), the rest E = 0: Z is all in it."""
+    C = 64
+    p = torch.full((1, C), (1 - 1e-3) / (C - 1), dtype=torch.float64)
+    p[0, 7] = 1e-3
+    E = torch.zeros(1, C, dtype=torch.float64)
+    E[0, 7] = -25.0
+    return p.log(), E
+
+
+def test_sharp_energy_eq4_far_off_enumerate_exact():
+    log_p, E = sharp_case()
+    log_z = (log_p - E).logsumexp(-1)
+    n, R = 8, 400
+    g = torch.Generator().manual_seed(0)
+    idx = exact_logz.sample_indices(log_p.exp().cumsum(-1), R * n, g).view(1, R, n)
+    w = (-E).gather(1, idx.view(1, -1)).view(1, R, n)
+    T_n, upper = logz_bounds(w)
+    missed = (idx != 7).all(-1)  # the sharp continuation drawn in none of the n: most replicates
+    assert missed.double().mean() > 0.9
+    assert (log_z - upper[missed]).min() > 15  # Eq. 4's whole range ~18 nats below log Z
+    known = torch.zeros_like(log_p, dtype=torch.bool)
+    known[0, 7] = True
+    sure, est = exact_logz.estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp()), known)
+    assert (est - log_z).abs().max() < 1e-6 and (sure <= log_z + 1e-12).all()
+    # without the sharp continuation known, the estimate misses it as Eq. 4 does
+    nothing = torch.zeros_like(known)
+    _, est0 = exact_logz.estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp()), nothing)
+    assert (log_z - est0[missed]).min() > 15
+    # the replicate pipeline reports the same: coverage 0 for Eq. 4, error < 1e-6 for the estimate
+    cont = exact_logz.all_continuations(4, 3)[:64]
+    reps = exact_logz.replicate_errors(log_p, E, log_z, torch.tensor([[7]]), cont, [8], 50, 0, 'test',
+                                       check=1)
+    row = exact_logz.error_table(reps, 0.01)[0]
+    assert row['estimate']['within_tol'] == 1.0 and row['estimate']['mean_abs'] < 1e-6
+    assert row['eq4_coverage'] < 0.1 and row['fast_vs_logz_enumerate'] < 1e-12
+
+
+def test_min_ess_rule():
+    cov = 'coverage_slack_unflagged'
+    curve = [dict(min_ess=t, per_n=[{'n': 8, cov: c8}, {'n': 64, cov: c64}])
+             for t, c8, c64 in ((1, 0.5, 0.95), (2, 0.85, 0.97), (4, 0.92, 0.96), (8, None, 0.99))]
+    assert exact_logz.choose_threshold(curve, 0.9) == (4, True)
+    assert exact_logz.choose_threshold(curve, 0.98) == (8, True)  # n = 8 all flagged: met
+    assert exact_logz.choose_threshold(curve[:3], 0.99) == (4, False)  # none meets: the best worst n
+
+
+def test_cache_resumes(tmp_path, monkeypatch):
+    """enumerate_split with a cache: a rerun loads every chunk (no model call) and gives the same values."""
+    lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
+    data = torch.randint(0, V, (5 * 7,), generator=torch.Generator().manual_seed(0)).numpy()
+    run = lambda: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, 2, lambda s: None,
+                                             str(tmp_path), 'k', chunk=3)
+    first = run()
+    assert len(list(tmp_path.glob('k_*.pt'))) == 3  # chunks of 3, 3, 1 problems
+    monkeypatch.setattr(exact_logz, 'energies', lambda *a: 1 / 0)  # a rerun must not score again
+    second = run()
+    for a, b in zip(first[:6], second[:6]):
+        assert torch.equal(a, b)
+    assert first[4].shape == (7, 3) and torch.equal(first[4][:, 0], first[3])  # real, then the beam of 2
