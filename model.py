@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data import load_meta
-from plumbing import checked_load, file_hash, load_weights
+from plumbing import check_checkpoint, checked_load, file_hash, load_weights
 
 
 @dataclass
@@ -532,10 +532,10 @@ def stopped_early(trail, patience, min_rel_delta=0.0):
 
 def load_checkpoint(path):
     """A rebm checkpoint: a dict with the model's weights and what it is ('kind'), read with
-    weights_only=True (checked_load: the file's checks)."""
+    weights_only=True (checked_load: the file's checks), its entries, config and size checked before
+    a model is built from it (check_checkpoint)."""
     ckpt = checked_load(path)
-    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'kind' not in ckpt:
-        raise ValueError(f"{path} is not a rebm checkpoint (no 'model'/'kind' entries)")
+    check_checkpoint(ckpt, path, GPTConfig)
     return ckpt
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import load_meta, load_negatives, load_split, untruncated, window_tokens
+from data import load_meta, load_negatives, load_split, negatives_hash, untruncated, window_tokens
 from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
                     logz_enumerate)
 from model import GPTConfig, configure_optimizer, get_lr, load_checkpoint, stopped_early
@@ -81,7 +81,7 @@ def get_args(argv=None):
     a('--eval_prefixes', type=int, default=256, at_least=1,
       help='held-out prefixes (fixed negatives each) per evaluation')
     args = p.parse_args(argv)
-    check_training_flags(args, argv, RESUME_FIXED, saved_flags)
+    check_training_flags(args, argv, RESUME_FIXED, saved_flags, load_checkpoint)
     return args
 
 
@@ -347,7 +347,11 @@ def main(argv=None):
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
     pool = training_pool(train, neg, args)
+    args.sources = dict(negatives=negatives_hash(args.negatives),  # recorded in ckpt.pt
+                        held_out_negatives=negatives_hash(args.held_out_negatives))
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M), device)
+    if ckpt:
+        out.check_sources(ckpt, args)
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, args, device)
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import batch_offsets, get_batch, load_meta, load_split, problem_windows, windows
+from data import batch_offsets, data_hash, get_batch, load_meta, load_split, problem_windows, windows
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, check_vocab, configure_optimizer, get_lr, load_checkpoint, load_lm,
@@ -133,7 +133,7 @@ def check_args(args, argv):
     args.select_layout = None  # (P, L) of --select_on continuation, from the data (load_data)
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    check_training_flags(args, argv, shape | set(RESUME_FIXED), saved_flags)
+    check_training_flags(args, argv, shape | set(RESUME_FIXED), saved_flags, load_checkpoint)
 
 
 def tailr_loss(logits, targets, gamma):
@@ -314,7 +314,10 @@ def main(argv=None):
     args.dtype, ctx = precision(device, args.dtype, verbose=master)
 
     meta, data = load_data(args)
+    args.sources = dict(data_dir=data_hash(args.data_dir, ('train', 'select', 'val')))  # recorded in ckpt.pt
     raw_model, ckpt = build_model(args, meta, device)
+    if ckpt:
+        out.check_sources(ckpt, args)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, args, device)

@@ -12,22 +12,24 @@ nothing (no environment variable, no file read) until a function is called.
     budget.py   the memory and time a run's sizes need, checked before any work
     files.py    atomic writes, the one line of a full disk, write_json / write_text, and
                 checkpoints: saved atomically, their files checked as they load (weights_only=True)
+    checkpoint.py  a loaded checkpoint checked structurally (kind, entries, config, size, memory)
     trainer.py  what the two trainers share besides their loop: the flags and their checks,
                 --resume's, the output folder (RunDir), the lines of a diverged or interrupted run
 """
 
 from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check_time,  # noqa: F401
                              check_training_memory, duration, forward_seconds, training_memory)
+from plumbing.checkpoint import check_checkpoint  # noqa: F401
 from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, all_reduce, autocast, choose_dtype,  # noqa: F401
                              cores_in_use, cpu_bf16_units, openmp_wait_policy, pick_device, precision, rng,
                              rng_seed, set_wait_policy, setup, setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
-                            checked_load, checkpoint_iter, disk_full, file_hash, finite, first_missing,
-                            free_space, load_weights, not_a_file, out_of_space, save_checkpoint,
-                            save_checkpoints, write_json, write_text)
+                            checked_load, checkpoint_iter, content_hash, disk_full, file_hash, finite,
+                            first_missing, free_space, load_weights, not_a_file, out_of_space,
+                            save_checkpoint, save_checkpoints, write_json, write_text)
 from plumbing.run import (COMMON_FLAGS, LOCKS, ArgumentParser, at_least, check, check_heads,  # noqa: F401
                           check_new, check_writable, common_flags, interrupt, lock_folder, named_paths,
                           new_folder, one_job, progress, rerun_command, run_main)
 from plumbing.trainer import (RunDir, check_new_run, check_resumed_flags, check_resumed_iters,  # noqa: F401
-                              check_training_flags, checkpoint_hint, diverged, given_flags, micro_batches,
-                              missing_checkpoint, run_trainer, training_parser)
+                              check_training_flags, checkpoint_hint, diverged, given_flags,
+                              micro_batches, missing_checkpoint, run_trainer, training_parser)

@@ -219,6 +219,12 @@ def file_hash(path):
     return h.hexdigest()[:16]
 
 
+def content_hash(paths):
+    """One hash of the content of files (a data folder's meta.json and splits): what a checkpoint
+    records of its inputs, so that a --resume on other data at the same path is found."""
+    return hashlib.sha256(' '.join(file_hash(p) for p in paths).encode()).hexdigest()[:16]
+
+
 def load_weights(model, state, path, strict=True):
     """model.load_state_dict(state); a checkpoint whose weights do not fit its own config (edited
     or damaged) is refused in one line naming the file."""
