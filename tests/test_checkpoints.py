@@ -106,10 +106,34 @@ def test_train_lm_resume_on_changed_data_is_one_line(tmp_path):
         trained(data, tmp_path / 'run', 4, '--resume')
 
 
-def test_train_lm_resume_of_a_best_pt_is_one_line(lm_corpus, tmp_path):
+def best_pt_over(run):
+    shutil.copy(run / 'best.pt', run / 'ckpt.pt')
+
+
+def edited_in_place(edit):
+    def apply(run):
+        ckpt = torch.load(run / 'ckpt.pt', weights_only=True)
+        edit(ckpt)
+        torch.save(ckpt, run / 'ckpt.pt')
+    return apply
+
+
+# (id, what is done to a finished run's ckpt.pt, the line of its --resume): rows of the probe
+RESUMED = [
+    ('best.pt-over-ckpt.pt', best_pt_over,
+     r"ckpt\.pt lacks optimizer, scaler \(a best\.pt copied over it\?\)"),
+    ('no-config', edited_in_place(drop('config')), r"ckpt\.pt is not a usable checkpoint \(a 'lm' checkpoint "
+                                                    r"without 'config'\)"),
+    ('model-a-list', edited_in_place(model_as_list), r"its 'model' is a list"),
+    ('no-iter_num', edited_in_place(drop('iter_num')), r"ckpt\.pt lacks iter_num"),
+]
+
+
+@pytest.mark.parametrize('damage, match', [r[1:] for r in RESUMED], ids=[r[0] for r in RESUMED])
+def test_train_lm_resume_of_a_wrong_checkpoint_is_one_line(lm_corpus, tmp_path, damage, match):
     trained(lm_corpus, tmp_path / 'run')
-    shutil.copy(tmp_path / 'run' / 'best.pt', tmp_path / 'run' / 'ckpt.pt')
-    with pytest.raises(ValueError, match=r"ckpt\.pt lacks optimizer, scaler \(a best\.pt copied over it\?\)"):
+    damage(tmp_path / 'run')
+    with pytest.raises(ValueError, match=match):
         trained(lm_corpus, tmp_path / 'run', 4, '--resume')
 
 
