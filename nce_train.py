@@ -81,7 +81,8 @@ def get_args(argv=None):
     a('--eval_prefixes', type=int, default=256, at_least=1,
       help='held-out prefixes (fixed negatives each) per evaluation')
     args = p.parse_args(argv)
-    check_training_flags(args, argv, RESUME_FIXED, saved_flags, load_checkpoint)
+    check_training_flags(args, argv, RESUME_FIXED, saved_flags, load_checkpoint, lambda a: dict(
+        negatives=negatives_hash(a.negatives), held_out_negatives=negatives_hash(a.held_out_negatives)))
     return args
 
 
@@ -347,11 +348,7 @@ def main(argv=None):
     M = negatives_per_pair(args, neg, held_neg)
     train, held_out = data[neg['meta']['split']], data[held_neg['meta']['split']]
     pool = training_pool(train, neg, args)
-    args.sources = dict(negatives=negatives_hash(args.negatives),  # recorded in ckpt.pt
-                        held_out_negatives=negatives_hash(args.held_out_negatives))
     raw_model, ckpt = build(args, meta, P + L, args.batch_size * (1 + M), device)
-    if ckpt:
-        out.check_sources(ckpt, args)
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, args, device)
     scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only

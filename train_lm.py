@@ -133,7 +133,8 @@ def check_args(args, argv):
     args.select_layout = None  # (P, L) of --select_on continuation, from the data (load_data)
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    check_training_flags(args, argv, shape | set(RESUME_FIXED), saved_flags, load_checkpoint)
+    check_training_flags(args, argv, shape | set(RESUME_FIXED), saved_flags, load_checkpoint,
+                         lambda a: dict(data_dir=data_hash(a.data_dir, ('train', 'select', 'val'))))
 
 
 def tailr_loss(logits, targets, gamma):
@@ -314,10 +315,7 @@ def main(argv=None):
     args.dtype, ctx = precision(device, args.dtype, verbose=master)
 
     meta, data = load_data(args)
-    args.sources = dict(data_dir=data_hash(args.data_dir, ('train', 'select', 'val')))  # recorded in ckpt.pt
     raw_model, ckpt = build_model(args, meta, device)
-    if ckpt:
-        out.check_sources(ckpt, args)
     residual_of = (args.residual_of, file_hash(args.residual_of)) if args.residual_of else None
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, args, device)

@@ -222,7 +222,8 @@ def file_hash(path):
 def content_hash(paths):
     """One hash of the content of files (a data folder's meta.json and splits): what a checkpoint
     records of its inputs, so that a --resume on other data at the same path is found."""
-    return hashlib.sha256(' '.join(file_hash(p) for p in paths).encode()).hexdigest()[:16]
+    digests = (file_hash(p) if os.path.isfile(p) else '-' for p in paths)  # missing: the reader says so
+    return hashlib.sha256(' '.join(digests).encode()).hexdigest()[:16]
 
 
 def load_weights(model, state, path, strict=True):

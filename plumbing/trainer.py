@@ -60,12 +60,13 @@ def training_parser(description, out_dir, **defaults):
 MAX_GRAD_ACCUM = 2**16
 
 
-def check_training_flags(args, argv, fixed, saved_flags, load=checked_load):
+def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=dict):
     """The flags of training_parser in range (beyond the parser's at_least), heads that divide the
     width, a --patience that can fire within --max_iters, and --out_dir writable (and removed if
     the run creates it and then fails before saving anything); --lr_decay_iters defaults to
     --max_iters, --grad_accum to one micro-batch per process. With --resume, those given (argv)
-    agree with the checkpoint (check_resume: fixed, saved_flags; load reads it, checked)."""
+    agree with the checkpoint (check_resume: fixed, saved_flags; load reads it, checked), and
+    args.sources = sources(args), the hashes of its inputs, those it recorded."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
     check(args, 'grad_accum', lambda v: v <= MAX_GRAD_ACCUM,
@@ -86,6 +87,10 @@ def check_training_flags(args, argv, fixed, saved_flags, load=checked_load):
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     if args.resume:
         check_resume(args, argv, fixed, saved_flags, load)
+    args.sources = sources(args)  # recorded in ckpt.pt (with args)
+    resumed = vars(args).pop('resumed', None)
+    if resumed is not None:
+        check_sources(resumed, args, os.path.join(args.out_dir, 'ckpt.pt'))
     args.grad_accum = micro_batches(args.grad_accum, int(os.environ.get('WORLD_SIZE', 1)))
 
 
@@ -144,6 +149,7 @@ def check_resume(args, argv, fixed, saved_flags, load=checked_load):
         raise missing_checkpoint(args.out_dir)
     ckpt = load(path)
     saved = saved_flags(ckpt) if isinstance(ckpt, dict) else None
+    args.resumed = ckpt if saved is not None else None  # its inputs checked by content next
     if saved is not None:
         check_resumable(ckpt, path)
         check_resumed_flags(args, argv, saved, fixed, path, 'run')
@@ -317,9 +323,7 @@ class RunDir:
     def diverged(self, iter_num, grad_norm):
         return ValueError(diverged(iter_num, grad_norm, self.path))
 
-    def check_sources(self, ckpt, args):
-        """The ckpt.pt a --resume continues was made from what args.sources hashes (check_sources)."""
-        check_sources(ckpt, args, os.path.join(self.path, 'ckpt.pt'))
+
 
 
 def run_trainer(main, get_args):
