@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import load_weights
-from plumbing.checkpoints import check_finite, check_kind, check_residual_base, check_vocab, load_checkpoint
+from plumbing import check_checkpoint, load_weights
+from plumbing import checkpoints
+from plumbing.checkpoints import check_finite, check_kind, check_residual_base, check_vocab
 from plumbing.guards import check_sampling
 
 
@@ -514,6 +515,14 @@ def stopped_early(trail, patience, min_rel_delta=0.0):
 
 # -----------------------------------------------------------------------------
 # loading an LM: the method's entry point to a trained P_LM (its checks: plumbing.checkpoints)
+
+def load_checkpoint(path):
+    """A rebm checkpoint (plumbing.checkpoints.load_checkpoint: weights_only=True), its entries, config
+    and size checked against GPTConfig before a model is built from it (check_checkpoint)."""
+    ckpt = checkpoints.load_checkpoint(path)
+    check_checkpoint(ckpt, path, GPTConfig)
+    return ckpt
+
 
 def load_lm(path, device='cpu', meta=None, kind='lm'):
     """A GPT (or RALM) from a train_lm.py checkpoint, in eval mode; with meta, checked against

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import load_meta, load_negatives, load_split, untruncated, window_tokens
+from data import load_meta, load_negatives, load_split, negatives_hash, untruncated, window_tokens
 from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
                     logz_enumerate)
-from model import configure_optimizer, get_lr, stopped_early
+from model import configure_optimizer, get_lr, load_checkpoint, stopped_early
 from plumbing import (RunDir, all_reduce, checkpoints, guards, one_job, precision, rng_seed, run_trainer,
                       setup, teardown_distributed, training_parser)
 
@@ -220,7 +220,7 @@ def enumerated_logz(neg, rows, pos, negs, e_pos, e_all):
 def load_pairs(args):
     """The train and held-out negatives (checked to come from --lm and to agree, and the held-out
     ones not to be training prefixes: guards.check_pairs), and the splits their positives come from."""
-    guards.check_nce_lm(checkpoints.load_checkpoint(args.lm), args.lm)  # first: it decides which error
+    guards.check_nce_lm(load_checkpoint(args.lm), args.lm)  # first: it decides which error
     neg, held_neg = (load_negatives(args.negatives, lm_path=args.lm),
                      load_negatives(args.held_out_negatives, lm_path=args.lm))
     guards.check_pairs(args, neg['meta'], held_neg['meta'])
@@ -273,9 +273,15 @@ def selected(ev, select):
     return ev['held_out_loss'] if select == 'loss' else -ev[f"held_out_{select}"]
 
 
+def input_hashes(args):
+    """What a --resume must find unchanged: the negatives it trains and selects on (ckpt.pt records them)."""
+    return dict(negatives=negatives_hash(args.negatives),
+                held_out_negatives=negatives_hash(args.held_out_negatives))
+
+
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
-    args = guards.check_nce_flags(get_args(argv), argv)  # every flag, and --resume's, before any work
+    args = guards.check_nce_flags(get_args(argv), argv, load_checkpoint, input_hashes)  # before any work
     out = RunDir(args)  # one job per folder; log.jsonl, results.json
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
     rank, world_size, device = setup(args.device)

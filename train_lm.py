@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import batch_offsets, get_batch, load_meta, load_split, problem_windows, windows
+from data import batch_offsets, data_hash, get_batch, load_meta, load_split, problem_windows, windows
 from data.tokenizer import load_tokenizer
 from energy import mlm_mask
-from model import GPT, RALM, GPTConfig, configure_optimizer, get_lr, load_lm, stopped_early, width_for_params
+from model import (GPT, RALM, GPTConfig, configure_optimizer, get_lr, load_checkpoint, load_lm, stopped_early,
+                   width_for_params)
 from plumbing import (RunDir, all_reduce, checkpoints, file_hash, guards, one_job, precision, rng_seed,
                       run_trainer, setup, teardown_distributed, training_parser)
 
@@ -239,9 +240,14 @@ def select_layout(args, meta):
 
 # -----------------------------------------------------------------------------
 
+def input_hashes(args):
+    """What a --resume must find unchanged: the data this run trains and stops on (ckpt.pt records it)."""
+    return dict(data_dir=data_hash(args.data_dir, ('train', 'select', 'val')))
+
+
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
-    args = guards.check_lm_flags(get_args(argv), argv)  # every flag, and --resume's, before any work
+    args = guards.check_lm_flags(get_args(argv), argv, load_checkpoint, input_hashes)  # before any work
     out = RunDir(args)  # one job per folder; log.jsonl, results.json
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
     rank, world_size, device = setup(args.device)

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from model import load_lm
-from plumbing import check_free_space, disk_full, file_hash, not_a_file, out_of_space, rng, write_json
+from plumbing import (check_free_space, content_hash, disk_full, file_hash, not_a_file, out_of_space, rng,
+                      write_json)
 from plumbing.checkpoints import check_vocab, data_dir_of
 from data.tokenizer import build_tokenizer, tokenizer_meta
 
@@ -222,6 +223,11 @@ def load_split(data_dir, split, meta=None):
     return np.memmap(path, dtype=meta['dtype'], mode='r')
 
 
+def data_hash(data_dir, splits):
+    """The content of a prepared folder that a run reads: meta.json and the splits named."""
+    return content_hash([os.path.join(data_dir, f) for f in ('meta.json', *(f'{s}.bin' for s in splits))])
+
+
 def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False):
     """Shared by every data/<corpus>/prepare.py: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
     tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
@@ -301,6 +307,12 @@ def negatives_command(meta, out_dir):
                  seed=meta['seed'], dtype=meta.get('precision'))
     return shlex.join(['python', 'negatives.py']
                       + [a for k, v in flags.items() if v is not None for a in (f'--{k}', str(v))])
+
+
+def negatives_hash(out_dir):
+    """The content of a negatives folder, by its meta.json and the samples' log-probabilities (any
+    other draw changes them; the tokens are far larger to read)."""
+    return content_hash([os.path.join(out_dir, f) for f in ('meta.json', 'logp.bin')])
 
 
 def load_negatives(out_dir, mode='r', lm_path=None):

@@ -56,7 +56,7 @@ from data import check_fits, check_problem_windows, load_lm_and_data, load_split
 from energy import load_any_energy, logz_bounds, score_continuations
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
-from plumbing.checkpoints import load_checkpoint
+from model import load_checkpoint
 from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
                       check_training_memory, check_writable, common_flags, file_hash, given_flags,
                       lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,

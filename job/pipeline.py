@@ -21,7 +21,7 @@ import sys
 import time
 
 from data import read_json
-from plumbing import file_hash, write_json
+from plumbing import LOCKS, file_hash, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stages run from the repo root
 FIX = 'delete it to rerun its stage'
@@ -213,9 +213,13 @@ class Pipeline:
         print(f"[{name}] $ python {' '.join(cmd)}" + (f"  > {log}" if log else ''), flush=True)
         # Ctrl-C is for this process alone: it kills the stages (safe: every write is atomic and every
         # stage resumes) and says the one command that continues, rather than a stage's own
+        # the stage holds the job's --out_dir lock too (one open file, one flock): while any process
+        # of the job lives, a rerun is refused at the door, even one whose stage outlived a kill -9
+        job = os.getpid()
         with open(log, 'w') if log else contextlib.nullcontext() as f:
             proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=self.env, stdout=f,
-                                    stderr=subprocess.STDOUT if log else None, preexec_fn=stage_setup)
+                                    stderr=subprocess.STDOUT if log else None, pass_fds=tuple(LOCKS),
+                                    preexec_fn=lambda: stage_setup(job))
         self.running[name] = (proc, time.time(), log)
 
     def wait(self, *names):
@@ -252,13 +256,15 @@ class Pipeline:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def stage_setup():
+def stage_setup(job):
     """In a stage's process, before it runs: Ctrl-C is the job's alone (it ends the stages and
-    says how to continue), and the stage dies with the job (a kill -9 of the job alone leaves no
-    orphan writing into the run; every write is atomic and every stage resumes)."""
+    says how to continue), and the stage dies with the job (process `job`; a kill -9 of the job
+    alone leaves no orphan writing into the run; every write is atomic and every stage resumes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the job's stop() alone
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != job:  # the job died between the fork and prctl: no signal will come
+        os._exit(1)
 
 
 def why_failed(returncode, log):

@@ -18,21 +18,23 @@ nothing (no environment variable, no file read) until a function is called.
                 argparse, memory, time and disk budgets, the trainers' --resume fields, the files'
                 agreement (`from plumbing import guards`)
     checkpoints.py  a checkpoint's checks as the method loads it: kind, vocabulary, a RALM's base and an
-                energy's LM unchanged, finite weights; load_checkpoint
+                energy's LM unchanged, finite weights; load_checkpoint; check_checkpoint: its entries,
+                config, size and memory before a model is built
 """
 
 from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check_time,  # noqa: F401
                              check_training_memory, duration, forward_seconds, training_memory)
+from plumbing.checkpoints import check_checkpoint  # noqa: F401
 from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, all_reduce, autocast, choose_dtype,  # noqa: F401
                              cores_in_use, cpu_bf16_units, openmp_wait_policy, pick_device, precision, rng,
                              rng_seed, set_wait_policy, setup, setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
-                            checked_load, checkpoint_iter, disk_full, file_hash, finite, first_missing,
-                            free_space, load_weights, not_a_file, out_of_space, save_checkpoint,
-                            save_checkpoints, write_json, write_text)
+                            checked_load, checkpoint_iter, content_hash, disk_full, file_hash, finite,
+                            first_missing, free_space, load_weights, not_a_file, out_of_space,
+                            save_checkpoint, save_checkpoints, write_json, write_text)
 from plumbing.run import (COMMON_FLAGS, LOCKS, ArgumentParser, at_least, check, check_heads,  # noqa: F401
                           check_new, check_writable, common_flags, interrupt, lock_folder, named_paths,
                           new_folder, one_job, progress, rerun_command, run_main)
 from plumbing.trainer import (RunDir, check_new_run, check_resumed_flags, check_resumed_iters,  # noqa: F401
-                              check_training_flags, checkpoint_hint, diverged, given_flags, micro_batches,
-                              missing_checkpoint, run_trainer, training_parser)
+                              check_training_flags, checkpoint_hint, diverged, given_flags,
+                              micro_batches, missing_checkpoint, run_trainer, training_parser)

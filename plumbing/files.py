@@ -219,6 +219,13 @@ def file_hash(path):
     return h.hexdigest()[:16]
 
 
+def content_hash(paths):
+    """One hash of the content of files (a data folder's meta.json and splits): what a checkpoint
+    records of its inputs, so that a --resume on other data at the same path is found."""
+    digests = (file_hash(p) if os.path.isfile(p) else '-' for p in paths)  # missing: the reader says so
+    return hashlib.sha256(' '.join(digests).encode()).hexdigest()[:16]
+
+
 def load_weights(model, state, path, strict=True):
     """model.load_state_dict(state); a checkpoint whose weights do not fit its own config (edited
     or damaged) is refused in one line naming the file."""

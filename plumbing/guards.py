@@ -61,7 +61,7 @@ def lm_saved_flags(ckpt):
                 gamma=ckpt.get('gamma'), dtype=ckpt.get('args', {}).get('dtype'))
 
 
-def check_lm_flags(args, argv):
+def check_lm_flags(args, argv, load=None, sources=dict):
     """train_lm.py's flags in range, and with --resume those given (argv) agreeing with the checkpoint,
     before any work: one line naming the flag. Parses --snapshots; args.select_layout starts None."""
     try:
@@ -77,7 +77,8 @@ def check_lm_flags(args, argv):
     args.select_layout = None  # (P, L) of --select_on continuation, from the data (train_lm.load_data)
     shape = {'n_layer', 'n_head', 'block_size', 'bias', 'alibi', 'objective', 'gamma'}
     shape |= set() if args.match_params else {'n_embd'}  # BALM's width came from --match_params
-    check_training_flags(args, argv, shape | set(LM_RESUME_FIXED), lm_saved_flags)
+    check_training_flags(args, argv, shape | set(LM_RESUME_FIXED), lm_saved_flags, load or load_checkpoint,
+                         sources)
     return args
 
 
@@ -137,9 +138,10 @@ def nce_saved_flags(ckpt):
     return ckpt.get('args', {}) if ckpt.get('kind') == 'energy' else None
 
 
-def check_nce_flags(args, argv):
-    """nce_train.py's flags (check_training_flags), with --resume against the checkpoint's."""
-    check_training_flags(args, argv, NCE_RESUME_FIXED, nce_saved_flags)
+def check_nce_flags(args, argv, load=None, sources=dict):
+    """nce_train.py's flags (check_training_flags), with --resume against the checkpoint's (read by
+    load) and args.sources = sources(args), the hashes of its inputs (check_training_flags)."""
+    check_training_flags(args, argv, NCE_RESUME_FIXED, nce_saved_flags, load or load_checkpoint, sources)
     return args
 
 

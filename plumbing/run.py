@@ -298,6 +298,23 @@ def run_main(main, resume_hint=None):
     NEW_FOLDERS.clear()
     signal.signal(signal.SIGTERM, interrupt)
     try:
+        run_to_the_end(main, argv, resume_hint)
+    finally:
+        if main.__module__ == '__main__':  # the process ends now (not a test calling run_main)
+            signals_end_quietly()
+
+
+def signals_end_quietly():
+    """The script's work and its line are over: a SIGTERM or Ctrl-C while the interpreter exits
+    (torchrun ending the survivors of a failed rank as its atexit callbacks run) ends the process
+    with the signal's status, not a KeyboardInterrupt traceback out of an atexit callback."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+
+def run_to_the_end(main, argv, resume_hint):
+    """main(argv) with run_main's handling of how it ends."""
+    try:
         main(argv)
     except BrokenPipeError as e:
         if e.filename is not None:  # a file, not stdout: one line, as any OSError

@@ -60,12 +60,13 @@ def training_parser(description, out_dir, **defaults):
 MAX_GRAD_ACCUM = 2**16
 
 
-def check_training_flags(args, argv, fixed, saved_flags):
+def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=dict):
     """The flags of training_parser in range (beyond the parser's at_least), heads that divide the
     width, a --patience that can fire within --max_iters, and --out_dir writable (and removed if
     the run creates it and then fails before saving anything); --lr_decay_iters defaults to
     --max_iters, --grad_accum to one micro-batch per process. With --resume, those given (argv)
-    agree with the checkpoint (check_resume: fixed, saved_flags)."""
+    agree with the checkpoint (check_resume: fixed, saved_flags; load reads it, checked), and
+    args.sources = sources(args), the hashes of its inputs, those it recorded."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
     check(args, 'grad_accum', lambda v: v <= MAX_GRAD_ACCUM,
@@ -80,7 +81,11 @@ def check_training_flags(args, argv, fixed, saved_flags):
     new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt'))  # a run that fails before saving leaves none
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     if args.resume:
-        check_resume(args, argv, fixed, saved_flags)
+        check_resume(args, argv, fixed, saved_flags, load)
+    args.sources = sources(args)  # recorded in ckpt.pt (with args)
+    resumed = vars(args).pop('resumed', None)
+    if resumed is not None:
+        check_sources(resumed, args, os.path.join(args.out_dir, 'ckpt.pt'))
     args.grad_accum = micro_batches(args.grad_accum, int(os.environ.get('WORLD_SIZE', 1)))
 
 
@@ -140,18 +145,45 @@ def same_value(a, b):
             and os.path.samefile(a, b))
 
 
-def check_resume(args, argv, fixed, saved_flags):
-    """A trainer's --resume continues out_dir/ckpt.pt: its flags among `fixed` given (argv) must
-    agree with saved_flags(checkpoint) (None: not this trainer's kind of checkpoint, which its
-    builder then names), and --max_iters not be below its iteration."""
+def check_resume(args, argv, fixed, saved_flags, load=checked_load):
+    """A trainer's --resume continues out_dir/ckpt.pt (read by load): its flags among `fixed` given
+    (argv) must agree with saved_flags(checkpoint) (None: not this trainer's kind of checkpoint,
+    which its builder then names), and --max_iters not be below its iteration."""
     path = os.path.join(args.out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         raise missing_checkpoint(args.out_dir)
-    ckpt = checked_load(path)
+    ckpt = load(path)
     saved = saved_flags(ckpt) if isinstance(ckpt, dict) else None
+    args.resumed = ckpt if saved is not None else None  # its inputs checked by content next
     if saved is not None:
+        check_resumable(ckpt, path)
         check_resumed_flags(args, argv, saved, fixed, path, 'run')
         check_resumed_iters(args.max_iters, ckpt['iter_num'], path)
+
+
+RESUMABLE = ('iter_num', 'optimizer', 'scaler', 'args')  # what ckpt.pt holds beyond best.pt's model
+
+
+def check_resumable(ckpt, path):
+    """ckpt.pt holds the training state a --resume continues: not a best.pt (the weights alone)."""
+    missing = [k for k in RESUMABLE if k not in ckpt]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)} (a best.pt copied over it?), so --resume "
+                         f"cannot continue it: restore the run's own ckpt.pt, or start a new run in another "
+                         f"--out_dir")
+
+
+def check_sources(ckpt, args, path):
+    """A --resume reads what its checkpoint was made from, by content: args.sources {flag: hash of
+    what the flag names now} against those ckpt's args recorded (a checkpoint from before they
+    were: accepted)."""
+    recorded = ckpt.get('args', {}).get('sources') or {}
+    for flag, digest in args.sources.items():
+        if recorded.get(flag, digest) != digest:
+            raise ValueError(f"--{flag} {getattr(args, flag)} is not what {path} was trained on (its "
+                             f"content changed since: hash {recorded[flag]} -> {digest}): --resume continues "
+                             f"that run on the same inputs; restore them, or start a new run in another "
+                             f"--out_dir")
 
 
 def check_resumed_iters(max_iters, it, path):
@@ -295,6 +327,8 @@ class RunDir:
 
     def diverged(self, iter_num, grad_norm):
         return ValueError(diverged(iter_num, grad_norm, self.path))
+
+
 
 
 def run_trainer(main, get_args):

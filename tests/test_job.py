@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -218,6 +219,36 @@ def test_pipeline_stages_die_with_the_job(tmp_path):
     while alive() and time.time() < deadline:
         time.sleep(0.1)
     assert not alive()
+
+
+def test_the_jobs_lock_is_held_by_its_stages(tmp_path):
+    """The job's --out_dir lock is held by its stages too: a stage that outlives a kill -9 of the job
+    (no parent-death signal: not Linux, or the job died as it forked) keeps a rerun out with one
+    line; once it ends, the folder is free."""
+    from plumbing import lock_folder, one_job
+    cmd, done = fake_stage(tmp_path, 'slow', 60)
+    out = str(tmp_path / 'run')
+    job = subprocess.Popen([sys.executable, '-c', (
+        "import time; from job import pipeline; from plumbing import lock_folder\n"
+        "pipeline.stage_setup = lambda job: None  # a stage that does not die with the job\n"
+        f"lock_folder({out!r})\n"
+        f"p = pipeline.Pipeline({str(tmp_path / 'timings.json')!r}, jobs=2, threads=1)\n"
+        f"p.run('slow', {cmd!r}, {done!r})\n"
+        "print(p.running['slow'][0].pid, flush=True); time.sleep(60)")], cwd=ROOT, stdout=subprocess.PIPE,
+        text=True)
+    stage = int(next(line for line in job.stdout if line.strip().isdigit()))
+    job.kill()
+    job.wait()
+    try:
+        with pytest.raises(ValueError, match=r"--out_dir .*run is in use by another job"):
+            one_job(lock_folder)(out)
+    finally:
+        os.kill(stage, signal.SIGKILL)
+    deadline = time.time() + 10
+    while os.path.exists(f'/proc/{stage}') and 'Z' not in open(f'/proc/{stage}/stat').read().split()[2]:
+        assert time.time() < deadline
+        time.sleep(0.1)
+    one_job(lock_folder)(out)  # free
 
 
 def test_reproduce_jobs_refused_on_a_gpu(monkeypatch, tmp_path):

@@ -201,6 +201,15 @@ def test_torchrun_a_killed_rank_leaves_one_line(lm_corpus, tmp_path):
     assert 'train_lm.py", line' not in err, err[-3000:]
 
 
+def test_a_signal_while_exiting_after_the_one_line_is_no_traceback():
+    """torchrun's SIGTERM reaching a survivor after its one line, as the interpreter's atexit callbacks
+    run (1 try in 4 after a killed rank): no "Exception ignored in atexit callback ... raise
+    KeyboardInterrupt" after it (run_main: signals_end_quietly)."""
+    res = run_script([os.path.join(SCRIPTS, 'atexit_signal.py')])
+    assert res.stderr.strip() == 'error: the one line', res.stderr
+    assert res.returncode == 128 + signal.SIGTERM
+
+
 def test_a_collective_error_without_a_lost_peer_stays_a_traceback(monkeypatch):
     """peer_lost is narrow: a RuntimeError under torchrun that does not say a peer is gone, or
     gloo's words in a single process, is a bug and keeps its traceback."""
