@@ -40,12 +40,11 @@ if not __package__:  # run as a file: the repo root is not on the path
 import numpy as np
 import torch
 
-from data import load_split, problem_windows, window_tokens, windows
+from data import load_lm_and_data, load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
-from model import load_lm_and_data
-from plumbing import (ArgumentParser, at_least, check_new, check_writable, file_hash, rng, run_main, setup,
-                      write_json)
+from plumbing import (ArgumentParser, at_least, check_new, check_writable, common_flags, file_hash, rng,
+                      run_main, setup, write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
 # scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,
@@ -282,10 +281,8 @@ def get_args(argv=None):
       help='a folder for the enumerated log P_LM and E (saved every 20 problems): a rerun resumes')
     a('--out', required=True, help='JSON results')
     a('--plot', default=None, help='a PNG: error and coverage against n (needs matplotlib)')
-    a('--force', action='store_true', help='replace --out and --plot')
-    a('--device', default='cpu')
-    a('--seed', type=int, default=1337)
-    a('--quiet', action='store_true', help='no progress and no table')
+    common_flags(p, 'force', 'device', 'seed', 'quiet',
+                 help=dict(force='replace --out and --plot', quiet='no progress and no table'))
     args = p.parse_args(argv)
     at_least(args, 1, 'prompts', 'select_prompts', 'reps', 'beam')
     try:

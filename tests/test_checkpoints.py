@@ -1,5 +1,5 @@
 """Checkpoints checked before use (issue 48): a hand-edited or damaged checkpoint is one line naming
-it, before a model is built (plumbing.checkpoints.check_checkpoint); a --resume continues its own run by content (the
+it, before a model is built (plumbing.checkpoints); a --resume continues its own run by content (the
 data, the negatives the checkpoint recorded), never a best.pt or another run's inputs at the same
 path."""
 
