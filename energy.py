@@ -38,10 +38,9 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, KVCache, load_lm
+from model import GPT, GPTConfig, KVCache, load_checkpoint, load_lm
 from plumbing import file_hash, load_weights
-from plumbing.checkpoints import (check_energy_of, check_finite, check_kind, check_mlm_init, check_registered,
-                                  load_checkpoint)
+from plumbing.checkpoints import check_energy_of, check_finite, check_kind, check_mlm_init, check_registered
 from plumbing.guards import check_unit_sizes
 
 POOLS = ('continuation', 'all')

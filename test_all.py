@@ -26,6 +26,8 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_metric_ebm.py  the talk's metric energy and TaiLr
     tests/test_exo_addition.py  EXO and the addition task
     tests/test_provenance.py  the main job's provenance.json
+    tests/test_checkpoints.py  a checkpoint checked before use, --resume by content
+    tests/test_exact_logz.py  exact log Z on 2-digit addition (extensions/exact_logz.py)
     tests/test_docs.py        the numbers and flag values of README.md and docs/ against the code
     tests/test_layout.py      the files' roles, the import graph, line and function lengths, the
                               README's numbers, every documented command, length checks before zips

@@ -210,7 +210,7 @@ def build_model(args, meta, device):
 def init_weights(model, path, meta):
     """Copy a checkpoint's weights into a model of the same shape. Only the vocabulary may differ,
     by the extra [MASK] row of an MLM: that row keeps its fresh initialisation."""
-    src = checkpoints.load_checkpoint(path)
+    src = load_checkpoint(path)
     checkpoints.check_lm_init(src, meta, path)
     state = model.state_dict()
     for k, v in state.items():
@@ -331,7 +331,7 @@ def main(argv=None):
 def load_best(raw_model, best_weights, out_dir, residual_of):
     """The weights of the lowest selection loss into raw_model: this run's copy, or best.pt when the
     best came before a --resume (best_weights None); a RALM's are its residual's only."""
-    best_weights = best_weights or checkpoints.load_checkpoint(os.path.join(out_dir, 'best.pt'))['model']
+    best_weights = best_weights or load_checkpoint(os.path.join(out_dir, 'best.pt'))['model']
     raw_model.load_state_dict(best_weights, strict=not residual_of)
 
 

