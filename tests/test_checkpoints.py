@@ -18,7 +18,6 @@ from model import load_lm
 from plumbing import budget
 from tests.common import CORPUS, NCE_FLAGS, NEG_FLAGS, TRAIN_FLAGS, prepare_corpus
 
-pytest_plugins = ['tests.common']
 
 
 def drop(key):

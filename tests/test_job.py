@@ -105,6 +105,8 @@ def check_claims_from_run(out):
     d = (joint - np.array(cols['extra_logp']['BALM'])) / L
     c1 = res['claims']['C1']
     assert abs(c1['diff'] - d.mean()) < 1e-9 and abs(c1['se'] - d.std(ddof=1) / math.sqrt(len(d))) < 1e-9
+    flagged = any(cols['enum']['BIT']['flagged'])  # Eq. 4 flagged on a prefix: C1 gives no verdict
+    assert bool(c1.get('not_measurable')) == flagged and (c1['p'] is None) == flagged
     metric = (np.array(cols['lm_logp']) - np.array(cols['energy']['METRICS'])
               - np.array(cols['logz']['METRICS'][n]['high']))
     gain = (metric - np.array(cols['lm_logp'])) / L  # T1; T3: minus the predicted KL of each prefix
@@ -116,6 +118,7 @@ def check_claims_from_run(out):
     for sign, want in ((1, dict(C1=False, C3=False, T2=True)), (-1, dict(C1=True, C3=fewer, T2=False))):
         ppl = json.load(open(out / 'ppl.json'))
         ppl['splits']['test']['per_prefix']['energy']['BIT'] = [e + sign * c for e in cols['energy']['BIT']]
+        ppl['splits']['test']['per_prefix'].pop('enum', None)  # no diagnostics: Eq. 4's ranges decide
         perturbed = out / f'perturbed{sign:+d}'
         shutil.copytree(out, perturbed,  # a hand-made variant: no provenance.json, so no chain to check
                         ignore=shutil.ignore_patterns('*.pt', 'neg_*', 'perturbed*', 'provenance.json'))
