@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from data import check_fits, check_problem_windows, load_lm_and_data, load_split, window_tokens, windows
-from energy import load_any_energy, logz_bounds, score_continuations
+from energy import load_any_energy, logz_bounds, logz_diagnostics, score_continuations
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from model import load_checkpoint
@@ -118,13 +118,16 @@ def exo_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
 def logz_table(sft, energy, prefixes, gen_len, n, m, g, batch=16):
     """What the KL estimates need of the LM, once per prefix of prefixes (N, P), independent of
     pi_theta: Eq. 4's range of log Z(x) from n untruncated LM samples (low: T_n, high: the
-    leave-one-out upper end), and the first m of them (tokens, log P_LM, -E) for the forward KL."""
+    leave-one-out upper end) with its diagnostics (energy.logz_diagnostics: Kish's ESS, flagged below
+    MIN_ESS), and the first m of them (tokens, log P_LM, -E) for the forward KL."""
     parts = []
     for pre in prefixes.split(batch):
         y = sft.generate(pre, gen_len, num_samples=n, generator=g)[0]  # (b, n, L)
         neg_e = -score_continuations(energy, pre, y, pre.size(1), nullcontext()).double()
         low, high = logz_bounds(neg_e)
-        parts.append(dict(low=low, high=high, y=y[:, :m], neg_e=neg_e[:, :m],
+        diag = logz_diagnostics(neg_e)
+        parts.append(dict(low=low, high=high, ess=diag['ess'], flagged=diag['flagged'].double(),
+                          y=y[:, :m], neg_e=neg_e[:, :m],
                           logp_sft=continuation_logprob(sft, pre, y[:, :m]).double()))
     return dict(prefixes=prefixes, logz_samples=n, **{k: torch.cat([p[k] for p in parts]) for k in parts[0]})
 
@@ -151,7 +154,8 @@ def kl_estimates(policy, sft, energy, table, gen_len, m, g, batch=64):
     mean = lambda v: v.mean().item()
     return dict(kl_to_base=mean(base), kl_reverse_low=mean(rev + table['low']),
                 kl_reverse_high=mean(rev + table['high']), kl_forward_low=mean(fwd - table['high']),
-                kl_forward_high=mean(fwd - table['low']))
+                kl_forward_high=mean(fwd - table['low']), logz_ess=mean(table['ess']),
+                logz_flagged=mean(table['flagged']))  # the KL ranges rest on log Z's: its diagnostics
 
 
 def get_args(argv=None):

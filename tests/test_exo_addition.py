@@ -162,6 +162,9 @@ def test_exo_kl_estimates_match_enumeration():
     assert torch.allclose(table['low'], log_z, atol=0.01) and torch.allclose(table['high'], log_z, atol=0.01)
     got = exo.kl_estimates(policy, sft, energy, table, 3, 8192, torch.Generator().manual_seed(8))
     assert abs(got['kl_to_base'] - exact['kl_to_base']) < 0.02, (got, exact)
+    pw = torch.exp(-E - (-E).amax(1, keepdim=True)) * lsft.exp()  # P_LM(y) w(y), exactly, up to a constant
+    ess = pw.sum(1) ** 2 / (pw ** 2 / lsft.exp()).sum(1)  # Kish's ESS of n draws: about n (E w)^2 / E w^2
+    assert got['logz_flagged'] == 0 and abs(got['logz_ess'] / (8192 * ess.mean().item()) - 1) < 0.1
     for kl in ('kl_reverse', 'kl_forward'):
         assert got[f'{kl}_low'] <= got[f'{kl}_high']
         for end in ('low', 'high'):
