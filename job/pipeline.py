@@ -188,10 +188,11 @@ class Pipeline:
         return dict(flags=stage_flags(cmd, self.out_dir), inputs={d: self.outputs(d) for d in deps})
 
     def outputs(self, name):
-        """{path: hash} of a stage's done file and the best.pt in its folder (paths in the run
+        """{path: hash} of a stage's done file, and in its folder the best.pt and the negatives'
+        log-probabilities (logp.bin: any other draw, or a damaged file, changes them) (paths in the run
         folder relative to it, so a moved run folder is the same run)."""
         folder = self.folders.get(name)
-        files = [self.done[name]] + ([os.path.join(folder, 'best.pt')] if folder else [])
+        files = [self.done[name]] + [os.path.join(folder, f) for f in ('best.pt', 'logp.bin') if folder]
         return {os.path.relpath(f, self.out_dir) if inside(f, self.out_dir) else f: file_hash(f)
                 for f in files if os.path.isfile(f)}
 

@@ -18,7 +18,9 @@ def write(path, *extra):
     code = ("import os, sys, json; p = sys.argv[1]; os.makedirs(os.path.dirname(p), exist_ok=True); "
             "json.dump(sys.argv[2:], open(p, 'w')); "
             "os.path.basename(os.path.dirname(p)) in ('lm', 'bit') and "
-            "open(os.path.join(os.path.dirname(p), 'best.pt'), 'w').write(' '.join(sys.argv[2:]))")
+            "open(os.path.join(os.path.dirname(p), 'best.pt'), 'w').write(' '.join(sys.argv[2:])); "
+            "os.path.basename(os.path.dirname(p)) == 'neg' and "
+            "open(os.path.join(os.path.dirname(p), 'logp.bin'), 'w').write('the samples')")
     return ['-c', code, str(path), *extra]
 
 
@@ -74,6 +76,22 @@ def test_a_foreign_output_is_named_not_used(tmp_path, copied):
     if copied.endswith('.json'):
         with pytest.raises(ValueError, match=rf"mine/{copied}: not the file stage '\w+' wrote in this run"):
             read_report(str(tmp_path / 'mine'), copied, 'fix', list)
+
+
+def test_damaged_negatives_are_named(tmp_path):
+    """A finished negatives stage whose samples file (logp.bin) was damaged since (the probe's row 14:
+    truncated): the job names the file instead of training on it."""
+    out = tmp_path / 'run'
+
+    def run():
+        done = out / 'neg' / 'results.json'  # a stand-in for its meta.json
+        Pipeline(str(out / 'timings.json')).run('neg', write(done, '--seed', '1'), str(done),
+                                                folder=str(out / 'neg'))
+    run()
+    run()  # unchanged: done
+    (out / 'neg' / 'logp.bin').write_text('the sam')
+    with pytest.raises(ValueError, match=r"neg/logp.bin is not the file stage 'neg' wrote in this run"):
+        run()
 
 
 def test_readers_refuse_a_mix_of_two_runs(tmp_path):
