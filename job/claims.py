@@ -403,19 +403,28 @@ DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode',
                  ('EXO', 'greedy'): 'EXO LM greedy'}
 
 
-def decoder_claims(acc):
-    """D1..: on a task with a known answer (extensions/addition_eval.py's accuracy.json), each joint
-    decoder at the largest n above each LM decoder, and the EXO LM's greedy above the base LM's: exact
-    McNemar tests on the per-problem exact matches (paired: same problems, same samples)."""
+def decoder_pairs(acc):
+    """[(what, better, worse)]: the decoders compared on addition, each joint decoder at the largest n
+    against each LM decoder, and the EXO LM's greedy against the base LM's; better and worse name
+    accuracy.json's per-problem columns as (model, column)."""
     per, n = acc['per_problem'], max(acc['ns'])
-    col = lambda model, how: np.array(per[model][f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact'])
+    col = lambda model, how: (model, f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact')
     pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] for model in ('BASE LM', 'BALM')
              if model in per for how in DECODERS[model]]
     pairs += [(('greedy', 'EXO'), ('greedy', 'BASE LM'))] if 'EXO' in per else []
+    return [(f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else ''),
+             col(m1, h1), col(m2, h2)) for (h1, m1), (h2, m2) in pairs]
+
+
+def decoder_claims(acc):
+    """D1..: on a task with a known answer (extensions/addition_eval.py's accuracy.json), the
+    decoder_pairs: exact McNemar tests on the per-problem exact matches (paired: same problems, same
+    samples)."""
+    per = acc['per_problem']
     out = {}
-    for i, ((h1, m1), (h2, m2)) in enumerate(pairs, 1):
-        what = f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else '')
-        out[f'D{i}'] = dict(mcnemar(col(m1, h1), col(m2, h2)), models=[m1, m2], decoders=[h1, h2], what=what)
+    for i, (what, (m1, c1), (m2, c2)) in enumerate(decoder_pairs(acc), 1):
+        out[f'D{i}'] = dict(mcnemar(np.array(per[m1][c1]), np.array(per[m2][c2])), models=[m1, m2],
+                            decoders=[c1.split('_')[0], c2.split('_')[0]], what=what)
     return out
 
 

@@ -94,6 +94,9 @@ def get_args(argv=None):
     common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
         quiet='no progress bars in the stages', device='passed to every stage',
         dtype="passed to every stage ('auto': each stage measures what is fastest for its work)"))
+    p.add_argument('--data_seed', type=int, default=1337,
+                   help="the seed of the data's preparation (splits, addition's problems), apart from --seed "
+                        "(the models'), so that runs at several seeds train and test on the same data")
     p.add_argument('--jobs', type=int, default=1,
                    help="stages run at once, like make -j (CPU only). 1: one after another, each on every "
                         "core, in the terminal. N > 1: a stage starts once those it needs have ended, on "
@@ -193,7 +196,8 @@ def stages(args, pipe):
     lm, neg = cfg['lm'], cfg['neg']
 
     pipe.run('prepare', ['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
-             + (flags(cfg['data']) if 'data' in cfg else ['--tokenizer', args.tokenizer]) + common,
+             + (flags(cfg['data']) if 'data' in cfg else ['--tokenizer', args.tokenizer])
+             + ['--seed', str(args.data_seed)] + (['--quiet'] if args.quiet else []),
              os.path.join(args.data_dir, 'meta.json'))
     pipe.wait('prepare')
     vocab = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'),

@@ -1,0 +1,60 @@
+"""job/seeds.py: the addition table over seeds, from each seed's accuracy.json: rows' mean and spread,
+and the decoders compared with the problem as the unit (the seeds share the problems)."""
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from job import seeds, stats
+
+
+def fake_run(folder, seed, joint, lm, data='d1'):
+    """An out_dir with a provenance.json naming the prepared data and an accuracy.json of 2 rows."""
+    folder.mkdir()
+    (folder / 'provenance.json').write_text(json.dumps({'lm': dict(flags=[], inputs={'prepare': {'m': data}},
+                                                                   outputs=None)}))
+    rows = [dict(model='BASE LM', method='greedy', n=1, exact=float(np.mean(lm)), p_correct=0.5),
+            dict(model='JOINT', method='Algorithm 1, n = 4', n=4, exact=float(np.mean(joint)))]
+    per = {'JOINT': {'a1_4_exact': joint, 'mode_4_exact': joint},
+           'BASE LM': {'greedy_exact': lm, 'majority_4_exact': lm, 'rerank_4_exact': lm}}
+    (folder / 'accuracy.json').write_text(json.dumps(dict(split='test', num_prefixes=len(lm), ns=[1, 4],
+                                                          seed=seed, rows=rows, per_problem=per)))
+    return str(folder)
+
+
+def test_seeds_against_brute_force(tmp_path):
+    rng = np.random.default_rng(0)
+    joint = (rng.random((3, 200)) < 0.9).astype(int)
+    lm = (rng.random((3, 200)) < 0.8).astype(int)
+    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist()) for i, s in enumerate((1, 2, 3))]
+    out = tmp_path / 'seeds.json'
+    seeds.main([*runs, '--out', str(out)])
+    res = json.loads(out.read_text())
+    assert res['seeds'] == [1, 2, 3] and (tmp_path / 'seeds.txt').exists()
+    exact = res['rows'][1]['exact']
+    assert exact['mean'] == pytest.approx(joint.mean()) and exact['sd'] == pytest.approx(joint.mean(1).std(ddof=1))
+    assert 'p_correct' in res['rows'][0] and 'p_correct' not in res['rows'][1]
+    first = res['comparisons'][0]
+    assert first['what'] == 'Alg. 1 > LM greedy (n = 4)'
+    d = (joint - lm).mean(0)  # per problem, averaged over seeds
+    se = d.std(ddof=1) / math.sqrt(len(d))
+    assert first['diff'] == pytest.approx(d.mean()) and first['se'] == pytest.approx(se)
+    assert first['p'] == pytest.approx(math.erfc(abs(d.mean() / se) / math.sqrt(2)), rel=1e-2)  # t(199) ~ normal
+    assert first['diff_per_seed'] == pytest.approx((joint - lm).mean(1).tolist())
+    assert first['mcnemar_p_per_seed'][0] == stats.mcnemar(joint[0], lm[0])['p']
+    p = [c['p'] for c in res['comparisons']]
+    assert [c['p_holm'] for c in res['comparisons']] == stats.holm(p)
+    assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
+
+
+def test_seeds_refuses_mixed_runs(tmp_path):
+    a = fake_run(tmp_path / 'a', 1, [1, 0, 1], [0, 0, 1])
+    with pytest.raises(ValueError, match='not trained on the same data'):
+        seeds.main([a, fake_run(tmp_path / 'b', 2, [1, 1, 1], [0, 0, 1], data='d2'), '--out', str(tmp_path / 'o.json')])
+    with pytest.raises(ValueError, match='same --seed'):
+        seeds.main([a, fake_run(tmp_path / 'c', 1, [1, 1, 1], [0, 0, 1]), '--out', str(tmp_path / 'o.json')])
+    with pytest.raises(ValueError, match='at least 2'):
+        seeds.main([a, '--out', str(tmp_path / 'o.json')])
