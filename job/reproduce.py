@@ -414,6 +414,30 @@ def print_estimate(timings, default):
               f"README lists each stage's time on its machines)", flush=True)
 
 
+def stage_profile(out, timings):
+    """Per stage: its seconds, its share of the stages' sum and, for a trainer (its results.json
+    has tokens_per_s and train_time_s), the tokens it trained on and their rate. With --jobs > 1
+    the stages overlap: the shares are of the summed stage time, not of the wall time."""
+    total = sum(timings.values()) or 1.0
+    rows = []
+    for stage, seconds in timings.items():
+        path = os.path.join(out, stage, 'results.json')
+        r = read_json(path, FIX) if os.path.isfile(path) else {}
+        rate, train_s = r.get('tokens_per_s'), r.get('train_time_s')
+        tokens = rate * train_s if isinstance(rate, (int, float)) and isinstance(train_s, (int, float)) else None
+        rows.append(dict(stage=stage, seconds=seconds, share=seconds / total, tokens=tokens,
+                         tokens_per_s=rate if tokens is not None else None))
+    return rows
+
+
+def format_profile(rows):
+    lines = ['stage            seconds  share   tokens (M)  tokens/s']
+    for r in rows:
+        tok = f"{r['tokens'] / 1e6:10.1f}  {r['tokens_per_s']:8,.0f}" if r['tokens'] is not None else ''
+        lines.append(f"{r['stage']:16s} {r['seconds']:7.1f}  {r['share']:5.1%}  {tok}")
+    return '\n'.join(lines)
+
+
 def report(out, timings, data_dir):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the energies' held-out
     gains and NCE accuracies, and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
@@ -425,9 +449,9 @@ def report(out, timings, data_dir):
     lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
     nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX) for k in ('bit', 'unit')}
     gain, acc = ({k: r[f'held_out_{f}'] for k, r in nce.items()} for f in ('gain', 'acc'))
-    test = ppl['splits']['test']
+    test, profile = ppl['splits']['test'], stage_profile(out, timings)
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_gain=gain, held_out_nce_acc=acc,
-                    timings_s=timings,
+                    timings_s=timings, profile=profile,
                     claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
                     calibration=test.get('calibration'), num_samples=test['num_samples'],
                     num_prefixes=test['num_prefixes']),
@@ -435,8 +459,9 @@ def report(out, timings, data_dir):
     print(f"\nTable 1 ({data_dir}; val and test only reported, the selection split chose best.pt)")
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out joint gain over the LM (selection split, nats/token): BIT {gain['bit']:.5f}, UNIT "
-          f"{gain['unit']:.5f}; NCE accuracy BIT {acc['bit']:.3f}, UNIT {acc['unit']:.3f}; "
-          f"stage times (s): {timings}")
+          f"{gain['unit']:.5f}; NCE accuracy BIT {acc['bit']:.3f}, UNIT {acc['unit']:.3f}")
+    print("\nWhere the time went (stage seconds; with --jobs > 1 stages overlap: shares of their sum)\n"
+          + format_profile(profile))
     if os.path.exists(os.path.join(out, 'metrics', 'results.txt')):
         print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, "
               "and the decoding methods' metrics\n"

@@ -51,6 +51,12 @@ def test_reproduce_quick_end_to_end(tmp_path):
     assert (rows['JOINT BIT', 'test']['params']
             == rows['BASE LM', 'test']['params'] + json.load(open(out / 'bit' / 'results.json'))['params'])
     assert (out / 'samples.json').exists() and (out / 'ppl.json').exists()
+    results = json.load(open(out / 'results.json'))  # the profile: each stage's time, a trainer's tokens
+    profile, lm = {r['stage']: r for r in results['profile']}, json.load(open(out / 'lm' / 'results.json'))
+    assert profile.keys() == results['timings_s'].keys() and 'Where the time went' in res.stdout
+    assert sum(r['share'] for r in profile.values()) == pytest.approx(1.0)
+    assert profile['lm']['tokens'] == pytest.approx(lm['iters'] * lm['tokens_per_iter'])
+    assert profile['claims']['tokens'] is None
     best = str(out / 'bit' / 'best.pt')
     assert load_checkpoint(best)['config']['alibi']  # the MLM's ALiBi body, carried into the energy
     # the best energy is evaluated
