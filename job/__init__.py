@@ -4,6 +4,7 @@
     python -m job.claims          the paper's claims C1-C7 and the talk's T1-T3, measured
     python -m job.figures         Figs. 1-4 from the main job's JSON
     python -m job.human_eval      Table 2's protocol: blinded A/B items, binomial test
+    python -m job.seeds           the addition table over seeds: mean, spread, paired tests
     python -m job.bench           building blocks timed against naive baselines
 
 with reproduce's recipes in configs.py and its make-like scheduler in pipeline.py, the claims'
@@ -133,3 +134,31 @@ def check_claims_inputs(claims, claims_path, out_dir):
             raise ValueError(f"{claims_path}: it was measured on another {name} than {path} (from "
                              f"another run, or before that file was rewritten); rerun claims.py "
                              f"(reproduce.py reruns it)")
+
+
+# accuracy.json (extensions/addition_eval.py, a task with a known answer), read by claims.py, seeds.py
+ACCURACY = {'ns': [int], 'per_problem': {'*': {'*': NUMBERS}}}
+ACCURACY_FIX = 'rerun python -m extensions.addition_eval (reproduce.py --data addition runs it)'
+
+# the decoders compared on addition (accuracy.json), each pair on the same problems and, for the
+# decoders among n samples, the same n samples of the base LM: (better, worse) as (model, column)
+DECODERS = {'JOINT': ('a1', 'mode'), 'BASE LM': ('greedy', 'majority', 'rerank'),
+            'BALM': ('greedy', 'rerank')}
+DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode',
+                 ('BASE LM', 'greedy'): 'LM greedy',
+                 ('BASE LM', 'majority'): 'LM majority vote', ('BASE LM', 'rerank'): 'LM log-prob rerank',
+                 ('BALM', 'greedy'): 'BALM greedy', ('BALM', 'rerank'): 'BALM log-prob rerank',
+                 ('EXO', 'greedy'): 'EXO LM greedy'}
+
+
+def decoder_pairs(acc):
+    """[(what, better, worse)]: the decoders compared on addition, each joint decoder at the largest n
+    against each LM decoder, and the EXO LM's greedy against the base LM's; better and worse name
+    accuracy.json's per-problem columns as (model, column)."""
+    per, n = acc['per_problem'], max(acc['ns'])
+    col = lambda model, how: (model, f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact')
+    pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] for model in ('BASE LM', 'BALM')
+             if model in per for how in DECODERS[model]]
+    pairs += [(('greedy', 'EXO'), ('greedy', 'BASE LM'))] if 'EXO' in per else []
+    return [(f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else ''),
+             col(m1, h1), col(m2, h2)) for (h1, m1), (h2, m2) in pairs]

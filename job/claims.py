@@ -48,8 +48,8 @@ import numpy as np
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.claims")
-from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model, check_shape,
-                 input_hashes, read_report)
+from job import (ACCURACY, ACCURACY_FIX, NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model,
+                 check_shape, decoder_pairs, input_hashes, read_report)
 from job.stats import (ALPHA, correct, decide, equivalence_p, jackknife_se, mcnemar, mean_se, paired,
                        studentised_permutation)
 from plumbing import ArgumentParser, common_flags, run_main, write_json, write_text
@@ -311,8 +311,6 @@ SAMPLE = {'base': str, 'joint': str, 'gold?': str, 'joint_energy': NUMBER, 'gold
 SAMPLES = {'args?': {'lm?': str}, 'samples': [SAMPLE]}
 NEEDED = {'extra_logp': ('RALM', 'BALM'), 'energy': ('BIT', 'UNIT')}  # C1-C3's models
 PPL_FIX = 'rerun estimate_ppl.py (reproduce.py runs it)'
-ACCURACY = {'ns': [int], 'per_problem': {'*': {'*': NUMBERS}}}
-ACCURACY_FIX = 'rerun python -m extensions.addition_eval (reproduce.py --data addition runs it)'
 
 
 def read_ppl(out_dir, split):
@@ -390,30 +388,6 @@ def measure(out_dir, split='test', seed=0):
     multiplicity = correct(claims)
     return dict(split=split, lms=lm_convergence(out_dir, ppl, path), claims=claims,
                 multiplicity=multiplicity, statistics=STATISTICS, inputs=input_hashes(out_dir))
-
-
-# the decoders compared on addition (accuracy.json), each pair on the same problems and, for the
-# decoders among n samples, the same n samples of the base LM: (better, worse) as (model, column)
-DECODERS = {'JOINT': ('a1', 'mode'), 'BASE LM': ('greedy', 'majority', 'rerank'),
-            'BALM': ('greedy', 'rerank')}
-DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode',
-                 ('BASE LM', 'greedy'): 'LM greedy',
-                 ('BASE LM', 'majority'): 'LM majority vote', ('BASE LM', 'rerank'): 'LM log-prob rerank',
-                 ('BALM', 'greedy'): 'BALM greedy', ('BALM', 'rerank'): 'BALM log-prob rerank',
-                 ('EXO', 'greedy'): 'EXO LM greedy'}
-
-
-def decoder_pairs(acc):
-    """[(what, better, worse)]: the decoders compared on addition, each joint decoder at the largest n
-    against each LM decoder, and the EXO LM's greedy against the base LM's; better and worse name
-    accuracy.json's per-problem columns as (model, column)."""
-    per, n = acc['per_problem'], max(acc['ns'])
-    col = lambda model, how: (model, f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact')
-    pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] for model in ('BASE LM', 'BALM')
-             if model in per for how in DECODERS[model]]
-    pairs += [(('greedy', 'EXO'), ('greedy', 'BASE LM'))] if 'EXO' in per else []
-    return [(f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else ''),
-             col(m1, h1), col(m2, h2)) for (h1, m1), (h2, m2) in pairs]
 
 
 def decoder_claims(acc):

@@ -22,8 +22,7 @@ import numpy as np
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.seeds")
 from data import read_json
-from job import read_report
-from job.claims import ACCURACY, ACCURACY_FIX, decoder_pairs
+from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.stats import ALPHA, holm, mcnemar, paired
 from plumbing import ArgumentParser, check_writable, run_main, write_json, write_text
 
@@ -36,7 +35,7 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
-    check_writable(args.out)
+    check_writable(args.out, '--out', folder=False)
     return args
 
 
@@ -123,8 +122,8 @@ def main(argv=None):
                   rows=rows_over_seeds(accs), comparisons=comparisons(accs))
     table = fmt(result)
     print(table, end='')
-    write_json(args.out, result)
-    write_text(os.path.splitext(args.out)[0] + '.txt', table)
+    write_json(result, args.out)
+    write_text(table, os.path.splitext(args.out)[0] + '.txt')
 
 
 if __name__ == '__main__':
