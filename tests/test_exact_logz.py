@@ -143,16 +143,21 @@ def test_min_ess_rule():
 
 
 def test_cache_resumes(tmp_path, monkeypatch):
-    """enumerate_split with a cache: a rerun loads every chunk (no model call) and gives the same values."""
+    """enumerate_split with a cache: a rerun loads every chunk (no model call) and gives the same values;
+    another beam width reuses the scored continuations and searches only its beam."""
     lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
     data = torch.randint(0, V, (5 * 7,), generator=torch.Generator().manual_seed(0)).numpy()
-    run = lambda: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, 2, lambda s: None,
-                                             str(tmp_path), 'k', chunk=3)
+    run = lambda beam=2: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, beam, lambda s: None,
+                                                    str(tmp_path), 'k', chunk=3)
     first = run()
-    assert len(list(tmp_path.glob('k_*.pt'))) == 3  # chunks of 3, 3, 1 problems
+    assert len(list(tmp_path.glob('k_[0-9]*.pt'))) == 3  # chunks of 3, 3, 1 problems
+    assert len(list(tmp_path.glob('k_beam2_*.pt'))) == 3
     monkeypatch.setattr(exact_logz, 'energies', lambda *a: 1 / 0)  # a rerun must not score again
     second = run()
     assert len(first) == len(second)
     for a, b in zip(first[:6], second[:6]):
         assert torch.equal(a, b)
     assert first[4].shape == (7, 3) and torch.equal(first[4][:, 0], first[3])  # real, then the beam of 2
+    wider = run(beam=4)
+    assert torch.equal(wider[1], first[1]) and torch.equal(wider[2], first[2]) and wider[4].shape == (7, 5)
+    assert torch.equal(wider[4][:, 1:], exact_logz.index_of(lm.beam_search(wider[0][:, :P], L, 4)[0], V))
