@@ -228,6 +228,19 @@ def data_hash(data_dir, splits):
     return content_hash([os.path.join(data_dir, f) for f in ('meta.json', *(f'{s}.bin' for s in splits))])
 
 
+def prepare_flags(parser, out_dir, seed_help, tokenizer=None):
+    """The flags every data/<corpus>/prepare.py takes: --out_dir (`out_dir`: its default, or None:
+    required), --tokenizer (where the corpus offers a choice: its default), --seed, --quiet, --force."""
+    a = parser.add_argument
+    a('--out_dir', default=out_dir, required=out_dir is None,
+      help='where to write train/select/val/test.bin and meta.json')
+    if tokenizer:
+        a('--tokenizer', default=tokenizer, choices=['char', 'gpt2'])
+    a('--seed', type=int, default=0, help=seed_help)
+    a('--quiet', action='store_true', help='no summary line')
+    a('--force', action='store_true', help='replace other prepared data in --out_dir')
+
+
 def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False):
     """Shared by every data/<corpus>/prepare.py: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
     tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])

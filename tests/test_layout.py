@@ -105,7 +105,171 @@ def test_readme_numbers_come_from_the_committed_run():
     """Every number of README's Table 1 (params, val and test PPL or joint range, gain and SE,
     reduction), the LMs' stopping steps, the main job's times and the addition section's accuracies
     equal the committed JSON of the run they describe (assets/results.json, claims.json,
-    results_avx2_fp32.json, gpu_h100.json, accuracy_addition.json)."""
+    results_avx2_fp32.json, gpu_h100.json, seeds_addition.json)."""
+    readme, rows = readme_table_rows()
+    res = json.load(open(os.path.join(ROOT, 'assets', 'results.json')))
+    lms = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['lms']
+    runs = {(r['model'], r['split']): r for r in res['rows']}
+    assert len(rows) >= 8 and {m for m, _ in runs} == set(rows), (sorted(rows), sorted(runs))
+    base = runs['BASE LM', 'test']['ppl']
+    for model, cells in rows.items():
+        val, test = runs[model, 'val'], runs[model, 'test']
+        ppl = lambda r: f"{r['ppl']:.3f}" if 'ppl' in r else f"{r['ppl_low']:.3f}-{r['ppl_high']:.3f}"
+        want = [f"{test['params'] / 1e6:.2f}M", ppl(val), ppl(test)]
+        if model != 'BASE LM':
+            want += [f"{test['gain_nats_per_token']:.4f} ({test['gain_se']:.4f})",
+                     f"{100 * (1 - test.get('ppl', test.get('ppl_high')) / base):.2f}%"]
+        assert cells[:len(want)] == want, (model, cells, want)
+    c1 = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['claims']['C1']
+    prose = ' '.join(readme.split())
+    assert f"{c1['diff']:.4f} (SE {c1['se']:.4f})" in prose
+    reports = open(os.path.join(ROOT, 'docs', 'reports.md'), encoding='utf-8').read()
+    check_recipes(' '.join(reports.split()))
+    minutes = lambda t: sum(s for stage, s in t.items() if not stage.startswith('ord_')) / 60  # not Fig. 4's
+    asset = lambda name: json.load(open(os.path.join(ROOT, 'assets', name)))
+    earlier, fp32 = (asset(f)['timings_s'] for f in ('results_earlier_recipe.json', 'results_avx2_fp32.json'))
+    gpu = asset('gpu_h100.json')['main_job']['stage_seconds']
+    for phrase in (f"{minutes(res['timings_s']):.0f} min on its 2-core CPU beside other jobs",
+                   f"{minutes(earlier):.0f} min on a 2-core AMD EPYC", f"{minutes(fp32):.0f} there in fp32",
+                   f"{minutes(gpu):.1f} min on an H100"):
+        assert phrase in prose, phrase
+    for name, m in lms.items():  # "BASE LM (...; step 4,000)"
+        if name in ('BASE', 'RALM', 'BALM'):
+            assert re.search(rf'^\| {name}[^|]*step {m["best_step"]:,}\)', readme, re.M), name
+    check_readme_addition(readme)
+
+
+def check_recipes(prose):
+    """docs/reports.md's before -> after of the energy recipe: each joint model's test gain (SE) under the
+    earlier recipe on the same LM and prefixes, and the paired difference new - earlier on the
+    selection split and on test, as assets/energy_recipes.json has them."""
+    rec = json.load(open(os.path.join(ROOT, 'assets', 'energy_recipes.json')))
+    for name in ('BIT', 'UNIT'):
+        e = rec['test']['earlier'][name]
+        assert f"JOINT {name} {e['gain']:.4f} ({e['se']:.4f})" in prose, name
+        for split in ('select', 'test'):
+            d = rec[split]['new_minus_earlier'][name]
+            assert f"{name} {d['diff']:+.4f} (SE {d['se']:.4f}, p {d['p']:.2g})" in prose, (split, name)
+
+
+def check_readme_addition(readme):
+    """README's table of decoders on addition: each cell equals assets/seeds_addition.json's mean
+    exact match over the seeds (SD over seeds) of that model and decoder, and the P(correct sum)
+    line its mean probabilities."""
+    seeds = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))
+    acc = {(r['model'], r['method']): r for r in seeds['rows']}
+    cell = lambda m, how: f"{acc[m, how]['exact']['mean']:.3f} ({acc[m, how]['exact']['sd']:.3f})"
+    want = {'LM: greedy / one sample': [cell('BASE LM', 'greedy'), cell('BASE LM', 'sampled')],
+            'LM, of 64: majority vote / log-prob rerank / any correct':
+                [cell('BASE LM', f'{how}, n = 64') for how in ('majority vote', 'log-prob rerank', 'oracle')],
+            'joint model, of 64: Algorithm 1 / its mode':
+                [cell('JOINT', f'{how}, n = 64') for how in ('Algorithm 1', 'joint mode')],
+            'BALM': [cell('BALM', 'greedy'), cell('BALM', 'log-prob rerank, n = 64')],
+            'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
+    section = readme.split('## Where the energy helps')[1].split('\n## ')[0]
+    rows = {line.split('|')[1].strip(): line for line in section.splitlines() if line.startswith('| ')}
+    for label, cells in want.items():
+        line = next(v for k, v in rows.items() if k.startswith(label))
+        assert ' / '.join(cells) in line, (label, cells, line)
+    p = lambda m, how='greedy': f"{acc[m, how]['p_correct']['mean']:.3f}"
+    said = ' '.join(section.split())
+    for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
+                   f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}",
+                   f"{len(seeds['seeds'])} seeds",
+                   f"Holm-adjusted p at most {max(c['p_holm'] for c in seeds['comparisons'][:10]):.2g}"):
+        assert phrase in said, (phrase, said)
+
+
+MODULES = {'pytest', 'pip'}  # `python -m X` that is not the repo's
+
+
+SUBCOMMANDS = {'export', 'score', 'estimate_ppl.py', 'sample.py'}  # human_eval's; extensions.run's
+
+
+def documented_commands():
+    """Every command that README.md and docs/*.md tell a reader to run, as {(script, subcommand):
+    {command: its flags}}: `python SCRIPT.py`, `python -m MODULE`, torchrun's `--nproc_per_node N
+    SCRIPT.py` and `bash run.sh` (its flags go to job.reproduce), up to a comment, a pipe or the end of
+    the inline code (lines continued by `\\` joined); and every file the README's table names."""
+    docs = ['README.md'] + sorted(f'docs/{f}' for f in os.listdir(os.path.join(ROOT, 'docs'))
+                                  if f.endswith('.md') and f != 'experiments.md')  # dated: their day's
+    lines = []
+    for d in docs:
+        for line in open(os.path.join(ROOT, d), encoding='utf-8').read().replace('\\\n', ' ').splitlines():
+            if lines and lines[-1].replace('```', '').count('`') % 2:  # inline code goes on here
+                lines[-1] += ' ' + line
+            else:
+                lines.append(line)
+    commands = collections.defaultdict(dict)
+    for line in lines:
+        for script, rest in re.findall(r'(?:python|--nproc_per_node \d+|bash) (-m [\w.]+|[\w/.]+\.py|run\.sh)'
+                                       r'([^`#|&;\n]*)', line):
+            if script.split()[-1] in EXTERNAL_MODULES:
+                continue
+            words = rest.split()
+            sub = words[0] if words and words[0] in SUBCOMMANDS else None
+            key = ('-m job.reproduce' if script == 'run.sh' else script, sub)
+            commands[key][f'{script}{rest}'.strip()] = [w.split('=')[0] for w in words if w.startswith('--')]
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    return commands, re.findall(r'^\| `([\w/.]+)`', readme, re.M)
+
+
+def help_flags(help_text):
+    """The flags an argparse --help lists under its options (not those its description quotes)."""
+    options = re.split(r'^(?:options|optional arguments):$', help_text, maxsplit=1, flags=re.M)[-1]
+    return {f for line in options.splitlines() if re.match(r'  -', line)
+            for f in re.findall(r'--[\w-]+', re.split(r'\s{2,}', line.strip())[0])}
+
+
+def test_every_documented_command_runs():
+    """What the README and docs/ tell a reader to run exists, as written (a wing script as a module:
+    `python job/x.py` stops), answers --help, and takes each flag the command gives it; every file
+    the README's table lists exists."""
+    commands, files = documented_commands()
+    assert len(commands) >= 15 and len(files) >= 10, (commands, files)
+    keys = sorted(commands, key=str)
+    helps = run_scripts([[*script.split(), *([sub] if sub else []), '--help'] for script, sub in keys])
+    stale = []
+    assert len(helps) == len(keys)
+    for key, res in zip(keys, helps):
+        assert res.returncode == 0 and 'usage:' in res.stdout, (key, res.stderr[-500:])
+        takes = help_flags(res.stdout)
+        stale += [f'{cmd}: {f}' for cmd, flags in commands[key].items() for f in flags if f not in takes]
+    assert not stale, f'documented flags that the script does not take: {stale}'
+    assert not [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
+
+
+def test_a_wing_script_run_as_a_file_says_how_to_run_it():
+    """The scripts in folders (job/, extensions/, data/*/) run as modules from the repo root: run as
+    a file, each stops with one line that gives its `python -m` command, before any work."""
+    wings = [p for p, t in python_files().items() if '/' in p and is_script(t)]
+    assert len(wings) >= 12, wings
+    helps = run_scripts([[p, '--help'] for p in wings])
+    assert len(helps) == len(wings)
+    for path, res in zip(wings, helps):
+        assert_clean_error(res, f"python -m {path[:-3].replace('/', '.')}")
+
+
+README_MODELS = {'BASE LM': 'BASE LM', 'RALM': 'RALM', 'BALM': 'BALM', 'TaiLr LM': 'TAILR'}
+
+
+def readme_table_rows():
+    """README's Table 1 as {model: [params, val PPL, test PPL, gain (SE), reduction]} (cells as text)."""
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    rows = {}
+    table1 = readme.split('## Where the energy helps')[0]
+    for line in re.findall(r'^\| (?:BASE|RALM|BALM|TaiLr|JOINT).*\|$', table1, re.M):
+        cells = [c.strip() for c in line.strip('|').split('|')]
+        name = cells[0].split(' (')[0]
+        rows[README_MODELS.get(name, name)] = cells[1:]
+    return readme, rows
+
+
+def test_readme_numbers_come_from_the_committed_run():
+    """Every number of README's Table 1 (params, val and test PPL or joint range, gain and SE,
+    reduction), the LMs' stopping steps, the main job's times and the addition section's accuracies
+    equal the committed JSON of the run they describe (assets/results.json, claims.json,
+    results_avx2_fp32.json, gpu_h100.json, seeds_addition.json)."""
     readme, rows = readme_table_rows()
     res = json.load(open(os.path.join(ROOT, 'assets', 'results.json')))
     lms = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['lms']

@@ -29,7 +29,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.addition.prepare")
-from data import prepare  # noqa: E402
+from data import prepare, prepare_flags  # noqa: E402
 from plumbing import (ArgumentParser, at_least, check, check_memory, check_writable, rng_seed,  # noqa: E402
                       run_main)
 
@@ -83,7 +83,7 @@ def make_problems(sizes, digits, chain, seed):
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument('--out_dir', default=HERE, help='where to write train/select/val/test.bin, meta.json')
+    prepare_flags(parser, HERE, 'draws the problems')
     parser.add_argument('--digits', type=int, default=6, help='N: operands below 10^N, sums of N + 1 digits')
     parser.add_argument('--chain', type=float, default=0.3,
                         help='per digit position, the probability that the two digits sum to 9')
@@ -91,9 +91,6 @@ def main(argv=None):
     parser.add_argument('--select', type=int, default=5000, help='selection-split problems')
     parser.add_argument('--val', type=int, default=5000, help='validation problems')
     parser.add_argument('--test', type=int, default=5000, help='test problems')
-    parser.add_argument('--seed', type=int, default=0, help='draws the problems')
-    parser.add_argument('--quiet', action='store_true', help='no summary line')
-    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
     at_least(args, 1, 'digits', 'train', 'select', 'val', 'test')
     sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)

@@ -16,7 +16,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.cc_news.prepare")
-from data import prepare  # noqa: E402
+from data import prepare, prepare_flags  # noqa: E402
 from plumbing import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
 
 
@@ -37,15 +37,11 @@ def load_articles(name, max_docs):
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument('--out_dir', default=HERE)
+    prepare_flags(parser, HERE, 'seeds the choice of val/test articles', tokenizer='gpt2')
     parser.add_argument('--dataset', default='vblagoje/cc_news', help='hub name of the CC-News dataset')
-    parser.add_argument('--tokenizer', default='gpt2', choices=['char', 'gpt2'])
     parser.add_argument('--max_docs', type=int, default=0, help='use only the first N articles (0: all)')
     parser.add_argument('--eval_docs', type=int, default=1000,
                         help='articles in each of select (carved from training), val and test')
-    parser.add_argument('--seed', type=int, default=0, help='seeds the choice of val/test articles')
-    parser.add_argument('--quiet', action='store_true', help='no summary line')
-    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
     at_least(args, 0, 'max_docs')
     at_least(args, 1, 'eval_docs')

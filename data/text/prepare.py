@@ -17,7 +17,7 @@ import sys
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.text.prepare")
-from data import prepare  # noqa: E402
+from data import prepare, prepare_flags  # noqa: E402
 from plumbing import ArgumentParser, check, check_writable, not_a_file, run_main  # noqa: E402
 
 
@@ -74,8 +74,7 @@ def split_documents(docs, val_frac, test_frac, select_frac):
 def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
-    parser.add_argument('--out_dir', required=True, help='where to write the prepared data')
-    parser.add_argument('--tokenizer', default='char', choices=['char', 'gpt2'])
+    prepare_flags(parser, None, 'shuffles documents before choosing val/test ones', tokenizer='char')
     parser.add_argument('--val_frac', type=float, default=0.05,
                         help='fraction of documents (or text) for val')
     parser.add_argument('--test_frac', type=float, default=0.05,
@@ -84,10 +83,6 @@ def main(argv=None):
                         help='fraction of documents (or text) carved from training for the selection set, '
                              'which chooses what is tuned (early stopping, recipes) '
                              'so that val and test are only reported')
-    parser.add_argument('--seed', type=int, default=0,
-                        help='shuffles documents before choosing val/test ones')
-    parser.add_argument('--quiet', action='store_true', help='no summary line')
-    parser.add_argument('--force', action='store_true', help='replace other prepared data in --out_dir')
     args = parser.parse_args(argv)
     for name in ('val_frac', 'test_frac', 'select_frac'):
         check(args, name, lambda v: 0 < v < 1, 'in (0, 1)')
