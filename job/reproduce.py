@@ -231,7 +231,8 @@ def stages(args, pipe):
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
     # RALM and TaiLr last among the trainers: off the critical path (LM -> negatives -> energies ->
-    # EXO), they fill the core BALM frees (--jobs 2: about 3 of the addition job's 36 minutes, by its stage times)
+    # EXO), they fill the core BALM frees (--jobs 2: about 3 of the addition job's 36 minutes, by
+    # its stage times)
     train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
     train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
