@@ -427,7 +427,8 @@ def stage_profile(out, timings):
         path = os.path.join(out, stage, 'results.json')
         r = read_json(path, FIX) if os.path.isfile(path) else {}
         rate, train_s = r.get('tokens_per_s'), r.get('train_time_s')
-        tokens = rate * train_s if isinstance(rate, (int, float)) and isinstance(train_s, (int, float)) else None
+        number = lambda v: isinstance(v, (int, float))
+        tokens = rate * train_s if number(rate) and number(train_s) else None
         rows.append(dict(stage=stage, seconds=seconds, share=seconds / total, tokens=tokens,
                          tokens_per_s=rate if tokens is not None else None))
     return rows

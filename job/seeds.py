@@ -29,7 +29,8 @@ from plumbing import ArgumentParser, check_writable, run_main, write_json, write
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument('runs', nargs='+', help="the --out_dir of each seed's run of job.reproduce --data addition")
+    p.add_argument('runs', nargs='+',
+                   help="the --out_dir of each seed's run of job.reproduce --data addition")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
     p.add_argument('--seed', type=int, default=0, help='unused: nothing here is random')
     args = p.parse_args(argv)
@@ -92,7 +93,8 @@ def comparisons(accs):
         b = np.array([acc['per_problem'][m2][c2] for acc in accs], dtype=np.float64)
         per_seed = [mcnemar(x, y) for x, y in zip(a, b)]
         out.append(dict(paired((a - b).mean(axis=0)), what=what, better=[m1, c1], worse=[m2, c2],
-                        diff_per_seed=[r['diff'] for r in per_seed], mcnemar_p_per_seed=[r['p'] for r in per_seed]))
+                        diff_per_seed=[r['diff'] for r in per_seed],
+                        mcnemar_p_per_seed=[r['p'] for r in per_seed]))
     for row, p_holm in zip(out, holm([r['p'] for r in out])):
         row['p_holm'] = p_holm
         row['holds_holm'] = bool(row['diff'] > 0) if p_holm < ALPHA else None
@@ -110,8 +112,9 @@ def fmt(result):
     lines.append("decoders compared on every seed: per-problem difference averaged over seeds, paired t over "
                  "problems, Holm")
     for c in result['comparisons']:
+        per_seed = ' '.join(f'{d:+.3f}' for d in c['diff_per_seed'])
         lines.append(f"  {c['what']:48s} {c['diff']:+.3f} ({c['se']:.3f})  p {c['p']:.1e}  "
-                     f"p_holm {c['p_holm']:.1e}  per seed {' '.join(f'{d:+.3f}' for d in c['diff_per_seed'])}")
+                     f"p_holm {c['p_holm']:.1e}  per seed {per_seed}")
     return '\n'.join(lines) + '\n'
 
 

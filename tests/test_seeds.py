@@ -36,13 +36,15 @@ def test_seeds_against_brute_force(tmp_path):
     rng = np.random.default_rng(0)
     joint = (rng.random((3, 200)) < 0.9).astype(int)
     lm = (rng.random((3, 200)) < 0.8).astype(int)
-    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist()) for i, s in enumerate((1, 2, 3))]
+    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist())
+            for i, s in enumerate((1, 2, 3))]
     out = tmp_path / 'seeds.json'
     seeds.main([*runs, '--out', str(out)])
     res = json.loads(out.read_text())
     assert res['seeds'] == [1, 2, 3] and (tmp_path / 'seeds.txt').exists()
     exact = res['rows'][1]['exact']
-    assert exact['mean'] == pytest.approx(joint.mean()) and exact['sd'] == pytest.approx(joint.mean(1).std(ddof=1))
+    assert exact['mean'] == pytest.approx(joint.mean())
+    assert exact['sd'] == pytest.approx(joint.mean(1).std(ddof=1))
     assert 'p_correct' in res['rows'][0] and 'p_correct' not in res['rows'][1]
     first = res['comparisons'][0]
     assert first['what'] == 'Alg. 1 > LM greedy (n = 4)'
@@ -60,7 +62,8 @@ def test_seeds_against_brute_force(tmp_path):
 def test_seeds_refuses_mixed_runs(tmp_path):
     a = fake_run(tmp_path / 'a', 1, [1, 0, 1], [0, 0, 1])
     with pytest.raises(ValueError, match='not trained on the same data'):
-        seeds.main([a, fake_run(tmp_path / 'b', 2, [1, 1, 1], [0, 0, 1], data='d2'), '--out', str(tmp_path / 'o.json')])
+        seeds.main([a, fake_run(tmp_path / 'b', 2, [1, 1, 1], [0, 0, 1], data='d2'),
+                    '--out', str(tmp_path / 'o.json')])
     with pytest.raises(ValueError, match='same --seed'):
         seeds.main([a, fake_run(tmp_path / 'c', 1, [1, 1, 1], [0, 0, 1]), '--out', str(tmp_path / 'o.json')])
     with pytest.raises(ValueError, match='at least 2'):
