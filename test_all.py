@@ -22,6 +22,7 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_hardware.py    precision and threads from the hardware, the wait policy
     tests/test_job.py         the main job end to end (job/reproduce.py), figures, bench
     tests/test_claims.py      the claims and their statistics (job/claims.py, job/stats.py)
+    tests/test_seeds.py       the addition table over seeds (job/seeds.py)
     tests/test_human_eval.py  Table 2's protocol (job/human_eval.py)
     tests/test_metric_ebm.py  the talk's metric energy and TaiLr
     tests/test_exo_addition.py  EXO and the addition task

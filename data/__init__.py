@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from model import load_lm
-from plumbing import (check_free_space, content_hash, disk_full, file_hash, not_a_file, out_of_space, rng,
-                      write_json)
+from plumbing import (check_free_space, common_flags, content_hash, disk_full, file_hash, not_a_file,
+                      out_of_space, rng, write_json)
 from plumbing.checkpoints import check_vocab, data_dir_of
 from data.tokenizer import build_tokenizer, tokenizer_meta
 
@@ -231,14 +231,12 @@ def data_hash(data_dir, splits):
 def prepare_flags(parser, out_dir, seed_help, tokenizer=None):
     """The flags every data/<corpus>/prepare.py takes: --out_dir (`out_dir`: its default, or None:
     required), --tokenizer (where the corpus offers a choice: its default), --seed, --quiet, --force."""
-    a = parser.add_argument
-    a('--out_dir', default=out_dir, required=out_dir is None,
-      help='where to write train/select/val/test.bin and meta.json')
+    common_flags(parser, 'out_dir', default=None if out_dir is None else dict(out_dir=out_dir),
+                 help=dict(out_dir='where to write train/select/val/test.bin and meta.json'))
     if tokenizer:
-        a('--tokenizer', default=tokenizer, choices=['char', 'gpt2'])
-    a('--seed', type=int, default=0, help=seed_help)
-    a('--quiet', action='store_true', help='no summary line')
-    a('--force', action='store_true', help='replace other prepared data in --out_dir')
+        parser.add_argument('--tokenizer', default=tokenizer, choices=['char', 'gpt2'])
+    common_flags(parser, 'seed', 'quiet', 'force', default=dict(seed=0), help=dict(
+        seed=seed_help, quiet='no summary line', force='replace other prepared data in --out_dir'))
 
 
 def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False):

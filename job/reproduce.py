@@ -2,8 +2,8 @@
 The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU.
 
     prepare -> BASE LM -> BALM -> MLM pretraining of the BIT body -> negatives (train, select) ->
-    JOINT BIT (NCE) -> JOINT UNIT (NCE) -> the talk's metric energy (Ji et al., ICLR 2024) -> RALM and a
-    TaiLr LM (each LM early-stopped on the selection split) -> joint PPL of every model on val and
+    JOINT BIT (NCE) -> JOINT UNIT (NCE) -> RALM and a TaiLr LM (each LM early-stopped on the selection
+    split) -> the talk's metric energy (Ji et al., ICLR 2024) -> joint PPL of every model on val and
     test (Eq. 4), the bounds' calibration against many samples, per-step PPL (Eq. 5) and the
     bounds as n grows -> joint samples and analyses -> the paper's claims C1-C7 and the talk's
     T1-T3 measured (claims.py) -> figures
@@ -194,14 +194,7 @@ def stages(args, pipe):
         pipe.run(name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps, folder)
 
     lm, neg = cfg['lm'], cfg['neg']
-
-    pipe.run('prepare', ['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
-             + (flags(cfg['data']) if 'data' in cfg else ['--tokenizer', args.tokenizer])
-             + ['--seed', str(args.data_seed)] + (['--quiet'] if args.quiet else []),
-             os.path.join(args.data_dir, 'meta.json'))
-    pipe.wait('prepare')
-    vocab = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'),
-                      'delete the data dir and rerun')['vocab_size']
+    vocab = prepare_data(pipe, args)
     lm_ckpt = path('lm', 'best.pt')  # every later stage uses the LMs' best weights on the selection split
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
@@ -220,21 +213,18 @@ def stages(args, pipe):
     negatives(stage, path, lm_ckpt, neg, 'neg', neg['train_prefixes'], neg['select_prefixes'], ['lm'])
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
-    metric = []  # the talk's metric energy, where the config fits one
-    if 'metrics' in cfg:
-        metric_energies(stage, path, lm_ckpt, neg, cfg['metrics'])
-        metric = [f"METRICS={path('metrics', 'energy.pt')}",
-                  f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
+
     def script(name, cmd, done, deps):  # a script without --dtype (fp32): the run's seed and device
         pipe.run(name, cmd + common + ['--device', args.device], done, deps)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
-    # RALM and TaiLr last among the trainers: off the critical path (LM -> negatives -> energies ->
-    # EXO), they fill the core BALM frees (--jobs 2: about 3 of the addition job's 36 minutes, by
-    # its stage times)
+    # RALM and TaiLr after the energies and EXO: off the critical path (LM -> negatives -> energies
+    # -> EXO), they fill the core BALM frees (--jobs 2: about 3 of the addition job's 36 minutes)
     train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
     train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
+    # the talk's metric energy, where the config fits one
+    metric = metric_energies(stage, path, lm_ckpt, neg, cfg['metrics']) if 'metrics' in cfg else []
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
         accuracy(script, path, lm_ckpt, cfg, stronger_energy(pipe, path))
@@ -247,6 +237,17 @@ def stages(args, pipe):
     report(out, pipe.timings, args.data_dir)
     if readme_run(args):
         publish(out)
+
+
+def prepare_data(pipe, args):
+    """The corpus prepared from its own seed (--data_seed) and waited for: its vocabulary size."""
+    pipe.run('prepare', ['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
+             + (flags(args.cfg['data']) if 'data' in args.cfg else ['--tokenizer', args.tokenizer])
+             + ['--seed', str(args.data_seed)] + (['--quiet'] if args.quiet else []),
+             os.path.join(args.data_dir, 'meta.json'))
+    pipe.wait('prepare')
+    meta = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'), 'delete the data dir and rerun')
+    return meta['vocab_size']
 
 
 def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
@@ -331,12 +332,15 @@ def nce(stage, path, kind, lm_ckpt, neg, init, settings, deps, out_name=None):
 def metric_energies(stage, path, lm_ckpt, neg, mc):
     """The talk's metric energy E = mu . f (metric_ebm.py), fitted on the selection split: on the
     metrics alone (metrics/energy.pt) and with the BIT energy as one more metric (the talk's
-    aggregation: energy_aggregate.pt); then the talk's table of decoding methods on test."""
+    aggregation: energy_aggregate.pt); then the talk's table of decoding methods on test. Returns
+    estimate_ppl's --energy entries of the two."""
     stage('metrics', ['-m', 'extensions.metric_ebm', '--lm', lm_ckpt, '--prefix_len', str(neg['prefix_len']),
                       '--gen_len', str(neg['gen_len']), '--energy_metric', f"BIT={path('bit', 'best.pt')}",
                       '--out_dir', path('metrics'), '--table', '--compare', f"BIT={path('bit', 'best.pt')}",
                       '--extra_lm', f"TAILR={path('tailr', 'best.pt')}", '--force']
           + flags(mc), path('metrics', 'results.json'), ['lm', 'bit', 'tailr'])
+    return [f"METRICS={path('metrics', 'energy.pt')}",
+            f"METRICS+BIT={path('metrics', 'energy_aggregate.pt')}"]
 
 
 def ordering(stage, pipe, path, args, cfg):
@@ -435,10 +439,10 @@ def stage_profile(out, timings):
 
 
 def format_profile(rows):
-    lines = ['stage            seconds  share   tokens (M)  tokens/s']
+    lines = ['stage                 seconds  share  tokens (M)  tokens/s']
     for r in rows:
         tok = f"{r['tokens'] / 1e6:10.1f}  {r['tokens_per_s']:8,.0f}" if r['tokens'] is not None else ''
-        lines.append(f"{r['stage']:16s} {r['seconds']:7.1f}  {r['share']:5.1%}  {tok}")
+        lines.append(f"{r['stage']:20s} {r['seconds']:8.1f}  {r['share']:5.1%}  {tok}".rstrip())
     return '\n'.join(lines)
 
 

@@ -24,7 +24,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.stats import ALPHA, holm, mcnemar, paired
-from plumbing import ArgumentParser, check_writable, run_main, write_json, write_text
+from plumbing import ArgumentParser, check_writable, common_flags, run_main, write_json, write_text
 
 
 def get_args(argv=None):
@@ -32,7 +32,7 @@ def get_args(argv=None):
     p.add_argument('runs', nargs='+',
                    help="the --out_dir of each seed's run of job.reproduce --data addition")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
-    p.add_argument('--seed', type=int, default=0, help='unused: nothing here is random')
+    common_flags(p, 'seed', help=dict(seed='unused: nothing here is random'))
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")

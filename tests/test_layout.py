@@ -378,9 +378,7 @@ def test_the_method_keeps_its_guards_in_plumbing():
 
 COMMON = {'--device', '--dtype', '--seed', '--quiet', '--force', '--out_dir'}  # plumbing.COMMON_FLAGS
 # still declaring them by hand: the data preparers (their --out_dir is the data folder, --seed the split's)
-COMMON_BY_HAND = {'data/addition/prepare.py',
-                  'data/cc_news/prepare.py', 'data/shakespeare/prepare.py', 'data/text/prepare.py',
-                  'extensions/exact_logz.py'}  # its --dtype: float32 by default, the study's energies
+COMMON_BY_HAND = {'extensions/exact_logz.py'}  # its --dtype: float32 by default, the study's energies
 
 
 def test_common_flags_declared_in_one_place():
