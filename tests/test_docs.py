@@ -65,7 +65,8 @@ CLAIMS = [
     ('README.md', r'(\w+) of its works are here', [bold_after('README.md', 'of its works are here')]),
     # README: the addition job (ADDITION)
     ('README.md', r'(\d+)-digit addition', [ADDITION['data']['digits']]),
-    ('README.md', r'([\d,]+) test problems, mean over the \d+ seeds \(SD over seeds\); "of (\d+)": among (\d+) LM',
+    ('README.md', r'([\d,]+) test problems, mean over the \d+ seeds \(SD over seeds\); '
+                  r'"of (\d+)": among (\d+) LM',
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
     ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['K']]),
     # docs/using.md: the stage commands of the main job
