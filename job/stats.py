@@ -88,7 +88,7 @@ def mcnemar(a, b):
     tail = sum(math.comb(n, i) for i in range(min(k, m) + 1)) / 2 ** n if n else 1.0
     p = min(1.0, 2 * tail)
     res = mean_se(a - b)
-    return dict(res, p=p, holds=decide(res['diff'], p), problems=len(a), discordant=[k, m])
+    return dict(res, p=p, holds=decide(res['diff'], p), pairs=len(a), discordant=[k, m])
 
 
 def holm(pvalues):
