@@ -43,8 +43,8 @@ import torch
 from data import load_lm_and_data, load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
-from plumbing import (ArgumentParser, at_least, check_new, check_writable, common_flags, file_hash, rng,
-                      run_main, setup, write_json)
+from plumbing import (ArgumentParser, at_least, atomic_write, check_new, check_writable, common_flags,
+                      file_hash, rng, run_main, setup, write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
 # scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,
@@ -346,8 +346,7 @@ def cached(path, make):
         return torch.load(path, weights_only=True)
     obj = make()
     if path:
-        torch.save(obj, path + '.tmp')
-        os.replace(path + '.tmp', path)
+        atomic_write(path, lambda tmp: torch.save(obj, tmp))
     return obj
 
 
