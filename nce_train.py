@@ -44,8 +44,8 @@ from data import load_meta, load_negatives, load_split, negatives_hash, untrunca
 from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
                     logz_enumerate)
 from model import configure_optimizer, get_lr, load_checkpoint, stopped_early
-from plumbing import (RunDir, all_reduce, checkpoints, guards, one_job, precision, rng_seed, run_trainer,
-                      setup, teardown_distributed, training_parser)
+from plumbing import (RunDir, all_reduce, checkpoints, file_hash, guards, one_job, precision, rng_seed,
+                      run_trainer, setup, teardown_distributed, training_parser)
 
 
 def get_args(argv=None):
@@ -274,9 +274,11 @@ def selected(ev, select):
 
 
 def input_hashes(args):
-    """What a --resume must find unchanged: the negatives it trains and selects on (ckpt.pt records them)."""
+    """What a --resume must find unchanged: the negatives it trains and selects on, the weights it
+    started from (ckpt.pt records them)."""
+    started = {'init_from': file_hash(args.init_from)} if args.init_from else {}
     return dict(negatives=negatives_hash(args.negatives),
-                held_out_negatives=negatives_hash(args.held_out_negatives))
+                held_out_negatives=negatives_hash(args.held_out_negatives), **started)
 
 
 @one_job  # --out_dir's lock released however main ends

@@ -130,14 +130,16 @@ def check_resumed_flags(args, argv, saved, fixed, path, what):
     """A --resume continues the `what` saved at path (saved: its flags) in its precision, as the
     uninterrupted run would have gone on: a flag among `fixed` (those that change the numbers) on
     the command line (argv) that contradicts it is refused, as is a contradicting --dtype; one left
-    out takes the checkpoint's value. A path contradicts only if it names another file."""
+    out takes the checkpoint's value. A path contradicts only if it names another file, and not at
+    all where the checkpoint recorded its content's hash (a copied or moved run: check_sources
+    compares the contents)."""
     if hasattr(args, 'dtype'):  # EXO has no --dtype
         args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
-    given = given_flags(argv)
+    given, by_content = given_flags(argv), saved.get('sources') or {}
     for name in sorted(n for n in fixed if n in saved):
         if name not in given:
             setattr(args, name, saved[name])
-        elif not same_value(getattr(args, name), saved[name]):
+        elif name not in by_content and not same_value(getattr(args, name), saved[name]):
             raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
                              f"--resume continues that {what}; drop the flag, or start a new run in "
                              f"another --out_dir")
@@ -186,10 +188,10 @@ def check_sources(ckpt, args, path):
     recorded = ckpt.get('args', {}).get('sources') or {}
     for flag, digest in args.sources.items():
         if recorded.get(flag, digest) != digest:
-            raise ValueError(f"--{flag} {getattr(args, flag)} is not what {path} was trained on (its "
-                             f"content changed since: hash {recorded[flag]} -> {digest}): --resume continues "
-                             f"that run on the same inputs; restore them, or start a new run in another "
-                             f"--out_dir")
+            raise ValueError(f"--{flag} {getattr(args, flag)} is not what {path} was trained on (content "
+                             f"hash {recorded[flag]} there, {digest} here: another input, or changed since): "
+                             f"--resume continues that run on the same inputs; pass those, or start a new "
+                             f"run in another --out_dir")
 
 
 def check_resumed_iters(max_iters, it, path):

@@ -261,12 +261,34 @@ def test_the_jobs_lock_is_held_by_its_stages(tmp_path):
     one_job(lock_folder)(out)  # free
 
 
-def test_reproduce_jobs_refused_on_a_gpu(monkeypatch, tmp_path):
-    """--jobs > 1 shares CPU cores: on an accelerator it is refused with one line (--jobs 1 runs)."""
+def test_gpu_recipe_same_tokens_fewer_steps():
+    """--recipe gpu (job.configs.large_batch): every trainer 4x the batch for a quarter of the steps,
+    evaluations, warm-up and decay as often in tokens, its lr times lr_scale; nothing else changes.
+    Only with --data addition, into its own folder."""
     from job import reproduce
-    monkeypatch.setattr(reproduce, 'pick_device', lambda device: 'cuda')
-    with pytest.raises(ValueError, match=r"--jobs 2 shares the CPU's cores among stages; on cuda"):
-        reproduce.main(['--jobs', '2', '--device', 'cuda', '--out_dir', str(tmp_path / 'out')])
+    from job.configs import ADDITION, GPU_LR_SCALE, large_batch
+    gpu = large_batch(ADDITION, scale=4, lr_scale=2.0, chunk=4096)
+    trainers = ('lm', 'balm', 'residual', 'mlm', 'tailr', 'bit', 'unit')
+    for name in trainers:
+        old, new = ADDITION[name], gpu[name]
+        assert set(old) == set(new), name
+        for k in ('max_iters', 'lr_decay_iters', 'eval_interval', 'warmup_iters'):
+            if k in old:
+                assert abs(new[k] - old[k] / 4) < 1 and (new[k] > 0) == (old[k] > 0), (name, k)
+        for k in ('lr', 'min_lr'):
+            if k in old:
+                assert new[k] == pytest.approx(2 * old[k]), (name, k)
+    for name in ('lm', 'bit', 'unit'):  # the batches (the others take the LM's)
+        assert gpu[name]['batch_size'] == 4 * ADDITION[name]['batch_size']
+    assert 'batch_size' not in gpu['balm'] and gpu['tailr']['warmup_iters'] == 0
+    assert gpu['neg'] == dict(ADDITION['neg'], chunk=4096)
+    assert {k: v for k, v in gpu.items() if k not in trainers + ('neg',)} == \
+        {k: v for k, v in ADDITION.items() if k not in trainers + ('neg',)}
+    args = reproduce.get_args(['--data', 'addition', '--recipe', 'gpu'])
+    assert args.cfg == large_batch(ADDITION, lr_scale=GPU_LR_SCALE) and args.out_dir == 'out-addition-gpu'
+    assert reproduce.get_args(['--data', 'addition']).cfg is ADDITION
+    with pytest.raises(ValueError, match=r"--recipe gpu is the addition job's .*: add --data addition"):
+        reproduce.get_args(['--recipe', 'gpu'])
 
 
 def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):

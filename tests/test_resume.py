@@ -251,25 +251,28 @@ def test_one_job_per_folder_and_no_stale_lock(tmp_path):
 
 def test_nce_resume_is_exact(lm_corpus, tmp_path):
     """A UNIT from an LM with dropout 0.1, ranking NCE over 2 of 3 negatives: the resumed run
-    continues the dropout draws too."""
-    lm_dir = str(tmp_path / 'lm')
-    train_lm.main(['--data_dir', lm_corpus, '--out_dir', lm_dir, '--max_iters', '2', '--eval_interval', '2',
-                   '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
-    lm_path = os.path.join(lm_dir, 'ckpt.pt')
+    continues the dropout draws too, also where the stopped run's folder and everything it read
+    was moved before the --resume (ckpt.pt recorded the old paths; their contents decide)."""
+    def flags(root):
+        return ['--lm', os.path.join(root, 'lm', 'ckpt.pt'), '--init_from', os.path.join(root, 'lm', 'ckpt.pt'),
+                '--negatives', os.path.join(root, 'train'), '--held_out_negatives', os.path.join(root, 'select'),
+                '--energy', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4',
+                '--log_interval', '1', '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
+    run, moved = str(tmp_path / 'run'), str(tmp_path / 'moved')
+    train_lm.main(['--data_dir', lm_corpus, '--out_dir', os.path.join(run, 'lm'), '--max_iters', '2',
+                   '--eval_interval', '2', '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
     for split in ('train', 'select'):
-        negatives.main(['--lm', lm_path, '--split', split, '--out_dir', str(tmp_path / split),
-                        '--max_prefixes', '24', *NEG_FLAGS])
-    flags = ['--lm', lm_path, '--negatives', str(tmp_path / 'train'),
-             '--held_out_negatives', str(tmp_path / 'select'), '--energy', 'unit', '--loss', 'ranking',
-             '--num_neg', '2', '--eval_interval', '4', '--log_interval', '1',
-             '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
-    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    nce_train.main(['--out_dir', a, '--max_iters', '8', *flags])
-    nce_train.main(['--out_dir', b, '--max_iters', '4', *flags])
+        negatives.main(['--lm', os.path.join(run, 'lm', 'ckpt.pt'), '--split', split,
+                        '--out_dir', os.path.join(run, split), '--max_prefixes', '24', *NEG_FLAGS])
+    a, b = str(tmp_path / 'a'), os.path.join(run, 'b')
+    nce_train.main(['--out_dir', a, '--max_iters', '8', *flags(run)])
+    nce_train.main(['--out_dir', b, '--max_iters', '4', *flags(run)])
     cb = load_checkpoint(os.path.join(b, 'ckpt.pt'))
     assert cb['iter_num'] == 4 and cb['energy_kind'] == 'unit' and cb['config']['dropout'] == 0.1
+    os.rename(run, moved)
+    b = os.path.join(moved, 'b')
     torch.manual_seed(123)
-    nce_train.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
+    nce_train.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags(moved)])
     (la, va), (lb, vb) = read_log(a), read_log(b)
     assert sorted(la) == sorted(lb) == list(range(1, 9)) and sorted(va) == sorted(vb) == [4, 8]
     for it in range(1, 9):
