@@ -3,16 +3,16 @@
 # two energies on the selection split (the check that the recipe buys what the CPU recipe buys:
 # docs/addition.md, "On a GPU"). OUT gets summary.txt, the GPU's utilization every 0.5 s and
 # run.tar.gz (the run's JSON, tables and logs; no checkpoints).
-#     bash job/gpu_addition.sh [OUT [JOBS]]      # default out/gpu_addition, 4
+#     bash job/gpu_addition.sh [OUT [JOBS]]      # default out/gpu_addition, 6; JOB_LIMIT=480 s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-out/gpu_addition}"
-jobs="${2:-4}"
+jobs="${2:-6}"
 run=out-addition-gpu
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU: this check is for a GPU machine"
+  python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU: this check is for a GPU machine"
 print("torch", torch.__version__, torch.cuda.get_device_name(0), "cpus", __import__("os").cpu_count())'
 } 2>&1 | tee "$out/summary.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
@@ -21,13 +21,14 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,nohead
     > "$out/gpu_utilization.csv" 2>&1 &
 smi=$!
 t0=$(date +%s.%N)
-python -m job.reproduce --data addition --recipe gpu --jobs "$jobs" --quiet --out_dir "$run" > "$out/job.log" 2>&1
+timeout "${JOB_LIMIT:-480}" python3 -m job.reproduce --data addition --recipe gpu --jobs "$jobs" --quiet \
+    --out_dir "$run" > "$out/job.log" 2>&1
 rc=$?
 t1=$(date +%s.%N)
 kill $smi
-echo "job: exit $rc, wall $(python -c "print(f'{$t1 - $t0:.1f}')") s (--jobs $jobs)" | tee -a "$out/summary.txt"
+echo "job: exit $rc, wall $(python3 -c "print(f'{$t1 - $t0:.1f}')") s (--jobs $jobs)" | tee -a "$out/summary.txt"
 tail -n 40 "$out/job.log"
-python - "$out/gpu_utilization.csv" <<'EOF' | tee -a "$out/summary.txt"
+python3 - "$out/gpu_utilization.csv" <<'EOF' | tee -a "$out/summary.txt"
 import sys
 u = [int(l.split(',')[1].split()[0]) for l in open(sys.argv[1]) if l.count(',') == 2 and '%' in l]
 print(f"GPU utilization over the job: mean {sum(u) / max(len(u), 1):.1f}% of {len(u)} readings every 0.5 s, "
@@ -35,8 +36,8 @@ print(f"GPU utilization over the job: mean {sum(u) / max(len(u), 1):.1f}% of {le
 EOF
 for e in bit unit; do  # the energies on 1,000 selection problems, as docs/addition.md's budget table
     [ -f "$run/$e/best.pt" ] || continue
-    python -m extensions.addition_eval --lm "$run/lm/best.pt" --energy "$run/$e/best.pt" --split select \
-        --ns 64 --beam 8 --quiet --out "$run/select_$e.json" > "$run/select_$e.log" 2>&1
+    timeout 45 python3 -m extensions.addition_eval --lm "$run/lm/best.pt" --energy "$run/$e/best.pt" \
+        --split select --ns 64 --beam 8 --quiet --out "$run/select_$e.json" > "$run/select_$e.log" 2>&1
     echo "select $e: exit $?" | tee -a "$out/summary.txt"
     grep -E "greedy|Algorithm 1|joint mode" "$run/select_$e.txt" | tee -a "$out/summary.txt"
 done

@@ -47,7 +47,7 @@ from model import GPT, GPTConfig
 from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
                       rerun_command, run_main, write_json)
 
-from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, GPU_LR_SCALE, QUICK, QUICK_GPT2, RELATIVE_TIME,
+from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME,
                          large_batch)
 from job.pipeline import FIX, ROOT, Pipeline
 
@@ -99,15 +99,15 @@ def get_args(argv=None):
                    help="the seed of the data's preparation (splits, addition's problems), apart from --seed "
                         "(the models'), so that runs at several seeds train and test on the same data")
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
-                   help="gpu (with --data addition): 4x the batches for a quarter of the steps, as a GPU "
-                        "wants (job/configs.py large_batch; docs/addition.md): another recipe, its own numbers")
+                   help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
+                        "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
     p.add_argument('--jobs', type=int, default=1,
-                   help="stages run at once, like make -j (on a GPU: sharing it). 1: one after another, each on every "
-                        "core, in the terminal. N > 1: a stage starts once those it needs have ended, on "
-                        "cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if set, else torch's "
-                        "default), its output in <out_dir>/<stage>.log. Threads change float rounding: the "
-                        "per-stage count follows --jobs, never timing, so the numbers depend on --jobs (as "
-                        "OMP_NUM_THREADS would), never on the schedule")
+                   help="stages run at once, like make -j (on a GPU: sharing it). 1: one after another, "
+                        "each on every core, in the terminal. N > 1: a stage starts once those it needs "
+                        "have ended, on cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if "
+                        "set, else torch's default), its output in <out_dir>/<stage>.log. Threads change "
+                        "float rounding: the per-stage count follows --jobs, never timing, so the numbers "
+                        "depend on --jobs (as OMP_NUM_THREADS would), never on the schedule")
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: at least 1 (1: one stage at a time)")
@@ -119,7 +119,7 @@ def get_args(argv=None):
     args.cfg = ((ADDITION_QUICK if add else QUICK_GPT2 if gpt2 else QUICK) if args.quick
                 else ADDITION if add else DEFAULT)
     if args.recipe == 'gpu':
-        args.cfg = large_batch(args.cfg, lr_scale=GPU_LR_SCALE)
+        args.cfg = large_batch(args.cfg)
     args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
                                     + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else ''))
     args.data_dir = args.data_dir or ('data/addition' if add else
