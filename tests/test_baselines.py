@@ -133,6 +133,6 @@ def test_ralm_base_found_in_a_moved_run_folder(lm_corpus, lm_ckpt, tmp_path):
     with torch.no_grad():
         assert torch.equal(ralm(x)[0], before)
     shutil.copy(moved / 'ralm' / 'ckpt.pt', moved / 'lm' / 'best.pt')  # another file where the base was
-    with pytest.raises(ValueError, match=r"is the residual of .*run/lm/best.pt \(hash \w+\), which is missing "
-                                         r"or changed, and so is .*moved/ralm/\.\./lm/best.pt: put that LM"):
+    with pytest.raises(ValueError, match=r"is the residual of .*run/lm/best.pt \(hash \w+\), which is "
+                                         r"missing or changed, and so is .*moved/ralm/\.\./lm/best.pt: put"):
         load_lm(str(moved / 'ralm' / 'ckpt.pt'))

@@ -20,8 +20,8 @@ from data import load_meta, load_split, window_tokens, windows
 from energy import (ENERGY_LOADERS, Energy, load_any_energy, register_energy_loader, sample_log_weights,
                     score, score_continuations, share_energies)
 from model import load_checkpoint, load_lm
-from tests.common import (CPU, EVAL_L, EVAL_P, FP32, NULL, TRAIN_FLAGS, assert_clean_error, enumerable_problem,
-                          rand_energy, run_scripts, sample_argv, tiny_gpt)
+from tests.common import (CPU, EVAL_L, EVAL_P, FP32, NULL, TRAIN_FLAGS, assert_clean_error,
+                          enumerable_problem, rand_energy, run_scripts, sample_argv, tiny_gpt)
 
 
 # =============================================================================

@@ -61,14 +61,15 @@ def test_a_remade_input_remakes_what_read_it(tmp_path, capsys):
     job(out)
     job(out, lm_extra=['--n_embd', '8'])
     said = capsys.readouterr().out
-    assert "[lm] --n_embd (not given) -> 8 since" in said and "[ppl] stage 'lm' is not the one it was made from" in said, said
+    assert "[lm] --n_embd (not given) -> 8 since" in said, said
+    assert "[ppl] stage 'lm' is not the one it was made from" in said, said
 
 
 def test_a_missing_output_is_named(tmp_path):
     """A finished stage's best.pt removed (its results.json kept): one line saying it is missing."""
     job(tmp_path / 'run')
     os.remove(tmp_path / 'run' / 'lm' / 'best.pt')
-    with pytest.raises(ValueError, match=r"run/lm/best.pt, which stage 'lm' wrote, is missing; delete .*lm to"):
+    with pytest.raises(ValueError, match=r"run/lm/best.pt, which stage 'lm' wrote, is missing; delete "):
         job(tmp_path / 'run')
 
 
