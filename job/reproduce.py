@@ -103,11 +103,11 @@ def get_args(argv=None):
                         "(job/configs.py large_batch; docs/addition.md): another recipe, its own numbers")
     p.add_argument('--jobs', type=int, default=1,
                    help="stages run at once, like make -j (on a GPU: sharing it). 1: one after another, "
-                        "each on every core, in the terminal. N > 1: a stage starts once those it needs have "
-                        "ended, on cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if set, else "
-                        "torch's default), its output in <out_dir>/<stage>.log. Threads change float rounding: "
-                        "the per-stage count follows --jobs, never timing, so the numbers depend on --jobs (as "
-                        "OMP_NUM_THREADS would), never on the schedule")
+                        "each on every core, in the terminal. N > 1: a stage starts once those it needs "
+                        "have ended, on cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if "
+                        "set, else torch's default), its output in <out_dir>/<stage>.log. Threads change "
+                        "float rounding: the per-stage count follows --jobs, never timing, so the numbers "
+                        "depend on --jobs (as OMP_NUM_THREADS would), never on the schedule")
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: at least 1 (1: one stage at a time)")
