@@ -32,14 +32,13 @@ registers it (its ckpt['loader']).
 """
 
 import math
-from contextlib import nullcontext
 from dataclasses import asdict, replace
 
 import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig, KVCache, load_checkpoint, load_lm
-from plumbing import file_hash, load_weights
+from plumbing import Precision, file_hash, load_weights
 from plumbing.checkpoints import check_energy_of, check_finite, check_kind, check_mlm_init, check_registered
 from plumbing.guards import check_unit_sizes
 
@@ -268,24 +267,23 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
 
 
 @torch.no_grad()
-def sample_log_weights(lm, energies, prefixes, gen_len, n, ctx, generator, max_rows=256, prefix_len=None,
-                       ectx=None, return_samples=False):
+def sample_log_weights(lm, energies, prefixes, gen_len, n, amp, generator, max_rows=256, prefix_len=None,
+                       return_samples=False):
     """log w = -E(x) of n untruncated LM continuations (the weights of Eq. 4's Z) of each prefix, for each
     energy: (num_energies, B, n). The prefixes run through the LM once, the models see at most max_rows
     sequences at a time, and memory beyond that holds only the n sampled token ids per prefix.
     prefix_len: where the energy's prefix ends (default all of `prefixes`); Eq. 5 conditions on real
     continuation tokens too, but E(x) is the same function of the whole sequence, its prefix the
     original one. return_samples: also the samples (B, n, gen_len) and their log P_LM (B, n), float64
-    (what logz_enumerate needs)."""
+    (what logz_enumerate needs). amp: the Precision of the LM's sampling and the energies' scoring."""
     prefix_len = prefixes.size(1) if prefix_len is None else prefix_len
-    with ctx:
+    with amp.lm:
         tokens, logp = lm.generate(prefixes, gen_len, num_samples=n, generator=generator,
                                    max_rows=max_rows)  # (B, n, gen_len)
     known = {}  # each energy scored once, also where another is built from it (share_energies)
     for e in energies:
         if e not in known:
-            known[e] = score_continuations(e, prefixes, tokens, prefix_len, ectx or ctx, max_rows,
-                                           known=known)
+            known[e] = score_continuations(e, prefixes, tokens, prefix_len, amp.energy, max_rows, known=known)
     log_w = -torch.stack([known[e] for e in energies])
     return (log_w, tokens, logp.double().sum(-1)) if return_samples else log_w
 
@@ -299,7 +297,7 @@ def gumbel_keys(log_w, generator=None):
 
 @torch.no_grad()
 def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=False, generator=None,
-                 ctx=None, max_rows=256, ectx=None):
+                 amp=Precision(), max_rows=256):
     """Algorithm 1 for each row of prefix (B, P), in chunks of at most max_rows sequences so that
     n = 10^4 fits in memory: the argmax of log w + Gumbel noise is a draw ∝ w, and an argmax
     can run over chunks. Returns a dict of (B, L) token tensors 'joint' (resampled ∝ exp(-E),
@@ -307,17 +305,16 @@ def joint_sample(lm, energy, prefix, n, gen_len, top_k=10, correct_proposal=Fals
     on the support top-k can reach), 'worst' (highest energy), 'base' (the first LM sample),
     their energies, and 'ess' (B,), the Kish effective sample size of the weights."""
     B, P = prefix.shape
-    ctx = ctx or nullcontext()
     rows = torch.arange(B, device=prefix.device)
     lse = lse2 = torch.full((B,), float('-inf'), dtype=torch.float64, device=prefix.device)  # log sum w, w^2
     keep = {}  # name -> (best key so far, its tokens, its energy)
     per = max(1, max_rows // B)
     for s in range(0, n, per):
         c = min(per, n - s)
-        with ctx:
+        with amp.lm:
             tokens, logp, logq = lm.generate(prefix, gen_len, num_samples=c, top_k=top_k,
                                              return_proposal=True, generator=generator, max_rows=max_rows)
-        e = score_continuations(energy, prefix, tokens, P, ectx or ctx, max_rows)  # (B, c): tokens (B, c, L)
+        e = score_continuations(energy, prefix, tokens, P, amp.energy, max_rows)  # (B, c): tokens (B, c, L)
         log_w = -e + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -e  # (B, c)
         lse = torch.logaddexp(lse, log_w.logsumexp(1))
         lse2 = torch.logaddexp(lse2, (2 * log_w).logsumexp(1))

@@ -35,8 +35,8 @@ from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, lo
                     sample_log_weights, score, score_continuations, share_energies)
 from model import load_lm
 from data.tokenizer import load_tokenizer
-from plumbing import (ArgumentParser, common_flags, file_hash, guards, precision, progress, rng, run_main,
-                      setup, teardown_distributed, write_json, write_text)
+from plumbing import (ArgumentParser, Precision, common_flags, file_hash, guards, precision, progress, rng,
+                      run_main, setup, teardown_distributed, write_json, write_text)
 
 
 def mc_se(log_w):
@@ -51,23 +51,22 @@ def mc_se(log_w):
 # Z exactly, at the last step
 
 @torch.no_grad()
-def last_step_logz(lm, energy, x, prefix_len, ctx, ectx=None):
+def last_step_logz(lm, energy, x, prefix_len, amp):
     """Exact log Z(x_<T) = log sum_v P_LM(v | x_<T) exp(-E(x_<T, v)): the denominator of Eq. 5
     at the last position, by enumerating the vocabulary (batched energy calls). x: (B, T), its
-    first prefix_len tokens the prefix that E(x) was defined with."""
+    first prefix_len tokens the prefix that E(x) was defined with; amp: the Precision of each model."""
     V = lm.config.vocab_size
-    with ctx:
+    with amp.lm:
         logp = torch.log_softmax(lm.logits(x[:, :-1], first=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
     vocab = torch.arange(V, device=x.device).expand(x.size(0), V)[..., None]  # every v after each x_<T
-    return torch.logsumexp(logp - score_continuations(energy, x[:, :-1], vocab, prefix_len, ectx or ctx), -1)
+    return torch.logsumexp(logp - score_continuations(energy, x[:, :-1], vocab, prefix_len, amp.energy), -1)
 
 
 # -----------------------------------------------------------------------------
 # sequence-level joint PPL (Table 1)
 
 @torch.no_grad()
-def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank, world_size,
-                      split):
+def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size, split):
     """Per-prefix columns: log P_LM of the real continuation, the extra LMs' log-probs, each
     energy of the real sequence and its log Z bounds for every n of the sweep. energies and
     extra_lms are {name: model}. Each rank takes every world_size-th chunk of prefixes; every
@@ -80,17 +79,17 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
     for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)  # (B, P+L)
         g = rng(args.seed, 'log_z', split, s, device)
-        with ctx:
+        with amp.lm:
             lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
             extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
-        e_real = {name: score(e, x, P, ectx) for name, e in energies.items()}
+        e_real = {name: score(e, x, P, amp.energy) for name, e in energies.items()}
         log_w, samples, samples_logp = (
-            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), ctx, g, args.max_rows,
-                               ectx=ectx, return_samples=True)
+            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), amp, g, args.max_rows,
+                               return_samples=True)
             if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))  # log_w: (energies, B, n)
         bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
         kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
-        enum = enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, ctx, ectx)
+        enum = enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp)
         recs.append(dict(index=s, lm_logp=lm_logp.cpu(), extra_logp={k: v.cpu() for k, v in extra.items()},
                          energy={k: v.cpu() for k, v in e_real.items()},
                          kl={k: kl[i] for i, k in enumerate(energies)}, enum=enum,
@@ -104,7 +103,7 @@ def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, d
     return columns(sorted(recs, key=lambda r: r['index']))
 
 
-def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, ctx, ectx):
+def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp):
     """Per energy, log Z of each prefix of x (B, P+L) by logz_enumerate (the real continuation and the
     LM's --beam most likely ones known, the first --num_samples samples) and the diagnostics of Eq. 4's
     range from the same samples: {name: {estimate, sure, mass, ess, max_share, flagged}}, each (B,)."""
@@ -114,11 +113,12 @@ def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w
     known, known_logp = x[:, None, P:], lm_logp[:, None]  # (B, 1, L), (B, 1)
     known_w = {name: -e[:, None] for name, e in e_real.items()}
     if getattr(args, 'beam', 0):
-        with ctx:
+        with amp.lm:
             beam, beam_logp = lm.beam_search(x[:, :P], L, args.beam)
         known, known_logp = torch.cat([known, beam], 1), torch.cat([known_logp, beam_logp], 1)
         for name, e in energies.items():
-            known_w[name] = torch.cat([known_w[name], -score_continuations(e, x[:, :P], beam, P, ectx)], 1)
+            e_beam = score_continuations(e, x[:, :P], beam, P, amp.energy)
+            known_w[name] = torch.cat([known_w[name], -e_beam], 1)
     out = {}
     for k, name in enumerate(energies):
         z = logz_enumerate(torch.cat([known, samples[:, :n]], 1),
@@ -223,7 +223,7 @@ def calibrate(log_w, log_w_ref, n, L):
                 reference_width=(ref_hi - ref_lo).abs().mean(-1).tolist())
 
 
-def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, split):
+def calibration_report(lm, energies, data, offsets, args, amp, device, split):
     """calibrate() on an evenly spaced subset of the split's prefixes, for every energy and for
     every power-of-two n up to N / 8 (the default n included), in nats per token: N = calib_samples
     samples per prefix for the groups and as many more, drawn from another stream, for the reference."""
@@ -233,9 +233,8 @@ def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, spl
     for s in progress(range(0, len(offsets), args.chunk), quiet=args.quiet, desc=f'calibration ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P).to(device)
         for part, stream in (('groups', 'calibration'), ('reference', 'calibration reference')):
-            log_w[part].append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, ctx,
-                                                  rng(args.seed, stream, split, s, device), args.max_rows,
-                                                  ectx=ectx))
+            log_w[part].append(sample_log_weights(lm, list(energies.values()), x, L, args.calib_samples, amp,
+                                                  rng(args.seed, stream, split, s, device), args.max_rows))
     groups, ref = (torch.cat(log_w[part], dim=1) for part in ('groups', 'reference'))  # (energies, B, N)
     ns = sorted({2 ** k for k in range(1, 20) if 2 ** k <= args.calib_samples // 8} | {args.num_samples})
     per_n = {n: calibrate(groups, ref, n, L) for n in ns}
@@ -253,7 +252,7 @@ def calibration_report(lm, energies, data, offsets, args, ctx, ectx, device, spl
 # per-step PPL (Eq. 5, Fig. 1)
 
 @torch.no_grad()
-def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every=1, diagnostics=None):
+def per_step(lm, energy, x, P, m, amp, generator, max_rows=256, every=1, diagnostics=None):
     """log P_LM(x_t | x_<t) at each position of the continuation of every row of x (B, P+L), and
     bounds of log Z(x_<=P+k) with k real continuation tokens fixed and the rest marginalised with m
     LM samples, for k on a grid: 0, every, 2 every, ..., and L-1, L (every = 1: each position).
@@ -264,14 +263,14 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every
     B, T = x.shape
     L = T - P
     ks = sorted(set(range(0, L, every)) | {L - 1, L})
-    with ctx:
+    with amp.lm:
         _, lp = lm.sequence_logprob(x, P, per_token=True)  # (B, L)
     lo, hi = torch.empty(B, len(ks), dtype=torch.float64), torch.empty(B, len(ks), dtype=torch.float64)
-    neg_e = -score(energy, x, P, ectx or ctx).cpu()
+    neg_e = -score(energy, x, P, amp.energy).cpu()
     diag = []
     for j, k in enumerate(ks[:-1]):
-        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, ctx, generator, max_rows,
-                                   prefix_len=P, ectx=ectx)[0].cpu()  # (B, m)
+        log_w = sample_log_weights(lm, [energy], x[:, :P + k], L - k, m, amp, generator, max_rows,
+                                   prefix_len=P)[0].cpu()  # (B, m)
         lo[:, j], hi[:, j] = logz_bounds(log_w)
         diag.append(logz_diagnostics(log_w, lp[:, k:].double().sum(1).cpu() + neg_e))
     lo[:, -1] = hi[:, -1] = neg_e
@@ -280,7 +279,7 @@ def per_step(lm, energy, x, P, m, ctx, generator, max_rows=256, ectx=None, every
     return lp.double().cpu(), ks, lo, hi
 
 
-def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
+def per_step_report(lm, energy, data, offsets, args, amp, device, split):
     """Fig. 1: base and joint PPL per segment of the continuation (between consecutive grid
     points; every = 1: per position), the joint's conservative range and its per-prefix gain over
     the LM (log Z(x_<=t2) - log Z(x_<=t1) at the bounds' midpoint, nats/token) with SE over
@@ -293,7 +292,7 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     x = window_tokens(data, offsets[idx], P + L).to(device)  # (B, P+L), evenly spaced prefixes
     g = rng(args.seed, 'per_step', split, 0, device)
     diag = {}
-    lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, ctx, g, args.max_rows, ectx,
+    lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, amp, g, args.max_rows,
                               getattr(args, 'step_every', 1), diag)
     width = torch.tensor(np.diff(ks), dtype=torch.float64)  # tokens per segment
     seg_lp = torch.stack([lp[:, k1:k2].sum(1) for k1, k2 in zip(ks, ks[1:])], 1)  # (B, segments)
@@ -302,10 +301,10 @@ def per_step_report(lm, energy, data, offsets, args, ctx, ectx, device, split):
     mid = (lo + hi) / 2
     seg_gain = (mid[:, 1:] - mid[:, :-1]) / width  # (B, segments) nats/token over the LM
     gain_low, gain_high = (lo[:, 1:] - hi[:, :-1]) / width, (hi[:, 1:] - lo[:, :-1]) / width  # its range
-    exact_logz = last_step_logz(lm, energy, x, P, ctx, ectx).cpu()
+    exact_logz = last_step_logz(lm, energy, x, P, amp).cpu()
     exact_last = lp[:, -1] + lo[:, -1] - exact_logz
-    log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, ctx, g, args.max_rows, P,
-                               ectx)[0]
+    log_w = sample_log_weights(lm, [energy], x[:, :-1], 1, args.last_step_samples, amp, g, args.max_rows,
+                               P)[0]
     z_lo, z_hi = (t.cpu() for t in logz_bounds(log_w))
     last = lambda z: math.exp(-(lp[:, -1] + lo[:, -1] - z).mean().item())
     per_token_ppl = lambda logp: torch.exp(-(logp / width).mean(0)).tolist()
@@ -466,9 +465,11 @@ def main(argv=None):
     rank, world_size, device = setup(args.device)
     lm, meta, data_dir, energies, extra_lms = load_models(args, device)
     P, L = args.prefix_len, args.gen_len
-    dtype, ctx = precision(device, args.dtype, 'sample', rank == 0, lm.config.n_embd)
+    dtype, on_lm = precision(device, args.dtype, 'sample', rank == 0, lm.config.n_embd)
     width = max([e.config.n_embd for e in energies.values()], default=None)
-    edtype, ectx = precision(device, args.dtype, 'score', rank == 0, width) if energies else (dtype, ctx)
+    edtype, on_energy = (precision(device, args.dtype, 'score', rank == 0, width) if energies
+                         else (dtype, on_lm))
+    amp = Precision(lm=on_lm, energy=on_energy)
     params = {'BASE LM': lm.num_params(), **{name: m.num_params() for name, m in extra_lms.items()},
               **{f'JOINT {name}': lm.num_params() + e.num_params() for name, e in energies.items()}}
     hashes = {'BASE LM': file_hash(args.lm),
@@ -480,20 +481,18 @@ def main(argv=None):
     guards.check_ppl_prefixes(prefixes, P + L, args.out, len(params))  # 2 windows each, and the disk
     for split in args.splits:
         data, offsets = datas[split], prefixes[split]
-        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, ctx, ectx, device, rank,
-                                 world_size, split)
+        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size,
+                                 split)
         res = split_summary(cols, args, split, offsets, data, meta)
         out['splits'][split] = res
         out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in res['rows']]
         if rank == 0 and energies and split == args.splits[-1]:  # one split is enough
             if args.per_step is not None:
                 name = args.per_step or next(iter(energies))
-                res['per_step'] = dict(per_step_report(lm, energies[name], data, offsets, args, ctx, ectx,
-                                                       device, split),
-                                       energy=name)
+                res['per_step'] = dict(per_step_report(lm, energies[name], data, offsets, args, amp, device,
+                                                       split), energy=name)
             if args.calib_prefixes:
-                res['calibration'] = calibration_report(lm, energies, data, offsets, args, ctx, ectx, device,
-                                                        split)
+                res['calibration'] = calibration_report(lm, energies, data, offsets, args, amp, device, split)
     if rank == 0:
         write_results(out, args)
     teardown_distributed()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from plumbing import check_checkpoint, load_weights
 from plumbing import checkpoints
-from plumbing.checkpoints import check_finite, check_kind, check_residual_base, check_vocab
+from plumbing.checkpoints import check_finite, check_kind, check_vocab, residual_base
 from plumbing.guards import check_sampling
 
 
@@ -533,8 +533,7 @@ def load_lm(path, device='cpu', meta=None, kind='lm'):
         check_vocab(ckpt, meta, path)
     config = GPTConfig(**ckpt['config'])
     if ckpt.get('residual_of'):  # a RALM: its base LM is rebuilt from its own checkpoint
-        check_residual_base(ckpt, path)
-        model = RALM(config, load_lm(ckpt['residual_of'][0])[0])
+        model = RALM(config, load_lm(residual_base(ckpt, path))[0])
         missing = load_weights(model, ckpt['model'], path, strict=False).missing_keys
         assert all(k.startswith('base.') for k in missing), missing
     else:

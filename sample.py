@@ -21,8 +21,6 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import math
-from contextlib import nullcontext
-
 import numpy as np
 import torch
 
@@ -30,39 +28,40 @@ from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
                     score_continuations)  # load_any_energy: an NCE energy or an extension's
 from data import load_lm_and_data
-from plumbing import (TIME_LIMIT_S, ArgumentParser, common_flags, duration, guards, precision, progress, rng,
-                      run_main, setup, write_json)
+from plumbing import (TIME_LIMIT_S, ArgumentParser, Precision, common_flags, duration, guards, precision,
+                      progress, rng, run_main, setup, write_json)
 from data.tokenizer import load_tokenizer
 
 
 @torch.no_grad()
-def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None, correct_proposal=False, ctx=None,
-                ectx=None):
+def algorithm_1(lm, energy, prefix, n, gen_len, top_k=10, generator=None, correct_proposal=False,
+                amp=Precision()):
     """Algorithm 1 (Section 3.3) for each row of prefix (B, P), its n samples all in memory: draw
     n continuations x from the top-k LM, score them with the energy, resample one with
     probability softmax(-E) over the n (with correct_proposal softmax(-E + log P_LM - log q)).
     Returns the drawn continuations (B, L), and what they were drawn from: their index i (B,)
-    among the samples x (B, n, L), the energies E and log-weights (B, n) of the samples."""
+    among the samples x (B, n, L), the energies E and log-weights (B, n) of the samples. amp: the
+    Precision of the LM's sampling and the energy's scoring."""
     B, P = prefix.shape
-    with ctx or nullcontext():
+    with amp.lm:
         x, logp, logq = lm.generate(prefix, gen_len, num_samples=n, top_k=top_k, return_proposal=True,
                                     generator=generator, max_rows=B * n)  # (B, n, L)
-    E = score_continuations(energy, prefix, x, P, ectx or ctx or nullcontext(), B * n)  # (B, n)
+    E = score_continuations(energy, prefix, x, P, amp.energy, B * n)  # (B, n)
     log_w = -E + (logp.sum(-1) - logq.sum(-1)).double() if correct_proposal else -E
     i = gumbel_keys(log_w, generator).argmax(1)  # a draw ∝ exp(log_w), as joint_sample draws it
     return x[torch.arange(B, device=x.device), i], i, x, E, log_w
 
 
-def draw(lm, energy, pre, args, g, ctx, ectx):
+def draw(lm, energy, pre, args, g, amp):
     """The joint, worst (highest E) and base (first) of the n samples of each prefix of pre (B, P),
     their energies, and the Kish ESS (sum w)^2 / sum w^2 of the weights: by algorithm_1 where the
     B n samples fit in --max_rows, else by its chunked twin energy.joint_sample."""
     top_k = args.top_k or None
     if pre.size(0) * args.n > args.max_rows:
-        return joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, ctx,
-                            args.max_rows, ectx)
+        return joint_sample(lm, energy, pre, args.n, args.gen_len, top_k, args.correct_proposal, g, amp,
+                            args.max_rows)
     joint, i, x, E, log_w = algorithm_1(lm, energy, pre, args.n, args.gen_len, top_k, g,
-                                        args.correct_proposal, ctx, ectx)
+                                        args.correct_proposal, amp)
     rows, worst = torch.arange(pre.size(0), device=x.device), E.argmax(1)
     return dict(joint=joint, joint_energy=E[rows, i], worst=x[rows, worst], worst_energy=E[rows, worst],
                 base=x[:, 0], base_energy=E[:, 0],
@@ -70,7 +69,7 @@ def draw(lm, energy, pre, args, g, ctx, ectx):
 
 
 @torch.no_grad()
-def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, generator, max_rows=256,
+def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, amp, generator, max_rows=256,
                      prefix_len=None):
     """The joint model's next-token distribution of Appendix A.1 (Table 3) for each row of prefix
     (B, P): "we further approximate it by only considering the top 128 words predicted by BASE LM,
@@ -89,18 +88,19 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, gene
         raise ValueError(f"need 1 <= keep ({keep}) <= candidates ({candidates}, at most the vocabulary) "
                          f"and m ({m}) >= 1")
     prefix_len = P if prefix_len is None else prefix_len
-    with ctx:
+    with amp.lm:
         logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)  # (B, V)
     cand_lp, cand_v = logp.topk(candidates, dim=-1)  # (B, C)
     if gen_len == 1:
-        log_z = -score_continuations(energy, prefix, cand_v[..., None], prefix_len, ctx, max_rows)  # (B, C)
+        log_z = -score_continuations(energy, prefix, cand_v[..., None], prefix_len, amp.energy,
+                                     max_rows)  # (B, C)
     else:  # groups small enough that every generate call draws >= min(m, 16) completions per prompt:
         # the prompts' forward, shared by their completions, stays a small part of the work
         x = torch.cat([prefix.repeat_interleave(candidates, 0), cand_v.reshape(-1, 1)], dim=1)  # (B*C, P+1)
         group = max(1, max_rows // min(m, 16))
         log_z = []
         for rows in x.split(group):
-            log_w = sample_log_weights(lm, [energy], rows, gen_len - 1, m, ctx, generator, max_rows,
+            log_w = sample_log_weights(lm, [energy], rows, gen_len - 1, m, amp, generator, max_rows,
                                        prefix_len)[0]  # (rows, m)
             log_z.append(log_w.logsumexp(-1) - math.log(m))  # the Monte Carlo mean, in log space
         log_z = torch.cat(log_z)  # (B*C,)
@@ -109,13 +109,13 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, ctx, gene
 
 
 @torch.no_grad()
-def topk_autoregressive(lm, energy, prefix, gen_len, candidates, keep, m, ctx, generator, max_rows=256):
+def topk_autoregressive(lm, energy, prefix, gen_len, candidates, keep, m, amp, generator, max_rows=256):
     """Appendix A.1: the joint model factorised token by token (Eq. 5), each token drawn from
     next_token_table's `keep` renormalised entries among the LM's top `candidates`, every Z from
     m LM completions of the rest. Expensive by design: candidates * m completions per token."""
     x = prefix
     for t in range(gen_len):
-        v, _, p_joint = next_token_table(lm, energy, x, gen_len - t, candidates, keep, m, ctx, generator,
+        v, _, p_joint = next_token_table(lm, energy, x, gen_len - t, candidates, keep, m, amp, generator,
                                          max_rows, prefix.size(1))
         i = torch.multinomial(p_joint.float(), 1, generator=generator)
         x = torch.cat([x, v.gather(1, i)], dim=1)
@@ -182,8 +182,9 @@ def main(argv=None):
     device = setup(args.device)[2]
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy, _ = load_any_energy(args.energy, args.lm, device)
-    dtype, ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)
-    edtype, ectx = precision(device, args.dtype, 'score', width=energy.config.n_embd)
+    dtype, on_lm = precision(device, args.dtype, 'sample', width=lm.config.n_embd)
+    edtype, on_energy = precision(device, args.dtype, 'score', width=energy.config.n_embd)
+    amp = Precision(lm=on_lm, energy=on_energy)
     tok = load_tokenizer(meta)
     guards.check_sample_vocab(args, lm.config.vocab_size)
     if args.prompt is not None:
@@ -207,7 +208,7 @@ def main(argv=None):
     results = []
     for s in progress(range(0, prefixes.size(0), args.chunk), quiet=args.quiet, desc='joint sampling'):
         results += joint_records(lm, energy, prefixes[s:s + args.chunk],
-                                 None if gold is None else gold[s:s + args.chunk], s, args, tok, g, ctx, ectx)
+                                 None if gold is None else gold[s:s + args.chunk], s, args, tok, g, amp)
     report = dict(args=vars(args), dtype=dict(sample=dtype, score=edtype), samples=results,
                   **analyses(results))
     write_json(report, args.out)  # before the screen: `| head` ending the printing loses nothing
@@ -221,23 +222,23 @@ def main(argv=None):
     return report
 
 
-def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):
+def joint_records(lm, energy, pre, gold, first, args, tok, g, amp):
     """The records of a batch of prefixes pre (B, P) (gold: their real continuations (B, L) or None):
     Algorithm 1's joint, base and worst samples and, for Figs. 2-3, each kind of continuation's
     log-likelihood under the LM and log Z by T_n (Eq. 4); the Table-3 view for the first prefixes."""
-    out = draw(lm, energy, pre, args, g, ctx, ectx)
+    out = draw(lm, energy, pre, args, g, amp)
     cont = {name: out[name] for name in ('base', 'joint')}
     if gold is not None:
         cont['gold'] = gold.to(pre.device)
-        gold_energy = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), ectx)
+        gold_energy = score(energy, torch.cat([pre, cont['gold']], 1), pre.size(1), amp.energy)
     if args.autoregressive:
         cont['autoregressive'] = topk_autoregressive(lm, energy, pre, args.gen_len, args.candidates,
-                                                     args.keep, args.m, ctx, g, args.max_rows)
-    with ctx:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
+                                                     args.keep, args.m, amp, g, args.max_rows)
+    with amp.lm:  # Fig. 3: log-likelihood under the base LM of each kind of continuation
         lm_logp = {name: lm.sequence_logprob(torch.cat([pre, t], 1), pre.size(1)) for name, t in cont.items()}
     if args.logz_samples:  # Fig. 3 right: log P_joint = log P_LM - E - log Z
-        log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, ctx, g, args.max_rows,
-                                   ectx=ectx)[0]
+        log_w = sample_log_weights(lm, [energy], pre, args.gen_len, args.logz_samples, amp, g,
+                                   args.max_rows)[0]
         logz = torch.logsumexp(log_w, 1) - math.log(args.logz_samples)  # T_n, Eq. 4
     recs = []
     for b in range(pre.size(0)):
@@ -253,7 +254,7 @@ def joint_records(lm, energy, pre, gold, first, args, tok, g, ctx, ectx):
             rec['logz'] = logz[b].item()
         if args.table_k and first + b < args.table_prefixes:
             v, p_lm, p_joint = next_token_table(lm, energy, pre[b:b + 1], args.gen_len, args.candidates,
-                                                args.keep, args.m, ctx, g, args.max_rows)
+                                                args.keep, args.m, amp, g, args.max_rows)
             rec['next_tokens'] = [dict(token=tok.decode([t]), p_lm=a, p_joint=c) for t, a, c in
                                   zip(v[0, :args.table_k].tolist(), p_lm[0, :args.table_k].tolist(),
                                       p_joint[0, :args.table_k].tolist())]

@@ -80,7 +80,7 @@ import negatives
 from plumbing import rng, save_checkpoint
 import sample
 
-from tests.common import CPU, NULL, enumerable_problem, logprobs64, prepare_corpus, rand_energy, tiny_gpt
+from tests.common import CPU, FP32, enumerable_problem, logprobs64, prepare_corpus, rand_energy, tiny_gpt
 
 
 # =============================================================================
@@ -210,7 +210,7 @@ def test_logz_bounds_exact_enumeration():
     prefixes = torch.tensor([[0, 0], [1, 2], [3, 1]])
     exact = torch.stack([enumerate_joint(lm, e, p, L, V, P)[3] for p in prefixes])
     N = 16384
-    lw2 = sample_log_weights(lm, [e, rand_energy(V, seed=5)], prefixes, L, N, NULL,
+    lw2 = sample_log_weights(lm, [e, rand_energy(V, seed=5)], prefixes, L, N, FP32,
                              torch.Generator().manual_seed(0), max_rows=8192)
     assert lw2.shape == (2, 3, N) and lw2.dtype == torch.float64
     lw = lw2[0]
@@ -277,7 +277,7 @@ def test_per_step_exact():
     Z = exact_step_logz(lm, e, x, P, V)
     lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
     E = energies(e, x, P)
-    lp, ks, lo, hi = per_step(lm, e, x, P, 4000, NULL, torch.Generator().manual_seed(0), max_rows=8192)
+    lp, ks, lo, hi = per_step(lm, e, x, P, 4000, FP32, torch.Generator().manual_seed(0), max_rows=8192)
     assert ks == list(range(L + 1)) and lp.shape == (2, L) and lo.shape == hi.shape == (2, L + 1)
     assert (lp - lp_ref).abs().max() < 1e-5
     assert (lo[:, L] - (-E)).abs().max() < 1e-6 and torch.equal(lo[:, L], hi[:, L])
@@ -656,7 +656,7 @@ def test_sample_log_weights_matches_per_chunk_reference():
             ref = torch.tensor([[-energy(x[b, i:i + 1], P).item() for i in range(n)] for b in range(B)],
                                dtype=torch.float64)
             got = estimate_ppl.sample_log_weights(lm, [energy, energy], prefixes, L, n,
-                                                  contextlib.nullcontext(), torch.Generator().manual_seed(9),
+                                                  FP32, torch.Generator().manual_seed(9),
                                                   max_rows=max_rows)
             assert got.shape == (2, B, n)
             assert (got - ref).abs().max().item() < 1e-5
@@ -726,7 +726,7 @@ def test_evaluate_prefixes_exact():
     x = window_tokens(data, offsets, P + L)
     args = types.SimpleNamespace(prefix_len=P, gen_len=L, sweep=[4], num_samples=4096, chunk=2, seed=3,
                                  max_rows=8192, quiet=True)
-    cols = evaluate_prefixes(lm, {'E': e}, {'LM2': lm2}, data, offsets, args, NULL, NULL, 'cpu', 0, 1, 'test')
+    cols = evaluate_prefixes(lm, {'E': e}, {'LM2': lm2}, data, offsets, args, FP32, 'cpu', 0, 1, 'test')
     assert len(cols['lm_logp']) == 5
     lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
     lp2_ref = logprobs64(lm2, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1).sum(1)
@@ -822,7 +822,7 @@ def test_sharp_energy_eq4_fails_and_enumeration_holds():
     e = SpikeEnergy(rand_energy(V), target, 10.0)
     exact = torch.stack([enumerate_joint(lm, e, p, L, V, P)[3] for p in prefixes])
     assert 1e-3 < lp[(conts == target).all(1)].exp() < 1e-2
-    log_w, x, x_logp = sample_log_weights(lm, [e], prefixes, L, 8 * 64, NULL,
+    log_w, x, x_logp = sample_log_weights(lm, [e], prefixes, L, 8 * 64, FP32,
                                           torch.Generator().manual_seed(0), return_samples=True)
     log_w = log_w[0].view(3, 64, 8)[0]  # 64 draws of n = 8 for the first prefix
     x, x_logp = x[0].view(64, 8, L), x_logp[0].view(64, 8)
@@ -867,7 +867,7 @@ def test_last_step_logz_exact(pool):
     lm = toy_lm(V)
     x = torch.randint(V, (4, P + L), generator=torch.Generator().manual_seed(4))
     e = rand_energy(V, pool=pool)
-    got = last_step_logz(lm, e, x, P, NULL)
+    got = last_step_logz(lm, e, x, P, FP32)
     assert got.shape == (4,) and got.dtype == torch.float64
     for b in range(4):
         _, lp, E, logz = enumerate_joint(lm, e, x[b, :-1], 1, V, P)
@@ -920,7 +920,7 @@ def per_step_case():
 def test_per_step_report_exact():
     V, P, L = 4, 2, 3
     lm, e, data, offsets, args = per_step_case()
-    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
+    rep = per_step_report(lm, e, data, offsets, args, FP32, 'cpu', 'test')
     x = window_tokens(data, offsets[[0, 2, 3]], P + L)  # 3 evenly spaced of the 4 windows
     Z = exact_step_logz(lm, e, x, P, V)
     lp = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
@@ -955,8 +955,8 @@ def test_per_step_report_combines_the_bounds():
     lm, e, data, offsets, args = per_step_case()
     x = window_tokens(data, offsets[[0, 2, 3]], P + L)
     args.step_samples = 4
-    rep = per_step_report(lm, e, data, offsets, args, NULL, NULL, 'cpu', 'test')
-    lp, _, lo, hi = per_step(lm, e, x, P, 4, NULL, rng(args.seed, 'per_step', 'test', 0), args.max_rows)
+    rep = per_step_report(lm, e, data, offsets, args, FP32, 'cpu', 'test')
+    lp, _, lo, hi = per_step(lm, e, x, P, 4, FP32, rng(args.seed, 'per_step', 'test', 0), args.max_rows)
     assert (hi - lo).max() > 0.1  # the two bounds differ: mixing them up would show
     assert np.allclose(rep['joint_ppl_high'], torch.exp(-(lp + lo[:, 1:] - hi[:, :-1]).mean(0)).numpy(),
                        rtol=1e-12)

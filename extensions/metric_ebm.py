@@ -34,9 +34,9 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm
-from plumbing import (ArgumentParser, at_least, check, check_memory, check_new, check_writable, common_flags,
-                      file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
-                      write_json, write_text)
+from plumbing import (ArgumentParser, Precision, at_least, check, check_memory, check_new, check_writable,
+                      common_flags, file_hash, named_paths, precision, progress, rng, run_main,
+                      save_checkpoints, setup, write_json, write_text)
 
 
 MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
@@ -101,17 +101,17 @@ def get_args(argv=None):
 # the pools: metrics of real continuations and of untruncated LM samples
 
 @torch.no_grad()
-def pool_features(energy, lm, data, offsets, args, ctx, ectx, split, n):
+def pool_features(energy, lm, data, offsets, args, amp, split, n):
     """f_data (B, K) of the real continuations of the prefixes at offsets and f_pool (B, n, K) of
     n untruncated LM samples of each (float64, on the CPU)."""
     P, L = args.prefix_len, args.gen_len
     f_data, f_pool = [], []
     for s in progress(range(0, len(offsets), args.chunk), quiet=args.quiet, desc=f'metrics ({split})'):
         x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(lm.lm_head.weight.device)
-        with ctx:
+        with amp.lm:
             g = rng(args.seed, 'metric_pool', split, s, x.device)
             tokens, _ = lm.generate(x[:, :P], L, num_samples=n, generator=g)  # (B, n, L)
-        with ectx:
+        with amp.energy:
             f_data.append(energy.features(x, P).cpu())
             f_pool.append(energy.features_shared(x[:, :P], tokens, P).cpu())  # (B, n, K)
     return torch.cat(f_data), torch.cat(f_pool)
@@ -140,7 +140,7 @@ def split_report(f_data, f_pool, mu, names, L):
 # the talk's table: every decoding method's metrics against real text's
 
 @torch.no_grad()
-def decoded(lm, extra_lms, compare, data, offsets, args, ctx, ectx):
+def decoded(lm, extra_lms, compare, data, offsets, args, amp):
     """{system: (B, L) continuations} of each decoding method for the prefixes at offsets."""
     P, L = args.prefix_len, args.gen_len
     x = window_tokens(data, offsets, P + L).to(lm.lm_head.weight.device)
@@ -150,21 +150,21 @@ def decoded(lm, extra_lms, compare, data, offsets, args, ctx, ectx):
         pre = x[s:s + args.chunk, :P]
         ways = {'LM (t = 1)': dict(), f'top-k ({args.top_k})': dict(top_k=args.top_k),
                 f'top-p ({args.top_p})': dict(top_p=args.top_p), 'greedy': dict(temperature=0.0)}
-        with ctx:
+        with amp.lm:
             for name, kw in ways.items():
                 out.setdefault(name, []).append(lm.generate(pre, L, generator=g, **kw)[0][:, 0])
             for name, m in extra_lms.items():
                 out.setdefault(f'{name} (t = 1)', []).append(m.generate(pre, L, generator=g)[0][:, 0])
         for name, e in compare.items():
-            j = joint_sample(lm, e, pre, args.n, L, args.joint_top_k or None, generator=g, ctx=ctx, ectx=ectx)
+            j = joint_sample(lm, e, pre, args.n, L, args.joint_top_k or None, generator=g, amp=amp)
             out.setdefault(f'JOINT {name} (n = {args.n})', []).append(j['joint'])
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def metrics_table(energy, systems, prefixes, ectx):
+def metrics_table(energy, systems, prefixes, ctx):
     """Each system's mean metrics over prefixes and the paired gap to real text, with SE."""
     P = prefixes.size(1)
-    with ectx:
+    with ctx:
         feats = {k: torch.cat([energy.features(b, P) for b in torch.cat([prefixes, y], 1).split(256)])
                  for k, y in systems.items()}
     rows = {}
@@ -207,9 +207,10 @@ def main(argv=None):
     device = setup(args.device)[2]
     lm, meta, data_dir, energy, compare, extra, files = load_all(args, device)
     P, L = args.prefix_len, args.gen_len
-    ctx = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]
+    on_lm = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]
     width = max(e.config.n_embd for e in [lm, *energy.energies.values(), *compare.values()])
-    edtype, ectx = precision(device, args.dtype, 'score', width=width)
+    edtype, on_energy = precision(device, args.dtype, 'score', width=width)
+    amp = Precision(lm=on_lm, energy=on_energy)
 
     def split_offsets(split, k):  # the first k windows of a split
         return windows(load_split(data_dir, split, meta), P, L, max_windows=k)
@@ -218,7 +219,7 @@ def main(argv=None):
     for split, k in [('select', args.prefixes)] + [(s, args.check_prefixes) for s in args.check_splits]:
         data = load_split(data_dir, split, meta)
         offsets = split_offsets(split, k)
-        pools[split] = pool_features(energy, lm, data, offsets, args, ctx, ectx, split, args.pool)
+        pools[split] = pool_features(energy, lm, data, offsets, args, amp, split, args.pool)
     # one fit on the metrics alone; with --energy_metric, a second on the metrics and those
     # energies (the talk's aggregation), from the same LM samples
     fits = {'energy': MetricEnergy(energy.names, lm)}
@@ -233,7 +234,7 @@ def main(argv=None):
         joint = dict(compare, METRICS=fits['energy'])
         if energy.energies:
             joint['METRICS+' + '+'.join(energy.energies)] = energy
-        res['table'] = table(lm, extra, joint, data_dir, meta, split_offsets, args, ctx, ectx)
+        res['table'] = table(lm, extra, joint, data_dir, meta, split_offsets, args, amp)
         text.append(format_table(res['table']['rows'], res['table']['metrics']))
     save_checkpoints(saves)  # the energies with their results, not before the table has worked
     write_json(res, os.path.join(args.out_dir, 'results.json'))
@@ -256,15 +257,15 @@ def fit(e, pools, args, meta, files):
     return dict(metrics=names, mu=mu.tolist(), newton_steps=steps, splits=splits), state
 
 
-def table(lm, extra, compare, data_dir, meta, split_offsets, args, ctx, ectx):
+def table(lm, extra, compare, data_dir, meta, split_offsets, args, amp):
     """The talk's table on --table_split: each decoding method's metrics against real text's."""
     data = load_split(data_dir, args.table_split, meta)
     offsets = split_offsets(args.table_split, args.table_prefixes)
-    systems = decoded(lm, extra, compare, data, offsets, args, ctx, ectx)
+    systems = decoded(lm, extra, compare, data, offsets, args, amp)
     plain = compare['METRICS']  # its named metrics only: the table has no trained energy among them
     prefixes = window_tokens(data, offsets, args.prefix_len).to(lm.lm_head.weight.device)
     return dict(split=args.table_split, prefixes=len(offsets), metrics=plain.feature_names(),
-                rows=metrics_table(plain, systems, prefixes, ectx))
+                rows=metrics_table(plain, systems, prefixes, amp.energy))
 
 
 def format_moments(res):

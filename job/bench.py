@@ -60,8 +60,8 @@ from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
-from plumbing import (ArgumentParser, at_least, autocast, check_heads, check_writable, common_flags,
-                      pick_device, run_main, write_json)
+from plumbing import (ArgumentParser, Precision, at_least, autocast, check_heads, check_writable,
+                      common_flags, pick_device, run_main, write_json)
 
 
 def get_args(argv=None):
@@ -353,7 +353,7 @@ def bench_estimation(args, device, meta):
     res = {}
     for n in ((10 ** 3,) if args.quick else (10 ** 3, 10 ** 4)):
         t0 = time.perf_counter()
-        logz_bounds(sample_log_weights(lm, [energy], prefix, L, n, nullcontext(), g)[0])
+        logz_bounds(sample_log_weights(lm, [energy], prefix, L, n, Precision(), g)[0])
         res[f'logz_samples_per_s_n{n}'] = n / (time.perf_counter() - t0)
         res[f'logz_peak_rss_mb_n{n}'] = peak_rss_mb()
         t0 = time.perf_counter()
@@ -394,7 +394,7 @@ def bench_estimate(args, device, meta, dtypes):
                               alibi=True)).to(device).eval()
     prefixes = torch.randint(meta['vocab_size'], (B, P), device=device)
     g = torch.Generator(device).manual_seed(args.seed)
-    fns = dict(shared=lambda: sample_log_weights(lm, [energy], prefixes, L, n, nullcontext(), g,
+    fns = dict(shared=lambda: sample_log_weights(lm, [energy], prefixes, L, n, Precision(), g,
                                                  args.max_rows),
                copy_cache=lambda: copy_cache_log_weights(lm, energy, prefixes, L, n, g, args.max_rows))
     runs = 1 if args.quick else min(args.repeats, 2)  # runs of seconds to tens: the first is warm enough

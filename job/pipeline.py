@@ -72,8 +72,8 @@ def difference(rec, want):
     for k in list(new) + [k for k in old if k not in new]:
         if old.get(k) != new.get(k):
             return f"{k} {old.get(k, '(not given)')} -> {new.get(k, '(not given)')}"
-    return next((f"stage '{d}' was made again" for d, h in want['inputs'].items()
-                 if rec['inputs'].get(d) != h), None)
+    return next((f"stage '{d}' is not the one it was made from (made again since, or the record edited)"
+                 for d, h in want['inputs'].items() if rec['inputs'].get(d) != h), None)
 
 
 def read_records(path):
@@ -205,7 +205,10 @@ class Pipeline:
         another run or edited since."""
         now, folder = self.outputs(name), self.folders[name] or self.done[name]
         for f, h in self.records[name]['outputs'].items():
-            if now.get(f) != h:
+            if f not in now:
+                raise ValueError(f"{os.path.join(self.out_dir, f)}, which stage '{name}' wrote, is missing; "
+                                 f"delete {folder} to rerun that stage")
+            if now[f] != h:
                 raise ValueError(f"{os.path.join(self.out_dir, f)} is not the file stage '{name}' wrote in "
                                  f"this run (copied from another run, or edited: its hash is not the one "
                                  f"in {self.records_path}); delete {folder} to rerun that stage")

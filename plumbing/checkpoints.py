@@ -45,12 +45,19 @@ def check_vocab(ckpt, meta, path):
                          f"({ours['tokenizer']}, {ours['vocab_size']} tokens): use the matching data dir")
 
 
-def check_residual_base(ckpt, path):
-    """A RALM's base LM (its checkpoint's residual_of: path and hash) is there, unchanged."""
+def residual_base(ckpt, path):
+    """The path of a RALM's base LM (its checkpoint's residual_of: path and hash), unchanged: where
+    it was, or where it is from the RALM at path as it was from the RALM's --out_dir (a run folder
+    moved or copied whole)."""
     base_path, base_hash = ckpt['residual_of']
-    if not os.path.isfile(base_path) or file_hash(base_path) != base_hash:
-        raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), "
-                         "which is missing or changed")
+    out_dir = ckpt.get('args', {}).get('out_dir')
+    moved = os.path.join(os.path.dirname(path), os.path.relpath(base_path, out_dir)) if out_dir else None
+    for where in (base_path, moved):
+        if where and os.path.isfile(where) and file_hash(where) == base_hash:
+            return where
+    raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), which is missing or "
+                     f"changed" + (f", and so is {moved}" if moved else '') + ": put that LM back, or train "
+                     f"the RALM again")
 
 
 def check_energy_of(ckpt, path, lm_path):

@@ -7,7 +7,8 @@ import re
 import sys
 import time
 import zlib
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -164,6 +165,14 @@ def precision(device, dtype, work='train', verbose=True, width=None):
     if verbose:
         print(f"{work}: {device}, {dtype} ({why})", flush=True)
     return dtype, autocast(device, dtype)
+
+
+class Precision(NamedTuple):
+    """The autocast contexts of work with two models: `lm` around the LM's sampling and scoring,
+    `energy` around the energy's scoring. They can differ (choose_dtype decides by each model's
+    width and work); the default is float32 for both."""
+    lm: AbstractContextManager = nullcontext()
+    energy: AbstractContextManager = nullcontext()
 
 
 def setup(device):

@@ -22,6 +22,7 @@ from extensions import metrics
 from data.text import prepare as text_prepare
 from energy import Energy
 from model import GPT, GPTConfig
+from plumbing import Precision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root: the tests run from there
 SCRIPTS = os.path.join(ROOT, 'tests', 'scripts')  # the child scripts the tests run, each by its path
@@ -111,6 +112,7 @@ def rand_energy(V, seed=2, head_std=2.0, block_size=8, pool='continuation', caus
 
 
 NULL = contextlib.nullcontext()
+FP32 = Precision()  # the two models' autocast (plumbing.Precision): float32
 
 
 # corpora and checkpoints

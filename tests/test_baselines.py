@@ -1,6 +1,8 @@
 """The baselines: RALM (Eq. 6), BALM, the paper's presets.
 The tests to read first are in test_all.py."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -110,3 +112,27 @@ def test_preset_flag_sets_defaults():
     args = train_lm.get_args(['--preset', 'bit_base', '--lr', '1e-3'])
     assert ((args.n_layer, args.n_embd, args.n_head, args.batch_size, args.block_size, args.lr)
             == (12, 768, 12, 60, 512, 1e-3))
+
+
+def test_ralm_base_found_in_a_moved_run_folder(lm_corpus, lm_ckpt, tmp_path):
+    """A RALM records its base LM's path and hash: a run folder moved whole still loads (the base where
+    it is from the RALM as it was from its --out_dir, the same bytes); a changed base is one line."""
+    run, moved = tmp_path / 'run', tmp_path / 'moved'
+    (run / 'lm').mkdir(parents=True)
+    shutil.copy(lm_ckpt, run / 'lm' / 'best.pt')
+    train_lm.main(['--data_dir', str(lm_corpus), '--out_dir', str(run / 'ralm'), '--residual_of',
+                   str(run / 'lm' / 'best.pt'), '--n_layer', '1', '--n_head', '2', '--n_embd', '16',
+                   '--block_size', '16', '--batch_size', '4', '--max_iters', '3', '--eval_interval', '3',
+                   '--num_samples', '0', '--final_eval', '0', '--quiet'])
+    x = torch.randint(7, (2, 10))
+    with torch.no_grad():
+        before = load_lm(str(run / 'ralm' / 'ckpt.pt'))[0](x)[0]
+    run.rename(moved)
+    ralm, ckpt = load_lm(str(moved / 'ralm' / 'ckpt.pt'))
+    assert ckpt['residual_of'][0] == str(run / 'lm' / 'best.pt')  # the old path, gone
+    with torch.no_grad():
+        assert torch.equal(ralm(x)[0], before)
+    shutil.copy(moved / 'ralm' / 'ckpt.pt', moved / 'lm' / 'best.pt')  # another file where the base was
+    with pytest.raises(ValueError, match=r"is the residual of .*run/lm/best.pt \(hash \w+\), which is "
+                                         r"missing or changed, and so is .*moved/ralm/\.\./lm/best.pt: put"):
+        load_lm(str(moved / 'ralm' / 'ckpt.pt'))

@@ -20,8 +20,8 @@ from data import load_meta, load_split, window_tokens, windows
 from energy import (ENERGY_LOADERS, Energy, load_any_energy, register_energy_loader, sample_log_weights,
                     score, score_continuations, share_energies)
 from model import load_checkpoint, load_lm
-from tests.common import (CPU, EVAL_L, EVAL_P, NULL, TRAIN_FLAGS, assert_clean_error, enumerable_problem,
-                          rand_energy, run_scripts, sample_argv, tiny_gpt)
+from tests.common import (CPU, EVAL_L, EVAL_P, FP32, NULL, TRAIN_FLAGS, assert_clean_error,
+                          enumerable_problem, rand_energy, run_scripts, sample_argv, tiny_gpt)
 
 
 # =============================================================================
@@ -201,7 +201,7 @@ def test_sample_log_weights_scores_a_shared_energy_once():
     other = metrics.MetricEnergy(['tr-3', 'logp'], lm, {'O': rand_energy(V, seed=5, block_size=32)},
                                  mu=mu).eval()
     prompts = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(1))
-    draw = lambda: sample_log_weights(lm, [bit, agg, other], prompts, L, n, NULL,
+    draw = lambda: sample_log_weights(lm, [bit, agg, other], prompts, L, n, FP32,
                                       torch.Generator().manual_seed(0), max_rows=8)
     ref = draw()
     share_energies({'BIT': bit, 'METRICS+BIT': agg, 'OTHER': other})

@@ -61,7 +61,16 @@ def test_a_remade_input_remakes_what_read_it(tmp_path, capsys):
     job(out)
     job(out, lm_extra=['--n_embd', '8'])
     said = capsys.readouterr().out
-    assert "[lm] --n_embd (not given) -> 8 since" in said and "[ppl] stage 'lm' was made again" in said, said
+    assert "[lm] --n_embd (not given) -> 8 since" in said, said
+    assert "[ppl] stage 'lm' is not the one it was made from" in said, said
+
+
+def test_a_missing_output_is_named(tmp_path):
+    """A finished stage's best.pt removed (its results.json kept): one line saying it is missing."""
+    job(tmp_path / 'run')
+    os.remove(tmp_path / 'run' / 'lm' / 'best.pt')
+    with pytest.raises(ValueError, match=r"run/lm/best.pt, which stage 'lm' wrote, is missing; delete "):
+        job(tmp_path / 'run')
 
 
 @pytest.mark.parametrize('copied', ['lm/results.json', 'lm/best.pt', 'ppl.json'])
@@ -134,3 +143,17 @@ def test_damaged_provenance_is_one_line(tmp_path):
     (tmp_path / 'provenance.json').write_text('[1, 2]')
     with pytest.raises(ValueError, match='provenance.json is not a table of stage records: delete it'):
         job(tmp_path)
+
+
+def test_a_renamed_stage_folder_is_made_again(tmp_path, capsys):
+    """A finished stage's folder renamed (lm/ -> lm2/): the stage is made again into lm/, lm2/ left as
+    it was, and what read it kept, as the new lm is the same bytes (probe row 16)."""
+    out = tmp_path / 'run'
+    job(out)
+    (out / 'lm').rename(out / 'lm2')
+    kept = (out / 'lm2' / 'best.pt').read_bytes()
+    capsys.readouterr()
+    job(out)
+    said = capsys.readouterr().out
+    assert said.startswith('[lm] $ python') and (out / 'lm' / 'best.pt').read_bytes() == kept, said
+    assert (out / 'lm2' / 'best.pt').read_bytes() == kept and "[ppl] done already" in said

@@ -254,8 +254,9 @@ def test_nce_resume_is_exact(lm_corpus, tmp_path):
     continues the dropout draws too, also where the stopped run's folder and everything it read
     was moved before the --resume (ckpt.pt recorded the old paths; their contents decide)."""
     def flags(root):
-        return ['--lm', os.path.join(root, 'lm', 'ckpt.pt'), '--init_from', os.path.join(root, 'lm', 'ckpt.pt'),
-                '--negatives', os.path.join(root, 'train'), '--held_out_negatives', os.path.join(root, 'select'),
+        lm = os.path.join(root, 'lm', 'ckpt.pt')
+        return ['--lm', lm, '--init_from', lm, '--negatives', os.path.join(root, 'train'),
+                '--held_out_negatives', os.path.join(root, 'select'),
                 '--energy', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4',
                 '--log_interval', '1', '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
     run, moved = str(tmp_path / 'run'), str(tmp_path / 'moved')

@@ -19,7 +19,7 @@ from sample import next_token_table, topk_autoregressive, unique_ngrams
 import sample
 
 from test_all import empirical, energies, enumerate_continuations, enumerate_joint, toy_lm, tv
-from tests.common import BIGRAM, EVAL_L, EVAL_P, NULL, logprobs64, rand_energy, tiny_gpt
+from tests.common import BIGRAM, EVAL_L, EVAL_P, FP32, logprobs64, rand_energy, tiny_gpt
 
 
 # =============================================================================
@@ -224,7 +224,7 @@ def test_next_token_table_exact(gen_len):
     V, P, m = 4, 2, 6000
     lm, e = toy_lm(V), rand_energy(V)
     prefix = torch.tensor([[2, 3], [3, 1], [0, 3]])
-    top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, 3, m, NULL,
+    top_v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, 3, 3, m, FP32,
                                             torch.Generator().manual_seed(0), max_rows=8192)
     assert top_v.shape == p_lm.shape == p_joint.shape == (3, 3)
     assert (p_joint.sum(1) - 1).abs().max() < 1e-12 and (p_joint[:, :-1] >= p_joint[:, 1:]).all()
@@ -272,7 +272,7 @@ def test_next_token_table_a1_exact():
     prefix = torch.tensor([[2, 1], [0, 3], [5, 5]])
     outside_kept = 0
     for gen_len in (1, 2, 3):
-        v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, C, K, m, NULL,
+        v, p_lm, p_joint = next_token_table(lm, e, prefix, gen_len, C, K, m, FP32,
                                             torch.Generator().manual_seed(gen_len), max_rows=512)
         assert v.shape == p_lm.shape == p_joint.shape == (3, K)
         assert (p_joint.sum(1) - 1).abs().max() < 1e-12
@@ -303,10 +303,10 @@ def test_next_token_table_a1_exact():
         return orig(idx, n_new, num_samples=num_samples, max_rows=max_rows, **kw)
 
     lm.generate = recorded  # generate itself decodes at most max_rows rows at a time
-    next_token_table(lm, e, prefix, 3, C, K, 40, NULL, torch.Generator().manual_seed(0), max_rows=16)
+    next_token_table(lm, e, prefix, 3, C, K, 40, FP32, torch.Generator().manual_seed(0), max_rows=16)
     assert max(m for _, m in rows) <= 16 and sum(n for n, _ in rows) == 3 * C * 40
     with pytest.raises(ValueError, match='keep'):
-        next_token_table(lm, e, prefix, 3, 2, 3, 4, NULL, torch.Generator())
+        next_token_table(lm, e, prefix, 3, 2, 3, 4, FP32, torch.Generator())
 
 
 def test_topk_autoregressive_distribution():
@@ -318,7 +318,7 @@ def test_topk_autoregressive_distribution():
     _, joint, _, _, p_lm = joint_tables(lm, e, prefix, L, V, top_k=2)
     B = 3000
     rows = prefix.expand(B, -1).contiguous()
-    toks = topk_autoregressive(lm, e, rows, L, V, V, 48, NULL, torch.Generator().manual_seed(0),
+    toks = topk_autoregressive(lm, e, rows, L, V, V, 48, FP32, torch.Generator().manual_seed(0),
                                max_rows=200000)
     assert toks.shape == (B, L)
     d = tv(empirical(toks, V), joint)
@@ -330,7 +330,7 @@ def test_topk_autoregressive_stays_in_the_top_k():
     V, L = 4, 2
     lm, e = toy_lm(V), rand_energy(V, head_std=3.0)
     rows = torch.tensor([1, 2]).expand(200, -1).contiguous()
-    toks = topk_autoregressive(lm, e, rows, L, 2, 2, 8, NULL, torch.Generator().manual_seed(1),
+    toks = topk_autoregressive(lm, e, rows, L, 2, 2, 8, FP32, torch.Generator().manual_seed(1),
                                max_rows=200000)
     seqs = torch.cat([rows, toks], 1)
     lp = logprobs64(lm, seqs)[:, 1:-1]
