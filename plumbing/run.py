@@ -118,6 +118,9 @@ def check_writable(path, flag, folder=True):
     if not path:
         raise ValueError(f"{flag} is empty: give a {'folder' if folder else 'file'} path")
     check_name_lengths(path, flag)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{flag} {path} is a symbolic link to nothing (broken, or a loop): remove it, "
+                         f"or choose another path")
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
     if not folder and os.path.isdir(path):
@@ -317,6 +320,7 @@ def run_to_the_end(main, argv, resume_hint):
     try:
         main(argv)
     except BrokenPipeError as e:
+        remove_new_folders()
         if e.filename is not None:  # a file, not stdout: one line, as any OSError
             one_line_error()
         stdout_closed()

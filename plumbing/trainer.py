@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json
+from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json, write_text
 from plumbing.run import (ArgumentParser, check, check_heads, check_writable, common_flags, lock_folder,
                           new_folder, progress, rerun_command, run_main)
 
@@ -262,6 +262,24 @@ def checkpoint_hint(argv, path, max_iters, every):
 # -----------------------------------------------------------------------------
 # the output folder of a run
 
+def trim_log(path, iter_num):
+    """log.jsonl where a run starts at iter_num (a --resume): the lines a killed attempt wrote after
+    that checkpoint are dropped, as the resumed run logs those iterations again (and a line the kill
+    cut short)."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get('iter', 0) <= iter_num:
+                keep.append(json.dumps(rec) + '\n')
+    write_text(''.join(keep), path)
+
+
 class RunDir:
     """A trainer's --out_dir: one job at a time (lock_folder), and a new run (no --resume) replaces
     nothing an earlier one kept there; log.jsonl (rank 0 writes it), the progress bar, the
@@ -276,6 +294,7 @@ class RunDir:
     def start(self, master, iter_num, max_iters, tokens_per_iter, quiet):
         if master:
             os.makedirs(self.path, exist_ok=True)
+            trim_log(os.path.join(self.path, 'log.jsonl'), iter_num)
             self.log = open(os.path.join(self.path, 'log.jsonl'), 'a')
         self.tokens_per_iter, self.start_iter, self.last_iter = tokens_per_iter, iter_num, iter_num
         self.t0 = self.t_start = time.time()

@@ -1658,3 +1658,24 @@ def test_figures_bad_input_is_one_line(tmp_path, case):
         res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path)])
         assert_clean_error(res, 'ppl.json', 'estimate_ppl.py')
     assert not list(tmp_path.glob('*.png'))
+
+
+def test_a_looping_link_as_out_dir_names_the_flag(lm_corpus, tmp_path):
+    """A symbolic link to itself (or to nothing) as --out_dir: one line naming the flag (it said
+    "File exists: <path>" before)."""
+    loop = tmp_path / 'loop'
+    os.symlink(loop, loop)
+    res = run_script(['train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(loop), '--max_iters', '2'])
+    assert_clean_error(res, f"--out_dir {loop} is a symbolic link to nothing (broken, or a loop)")
+
+
+def test_a_reader_gone_before_anything_was_saved_leaves_no_folder(lm_corpus, tmp_path):
+    """`train_lm.py ... | head -1`: the reader leaves after the first line, the run stops quietly
+    (status 141, as a Unix tool) and the --out_dir it created, with nothing saved in it, is removed."""
+    out = tmp_path / 'lm'
+    cmd = shlex.join([sys.executable, 'train_lm.py', '--data_dir', lm_corpus, '--out_dir', str(out),
+                      *TRAIN_FLAGS, '--max_iters', '50', '--eval_interval', '50'])
+    res = subprocess.run(['bash', '-c', f'set -o pipefail; {cmd} | head -1'], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONUNBUFFERED='1'))
+    assert res.returncode == 141 and 'Traceback' not in res.stderr, res
+    assert not out.exists()

@@ -43,11 +43,15 @@ def test_resume_is_exact(lm_corpus, tmp_path):
     train_lm.main(['--out_dir', a, '--max_iters', '8', *flags])
     train_lm.main(['--out_dir', b, '--max_iters', '4', *flags])
     assert load_checkpoint(os.path.join(b, 'ckpt.pt'))['iter_num'] == 4
+    with open(os.path.join(b, 'log.jsonl'), 'a') as f:  # a killed attempt went on past the checkpoint
+        f.write('{"iter": 5, "loss": 99.0}\n{"iter": 6, "loss": 99.0}\n{"iter": 7, "lo')
     torch.manual_seed(123)  # whatever the global RNG holds, resume restores the checkpoint's
     train_lm.main(['--out_dir', b, '--max_iters', '8', '--resume', *flags])
     la, va = read_log(a)
     lb, vb = read_log(b)
     assert sorted(la) == sorted(lb) == list(range(1, 9))
+    iters = [[json.loads(line)['iter'] for line in open(os.path.join(d, 'log.jsonl'))] for d in (a, b)]
+    assert iters[0] == iters[1], iters  # the killed attempt's lines after iteration 4 are gone
     for it in range(1, 9):
         assert abs(la[it] - lb[it]) <= 1e-6, (it, la[it], lb[it])
     assert abs(va[8] - vb[8]) <= 1e-6
