@@ -21,6 +21,7 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import math
+
 import numpy as np
 import torch
 
