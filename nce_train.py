@@ -44,8 +44,8 @@ from data import load_meta, load_negatives, load_split, negatives_hash, untrunca
 from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
                     logz_enumerate)
 from model import configure_optimizer, get_lr, load_checkpoint, stopped_early
-from plumbing import (RunDir, all_reduce, checkpoints, file_hash, guards, one_job, precision, rng_seed,
-                      run_trainer, setup, teardown_distributed, training_parser)
+from plumbing import (RunDir, all_reduce, file_hash, guards, one_job, precision, rng_seed, run_trainer,
+                      setup, teardown_distributed, training_parser)
 
 
 def get_args(argv=None):

@@ -55,9 +55,9 @@ def residual_base(ckpt, path):
     for where in (base_path, moved):
         if where and os.path.isfile(where) and file_hash(where) == base_hash:
             return where
+    also = f", and so is {moved}" if moved else ''
     raise ValueError(f"RALM {path} is the residual of {base_path} (hash {base_hash}), which is missing or "
-                     f"changed" + (f", and so is {moved}" if moved else '') + ": put that LM back, or train "
-                     f"the RALM again")
+                     f"changed{also}: put that LM back, or train the RALM again")
 
 
 def check_energy_of(ckpt, path, lm_path):
