@@ -120,7 +120,7 @@ def check_writable(path, flag, folder=True):
     check_name_lengths(path, flag)
     if os.path.islink(path) and not os.path.exists(path):
         raise ValueError(f"{flag} {path} is a symbolic link to nothing (broken, or a loop): remove it, "
-                         f"or choose another path")
+                         "or choose another path")
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a file, not a folder: choose another path")
     if not folder and os.path.isdir(path):
