@@ -151,7 +151,7 @@ def check_name_lengths(path, flag):
         n, room = len(os.fsencode(name)), TMP_ROOM if i == len(names) - 1 else 0
         if n > name_max - room:
             why = f"the filesystem's {name_max}, less {room} for the temporary name beside it" if room else \
-                f"the filesystem's NAME_MAX"
+                "the filesystem's NAME_MAX"
             raise ValueError(f"{flag} {path}: the name {name[:16]}... is {n} bytes, more than the "
                              f"{name_max - room} a name may have here ({why}): choose a shorter one")
 
