@@ -341,7 +341,8 @@ def scored(lm, energy, prompts, P, L, V, ctx):
 
 
 def cached(path, make):
-    """torch.load(path) where it exists, else make() saved there atomically (no path: make())."""
+    """What path holds (read weights only: tensors, no code) where it exists, else make(), saved
+    there atomically (no path: make())."""
     if path and os.path.exists(path):
         return torch.load(path, weights_only=True)
     obj = make()

@@ -100,8 +100,8 @@ def test_train_lm_resume_on_changed_data_is_one_line(tmp_path):
                            extra=['--val_frac', '0.1', '--test_frac', '0.1'])
     shutil.rmtree(data)
     shutil.copytree(other, data)
-    with pytest.raises(ValueError, match=r"--data_dir .* is not what .*ckpt\.pt was trained on \(content hash "
-                                         r"\w+ there, \w+ here: another input, or changed since\)"):
+    with pytest.raises(ValueError, match=r"--data_dir .* is not what .*ckpt\.pt was trained on \(content "
+                                         r"hash \w+ there, \w+ here: another input, or changed since\)"):
         trained(data, tmp_path / 'run', 4, '--resume')
 
 
