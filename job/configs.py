@@ -24,12 +24,12 @@ DEFAULT = dict(
             min_rel_delta=0.001, snapshots='500,1000,2000'),
     balm=dict(n_head=3),                                 # width chosen by --match_params (head size 48)
     residual=dict(n_layer=3, n_head=3, n_embd=96),       # RALM's phi: the LM's shape, as in the paper
-    # the energy's recipe (nce_train.py's defaults, chosen on addition's selection split: docs/addition.md):
-    # ranking NCE over K LM samples per prefix, best.pt by the held-out joint gain, log Z from 64 samples
-    # of 256 selection prefixes; K = 8 (no ties here, unlike addition) keeps the energies' budget near
-    # the LM's
-    neg=dict(prefix_len=128, gen_len=64, num_samples=8, select_samples=64, train_prefixes=8000,
-             select_prefixes=256),
+    # the energy's recipe, chosen on this corpus's selection split (assets/energy_recipes.json, 256 prefixes x
+    # 64 samples): binary NCE (Eq. 3) on 2 LM samples per prefix, chunks of 32, best.pt by the held-out NCE
+    # loss gained 0.00128 / 0.00124 nats/token (BIT / UNIT) there; nce_train.py's defaults (ranking NCE over
+    # K = 8, best.pt by the held-out gain; addition's choice) 0.00094 / 0.00076 (paired: -0.00034, SE
+    # 0.00034; -0.00048, SE 0.00038) for about 15 more minutes of the job
+    neg=dict(prefix_len=128, gen_len=64, num_samples=2, train_prefixes=8000, select_prefixes=1024, chunk=32),
     # BIT: a 3x80 body (fewer parameters than the UNIT), MLM-pretrained from scratch with ALiBi
     # (without it the MLM sits at the unigram loss), fine-tuned by NCE at a low lr that keeps what
     # the MLM knows; UNIT: the LM's shape and weights, also at a low lr (docs/experiments.md)
@@ -40,12 +40,11 @@ DEFAULT = dict(
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
     metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
-    # each energy early-stopped on the held-out joint gain (its best.pt: steps after it are not used);
-    # at most 600 steps of 16 prefixes x 9 sequences, about half the LM's tokens
-    bit=dict(batch_size=16, max_iters=600, lr=1e-4, warmup_iters=30, eval_interval=100, eval_prefixes=256,
-             patience=2),
-    unit=dict(batch_size=16, max_iters=600, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=100,
-              eval_prefixes=256, patience=2),
+    # each energy early-stopped on its held-out NCE loss (its best.pt: steps after it are not used)
+    bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024,
+             patience=2, loss='binary', select='loss'),
+    unit=dict(batch_size=16, max_iters=1200, lr=1e-4, min_lr=1e-5, warmup_iters=50, eval_interval=200,
+              eval_prefixes=1024, patience=2, loss='binary', select='loss'),
     # n = 64 on 256 prefixes: on the selection split (an earlier LM and its BIT, n_ref = 1,024) the
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
     # (docs/experiments.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
@@ -167,10 +166,10 @@ def large_batch(cfg, scale=4, step_share=0.5, trainers=('bit', 'unit'), chunk=40
     return dict(cfg, **{k: scaled(cfg[k]) for k in trainers}, neg=dict(cfg['neg'], chunk=chunk))
 
 
-# Stage times of the default run relative to the LM's, from the idle run of the earlier recipe
-# (2026-11-27, bf16 CPU); the negatives and energies of today's recipe from their idle throughputs
-# (docs/reports.md): the LM stage measures this machine's speed, these turn it into a rough
-# estimate of the whole run (on a CPU without bf16, sampling is relatively faster: an overestimate).
-RELATIVE_TIME = dict(lm=1.0, balm=0.43, ralm=0.10, neg_train=0.23, neg_select=0.06, mlm=0.23, bit=0.76,
-                     unit=0.76, tailr=0.066, metrics=0.25, estimate_ppl=0.34, samples=0.08,
+# Stage times of the default run (--jobs 1) relative to the LM's, from the idle run of its recipe
+# (2026-11-27, bf16 CPU, docs/reports.md): the LM stage measures this machine's speed, these turn it
+# into a rough estimate of the whole run (on a CPU without bf16, sampling is relatively faster: an
+# overestimate).
+RELATIVE_TIME = dict(lm=1.0, balm=0.43, ralm=0.10, neg_train=0.06, neg_select=0.01, mlm=0.23, bit=0.15,
+                     unit=0.13, tailr=0.066, metrics=0.25, estimate_ppl=0.34, samples=0.08,
                      samples_untruncated=0.075, claims=0.015)

@@ -4,6 +4,7 @@
 # docs/addition.md, "On a GPU"). OUT gets summary.txt, the GPU's utilization every 0.5 s and
 # run.tar.gz (the run's JSON, tables and logs; no checkpoints).
 #     bash job/gpu_addition.sh [OUT [JOBS]]      # default out/gpu_addition, 6; JOB_LIMIT=480 s
+#     SELECT_EVAL= bash job/gpu_addition.sh     # the job alone, no selection-split scoring
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-out/gpu_addition}"
@@ -34,7 +35,7 @@ u = [int(l.split(',')[1].split()[0]) for l in open(sys.argv[1]) if l.count(',') 
 print(f"GPU utilization over the job: mean {sum(u) / max(len(u), 1):.1f}% of {len(u)} readings every 0.5 s, "
       f"busy (> 0%) in {sum(x > 0 for x in u) / max(len(u), 1):.0%}")
 EOF
-for e in bit unit; do  # the energies on 1,000 selection problems, as docs/addition.md's budget table
+for e in ${SELECT_EVAL-bit unit}; do  # the energies on 1,000 selection problems (docs/addition.md)
     [ -f "$run/$e/best.pt" ] || continue
     timeout 45 python3 -m extensions.addition_eval --lm "$run/lm/best.pt" --energy "$run/$e/best.pt" \
         --split select --ns 64 --beam 8 --quiet --out "$run/select_$e.json" > "$run/select_$e.log" 2>&1

@@ -18,17 +18,18 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
---jobs N (like make -j; on a GPU the stages share it): stages start in the order above as soon as
-those they depend on have ended and fewer than N run (BALM and the MLM beside the LM, the BIT
-beside the UNIT, ...), each on cores // N threads (OMP_NUM_THREADS), its output in
-<out_dir>/<stage>.log; the terminal gets each command and one line as it ends. A failed stage
-stops the others and names its log; Ctrl-C stops them all. Threads change float rounding, so a
-stage's thread count follows --jobs alone, never timing: the numbers depend on --jobs (on 2
-cores, --jobs 2 gives those of OMP_NUM_THREADS=1 --jobs 1), never on the schedule.
+--jobs N (like make -j; on a GPU the stages share it; default 2 on two cores or more): stages start
+in the order above as soon as those they depend on have ended and fewer than N run (BALM and the MLM
+beside the LM, the BIT beside the UNIT, ...), each on cores // N threads (OMP_NUM_THREADS), its output
+in <out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1: each stage
+in the terminal, on every core). A failed stage stops the others and names its log; Ctrl-C stops them
+all. Threads change float rounding, so a stage's thread count follows --jobs and the cores, never
+timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of OMP_NUM_THREADS=1 --jobs 1),
+never on the schedule.
 
     python -m job.reproduce                      # ~47 min on 2 CPU cores with bf16 units (README)
     python -m job.reproduce --quick              # ~2.5 min, tiny models: the CI smoke test
-    python -m job.reproduce --jobs 2             # two stages at a time, each on half the cores
+    python -m job.reproduce --jobs 1             # one stage at a time, each on every core
     python -m job.reproduce --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
     python -m job.reproduce --data addition      # a task with a known answer, and EXO (docs/addition.md)
 """
@@ -101,14 +102,18 @@ def get_args(argv=None):
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
                         "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
-    p.add_argument('--jobs', type=int, default=1,
-                   help="stages run at once, like make -j (on a GPU: sharing it). 1: one after another, "
-                        "each on every core, in the terminal. N > 1: a stage starts once those it needs "
-                        "have ended, on cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if "
-                        "set, else torch's default), its output in <out_dir>/<stage>.log. Threads change "
-                        "float rounding: the per-stage count follows --jobs, never timing, so the numbers "
-                        "depend on --jobs (as OMP_NUM_THREADS would), never on the schedule")
+    p.add_argument('--jobs', type=int, default=None,
+                   help="stages run at once, like make -j (on a GPU: sharing it); default 2 where there are "
+                        "2 cores or more (two stages side by side do ~1.8x the work of one on both cores), "
+                        "else 1. 1: one after another, each on every core, in the terminal. N > 1: a stage "
+                        "starts once those it needs have ended, on cores // N threads (OMP_NUM_THREADS; "
+                        "cores: $OMP_NUM_THREADS if set, else torch's default), its output in "
+                        "<out_dir>/<stage>.log. Threads change float rounding: the per-stage count follows "
+                        "--jobs and the cores, never timing, so the numbers depend on them (as "
+                        "OMP_NUM_THREADS would), never on the schedule")
     args = p.parse_args(argv)
+    if args.jobs is None:
+        args.jobs = min(2, torch.get_num_threads())
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: at least 1 (1: one stage at a time)")
     gpt2, add = args.tokenizer == 'gpt2', args.data == 'addition'
