@@ -340,8 +340,8 @@ def main(argv=None):
             if it == args.max_iters or stale:
                 break
         g = rng(args.seed, 'exo batch', 'train', it, device)
-        pick = torch.randint(len(train_offsets), (args.batch_size,), generator=g, device=g.device)  # g's device
-        pick = pick.cpu().numpy()
+        pick = torch.randint(len(train_offsets), (args.batch_size,), generator=g, device=g.device)
+        pick = pick.cpu().numpy()  # drawn on g's device (a CUDA generator refuses a CPU tensor)
         prefix = window_tokens(train, train_offsets[np.sort(pick)], args.prefix_len).to(device)
         loss = exo_step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
         opt.zero_grad(set_to_none=True)

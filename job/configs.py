@@ -166,10 +166,9 @@ def large_batch(cfg, scale=4, step_share=0.5, trainers=('bit', 'unit'), chunk=40
     return dict(cfg, **{k: scaled(cfg[k]) for k in trainers}, neg=dict(cfg['neg'], chunk=chunk))
 
 
-# Stage times of the default run (--jobs 1) relative to the LM's, from the idle run of its recipe
-# (2026-11-27, bf16 CPU, docs/reports.md): the LM stage measures this machine's speed, these turn it
-# into a rough estimate of the whole run (on a CPU without bf16, sampling is relatively faster: an
-# overestimate).
-RELATIVE_TIME = dict(lm=1.0, balm=0.43, ralm=0.10, neg_train=0.06, neg_select=0.01, mlm=0.23, bit=0.15,
-                     unit=0.13, tailr=0.066, metrics=0.25, estimate_ppl=0.34, samples=0.08,
-                     samples_untruncated=0.075, claims=0.015)
+# Stage times of the default run (--jobs 1) relative to the LM's, from its idle run (2026-11-28, bf16
+# CPU, docs/reports.md): the LM stage measures this machine's speed, these turn it into a rough
+# estimate of the whole run (on a CPU without bf16, sampling is relatively faster: an overestimate).
+RELATIVE_TIME = dict(lm=1.0, balm=0.91, ralm=0.19, neg_train=0.14, neg_select=0.01, mlm=0.53, bit=0.23,
+                     unit=0.27, tailr=0.11, metrics=0.4, estimate_ppl=0.66, samples=0.14,
+                     samples_untruncated=0.14, claims=0.013)

@@ -1,6 +1,7 @@
 """
 The main job's scheduler: stages run like make, one at a time in the terminal or, with --jobs N, N
-at a time in the background with a log each. Stage times go to timings.json.
+at a time in the background with a log each. Stage times go to timings.json, their spans (start and
+end, seconds since the epoch) to spans.json: the job's wall time is their union (wall_seconds).
 
 "Done" is decided by provenance, not by the presence or age of files: <out_dir>/provenance.json
 records, for each stage, what made it (its flags, the run folder written as <out>, and the hashes
@@ -133,6 +134,9 @@ class Pipeline:
             if os.path.exists(timings_path) else {}
         if not isinstance(self.timings, dict):
             raise ValueError(f"{timings_path} is not a table of stage times: delete it and rerun")
+        self.spans_path = os.path.join(self.out_dir, 'spans.json')
+        self.spans = read_json(self.spans_path, 'delete it (it only records stage times) and rerun') \
+            if os.path.exists(self.spans_path) else {}
         self.records_path = os.path.join(self.out_dir, PROVENANCE)
         self.records = read_records(self.records_path)
         self.running = {}  # stage -> (process, start time, its log or None: the terminal)
@@ -244,7 +248,9 @@ class Pipeline:
         if name in self.records:
             self.record(name)
         self.timings[name] = round(time.time() - t0, 1)
+        self.spans[name] = [round(t0, 1), round(time.time(), 1)]
         write_json(self.timings, self.timings_path)
+        write_json(self.spans, self.spans_path)
         if log:
             print(f"[{name}] finished in {self.timings[name]:.0f}s (its output: {log})", flush=True)
 
@@ -255,6 +261,16 @@ class Pipeline:
         for proc, _, _ in self.running.values():
             proc.wait()
         self.running.clear()
+
+
+def wall_seconds(spans):
+    """The job's wall time: the length of the union of its stages' [start, end] spans (with --jobs > 1
+    they overlap; the pauses of a job stopped and resumed are not counted)."""
+    total, reach = 0.0, float('-inf')
+    for start, end in sorted(spans.values()):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return round(total, 1)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -18,18 +18,18 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
---jobs N (like make -j; on a GPU the stages share it; default 2 on two cores or more): stages start
-in the order above as soon as those they depend on have ended and fewer than N run (BALM and the MLM
-beside the LM, the BIT beside the UNIT, ...), each on cores // N threads (OMP_NUM_THREADS), its output
-in <out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1: each stage
-in the terminal, on every core). A failed stage stops the others and names its log; Ctrl-C stops them
-all. Threads change float rounding, so a stage's thread count follows --jobs and the cores, never
-timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of OMP_NUM_THREADS=1 --jobs 1),
-never on the schedule.
+--jobs N (like make -j; on a GPU the stages share it; default 1, 2 with --quick): stages start in
+the order above as soon as those they depend on have ended and fewer than N run (BALM and the MLM
+beside the LM, the BIT beside the UNIT, ...), each on cores // N threads (OMP_NUM_THREADS), its
+output in <out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1:
+each stage in the terminal, on every core). A failed stage stops the others and names its log;
+Ctrl-C stops them all. Threads change float rounding, so a stage's thread count follows --jobs and
+the cores, never timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of
+OMP_NUM_THREADS=1 --jobs 1), never on the schedule.
 
-    python -m job.reproduce                      # ~47 min on 2 CPU cores with bf16 units (README)
-    python -m job.reproduce --quick              # ~2.5 min, tiny models: the CI smoke test
-    python -m job.reproduce --jobs 1             # one stage at a time, each on every core
+    python -m job.reproduce                      # 46 min on an idle 2-core AMD EPYC with bf16 (README)
+    python -m job.reproduce --quick              # 91 s there, tiny models: the CI smoke test
+    python -m job.reproduce --jobs 2             # two stages at a time, each on half the cores
     python -m job.reproduce --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
     python -m job.reproduce --data addition      # a task with a known answer, and EXO (docs/addition.md)
 """
@@ -50,7 +50,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
 
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME,
                          large_batch)
-from job.pipeline import FIX, ROOT, Pipeline
+from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
 
 
 def flags(d):
@@ -103,17 +103,17 @@ def get_args(argv=None):
                    help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
                         "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
     p.add_argument('--jobs', type=int, default=None,
-                   help="stages run at once, like make -j (on a GPU: sharing it); default 2 where there are "
-                        "2 cores or more (two stages side by side do ~1.8x the work of one on both cores), "
-                        "else 1. 1: one after another, each on every core, in the terminal. N > 1: a stage "
-                        "starts once those it needs have ended, on cores // N threads (OMP_NUM_THREADS; "
-                        "cores: $OMP_NUM_THREADS if set, else torch's default), its output in "
-                        "<out_dir>/<stage>.log. Threads change float rounding: the per-stage count follows "
-                        "--jobs and the cores, never timing, so the numbers depend on them (as "
-                        "OMP_NUM_THREADS would), never on the schedule")
+                   help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
+                        "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
+                        "stages are bound by process starts, not arithmetic (measured: docs/reports.md). "
+                        "N > 1: a stage starts once those it needs have ended, on cores // N threads "
+                        "(OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if set, else torch's default), its "
+                        "output in <out_dir>/<stage>.log. Threads change float rounding: the per-stage "
+                        "count follows --jobs and the cores, never timing, so the numbers depend on them "
+                        "(as OMP_NUM_THREADS would), never on the schedule")
     args = p.parse_args(argv)
     if args.jobs is None:
-        args.jobs = min(2, torch.get_num_threads())
+        args.jobs = min(2, torch.get_num_threads()) if args.quick else 1
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: at least 1 (1: one stage at a time)")
     gpt2, add = args.tokenizer == 'gpt2', args.data == 'addition'
@@ -244,7 +244,7 @@ def stages(args, pipe):
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
     pipe.wait()
-    report(out, pipe.timings, args.data_dir)
+    report(out, pipe.timings, wall_seconds(pipe.spans), args.data_dir)
     if readme_run(args):
         publish(out)
 
@@ -456,7 +456,7 @@ def format_profile(rows):
     return '\n'.join(lines)
 
 
-def report(out, timings, data_dir):
+def report(out, timings, wall_s, data_dir):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the energies' held-out
     gains and NCE accuracies, and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
     ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
@@ -469,7 +469,7 @@ def report(out, timings, data_dir):
     gain, acc = ({k: r[f'held_out_{f}'] for k, r in nce.items()} for f in ('gain', 'acc'))
     test, profile = ppl['splits']['test'], stage_profile(out, timings)
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_gain=gain, held_out_nce_acc=acc,
-                    timings_s=timings, profile=profile,
+                    timings_s=timings, wall_s=wall_s, profile=profile,
                     claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
                     calibration=test.get('calibration'), num_samples=test['num_samples'],
                     num_prefixes=test['num_prefixes']),
@@ -478,7 +478,8 @@ def report(out, timings, data_dir):
     print(open(os.path.join(out, 'ppl.txt')).read().rstrip())
     print(f"held-out joint gain over the LM (selection split, nats/token): BIT {gain['bit']:.5f}, UNIT "
           f"{gain['unit']:.5f}; NCE accuracy BIT {acc['bit']:.3f}, UNIT {acc['unit']:.3f}")
-    print("\nWhere the time went (stage seconds; with --jobs > 1 stages overlap: shares of their sum)\n"
+    print(f"\nWhere the time went: {wall_s / 60:.1f} min wall, {sum(timings.values()) / 60:.1f} min of "
+          "stages (stage seconds; with --jobs > 1 they overlap: shares of their sum)\n"
           + format_profile(profile))
     if os.path.exists(os.path.join(out, 'metrics', 'results.txt')):
         print("\nThe talk's metric energy (metric_ebm.py): mu, the moments, "

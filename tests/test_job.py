@@ -55,6 +55,7 @@ def test_reproduce_quick_end_to_end(tmp_path):
     profile, lm = {r['stage']: r for r in results['profile']}, json.load(open(out / 'lm' / 'results.json'))
     assert profile.keys() == results['timings_s'].keys() and 'Where the time went' in res.stdout
     assert sum(r['share'] for r in profile.values()) == pytest.approx(1.0)
+    assert 0 < results['wall_s'] < sum(results['timings_s'].values())  # --jobs 2 by default: overlapping
     assert profile['lm']['tokens'] == pytest.approx(lm['iters'] * lm['tokens_per_iter'])
     assert profile['claims']['tokens'] is None
     best = str(out / 'bit' / 'best.pt')
@@ -191,6 +192,24 @@ def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
     assert not (tmp_path / 'slow.json').exists() and not (tmp_path / 'after.json').exists()
     with pytest.raises(ValueError, match='--jobs 0: at least 1'):
         reproduce_args(['--jobs', '0'])
+
+
+def test_wall_seconds_is_the_union_of_the_spans():
+    """The job's wall time: overlapping stages counted once, a pause between two invocations not at
+    all (the closed form by hand)."""
+    from job import reproduce
+    spans = {'lm': [100.0, 110.0], 'balm': [105.0, 115.0], 'mlm': [106.0, 108.0], 'claims': [200.0, 205.0]}
+    assert reproduce.wall_seconds(spans) == 15.0 + 5.0
+    assert reproduce.wall_seconds({}) == 0
+
+
+@pytest.mark.parametrize('cores, quick_jobs', [(1, 1), (2, 2), (16, 2)])
+def test_jobs_default_one_two_with_quick(monkeypatch, cores, quick_jobs):
+    """--jobs by default: 1; with --quick two stages at a time where there are two cores or more;
+    a given --jobs is kept."""
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: cores)
+    assert reproduce_args([]).jobs == 1 and reproduce_args(['--quick']).jobs == quick_jobs
+    assert reproduce_args(['--quick', '--jobs', '3']).jobs == 3
 
 
 @pytest.mark.parametrize('jobs, mode, said', [
