@@ -247,8 +247,8 @@ class Pipeline:
                      f"finished stages are skipped")
         if name in self.records:
             self.record(name)
-        self.timings[name] = round(time.time() - t0, 1)
-        self.spans[name] = [round(t0, 1), round(time.time(), 1)]
+        end = time.time()
+        self.timings[name], self.spans[name] = round(end - t0, 1), [round(t0, 1), round(end, 1)]
         write_json(self.timings, self.timings_path)
         write_json(self.spans, self.spans_path)
         if log:

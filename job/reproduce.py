@@ -239,7 +239,7 @@ def stages(args, pipe):
     if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
         accuracy(script, path, lm_ckpt, cfg, stronger_energy(pipe, path))
     pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
-             ['estimate_ppl', 'samples', 'samples_untruncated'] + ['accuracy'] * ('accuracy' in cfg))
+             ['estimate_ppl', 'samples', 'samples_untruncated'] + ['addition_eval'] * ('accuracy' in cfg))
     if args.ordering:
         ordering(stage, pipe, path, args, cfg)
     figures(pipe, out, args)
@@ -306,10 +306,11 @@ def accuracy(script, path, lm_ckpt, cfg, energy):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
     model, and of the joint model LM + `energy` by each decoder among n LM samples
     (extensions/addition_eval.py), and its figure."""
-    script('accuracy', ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
-                        '--energy', path(energy, 'best.pt'), '--extra_lm', f"BALM={path('balm', 'best.pt')}",
-                        f"EXO={path('exo', 'best.pt')}", f"TAILR={path('tailr', 'best.pt')}",
-                        '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'), '--force']
+    script('addition_eval', ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
+                             '--energy', path(energy, 'best.pt'),
+                             '--extra_lm', f"BALM={path('balm', 'best.pt')}", f"EXO={path('exo', 'best.pt')}",
+                             f"TAILR={path('tailr', 'best.pt')}",
+                             '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'), '--force']
            + flags(cfg['accuracy']),
            path('accuracy.json'), ['lm', energy, 'balm', 'exo', 'tailr'])
 
