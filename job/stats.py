@@ -17,10 +17,11 @@ ALPHA = P_SIG  # every claim's level, alone (holds) and family-wise (holds_holm)
 
 def t_log_pvalue(t, df=None):
     """log of the two-sided p-value P(|T| >= |t|) of Student's t with df (a positive integer) degrees
-    of freedom; df None: the normal's (normal_log_tail). Finite for every finite t, also where p
-    underflows (below 4.9e-324). p = I_x(df/2, 1/2) at x = 1 / (1 + t^2/df), the regularised
-    incomplete beta by its continued fraction (betacf) on the side where it converges fast
-    (I_x(a, b) = 1 - I_{1-x}(b, a) on the other); x, 1 - x and the prefactor in logs."""
+    of freedom; df None: the normal's (normal_log_tail). Finite for every finite t (the normal's: up
+    to |t| = 1e154, past which log p < -1e308), also where p underflows (below 4.9e-324).
+    p = I_x(df/2, 1/2) at x = 1 / (1 + t^2/df), the regularised incomplete beta by its continued
+    fraction (betacf) on the side where it converges fast (I_x(a, b) = 1 - I_{1-x}(b, a) on the
+    other); x, 1 - x and the prefactor in logs."""
     if math.isnan(t):
         return t
     if math.isinf(t) or t == 0:
@@ -73,7 +74,7 @@ def normal_log_tail(z):
     if z < 37:
         return math.log(math.erfc(z / math.sqrt(2)))
     x2 = z * z / 2
-    series = sum((-1) ** k * math.prod(range(1, 2 * k, 2)) / (2 * x2) ** k for k in range(6))
+    series = sum((-1) ** k * math.prod(range(1, 2 * k, 2)) * (0.5 / x2) ** k for k in range(6))
     return -x2 - 0.5 * math.log(math.pi * x2) + math.log(series)
 
 

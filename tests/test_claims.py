@@ -4,7 +4,9 @@ its p-value against a brute-force or closed-form reference, Holm's correction.
 
 import copy
 import itertools
+import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 from job import claims, stats
 from energy import logz_bounds
 from estimate_ppl import calibrate
+from tests.common import ROOT
 
 
 # =============================================================================
@@ -315,6 +318,97 @@ def test_student_t_pvalue_and_critical_value():
     assert abs(res['z'] - 2.2) < 1e-12 and res['df'] == 7 and res['holds'] is None  # |z| > 2 was 'holds'
     with pytest.raises(ValueError, match='positive integer df'):
         stats.t_pvalue(1.0, 0)
+
+
+# Two-sided P(|T| >= t) of Student's t with df degrees of freedom (None: the normal), computed apart
+# from the code with mpmath 1.4 at 50 digits, betainc(df/2, 1/2, 0, df/(df + t^2), regularized=True)
+# (the normal: erfc(t/sqrt(2))), stored as literals; df 1 and 2 equal the closed forms 2/pi atan(1/t)
+# and 2/(s (s + t)), s = sqrt(2 + t^2). Below 1e-15 the old 1 - finite sum returned 0.0 or 1e-16.
+T_TAILS = [
+    (30, 1, 0.021212804811070848), (30, 2, 0.0011092626819596588), (30, 10, 3.961792342031324e-11),
+    (30, 100, 8.380332558688292e-52), (30, 10000, 2.0443270474255706e-189), (8, 2, 0.015268072165338138),
+    (2, 3, 0.1393259685588432), (0.5, 4, 0.6433299631818633), (1.5, 10000, 0.13364597182361962),
+    (3, 7, 0.01994212613199254), (12, 30, 5.580185415199256e-13), (7.5, 511, 2.845242059102592e-13),
+    (8.5, 511, 2.0935473850051076e-16), (8.81205818196446, 511, 1.9255630721027956e-17),  # C2 enumerated
+    (9.236575630041763, 999, 1.4863314418552742e-19), (19.76650680413603, 999, 1.1696703281400674e-73),
+    (1e10, 1, 6.366197723675813e-11), (1e200, 1, 6.3661977236758134e-201),
+    (10, None, 1.523970604832105e-23), (30, None, 9.813427854296374e-198)]
+# log p where p is below the smallest double (4.9e-324), the same way
+T_LOG_TAILS = [(40, 10000, -745.941135297647), (1e300, 3, -2071.5357130750367),
+               (1e5, 100, -923.5649140966934), (40, None, -803.9152948331938),
+               (1e3, None, -500007.1335476316)]
+
+
+def test_t_pvalue_exact_far_into_the_tail():
+    """stats.t_pvalue within 1e-9 relative of the exact tail (T_TAILS: p from 0.64 down to 1e-201,
+    |t| up to 1e200, df 1 to 10,000 and the normal) on either sign of t, and t_log_pvalue within 1e-9
+    of log p where p itself underflows to 0.0 (T_LOG_TAILS); format_p prints such tails."""
+    for t, df, want in T_TAILS:
+        for got in (stats.t_pvalue(t, df), stats.t_pvalue(-t, df), math.exp(stats.t_log_pvalue(t, df))):
+            assert abs(got - want) < 1e-9 * want, (t, df, got, want)
+    for t, df, want in T_LOG_TAILS:
+        assert stats.t_pvalue(t, df) == 0.0, (t, df)
+        assert abs(stats.t_log_pvalue(t, df) - want) < 1e-9 * abs(want), (t, df)
+    assert stats.format_p(1.1696703281400674e-73) == '1.2e-73' and stats.format_p(0.04550026) == '0.0455'
+
+
+def test_t_pvalue_never_zero_and_monotone_in_t():
+    """For finite t, p > 0 wherever the double holds it (|t| up to 30 at every df here) and falls
+    strictly as |t| grows; beyond, log p stays finite and falls on to |t| = 1e100."""
+    ts = np.arange(0, 30.001, 0.125)
+    for df in (1, 2, 3, 10, 100, 511, 999, 10_000, None):
+        ps = [stats.t_pvalue(t, df) for t in ts]
+        assert ps[0] == 1.0 and min(ps) > 0 and (np.diff(ps) < 0).all(), df
+        assert [stats.t_pvalue(-t, df) for t in ts] == ps
+        logs = [stats.t_log_pvalue(t, df) for t in (30, 40, 100, 1e3, 1e10, 1e100)]
+        assert np.isfinite(logs).all() and (np.diff(logs) < 0).all(), df
+
+
+def test_sign_test_in_logs_against_exact_integers():
+    """stats.sign_test_log_p (McNemar's p) against min(1, 2 sum_{i <= j} C(n, i) / 2^n) in exact integers,
+    from p = 1 down to 1e-900, where p underflows but not its log."""
+    for k, m in [(0, 0), (3, 1), (5, 6), (65, 26), (126, 1), (0, 131), (69, 5), (500, 480), (2990, 10),
+                 (3000, 0), (4000, 3900)]:
+        n, j = k + m, min(k, m)
+        exact = min(0.0, math.log(2 * sum(math.comb(n, i) for i in range(j + 1))) - n * math.log(2))
+        assert abs(stats.sign_test_log_p(k, m) - exact) < 1e-12 * max(1.0, -exact), (k, m)
+    assert stats.mcnemar([1] * 131, [0] * 131)['p'] == pytest.approx(2.0 ** -130, rel=1e-12)
+
+
+def stored_p_values(obj):
+    """Every dict in obj (a parsed JSON) that holds a p-value."""
+    if isinstance(obj, dict):
+        yield from ([obj] if 'p' in obj else [])
+        for v in obj.values():
+            yield from stored_p_values(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from stored_p_values(v)
+
+
+def test_stored_p_values_are_the_tails_of_their_statistics():
+    """No p-value in assets/*.json is 0.0, and each stored beside its statistic (t and df, McNemar's
+    discordant counts) is stats' p of it within 1%; the seeds' p_holm is Holm's of their p."""
+    checked = 0
+    for name in sorted(f for f in os.listdir(os.path.join(ROOT, 'assets')) if f.endswith('.json')):
+        data = json.load(open(os.path.join(ROOT, 'assets', name)))
+        for d in stored_p_values(data):
+            ps = [d['p'], d.get('p_holm'), *d.get('mcnemar_p_per_seed', [])]
+            assert all(p is None or p > 0 for p in ps), (name, d)
+            if d['p'] is not None and d.get('df') is not None and 'margin' not in d:  # T3's is two tests'
+                want = stats.t_pvalue(d['z'], d['df'])
+            elif d['p'] is not None and 'discordant' in d:
+                want = math.exp(stats.sign_test_log_p(*d['discordant']))
+            else:
+                continue
+            assert abs(d['p'] - want) < 0.01 * want, (name, d['p'], want)
+            checked += 1
+    assert checked >= 60, checked
+    comparisons = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))['comparisons']
+    holm = stats.holm([c['p'] for c in comparisons])
+    assert len(holm) == len(comparisons) == 11
+    for c, p_holm in zip(comparisons, holm):
+        assert abs(c['p_holm'] - p_holm) < 0.01 * p_holm, c['what']
 
 
 def test_holm_matches_the_closure_principle():
