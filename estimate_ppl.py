@@ -57,7 +57,7 @@ def last_step_logz(lm, energy, x, prefix_len, amp):
     first prefix_len tokens the prefix that E(x) was defined with; amp: the Precision of each model."""
     V = lm.config.vocab_size
     with amp.lm:
-        logp = torch.log_softmax(lm.logits(x[:, :-1], first=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
+        logp = torch.log_softmax(lm.logits(x[:, :-1], from_pos=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
     vocab = torch.arange(V, device=x.device).expand(x.size(0), V)[..., None]  # every v after each x_<T
     return torch.logsumexp(logp - score_continuations(energy, x[:, :-1], vocab, prefix_len, amp.energy), -1)
 
