@@ -64,8 +64,8 @@ def last_step_logz(lm, energy, x, prefix_len, amp):
 
 
 # -----------------------------------------------------------------------------
-# sequence-level joint PPL (Table 1): its helpers, then per prefix (evaluate_prefixes), per model
-# (summarize), per split (table_1)
+# sequence-level joint PPL (Table 1): per prefix (evaluate_prefixes), per model (summarize), per
+# split (table_1), each below its helpers
 
 def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp):
     """Per energy, log Z of each prefix of x (B, P+L) by logz_enumerate (the real continuation and the
@@ -128,6 +128,33 @@ def columns(chunks):
                           for n in first['logz'][k]} for k in first['logz']})
 
 
+@torch.no_grad()
+def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size, split):
+    """Table 1's per-prefix columns: log P_LM of the real continuation, each energy's E of the real
+    sequence and its log Z bounds (Eq. 4) from n LM samples, for every n of the sweep; and
+    beside_logz's. Each rank takes every world_size-th chunk of prefixes; each chunk has its own seed."""
+    P, L = args.prefix_len, args.gen_len
+    sweep = sorted(set(args.sweep + [args.num_samples]))
+    recs = []
+    mine = list(range(0, len(offsets), args.chunk))[rank::world_size]
+    for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
+        x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)  # (B, P+L)
+        with amp.lm:
+            lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
+        e_real = {name: score(e, x, P, amp.energy) for name, e in energies.items()}
+        log_w, samples, samples_logp = (  # log_w (energies, B, n): -E of n LM samples of each prefix
+            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), amp,
+                               rng(args.seed, 'log_z', split, s, device), args.max_rows, return_samples=True)
+            if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))
+        bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
+        logz = {name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu()) for n, (lo, hi) in bounds.items()}
+                for k, name in enumerate(energies)}
+        recs.append(dict(index=s, lm_logp=lm_logp.cpu(), energy={k: v.cpu() for k, v in e_real.items()},
+                         logz=logz, **beside_logz(lm, energies, extra_lms, x, P, lm_logp, e_real, samples,
+                                                  samples_logp, log_w, args, amp)))
+    return columns(gathered(recs, world_size))
+
+
 def ppl(logp, count):
     """Perplexity exp(-sum(logp) / count) of count tokens (or characters) whose log-probs sum to logp's."""
     return float(np.exp(-logp.sum() / count))
@@ -159,6 +186,29 @@ def beside_joint(cols, name, joint_low, joint_high, L, num_tokens, num_chars, en
     return out
 
 
+def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
+    """Table 1's rows from the per-prefix columns: the PPL of the base LM, of the extra LMs and of
+    each joint model, log P_LM - E - log Z (Eq. 2), a range from log Z's bounds at n samples (Eq. 4);
+    for every model but the base, its gain over it (a joint model's at its high-PPL end); and
+    beside_joint's. A sure lower bound of log Z (logz_enumerate's) caps the range: no P above 1."""
+    lp, L = cols['lm_logp'], num_tokens / len(cols['lm_logp'])
+    rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
+    for name, logp in cols['extra_logp'].items():
+        rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain_over(logp, lp, L)))
+    for name, e in cols['energy'].items():
+        logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
+        sure = -np.inf if enum is None else enum['sure']
+        joint_high = lp - e - np.maximum(logz['low'], sure)  # the low log Z gives the high log P
+        joint_low = lp - e - np.maximum(logz['high'], sure)
+        rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
+                         ppl_high=ppl(joint_low, num_tokens), **gain_over(joint_low, lp, L),
+                         **beside_joint(cols, name, joint_low, joint_high, L, num_tokens, num_chars,
+                                        enumerated)))
+    if num_chars:
+        rows[0]['ppl_char'] = ppl(lp, num_chars)
+    return rows
+
+
 def count_chars(data, offsets, args, meta):
     """The characters of the real continuations, where tokens are BPE (PPL per character too); else None."""
     if meta['tokenizer'] == 'char':
@@ -188,56 +238,6 @@ def split_results(cols, rows, args, split, num_prefixes):
         res['sweep'] = {n: [r for r in summarize(cols, num_tokens, n, enumerated=False) if 'energy' in r]
                         for n in sorted(set(args.sweep))}
     return res
-
-
-@torch.no_grad()
-def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size, split):
-    """Table 1's per-prefix columns: log P_LM of the real continuation, each energy's E of the real
-    sequence and its log Z bounds (Eq. 4) from n LM samples, for every n of the sweep; and
-    beside_logz's. Each rank takes every world_size-th chunk of prefixes; each chunk has its own seed."""
-    P, L = args.prefix_len, args.gen_len
-    sweep = sorted(set(args.sweep + [args.num_samples]))
-    recs = []
-    mine = list(range(0, len(offsets), args.chunk))[rank::world_size]
-    for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
-        x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)  # (B, P+L)
-        with amp.lm:
-            lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
-        e_real = {name: score(e, x, P, amp.energy) for name, e in energies.items()}
-        log_w, samples, samples_logp = (  # log_w (energies, B, n): -E of n LM samples of each prefix
-            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), amp,
-                               rng(args.seed, 'log_z', split, s, device), args.max_rows, return_samples=True)
-            if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))
-        bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
-        logz = {name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu()) for n, (lo, hi) in bounds.items()}
-                for k, name in enumerate(energies)}
-        recs.append(dict(index=s, lm_logp=lm_logp.cpu(), energy={k: v.cpu() for k, v in e_real.items()},
-                         logz=logz, **beside_logz(lm, energies, extra_lms, x, P, lm_logp, e_real, samples,
-                                                  samples_logp, log_w, args, amp)))
-    return columns(gathered(recs, world_size))
-
-
-def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
-    """Table 1's rows from the per-prefix columns: the PPL of the base LM, of the extra LMs and of
-    each joint model, log P_LM - E - log Z (Eq. 2), a range from log Z's bounds at n samples (Eq. 4);
-    for every model but the base, its gain over it (a joint model's at its high-PPL end); and
-    beside_joint's. A sure lower bound of log Z (logz_enumerate's) caps the range: no P above 1."""
-    lp, L = cols['lm_logp'], num_tokens / len(cols['lm_logp'])
-    rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
-    for name, logp in cols['extra_logp'].items():
-        rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain_over(logp, lp, L)))
-    for name, e in cols['energy'].items():
-        logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
-        sure = -np.inf if enum is None else enum['sure']
-        joint_high = lp - e - np.maximum(logz['low'], sure)  # the low log Z gives the high log P
-        joint_low = lp - e - np.maximum(logz['high'], sure)
-        rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
-                         ppl_high=ppl(joint_low, num_tokens), **gain_over(joint_low, lp, L),
-                         **beside_joint(cols, name, joint_low, joint_high, L, num_tokens, num_chars,
-                                        enumerated)))
-    if num_chars:
-        rows[0]['ppl_char'] = ppl(lp, num_chars)
-    return rows
 
 
 def table_1(lm, energies, extra_lms, datas, prefixes, params, args, amp, device, rank, world_size, meta):
