@@ -245,6 +245,18 @@ class GPT(nn.Module):
             x = torch.cat([x, tok[:, None]], dim=1)
         return x[:, idx.size(1):].view(idx.size(0), num_samples, max_new_tokens)
 
+    # generate_plain's cached twin, in the speed section below its banner (these two only name its functions)
+
+    def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
+                 return_proposal=False, generator=None, max_rows=512):
+        """generate_plain's draws, each prompt run once, with their log-probs: cached_generate."""
+        return cached_generate(self, idx, max_new_tokens, num_samples, top_k, top_p, temperature,
+                               return_proposal, generator, max_rows)
+
+    def new_cache(self, batch_size, length):
+        """Empty (k, v) buffers of each layer for decoding: empty_cache."""
+        return empty_cache(self, batch_size, length)
+
     def sequence_logprob(self, idx, start, per_token=False):
         """log P_LM(x_start..x_{T-1} | x_0..x_{start-1}) for each row of idx (B, T): the first
         factor of Eq. 2. Only positions that predict a scored token go through the LM head.
@@ -272,18 +284,6 @@ class GPT(nn.Module):
             score, i = (score[..., None] + logp).flatten(1).topk(min(width, b * V), 1)  # (B, width')
             x = torch.cat([x.gather(1, (i // V)[..., None].expand(-1, -1, T)), (i % V)[..., None]], 2)
         return x[..., P:], score
-
-    # the speed section, below its banner: these two only name its functions
-
-    def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
-                 return_proposal=False, generator=None, max_rows=512):
-        """generate_plain's draws, each prompt run once, with their log-probs: cached_generate."""
-        return cached_generate(self, idx, max_new_tokens, num_samples, top_k, top_p, temperature,
-                               return_proposal, generator, max_rows)
-
-    def new_cache(self, batch_size, length):
-        """Empty (k, v) buffers of each layer for decoding: empty_cache."""
-        return empty_cache(self, batch_size, length)
 
 
 class RALM(GPT):
