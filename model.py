@@ -430,7 +430,8 @@ def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p
     by its rows of a chunk of samples (at most max_rows rows, so memory stays bounded), whose own
     caches hold only their new tokens. Returns (tokens, logp[, logq]), each (B, num_samples, L):
     log P_LM of each token under the untruncated LM at temperature 1 (what Eq. 2-5 need), and log q
-    under the distribution sampled from (top-k/top-p/temperature), which resampling corrects by."""
+    under the distribution sampled from (top-k/top-p/temperature; 0: greedy), which resampling
+    corrects by. With top_k, top_p None and temperature 1 it is exact ancestral sampling from P_LM."""
     B, P = idx.shape
     check_sampling(model.config, P, max_new_tokens, top_k, top_p, temperature)
     prompt_cache = model.new_cache(B, P)
