@@ -116,13 +116,13 @@ class Energy(nn.Module):
         (B, P), L = prompt.shape, tokens.size(2)
         prompt_cache = self.body.new_cache(B, P)
         h = self.body.hidden(prompt, prompt_cache)  # (B, P, C), its K/V kept in prompt_cache
-        first = prefix_len if self.pool == 'continuation' else 0  # the pooled prompt positions
-        prompt_sum = h[:, first:].float().sum(1)  # (B, C)
-        count = P - first + L
+        pooled_from = prefix_len if self.pool == 'continuation' else 0  # the pooled prompt positions
+        prompt_sum = h[:, pooled_from:].float().sum(1)  # (B, C)
+        count = P - pooled_from + L
         out = []
         for t in tokens.split(max(1, rows // B), dim=1):  # (B, c, L): c continuations of each prompt
-            own = self.body.new_cache(B * t.size(1), L)
-            cache = [KVCache(k, v, *p) for (k, v), p in zip(own, prompt_cache)]
+            continuation_cache = self.body.new_cache(B * t.size(1), L)
+            cache = [KVCache(k, v, *p) for (k, v), p in zip(continuation_cache, prompt_cache)]
             h = self.body.hidden(t.flatten(0, 1), cache, pos=P)  # (B*c, L, C)
             pooled = (prompt_sum.repeat_interleave(t.size(1), 0) + h.float().sum(1)) / count  # (B*c, C)
             out.append(self.project(pooled).view(B, -1))

@@ -25,6 +25,7 @@ enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep
 
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,51 +58,14 @@ def last_step_logz(lm, energy, x, prefix_len, amp):
     first prefix_len tokens the prefix that E(x) was defined with; amp: the Precision of each model."""
     V = lm.config.vocab_size
     with amp.lm:
-        logp = torch.log_softmax(lm.logits(x[:, :-1], first=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
+        logp = torch.log_softmax(lm.logits(x[:, :-1], from_pos=x.size(1) - 2)[:, -1].double(), -1)  # (B, V)
     vocab = torch.arange(V, device=x.device).expand(x.size(0), V)[..., None]  # every v after each x_<T
     return torch.logsumexp(logp - score_continuations(energy, x[:, :-1], vocab, prefix_len, amp.energy), -1)
 
 
 # -----------------------------------------------------------------------------
-# sequence-level joint PPL (Table 1)
-
-@torch.no_grad()
-def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size, split):
-    """Per-prefix columns: log P_LM of the real continuation, the extra LMs' log-probs, each
-    energy of the real sequence and its log Z bounds for every n of the sweep. energies and
-    extra_lms are {name: model}. Each rank takes every world_size-th chunk of prefixes; every
-    chunk has its own seed, so results do not depend on world_size."""
-    P, L = args.prefix_len, args.gen_len
-    sweep = sorted(set(args.sweep + [args.num_samples]))
-    recs = []
-    chunks = range(0, len(offsets), args.chunk)
-    mine = list(chunks)[rank::world_size]
-    for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
-        x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)  # (B, P+L)
-        g = rng(args.seed, 'log_z', split, s, device)
-        with amp.lm:
-            lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
-            extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
-        e_real = {name: score(e, x, P, amp.energy) for name, e in energies.items()}
-        log_w, samples, samples_logp = (
-            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), amp, g, args.max_rows,
-                               return_samples=True)
-            if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))  # log_w: (energies, B, n)
-        bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
-        kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
-        enum = enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp)
-        recs.append(dict(index=s, lm_logp=lm_logp.cpu(), extra_logp={k: v.cpu() for k, v in extra.items()},
-                         energy={k: v.cpu() for k, v in e_real.items()},
-                         kl={k: kl[i] for i, k in enumerate(energies)}, enum=enum,
-                         logz={name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu())
-                                      for n, (lo, hi) in bounds.items()}
-                               for k, name in enumerate(energies)}))
-    if world_size > 1:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, recs)
-        recs = [r for part in gathered for r in part]
-    return columns(sorted(recs, key=lambda r: r['index']))
-
+# sequence-level joint PPL (Table 1): per prefix (evaluate_prefixes), per model (summarize), per
+# split (table_1), each below its helpers
 
 def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp):
     """Per energy, log Z of each prefix of x (B, P+L) by logz_enumerate (the real continuation and the
@@ -129,6 +93,27 @@ def enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w
     return out
 
 
+def beside_logz(lm, energies, extra_lms, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp):
+    """What a chunk of prefixes x (B, P+L) reports beside Table 1's columns: the extra LMs' log-probs
+    of the real continuation, and per energy KL(P_joint || P_LM) (kl_to_lm) and log Z by
+    logz_enumerate with Eq. 4's diagnostics (enumerated)."""
+    with amp.lm:
+        extra = {name: m.sequence_logprob(x, P).double() for name, m in extra_lms.items()}
+    kl = kl_to_lm(log_w[..., :args.num_samples]).cpu()  # (energies, B)
+    return dict(extra_logp={k: v.cpu() for k, v in extra.items()},
+                kl={k: kl[i] for i, k in enumerate(energies)},
+                enum=enumerated(lm, energies, x, P, lm_logp, e_real, samples, samples_logp, log_w, args, amp))
+
+
+def gathered(recs, world_size):
+    """Every rank's chunk records (all_gather_object under DDP), in the order of their prefixes."""
+    if world_size > 1:
+        parts = [None] * world_size
+        dist.all_gather_object(parts, recs)
+        recs = [r for part in parts for r in part]
+    return sorted(recs, key=lambda r: r['index'])
+
+
 def columns(chunks):
     """The chunks' records joined into one float64 array per quantity, one entry per prefix."""
     cat = lambda get: np.concatenate([get(c).numpy() for c in chunks]).astype(np.float64)
@@ -143,47 +128,93 @@ def columns(chunks):
                           for n in first['logz'][k]} for k in first['logz']})
 
 
+@torch.no_grad()
+def evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size, split):
+    """Table 1's per-prefix columns: log P_LM of the real continuation, each energy's E of the real
+    sequence and its log Z bounds (Eq. 4) from n LM samples, for every n of the sweep; and
+    beside_logz's. Each rank takes every world_size-th chunk of prefixes; each chunk has its own seed."""
+    P, L = args.prefix_len, args.gen_len
+    sweep = sorted(set(args.sweep + [args.num_samples]))
+    recs = []
+    mine = list(range(0, len(offsets), args.chunk))[rank::world_size]
+    for s in progress(mine, quiet=args.quiet or rank != 0, desc=f'log Z ({split})'):
+        x = window_tokens(data, offsets[s:s + args.chunk], P + L).to(device)  # (B, P+L)
+        with amp.lm:
+            lm_logp = lm.sequence_logprob(x, P).double()  # (B,)
+        e_real = {name: score(e, x, P, amp.energy) for name, e in energies.items()}
+        log_w, samples, samples_logp = (  # log_w (energies, B, n): -E of n LM samples of each prefix
+            sample_log_weights(lm, list(energies.values()), x[:, :P], L, max(sweep), amp,
+                               rng(args.seed, 'log_z', split, s, device), args.max_rows, return_samples=True)
+            if energies else (torch.zeros(0, x.size(0), max(sweep)), None, None))
+        bounds = {n: logz_bounds(log_w[..., :n]) for n in sweep}  # n -> (low, high), each (energies, B)
+        logz = {name: {n: dict(low=lo[k].cpu(), high=hi[k].cpu()) for n, (lo, hi) in bounds.items()}
+                for k, name in enumerate(energies)}
+        recs.append(dict(index=s, lm_logp=lm_logp.cpu(), energy={k: v.cpu() for k, v in e_real.items()},
+                         logz=logz, **beside_logz(lm, energies, extra_lms, x, P, lm_logp, e_real, samples,
+                                                  samples_logp, log_w, args, amp)))
+    return columns(gathered(recs, world_size))
+
+
+def ppl(logp, count):
+    """Perplexity exp(-sum(logp) / count) of count tokens (or characters) whose log-probs sum to logp's."""
+    return float(np.exp(-logp.sum() / count))
+
+
+def gain_over(logp, lp, L):
+    """The gain of log-probs logp (per prefix) over the base LM's lp in nats per token: mean and SE."""
+    gain = (logp - lp) / L
+    return dict(gain_nats_per_token=float(gain.mean()), gain_se=float(gain.std(ddof=1) / math.sqrt(len(lp))))
+
+
+def beside_joint(cols, name, joint_low, joint_high, L, num_tokens, num_chars, enumerated):
+    """What joint model `name`'s row reports beside its range: with `enumerated`, its PPL and gain with
+    log Z from logz_enumerate's estimate and the share of prefixes whose Eq. 4 range is flagged; the
+    gain KL(P_joint || P_LM) predicts, per token (what a moment-matched energy gains); PPL per char."""
+    out, lp, e, enum = {}, cols['lm_logp'], cols['energy'][name], cols.get('enum', {}).get(name)
+    if enum is not None and enumerated:
+        joint = lp - e - enum['estimate']
+        g = gain_over(joint, lp, L)
+        out.update(ppl_enumerated=ppl(joint, num_tokens), gain_enumerated=g['gain_nats_per_token'],
+                   gain_enumerated_se=g['gain_se'], eq4_flagged=float(enum['flagged'].mean()),
+                   eq4_ess=float(enum['ess'].mean()), scored_mass=float(enum['mass'].mean()))
+    if name in cols.get('kl', {}):
+        kl, se = cols['kl'][name] / L, lambda d: float(d.std(ddof=1) / math.sqrt(len(d)))
+        out.update(predicted_gain=float(kl.mean()), predicted_gain_se=se(kl),
+                   gain_minus_predicted_se=se((joint_low - lp) / L - kl))
+    if num_chars:
+        out.update(ppl_char_low=ppl(joint_high, num_chars), ppl_char_high=ppl(joint_low, num_chars))
+    return out
+
+
 def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
-    """PPL of each model over the prefixes: the base LM, extra LMs, and each joint model as a
-    range; for every model but the base, the per-prefix gain over the base LM in nats per token
-    (for a joint model at its conservative, high-PPL end) with its standard error. A joint model's
-    range never implies a probability above 1 (its low end is capped by logz_enumerate's sure part);
-    with `enumerated` (n = --num_samples) also its PPL and gain from logz_enumerate's estimate and
-    the share of prefixes whose Eq. 4 range logz_diagnostics flags."""
-    lp = cols['lm_logp']
-
-    def ppl(logp, count):
-        return float(np.exp(-logp.sum() / count))
-
-    L = num_tokens / len(lp)
-    gain = lambda logp: dict(gain_nats_per_token=float(((logp - lp) / L).mean()),
-                             gain_se=float(((logp - lp) / L).std(ddof=1) / math.sqrt(len(lp))))
+    """Table 1's rows from the per-prefix columns: the PPL of the base LM, of the extra LMs and of
+    each joint model, log P_LM - E - log Z (Eq. 2), a range from log Z's bounds at n samples (Eq. 4);
+    for every model but the base, its gain over it (a joint model's at its high-PPL end); and
+    beside_joint's. A sure lower bound of log Z (logz_enumerate's) caps the range: no P above 1."""
+    lp, L = cols['lm_logp'], num_tokens / len(cols['lm_logp'])
     rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
     for name, logp in cols['extra_logp'].items():
-        rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain(logp)))
+        rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain_over(logp, lp, L)))
     for name, e in cols['energy'].items():
         logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
-        # log P bounds: the low log Z gives the high log P; neither end below the sure lower bound of log Z
         sure = -np.inf if enum is None else enum['sure']
-        joint_high = lp - e - np.maximum(logz['low'], sure)
+        joint_high = lp - e - np.maximum(logz['low'], sure)  # the low log Z gives the high log P
         joint_low = lp - e - np.maximum(logz['high'], sure)
         rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
-                         ppl_high=ppl(joint_low, num_tokens), **gain(joint_low)))
-        if enum is not None and enumerated:
-            joint = lp - e - enum['estimate']
-            g = gain(joint)
-            rows[-1].update(ppl_enumerated=ppl(joint, num_tokens), gain_enumerated=g['gain_nats_per_token'],
-                            gain_enumerated_se=g['gain_se'], eq4_flagged=float(enum['flagged'].mean()),
-                            eq4_ess=float(enum['ess'].mean()), scored_mass=float(enum['mass'].mean()))
-        if name in cols.get('kl', {}):  # KL(P_joint || P_LM) per token: what a moment-matched energy gains
-            kl, se = cols['kl'][name] / L, lambda d: float(d.std(ddof=1) / math.sqrt(len(d)))
-            rows[-1].update(predicted_gain=float(kl.mean()), predicted_gain_se=se(kl),
-                            gain_minus_predicted_se=se((joint_low - lp) / L - kl))
-        if num_chars:
-            rows[-1].update(ppl_char_low=ppl(joint_high, num_chars), ppl_char_high=ppl(joint_low, num_chars))
+                         ppl_high=ppl(joint_low, num_tokens), **gain_over(joint_low, lp, L),
+                         **beside_joint(cols, name, joint_low, joint_high, L, num_tokens, num_chars,
+                                        enumerated)))
     if num_chars:
         rows[0]['ppl_char'] = ppl(lp, num_chars)
     return rows
+
+
+def count_chars(data, offsets, args, meta):
+    """The characters of the real continuations, where tokens are BPE (PPL per character too); else None."""
+    if meta['tokenizer'] == 'char':
+        return None
+    P, L, tok = args.prefix_len, args.gen_len, load_tokenizer(meta)
+    return sum(len(tok.decode(data[o + P:o + P + L].tolist())) for o in offsets)
 
 
 def to_json(cols):
@@ -191,6 +222,39 @@ def to_json(cols):
     if isinstance(cols, dict):
         return {str(k): to_json(v) for k, v in cols.items()}
     return cols.tolist()
+
+
+def split_results(cols, rows, args, split, num_prefixes):
+    """One split's results: its Table-1 rows, its bounds as n grows (Fig. 2 left) and the per-prefix
+    columns."""
+    L, num_tokens = args.gen_len, num_prefixes * args.gen_len
+    res = dict(split=split, num_samples=args.num_samples, num_prefixes=num_prefixes, num_tokens=num_tokens,
+               prefix_len=args.prefix_len, gen_len=L, base_ppl=rows[0]['ppl'], rows=rows,
+               per_prefix=to_json(cols))
+    joint = [r for r in rows if 'energy' in r]
+    if joint:  # the first joint model's range, in one place
+        res.update(joint_ppl_low=joint[0]['ppl_low'], joint_ppl_high=joint[0]['ppl_high'])
+    if args.sweep:
+        res['sweep'] = {n: [r for r in summarize(cols, num_tokens, n, enumerated=False) if 'energy' in r]
+                        for n in sorted(set(args.sweep))}
+    return res
+
+
+def table_1(lm, energies, extra_lms, datas, prefixes, params, args, amp, device, rank, world_size, meta):
+    """Table 1 on each split of args.splits: per prefix, log P_LM of its real continuation, E and log
+    Z's bounds (evaluate_prefixes, Eq. 4); per model, the PPL of the base LM, of the extra LMs and of
+    each joint model P_LM exp(-E) / Z (summarize, Eq. 2). Returns ({split: split_results}, the rows,
+    each with its split and its model's parameter count), which format_table writes as text."""
+    splits, rows = {}, []
+    for split in args.splits:
+        data, offsets = datas[split], prefixes[split]
+        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size,
+                                 split)
+        split_rows = summarize(cols, len(offsets) * args.gen_len, args.num_samples,
+                               count_chars(data, offsets, args, meta))
+        splits[split] = split_results(cols, split_rows, args, split, len(offsets))
+        rows += [dict(r, split=split, params=params[r['model']]) for r in split_rows]
+    return splits, rows
 
 
 # -----------------------------------------------------------------------------
@@ -251,15 +315,27 @@ def calibration_report(lm, energies, data, offsets, args, amp, device, split):
 # -----------------------------------------------------------------------------
 # per-step PPL (Eq. 5, Fig. 1)
 
+class Steps(NamedTuple):
+    """per_step's result, for B prefixes and the grid ks of k real continuation tokens fixed."""
+    lp: torch.Tensor  # (B, L) log P_LM(x_t | x_<t) of each continuation token
+    ks: list  # 0, every, 2 every, ..., L-1, L
+    logz_low: torch.Tensor  # (B, len(ks)) Eq. 4's two ends of log Z(x_<=P+k)
+    logz_high: torch.Tensor
+    seg_lp: torch.Tensor  # (B, segments) log P_LM of each segment, from ks[i] to ks[i+1]
+    step_low: torch.Tensor  # (B, segments) Eq. 5's log P_joint of each segment, at its low end
+    step_high: torch.Tensor
+    diagnostics: dict  # logz_diagnostics' ess and flagged (B, len(ks) - 1) of each sampled log Z
+
+
 @torch.no_grad()
-def per_step(lm, energy, x, P, m, amp, generator, max_rows=256, every=1, diagnostics=None):
-    """log P_LM(x_t | x_<t) at each position of the continuation of every row of x (B, P+L), and
-    bounds of log Z(x_<=P+k) with k real continuation tokens fixed and the rest marginalised with m
-    LM samples, for k on a grid: 0, every, 2 every, ..., and L-1, L (every = 1: each position).
-    Z with all L fixed is exp(-E(x)), exactly. Each Z is computed once: the numerator of a step is
-    the denominator of the next. Returns lp (B, L), ks (list), logz_lo and logz_hi (B, len(ks)); with
-    a `diagnostics` dict, fills it with logz_diagnostics' ess and flagged (B, len(ks) - 1) of each
-    sampled Z, its sure lower bound the real rest's own term P_LM(x_>P+k | x_<=P+k) exp(-E(x))."""
+def per_step(lm, energy, x, P, m, amp, generator, max_rows=256, every=1):
+    """Eq. 5 for every row of x (B, P+L): the joint model's log P of each segment of the
+    continuation between grid points k1 < k2 (every = 1: of each token),
+    log P_LM(segment | x_<=P+k1) + log Z(x_<=P+k2) - log Z(x_<=P+k1), where Z(x_<=P+k) has the
+    rest marginalised with m LM samples (Eq. 4's bounds; with all L fixed, Z = exp(-E(x)) exactly)
+    for k on the grid 0, every, 2 every, ..., L-1, L. Each Z is computed once: the numerator of a
+    step is the denominator of the next. The low end pairs the low numerator with the high
+    denominator. A sampled Z's sure lower bound (its diagnostics'): the real rest's own term."""
     B, T = x.shape
     L = T - P
     ks = sorted(set(range(0, L, every)) | {L - 1, L})
@@ -274,30 +350,29 @@ def per_step(lm, energy, x, P, m, amp, generator, max_rows=256, every=1, diagnos
         lo[:, j], hi[:, j] = logz_bounds(log_w)
         diag.append(logz_diagnostics(log_w, lp[:, k:].double().sum(1).cpu() + neg_e))
     lo[:, -1] = hi[:, -1] = neg_e
-    if diagnostics is not None:
-        diagnostics.update({q: torch.stack([d[q] for d in diag], 1) for q in ('ess', 'flagged')})
-    return lp.double().cpu(), ks, lo, hi
+    lp = lp.double().cpu()
+    seg_lp = torch.stack([lp[:, k1:k2].sum(1) for k1, k2 in zip(ks, ks[1:])], 1)  # (B, segments)
+    return Steps(lp, ks, lo, hi, seg_lp, step_low=seg_lp + lo[:, 1:] - hi[:, :-1],
+                 step_high=seg_lp + hi[:, 1:] - lo[:, :-1],
+                 diagnostics={q: torch.stack([d[q] for d in diag], 1) for q in ('ess', 'flagged')})
 
 
 def per_step_report(lm, energy, data, offsets, args, amp, device, split):
-    """Fig. 1: base and joint PPL per segment of the continuation (between consecutive grid
-    points; every = 1: per position), the joint's conservative range and its per-prefix gain over
-    the LM (log Z(x_<=t2) - log Z(x_<=t1) at the bounds' midpoint, nats/token) with SE over
-    prefixes, and per prefix its range (low: low numerator over high denominator; claims.py's
-    C4); the last step exact (the vocabulary enumerated), and estimated again from
-    last_step_samples samples. The bounds bracket log Z in expectation (Theorem 2), not in every
-    draw: the estimate must lie within a few Monte-Carlo SE (mc_se) of the exact value."""
+    """Fig. 1 from per_step (Eq. 5): base and joint PPL per segment of the continuation (between
+    consecutive grid points; every = 1: per position), the joint's conservative range and its
+    per-prefix gain over the LM (log Z(x_<=t2) - log Z(x_<=t1) at the bounds' midpoint,
+    nats/token) with SE over prefixes, and per prefix its range (low: low numerator over high
+    denominator; claims.py's C4); the last step exact (the vocabulary enumerated), and estimated
+    again from last_step_samples samples. The bounds bracket log Z in expectation (Theorem 2), not
+    in every draw: the estimate must lie within a few Monte-Carlo SE (mc_se) of the exact value."""
     P, L = args.prefix_len, args.gen_len
     idx = np.linspace(0, len(offsets) - 1, min(args.step_prefixes, len(offsets))).round().astype(int)
     x = window_tokens(data, offsets[idx], P + L).to(device)  # (B, P+L), evenly spaced prefixes
     g = rng(args.seed, 'per_step', split, 0, device)
-    diag = {}
-    lp, ks, lo, hi = per_step(lm, energy, x, P, args.step_samples, amp, g, args.max_rows,
-                              getattr(args, 'step_every', 1), diag)
+    every = getattr(args, 'step_every', 1)
+    steps = per_step(lm, energy, x, P, args.step_samples, amp, g, args.max_rows, every)
+    lp, ks, lo, hi, seg_lp, step_low, step_high, diag = steps
     width = torch.tensor(np.diff(ks), dtype=torch.float64)  # tokens per segment
-    seg_lp = torch.stack([lp[:, k1:k2].sum(1) for k1, k2 in zip(ks, ks[1:])], 1)  # (B, segments)
-    step_low = seg_lp + lo[:, 1:] - hi[:, :-1]  # log P of a segment: low numerator, high denominator
-    step_high = seg_lp + hi[:, 1:] - lo[:, :-1]
     mid = (lo + hi) / 2
     seg_gain = (mid[:, 1:] - mid[:, :-1]) / width  # (B, segments) nats/token over the LM
     gain_low, gain_high = (lo[:, 1:] - hi[:, :-1]) / width, (hi[:, 1:] - lo[:, :-1]) / width  # its range
@@ -479,43 +554,21 @@ def main(argv=None):
     prefixes = {split: windows(datas[split], P, L, max_windows=args.max_prefixes or None)
                 for split in args.splits}
     guards.check_ppl_prefixes(prefixes, P + L, args.out, len(params))  # 2 windows each, and the disk
-    for split in args.splits:
-        data, offsets = datas[split], prefixes[split]
-        cols = evaluate_prefixes(lm, energies, extra_lms, data, offsets, args, amp, device, rank, world_size,
-                                 split)
-        res = split_summary(cols, args, split, offsets, data, meta)
-        out['splits'][split] = res
-        out['rows'] += [dict(r, split=split, params=params[r['model']]) for r in res['rows']]
-        if rank == 0 and energies and split == args.splits[-1]:  # one split is enough
-            if args.per_step is not None:
-                name = args.per_step or next(iter(energies))
-                res['per_step'] = dict(per_step_report(lm, energies[name], data, offsets, args, amp, device,
-                                                       split), energy=name)
-            if args.calib_prefixes:
-                res['calibration'] = calibration_report(lm, energies, data, offsets, args, amp, device, split)
+    out['splits'], out['rows'] = table_1(lm, energies, extra_lms, datas, prefixes, params, args, amp, device,
+                                         rank, world_size, meta)
+    last = args.splits[-1]
+    data, offsets, res = datas[last], prefixes[last], out['splits'][last]
+    if rank == 0 and energies:  # one split is enough
+        if args.per_step is not None:
+            name = args.per_step or next(iter(energies))
+            report = per_step_report(lm, energies[name], data, offsets, args, amp, device, last)
+            res['per_step'] = dict(report, energy=name)
+        if args.calib_prefixes:
+            res['calibration'] = calibration_report(lm, energies, data, offsets, args, amp, device, last)
     if rank == 0:
         write_results(out, args)
     teardown_distributed()
     return out
-
-
-def split_summary(cols, args, split, offsets, data, meta):
-    """One split's Table-1 rows, its bounds as n grows (Fig. 2 left) and the per-prefix columns."""
-    P, L = args.prefix_len, args.gen_len
-    tok = None if meta['tokenizer'] == 'char' else load_tokenizer(meta)  # BPE: PPL per character too
-    num_chars = sum(len(tok.decode(data[o + P:o + P + L].tolist())) for o in offsets) if tok else None
-    rows = summarize(cols, len(offsets) * L, args.num_samples, num_chars)
-    res = dict(split=split, num_samples=args.num_samples, num_prefixes=len(offsets),
-               num_tokens=len(offsets) * L, prefix_len=P, gen_len=L, base_ppl=rows[0]['ppl'], rows=rows,
-               per_prefix=to_json(cols))
-    joint = [r for r in rows if 'energy' in r]
-    if joint:  # the first joint model's range, in one place
-        res.update(joint_ppl_low=joint[0]['ppl_low'], joint_ppl_high=joint[0]['ppl_high'])
-    if args.sweep:
-        res['sweep'] = {n: [r for r in summarize(cols, len(offsets) * L, n, enumerated=False)
-                            if 'energy' in r]
-                        for n in sorted(set(args.sweep))}
-    return res
 
 
 def write_results(out, args):

@@ -5,16 +5,16 @@ two parts.
 The plain path first: GPTConfig; self-attention as nanoGPT writes it (q, k, v, then
 scaled_dot_product_attention: a causal mask for the LM, none with causal=False, which gives
 energy.py its bidirectional BIT from the same blocks; optionally ALiBi's distance bias); MLP,
-Block, and GPT with its forward, `generate_plain` (nanoGPT's sampling loop) and
-`sequence_logprob`, log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2; then RALM, the residual baseline
-of Eq. 6, and the one-token sampling step with the proposal's log-probs (top-k / top-p /
-temperature).
+Block; the one-token sampling step with the proposal's log-probs (top-k / top-p / temperature);
+GPT with its forward, `generate_plain` (nanoGPT's sampling loop) and `sequence_logprob`,
+log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2; then RALM, the residual baseline of Eq. 6.
 
 Then, under one banner, the speed-ups that the method's volume of samples needs (negatives for
 NCE, samples for the log Z of Eq. 4, proposals for Algorithm 1), each with what it equals and the
 test that proves it: a KV cache, decoding that shares each prompt's K/V across its samples, CPU
-bf16 attention by matmuls, and `generate`, generate_plain's cached twin, which also returns the
-log-probs of its tokens under the untruncated LM and under the proposal.
+bf16 attention by matmuls, and last `generate` (decode_steps, then cached_generate),
+generate_plain's cached twin, which also returns the log-probs of its tokens under the untruncated
+LM and under the proposal.
 
 Last, sizing helpers; what both trainers take of nanoGPT's training (AdamW's groups, the cosine
 schedule) and this project's stopping rule; and load_lm, a trained P_LM from a checkpoint whose
@@ -147,6 +147,35 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# sampling one token: the draw of generate_plain (and of the cached generate below)
+
+def proposal_logprobs(logits, top_k=None, top_p=None, temperature=1.0):
+    """Log-probs of the distribution that sampling draws from: temperature, then top-k, then top-p
+    (the smallest set of most likely tokens whose mass reaches top_p). Removed tokens get -inf."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already enough
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float('-inf'))
+    return F.log_softmax(logits, dim=-1)
+
+
+def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None):
+    """One sampling step. Returns (token, log P_LM(token), log q(token)) for each row of logits."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(tok, dtype=logp.dtype)
+    logq = logp if (top_k, top_p, temperature) == (None, None, 1.0) else \
+        proposal_logprobs(logits, top_k, top_p, temperature)
+    tok = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -192,9 +221,9 @@ class GPT(nn.Module):
             x = block(x, None if cache is None else cache[i], pos, mask)
         return self.transformer.ln_f(x)
 
-    def logits(self, idx, cache=None, pos=0, first=0):
-        """Next-token logits from position `first` on (earlier positions skip the LM head)."""
-        return self.lm_head(self.hidden(idx, cache, pos)[:, first:])  # (B, T - first, V)
+    def logits(self, idx, cache=None, pos=0, from_pos=0):
+        """Next-token logits from position from_pos on (earlier positions skip the LM head)."""
+        return self.lm_head(self.hidden(idx, cache, pos)[:, from_pos:])  # (B, T - from_pos, V)
 
     def forward(self, idx, targets=None, cache=None, pos=0):
         logits = self.logits(idx, cache, pos)
@@ -211,10 +240,22 @@ class GPT(nn.Module):
         position's distribution (sample_next). Returns the new tokens (B, num_samples, L)."""
         x = idx.repeat_interleave(num_samples, 0)  # (B n, P): the samples of a prompt are consecutive rows
         for _ in range(max_new_tokens):
-            logits = self.logits(x, first=x.size(1) - 1)[:, -1]  # (B n, V)
+            logits = self.logits(x, from_pos=x.size(1) - 1)[:, -1]  # (B n, V)
             tok = sample_next(logits, top_k, top_p, temperature, generator)[0]  # (B n,)
             x = torch.cat([x, tok[:, None]], dim=1)
         return x[:, idx.size(1):].view(idx.size(0), num_samples, max_new_tokens)
+
+    # generate_plain's cached twin, in the speed section below its banner (these two only name its functions)
+
+    def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
+                 return_proposal=False, generator=None, max_rows=512):
+        """generate_plain's draws, each prompt run once, with their log-probs: cached_generate."""
+        return cached_generate(self, idx, max_new_tokens, num_samples, top_k, top_p, temperature,
+                               return_proposal, generator, max_rows)
+
+    def new_cache(self, batch_size, length):
+        """Empty (k, v) buffers of each layer for decoding: empty_cache."""
+        return empty_cache(self, batch_size, length)
 
     def sequence_logprob(self, idx, start, per_token=False):
         """log P_LM(x_start..x_{T-1} | x_0..x_{start-1}) for each row of idx (B, T): the first
@@ -223,7 +264,7 @@ class GPT(nn.Module):
         if not 1 <= start < idx.size(1):
             raise ValueError(f"start={start} must be in [1, {idx.size(1) - 1}] "
                              f"for sequences of length {idx.size(1)}")
-        logp = F.log_softmax(self.logits(idx[:, :-1], first=start - 1).float(), dim=-1)
+        logp = F.log_softmax(self.logits(idx[:, :-1], from_pos=start - 1).float(), dim=-1)
         tok_logp = logp.gather(-1, idx[:, start:, None]).squeeze(-1)
         return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
 
@@ -237,27 +278,12 @@ class GPT(nn.Module):
         x, score = idx[:, None], torch.zeros(B, 1, dtype=torch.float64, device=idx.device)  # one beam
         for _ in range(max_new_tokens):
             b, T = x.size(1), x.size(2)
-            logp = F.log_softmax(self.logits(x.flatten(0, 1), first=T - 1)[:, -1].double(), -1).view(B, b, -1)
+            logits = self.logits(x.flatten(0, 1), from_pos=T - 1)[:, -1]
+            logp = F.log_softmax(logits.double(), -1).view(B, b, -1)
             V = logp.size(-1)
             score, i = (score[..., None] + logp).flatten(1).topk(min(width, b * V), 1)  # (B, width')
             x = torch.cat([x.gather(1, (i // V)[..., None].expand(-1, -1, T)), (i % V)[..., None]], 2)
         return x[..., P:], score
-
-    # the speed section, below its banner: these three only name its functions
-
-    def generate(self, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
-                 return_proposal=False, generator=None, max_rows=512):
-        """generate_plain's draws, each prompt run once, with their log-probs: cached_generate."""
-        return cached_generate(self, idx, max_new_tokens, num_samples, top_k, top_p, temperature,
-                               return_proposal, generator, max_rows)
-
-    def new_cache(self, batch_size, length):
-        """Empty (k, v) buffers of each layer for decoding: empty_cache."""
-        return empty_cache(self, batch_size, length)
-
-    def _decode(self, logits, cache, pos, steps, top_k, top_p, temperature, generator):
-        """decode_steps (job/bench.py and the tests decode through it)."""
-        return decode_steps(self, logits, cache, pos, steps, top_k, top_p, temperature, generator)
 
 
 class RALM(GPT):
@@ -280,43 +306,16 @@ class RALM(GPT):
         self.base.eval()  # the base LM stays frozen, dropout included
         return self
 
-    def logits(self, idx, cache=None, pos=0, first=0):
+    def logits(self, idx, cache=None, pos=0, from_pos=0):
         n = self.config.n_layer
-        own, base = (None, None) if cache is None else (cache[:n], cache[n:])
-        return super().logits(idx, own, pos, first) + self.base.logits(idx, base, pos, first)
+        residual, base = (None, None) if cache is None else (cache[:n], cache[n:])
+        return super().logits(idx, residual, pos, from_pos) + self.base.logits(idx, base, pos, from_pos)
 
     def new_cache(self, batch_size, length):
         return super().new_cache(batch_size, length) + self.base.new_cache(batch_size, length)
 
     def residual_state_dict(self):
         return {k: v for k, v in self.state_dict().items() if not k.startswith('base.')}
-
-
-def proposal_logprobs(logits, top_k=None, top_p=None, temperature=1.0):
-    """Log-probs of the distribution that sampling draws from: temperature, then top-k, then top-p
-    (the smallest set of most likely tokens whose mass reaches top_p). Removed tokens get -inf."""
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float('-inf'))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already enough
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float('-inf'))
-    return F.log_softmax(logits, dim=-1)
-
-
-def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None):
-    """One sampling step. Returns (token, log P_LM(token), log q(token)) for each row of logits."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    if temperature == 0:
-        tok = logits.argmax(-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(tok, dtype=logp.dtype)
-    logq = logp if (top_k, top_p, temperature) == (None, None, 1.0) else \
-        proposal_logprobs(logits, top_k, top_p, temperature)
-    tok = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), logq.gather(-1, tok[:, None]).squeeze(-1)
 
 
 # ---- speed: what each variant equals, and the test that proves it ----
@@ -338,9 +337,9 @@ def sample_next(logits, top_k=None, top_p=None, temperature=1.0, generator=None)
 class KVCache(NamedTuple):
     """One layer's decoding cache. k, v (N, nh, S, hs): the buffers each step writes its keys and
     values into, at positions start..start+S-1 of each of the N rows. prompt_k, prompt_v
-    (B_p, nh, P, hs), as generate decodes: positions 0..P-1 of B_p prompts, each shared (not
-    copied) by N / B_p consecutive rows; start is then P, else 0. Plain (k, v) and
-    (k, v, prompt_k, prompt_v) tuples are read as the same fields."""
+    (n_prompts, nh, P, hs), as generate decodes: positions 0..P-1 of n_prompts prompts, each
+    shared (not copied) by N / n_prompts consecutive rows; start is then P, else 0. Plain (k, v)
+    and (k, v, prompt_k, prompt_v) tuples are read as the same fields."""
     k: torch.Tensor
     v: torch.Tensor
     prompt_k: Optional[torch.Tensor] = None
@@ -376,21 +375,23 @@ def cached_attention(attn, q, k, v, cache, pos, mask):
 
 def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
     """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q (N, nh, T, hs) and k, v
-    (N, nh, S, hs) whose rows come in B_p groups of n = N / B_p, group b reading prompt b of
-    prompt_k/v (B_p, nh, P, hs). The prompt part is one matmul per prompt over the queries of all
-    its rows, with no per-row copy of its K/V (copying it per row and reading the copies back made
-    attention over half of a decoding step); one softmax over both parts keeps it exact.
+    (N, nh, S, hs) whose rows come in n_prompts groups of n = N / n_prompts, group b reading prompt
+    b of prompt_k/v (n_prompts, nh, P, hs). The prompt part is one matmul per prompt over the
+    queries of all its rows, with no per-row copy of its K/V (copying it per row and reading the
+    copies back made attention over half of a decoding step); one softmax over both parts keeps it
+    exact.
     mask: (..., T, P + S), boolean (True = may attend) or additive."""
-    (N, nh, T, hs), (Bp, P) = q.shape, prompt_k.shape[::2]
+    (N, nh, T, hs), (n_prompts, P) = q.shape, prompt_k.shape[::2]
     q = q * hs ** -0.5
-    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(Bp, N // Bp, nh, T, hs),
-                            prompt_k).reshape(N, nh, T, P)
-    s_own = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
-    s = torch.cat([s_prompt, s_own], dim=-1)
+    n = N // n_prompts  # rows per prompt
+    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(n_prompts, n, nh, T, hs), prompt_k)
+    s_prompt = s_prompt.reshape(N, nh, T, P)
+    s_rows = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
+    s = torch.cat([s_prompt, s_rows], dim=-1)
     if mask is not None:
         s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
     a = s.softmax(-1).to(v.dtype)
-    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(Bp, N // Bp, nh, T, P), prompt_v)
+    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(n_prompts, n, nh, T, P), prompt_v)
     return y.reshape(N, nh, T, hs) + a[..., P:] @ v
 
 
@@ -406,38 +407,6 @@ def matmul_attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
     return (F.dropout(a, dropout_p) if dropout_p else a).to(v.dtype) @ v
 
 
-@torch.no_grad()
-def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
-                    return_proposal=False, generator=None, max_rows=512):
-    """GPT.generate: num_samples continuations of max_new_tokens for each of the B prompts idx (B, P).
-
-    The prompts go through the model once, and the LM head only at their last position. Their
-    K/V cache is then shared, not copied, by the rows of each chunk of samples (at most
-    max_rows rows at a time, so memory stays bounded however many samples are asked for):
-    a row's cache holds only its own tokens, and attention reads the prompt part from the
-    one copy of its prompt (shared_prompt_attention). Returns (tokens, logprobs[, logq]),
-    each (B, num_samples, L): logprobs are log P_LM(token | past) of the untruncated LM at
-    temperature 1 (what Eq. 2-5 need), logq those of the distribution actually sampled from
-    (top-k/top-p/temperature), which importance-corrected resampling needs. top_k=None,
-    top_p=None, temperature=1 is exact ancestral sampling from P_LM; temperature=0 is greedy.
-    """
-    B, P = idx.shape
-    check_sampling(model.config, P, max_new_tokens, top_k, top_p, temperature)
-    prompt_cache = model.new_cache(B, P)
-    logits = model.logits(idx, prompt_cache, first=P - 1)[:, -1]
-    per_chunk = max(1, max_rows // B)
-    chunks = []
-    for s in range(0, num_samples, per_chunk):
-        n = min(per_chunk, num_samples - s)
-        own = model.new_cache(B * n, max_new_tokens)  # each row's K/V of its own tokens only
-        chunk_cache = [KVCache(k, v, *prompt) for (k, v), prompt in zip(own, prompt_cache)]
-        out = model._decode(logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
-                            top_k, top_p, temperature, generator)
-        chunks.append([t.view(B, n, max_new_tokens) for t in out])
-    tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
-    return (tokens, logp, logq) if return_proposal else (tokens, logp)
-
-
 def decode_steps(model, logits, cache, pos, steps, top_k, top_p, temperature, generator):
     """`steps` tokens for each row of logits (N, V), the first drawn from them and each next one
     from the model's logits through the cache (positions pos..). Returns (tokens, logp, logq),
@@ -451,6 +420,33 @@ def decode_steps(model, logits, cache, pos, steps, top_k, top_p, temperature, ge
         if t + 1 < steps:
             logits = model(tok[:, None], cache=cache, pos=pos + t)[0][:, -1]
     return tokens, logp, logq
+
+
+@torch.no_grad()
+def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
+                    return_proposal=False, generator=None, max_rows=512):
+    """GPT.generate: generate_plain's draws, num_samples continuations of each prompt of idx (B, P),
+    with each prompt run once and each new token once. A prompt's K/V cache is shared, not copied,
+    by its rows of a chunk of samples (at most max_rows rows, so memory stays bounded), whose own
+    caches hold only their new tokens. Returns (tokens, logp[, logq]), each (B, num_samples, L):
+    log P_LM of each token under the untruncated LM at temperature 1 (what Eq. 2-5 need), and log q
+    under the distribution sampled from (top-k/top-p/temperature; 0: greedy), which resampling
+    corrects by. With top_k, top_p None and temperature 1 it is exact ancestral sampling from P_LM."""
+    B, P = idx.shape
+    check_sampling(model.config, P, max_new_tokens, top_k, top_p, temperature)
+    prompt_cache = model.new_cache(B, P)
+    logits = model.logits(idx, prompt_cache, from_pos=P - 1)[:, -1]  # (B, V): the head at the last position
+    per_chunk = max(1, max_rows // B)  # samples of each prompt per chunk
+    chunks = []
+    for s in range(0, num_samples, per_chunk):
+        n = min(per_chunk, num_samples - s)
+        new_tokens_cache = model.new_cache(B * n, max_new_tokens)
+        chunk_cache = [KVCache(k, v, *prompt) for (k, v), prompt in zip(new_tokens_cache, prompt_cache)]
+        out = decode_steps(model, logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
+                           top_k, top_p, temperature, generator)
+        chunks.append([t.view(B, n, max_new_tokens) for t in out])
+    tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
+    return (tokens, logp, logq) if return_proposal else (tokens, logp)
 
 
 # -----------------------------------------------------------------------------

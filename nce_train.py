@@ -102,6 +102,9 @@ def nce_loss(e_pos, e_neg, kind='binary', d_pos=None, d_neg=None):
     return loss.mean(), (s_pos[:, None] > s_neg).float().mean()
 
 
+# -----------------------------------------------------------------------------
+# the pairs: which prefixes and negatives a batch holds, and nce_loss's d
+
 def log_ratios(neg, rows, neg_idx, device='cpu'):
     """nce_loss's d = log P_LM - log q of the real continuations of prefixes `rows` (B,) and of
     their negatives neg_idx (B, M), as float32 tensors; (None, None) for untruncated negatives.
@@ -162,48 +165,14 @@ def choose(n_rows, K, B, M, seed, split, it):
     return rows, neg_idx
 
 
-@torch.no_grad()
-def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, rank=0, world_size=1):
-    """On fixed held-out prefixes, sharded over ranks and reduced: the NCE loss and accuracy of
-    their pairs, the mean energies, and the joint model's gain over the LM on their real
-    continuations, log P_joint(x+) - log P_LM(x+) = -E(x+) - log Z (Eq. 2), per token. log Z comes
-    from all K stored samples of each prefix by Eq. 4 (importance-weighted by P_LM/q if they are
-    truncated): at its upper end the gain is the conservative one Table 1 reports (`held_out_gain`),
-    at T_n the optimistic one (`held_out_gain_high`). The gain is the joint log-likelihood of
-    real text up to the energy-free log P_LM(x+): what the energy is for, and what --select gain
-    chooses best.pt by."""
-    model.eval()
-    P, L, K = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples']
-    sums = torch.zeros(10, dtype=torch.float64)
-    starts = list(range(0, len(rows), batch_size))
-    for s in starts[rank::world_size]:
-        r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
-        every = np.broadcast_to(np.arange(K), (len(r), K))  # all K samples of each prefix: log Z
-        tokens, pos, negs = nce_batch(data, neg, r, every, device)
-        with ctx:
-            e = model(tokens, P).float()
-        e_pos, e_all = e[pos], e[negs]  # (b,), (b, K)
-        l, acc = nce_loss(e_pos, e_all.gather(1, torch.from_numpy(j).to(device)), loss,
-                          *log_ratios(neg, r, j, device))
-        d_all = log_ratios(neg, r, every, device)[1]
-        log_w = -e_all if d_all is None else d_all - e_all
-        z_low, z_high = logz_bounds(log_w)
-        gain, gain_high = (-e_pos.double() - z_high) / L, (-e_pos.double() - z_low) / L
-        enum = enumerated_logz(neg, r, tokens[pos], tokens[negs], e_pos, e_all) if d_all is None else None
-        z_enum = z_low if enum is None else enum['estimate']  # truncated negatives: not P_LM's samples
-        diag = logz_diagnostics(log_w, None if enum is None else enum['sure'])
-        sums += torch.tensor([l.item() * len(r), acc.item() * len(r), e_pos.sum().item(),
-                              e_all.mean(1).sum().item(), gain.sum().item(), gain_high.sum().item(),
-                              ((-e_pos.double() - z_enum) / L).sum().item(), diag['ess'].sum().item(),
-                              diag['flagged'].sum().item(), len(r)], dtype=torch.float64)
-    model.train()
-    sums = all_reduce(sums, device, world_size)
-    n = sums[-1].item()
-    return dict(held_out_loss=sums[0].item() / n, held_out_acc=sums[1].item() / n,
-                held_out_e_pos=sums[2].item() / n, held_out_e_neg=sums[3].item() / n,
-                held_out_gain=sums[4].item() / n, held_out_gain_high=sums[5].item() / n,
-                held_out_gain_enumerated=sums[6].item() / n, held_out_ess=sums[7].item() / n,
-                held_out_flagged=sums[8].item() / n)
+# -----------------------------------------------------------------------------
+# the held-out figures that choose best.pt
+
+def held_out_pairs(held_neg, M, eval_prefixes, seed):
+    """The fixed held-out pairs that choose best.pt: the first eval_prefixes prefixes of the
+    selection split, M of their stored negatives each (rows (N,), negative indices (N, M))."""
+    n = min(eval_prefixes, len(held_neg['offsets']))
+    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, seed, 'held_out', 0)[1]
 
 
 def enumerated_logz(neg, rows, pos, negs, e_pos, e_all):
@@ -216,6 +185,59 @@ def enumerated_logz(neg, rows, pos, negs, e_pos, e_all):
     log_w = -torch.cat([e_pos[:, None], e_all], 1).double()
     return logz_enumerate(x, log_p.to(x.device), log_w, known=1)
 
+
+# evaluate's figures, each a mean over the held-out prefixes (held_out_<name> in log.jsonl, results.json)
+FIGURES = ('loss', 'acc', 'e_pos', 'e_neg', 'gain', 'gain_high', 'gain_enumerated', 'ess', 'flagged')
+
+
+def held_out_sums(model, data, neg, rows, neg_idx, loss, device, ctx):
+    """Each of FIGURES summed over the held-out prefixes `rows` (b,), neg_idx (b, M) their negatives:
+    the NCE loss and accuracy of the pairs, E(x+), the mean E of all K stored samples, the joint
+    gain over the LM -E(x+) - log Z (Eq. 2) per token, with log Z from the K samples at Eq. 4's
+    upper end (gain), at T_n (gain_high) and by logz_enumerate (gain_enumerated), and
+    logz_diagnostics' ESS and flag of those samples."""
+    P, L, K = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples']
+    every = np.broadcast_to(np.arange(K), (len(rows), K))  # all K samples of each prefix: log Z
+    tokens, pos, negs = nce_batch(data, neg, rows, every, device)
+    with ctx:
+        e = model(tokens, P).float()
+    e_pos, e_all = e[pos], e[negs]  # (b,), (b, K)
+    l, acc = nce_loss(e_pos, e_all.gather(1, torch.from_numpy(neg_idx).to(device)), loss,
+                      *log_ratios(neg, rows, neg_idx, device))
+    d_all = log_ratios(neg, rows, every, device)[1]
+    log_w = -e_all if d_all is None else d_all - e_all  # truncated negatives: weighted by P_LM / q
+    z_low, z_high = logz_bounds(log_w)
+    enum = enumerated_logz(neg, rows, tokens[pos], tokens[negs], e_pos, e_all) if d_all is None else None
+    z_enum = z_low if enum is None else enum['estimate']  # truncated negatives: not P_LM's samples
+    diag = logz_diagnostics(log_w, None if enum is None else enum['sure'])
+    gain = lambda logz: ((-e_pos.double() - logz) / L).sum().item()
+    return dict(loss=l.item() * len(rows), acc=acc.item() * len(rows), e_pos=e_pos.sum().item(),
+                e_neg=e_all.mean(1).sum().item(), gain=gain(z_high), gain_high=gain(z_low),
+                gain_enumerated=gain(z_enum), ess=diag['ess'].sum().item(),
+                flagged=diag['flagged'].sum().item())
+
+
+@torch.no_grad()
+def evaluate(model, data, neg, rows, neg_idx, batch_size, loss, device, ctx, rank=0, world_size=1):
+    """FIGURES on fixed held-out prefixes, sharded over ranks and reduced: {held_out_<name>: the
+    mean over the prefixes}. The gain, log P_joint(x+) - log P_LM(x+) = -E(x+) - log Z (Eq. 2), is
+    the joint log-likelihood of real text relative to the LM's: what the energy is for, and what
+    --select gain chooses best.pt by; at Eq. 4's upper end of log Z it is the conservative gain
+    Table 1 reports, at T_n (held_out_gain_high) the optimistic one."""
+    model.eval()
+    sums = torch.zeros(len(FIGURES) + 1, dtype=torch.float64)  # each figure's sum, then the prefix count
+    starts = list(range(0, len(rows), batch_size))
+    for s in starts[rank::world_size]:
+        r, j = rows[s:s + batch_size], neg_idx[s:s + batch_size]
+        batch = held_out_sums(model, data, neg, r, j, loss, device, ctx)
+        sums += torch.tensor([batch[name] for name in FIGURES] + [len(r)], dtype=torch.float64)
+    model.train()
+    *totals, n = all_reduce(sums, device, world_size).tolist()
+    return {f'held_out_{name}': total / n for name, total in zip(FIGURES, totals, strict=True)}
+
+
+# -----------------------------------------------------------------------------
+# what main loads and builds, and what it reports
 
 def load_pairs(args):
     """The train and held-out negatives (checked to come from --lm and to agree, and the held-out
@@ -279,6 +301,33 @@ def input_hashes(args):
     started = {'init_from': file_hash(args.init_from)} if args.init_from else {}
     return dict(negatives=negatives_hash(args.negatives),
                 held_out_negatives=negatives_hash(args.held_out_negatives), **started)
+
+
+# -----------------------------------------------------------------------------
+# the training loop: train_step, then main
+
+def train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size):
+    """Forward and backward of this process's micro-batches of step iter_num: B positives from the
+    training prefixes `pool` and M negatives of each (nce_loss). Returns their mean (loss, acc, E+,
+    E-). Rows and dropout draws are a function of (seed, micro-batch), as in train_lm.py."""
+    B = args.batch_size
+    rows, neg_idx = choose(len(pool), neg['meta']['num_samples'], B * args.grad_accum, M, args.seed, 'train',
+                           iter_num)
+    rows, n_micro = pool[rows], args.grad_accum // world_size  # n_micro: this process's micro-batches
+    stats = np.zeros(4)
+    for m in range(rank, args.grad_accum, world_size):
+        r, j = rows[m * B:(m + 1) * B], neg_idx[m * B:(m + 1) * B]
+        torch.manual_seed(rng_seed(args.seed, 'dropout', 'train', iter_num * args.grad_accum + m))
+        if world_size > 1:  # all-reduce the gradients only on the last micro-batch
+            model.require_backward_grad_sync = m + world_size >= args.grad_accum
+        tokens, pos, negs = nce_batch(train, neg, r, j, device)
+        with ctx:  # positives and their negatives in one forward, each distinct sequence once
+            e = model(tokens, neg['meta']['prefix_len'])  # (U,)
+        e_pos, e_neg = e[pos], e[negs]  # (B,), (B, M)
+        loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
+        scaler.scale(loss / n_micro).backward()
+        stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
+    return stats / n_micro
 
 
 @one_job  # --out_dir's lock released however main ends
@@ -374,38 +423,6 @@ def main(argv=None):
         report(results, args.out_dir)
     teardown_distributed()
     return results
-
-
-def held_out_pairs(held_neg, M, eval_prefixes, seed):
-    """The fixed held-out pairs that choose best.pt: the first eval_prefixes prefixes of the
-    selection split, M of their stored negatives each (rows (N,), negative indices (N, M))."""
-    n = min(eval_prefixes, len(held_neg['offsets']))
-    return np.arange(n), choose(n, held_neg['meta']['num_samples'], n, M, seed, 'held_out', 0)[1]
-
-
-def train_step(model, scaler, train, neg, pool, M, args, iter_num, device, ctx, rank, world_size):
-    """Forward and backward of this process's micro-batches of step iter_num: B positives (from the
-    training prefixes `pool`) and M negatives of each (Eq. 3, or the ranking loss); returns their
-    mean (loss, acc, E+, E-). Rows and dropout draws are a function of the seed and the
-    micro-batch, as in train_lm.py."""
-    B, K = args.batch_size, neg['meta']['num_samples']
-    rows, neg_idx = choose(len(pool), K, B * args.grad_accum, M, args.seed, 'train', iter_num)
-    rows = pool[rows]
-    n_micro = args.grad_accum // world_size  # this process's micro-batches
-    stats = np.zeros(4)
-    for m in range(rank, args.grad_accum, world_size):
-        r, j = rows[m * B:(m + 1) * B], neg_idx[m * B:(m + 1) * B]
-        torch.manual_seed(rng_seed(args.seed, 'dropout', 'train', iter_num * args.grad_accum + m))
-        if world_size > 1:  # all-reduce the gradients only on the last micro-batch
-            model.require_backward_grad_sync = m + world_size >= args.grad_accum
-        tokens, pos, negs = nce_batch(train, neg, r, j, device)
-        with ctx:  # positives and their negatives in one forward, each distinct sequence once
-            e = model(tokens, neg['meta']['prefix_len'])  # (U,)
-        e_pos, e_neg = e[pos], e[negs]  # (B,), (B, M)
-        loss, acc = nce_loss(e_pos, e_neg, args.loss, *log_ratios(neg, r, j, device))
-        scaler.scale(loss / n_micro).backward()
-        stats += [loss.item(), acc.item(), e_pos.mean().item(), e_neg.mean().item()]
-    return stats / n_micro
 
 
 if __name__ == '__main__':

@@ -46,7 +46,7 @@ def real_logprobs(lm, x, P, top_k=None, top_p=None, temperature=1.0):
     L = x.size(1) - P
     lp, lq = [], []
     for rows in x.split(max(1, 1024 // L)):
-        logits = lm.logits(rows[:, :-1], first=P - 1).float()
+        logits = lm.logits(rows[:, :-1], from_pos=P - 1).float()
         tok = rows[:, P:, None]
         logp = F.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
         if (top_k, top_p, temperature) == (None, None, 1.0):

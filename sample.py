@@ -90,7 +90,7 @@ def next_token_table(lm, energy, prefix, gen_len, candidates, keep, m, amp, gene
                          f"and m ({m}) >= 1")
     prefix_len = P if prefix_len is None else prefix_len
     with amp.lm:
-        logp = torch.log_softmax(lm.logits(prefix, first=P - 1)[:, -1].double(), -1)  # (B, V)
+        logp = torch.log_softmax(lm.logits(prefix, from_pos=P - 1)[:, -1].double(), -1)  # (B, V)
     cand_lp, cand_v = logp.topk(candidates, dim=-1)  # (B, C)
     if gen_len == 1:
         log_z = -score_continuations(energy, prefix, cand_v[..., None], prefix_len, amp.energy,

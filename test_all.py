@@ -278,7 +278,7 @@ def test_per_step_exact():
     Z = exact_step_logz(lm, e, x, P, V)
     lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
     E = energies(e, x, P)
-    lp, ks, lo, hi = per_step(lm, e, x, P, 4000, FP32, torch.Generator().manual_seed(0), max_rows=8192)
+    lp, ks, lo, hi = per_step(lm, e, x, P, 4000, FP32, torch.Generator().manual_seed(0), max_rows=8192)[:4]
     assert ks == list(range(L + 1)) and lp.shape == (2, L) and lo.shape == hi.shape == (2, L + 1)
     assert (lp - lp_ref).abs().max() < 1e-5
     assert (lo[:, L] - (-E)).abs().max() < 1e-6 and torch.equal(lo[:, L], hi[:, L])
@@ -957,7 +957,7 @@ def test_per_step_report_combines_the_bounds():
     x = window_tokens(data, offsets[[0, 2, 3]], P + L)
     args.step_samples = 4
     rep = per_step_report(lm, e, data, offsets, args, FP32, 'cpu', 'test')
-    lp, _, lo, hi = per_step(lm, e, x, P, 4, FP32, rng(args.seed, 'per_step', 'test', 0), args.max_rows)
+    lp, _, lo, hi = per_step(lm, e, x, P, 4, FP32, rng(args.seed, 'per_step', 'test', 0), args.max_rows)[:4]
     assert (hi - lo).max() > 0.1  # the two bounds differ: mixing them up would show
     assert np.allclose(rep['joint_ppl_high'], torch.exp(-(lp + lo[:, 1:] - hi[:, :-1]).mean(0)).numpy(),
                        rtol=1e-12)

@@ -94,7 +94,7 @@ def lm_logprobs(lm, prompts, L, V, rows=4096):
     out = []
     for b in range(B):
         x = torch.cat([prompts[b].expand(heads.size(0), -1), heads], 1)  # (V^(L-1), P+L-1)
-        logits = torch.cat([lm.logits(c, first=P - 1) for c in x.split(rows)])  # (V^(L-1), L, V)
+        logits = torch.cat([lm.logits(c, from_pos=P - 1) for c in x.split(rows)])  # (V^(L-1), L, V)
         logp = torch.log_softmax(logits.double(), -1)
         head = logp[:, :L - 1].gather(-1, heads[..., None]).squeeze(-1).sum(1)  # (V^(L-1),)
         out.append((head[:, None] + logp[:, L - 1]).reshape(-1))  # row s * V + v

@@ -58,7 +58,7 @@ from data import batch_offsets, get_batch, load_meta, load_split
 from energy import Energy, joint_sample, logz_bounds, sample_log_weights, score, score_continuations
 from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
-from model import GPT, GPTConfig, alibi_bias, flops_per_token
+from model import GPT, GPTConfig, alibi_bias, decode_steps, flops_per_token
 from nce_train import nce_loss
 from plumbing import (ArgumentParser, Precision, at_least, autocast, check_heads, check_writable,
                       common_flags, pick_device, run_main, write_json)
@@ -376,7 +376,8 @@ def copy_cache_log_weights(lm, energy, prefixes, L, n, generator, max_rows):
         cache = lm.new_cache(B, P + L)
         logits = lm(prefixes, cache=cache)[0][:, -1]
         rows = [(k.repeat_interleave(c, 0), v.repeat_interleave(c, 0)) for k, v in cache]
-        tokens = lm._decode(logits.repeat_interleave(c, 0), rows, P, L, None, None, 1.0, generator)[0]
+        tokens = decode_steps(lm, logits.repeat_interleave(c, 0), rows, P, L, None, None, 1.0,
+                              generator)[0]
         out.append(-energy(torch.cat([prefixes.repeat_interleave(c, 0), tokens], 1), P).view(B, c))
     return torch.cat(out, 1)
 

@@ -28,6 +28,41 @@ def function_lines(path, name):
     return node.end_lineno - node.lineno + 1
 
 
+def code_lines(path, name):
+    """Lines of `name` in path, from its def (class, assignment) line to its last: a top-level function,
+    class or assignment, a method 'Class.method', or 'main:loop', the while loop of main."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding='utf-8').read())
+    outer, _, inner = name.partition('.') if ':' not in name else (name.split(':')[0], '', '')
+    node = next(n for n in tree.body if getattr(n, 'name', None) == outer or isinstance(n, ast.Assign)
+                and getattr(n.targets[0], 'id', None) == outer)
+    if inner:
+        node = next(n for n in node.body if getattr(n, 'name', None) == inner)
+    if name.endswith(':loop'):
+        node = next(n for n in ast.walk(node) if isinstance(n, ast.While))
+    return node.end_lineno - node.lineno + 1
+
+
+# The learner's path (docs/nanogpt.md): the code each step of README's reading order reads in full
+READING = {
+    1: [('model.py', f) for f in ('proposal_logprobs', 'sample_next', 'GPT.generate_plain', 'GPT.generate',
+                                  'decode_steps', 'cached_generate')],
+    2: [('energy.py', f'Energy.{f}') for f in ('__init__', 'kind', 'num_params', 'forward', 'project',
+                                                'context_cut')],
+    3: [('nce_train.py', f) for f in ('nce_loss', 'FIGURES', 'train_step', 'main:loop')],
+    4: [('energy.py', 'logz_bounds')] + [('estimate_ppl.py', f) for f in ('ppl', 'gain_over',
+                                                                           'evaluate_prefixes', 'summarize',
+                                                                           'table_1')],
+    5: [('sample.py', 'algorithm_1'), ('energy.py', 'gumbel_keys')],
+    6: [('estimate_ppl.py', 'Steps'), ('estimate_ppl.py', 'per_step')],
+    7: [('extensions/metrics.py', 'dual'), ('extensions/metrics.py', 'fit_mu')],
+}
+MAX_STEP_LINES = 80
+
+
+def lines_to_read(step):
+    return sum(code_lines(path, name) for path, name in READING[step])
+
+
 def support_names(path):
     """The names a script takes from plumbing/."""
     tree = ast.parse(open(os.path.join(ROOT, path), encoding='utf-8').read())
@@ -97,7 +132,8 @@ LINE_TOLERANCE = 0.05
 LINE_CLAIMS = [
     ('docs/nanogpt.md', r'`nce_train\.py` \(about (\d+) lines, `main` about (\d+) of them\)',
      [file_lines('nce_train.py'), function_lines('nce_train.py', 'main')]),
-]
+] + [('docs/nanogpt.md', rf'\| {step}\. [^|]+\|[^|]+\| \d+[^|]*\| (\d+)', [lines_to_read(step)])
+       for step in READING]  # the learner's path: each step's lines after (the before column is history)
 
 
 def number(text):
@@ -133,6 +169,12 @@ def test_doc_numbers_equal_the_code():
 def test_doc_line_counts_within_five_percent():
     bad = mismatches(LINE_CLAIMS, docs_text(), LINE_TOLERANCE)
     assert not bad, '\n'.join(bad)
+
+
+def test_each_step_of_the_learners_path_fits():
+    """Each step of README's reading order reads at most MAX_STEP_LINES lines of code in full (READING)."""
+    long = {step: lines_to_read(step) for step in READING if lines_to_read(step) > MAX_STEP_LINES}
+    assert not long, long
 
 
 def test_a_planted_mismatch_fails():

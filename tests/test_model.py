@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from data import batch_offsets, load_meta, load_split
 from plumbing import guards
-from model import GPTConfig, RALM, SelfAttention, load_checkpoint, load_lm, proposal_logprobs, stopped_early
+from model import (GPTConfig, RALM, SelfAttention, decode_steps, load_checkpoint, load_lm, proposal_logprobs,
+                   stopped_early)
 import negatives
 import train_lm
 
@@ -60,7 +61,7 @@ def copy_cache_decode(model, prompt, L, n, generator):
     cache = model.new_cache(B, P + L)
     logits = model(prompt, cache=cache)[0][:, -1]
     rows = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
-    return model._decode(logits.repeat_interleave(n, 0), rows, P, L, None, None, 1.0, generator)
+    return decode_steps(model, logits.repeat_interleave(n, 0), rows, P, L, None, None, 1.0, generator)
 
 
 def speed_models():
@@ -92,8 +93,8 @@ def test_shared_prompt_decode_matches_copied_cache(kind):
         seqs = torch.cat([prompt.repeat_interleave(n, 0), ref_tokens], 1)
         full = model(seqs)[0]
         prompt_cache = model.new_cache(B, P)
-        first = model.logits(prompt, prompt_cache, first=P - 1)[:, -1]
-        assert (first.repeat_interleave(n, 0) - full[:, P - 1]).abs().max().item() < 1e-5
+        next_logits = model.logits(prompt, prompt_cache, from_pos=P - 1)[:, -1]
+        assert (next_logits.repeat_interleave(n, 0) - full[:, P - 1]).abs().max().item() < 1e-5
         cache = [(k, v, *p) for (k, v), p in zip(model.new_cache(B * n, L), prompt_cache)]
         # 3 tokens at once: the causal mask over both parts
         got = [model(seqs[:, P:P + 3], cache=cache, pos=P)[0]]
