@@ -150,6 +150,31 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
 )
 
 
+# job/lesson.py, the first thing `bash run.sh` shows: 4-digit addition (50,000 training problems), small
+# enough that an idle 2-core CPU trains the LM and its energy in about four minutes (docs/lesson.md has
+# the measured runs); chosen on the selection split (docs/experiments.md, 2026-11-29): the UNIT by ranking
+# NCE over 4 of 16 samples per prefix for 6,000 steps at lr 1e-3 (all 16 for 1,500 steps, or lr 3e-3,
+# left Algorithm 1 below the LM's greedy sum: too soft an energy to resample with)
+LESSON = dict(
+    data=dict(digits=4, train=50000, select=2000, val=2000, test=2000),
+    lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=64, batch_size=32, max_iters=1500, lr=3e-3,
+            min_lr=3e-4, warmup_iters=40, lr_decay_iters=1500, eval_interval=250, patience=0,
+            select_on='continuation', snapshots='', final_eval=0, num_samples=0),
+    neg=dict(prefix_len=10, gen_len=6, num_samples=16, select_samples=64, train_prefixes=20000,
+             select_prefixes=256),
+    unit=dict(batch_size=32, max_iters=6000, lr=1e-3, min_lr=1e-4, warmup_iters=50, eval_interval=1000,
+              eval_prefixes=256, patience=0, num_neg=4, select='gain_enumerated'),
+    accuracy=dict(num_prefixes=1000, ns='1,4,16,64', beam=0),
+)
+LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson runs end to end
+    data=dict(digits=4, train=2000, select=200, val=200, test=200),
+    lm=dict(LESSON['lm'], n_layer=2, n_head=2, n_embd=32, max_iters=40, eval_interval=20, warmup_iters=5),
+    neg=dict(LESSON['neg'], num_samples=4, select_samples=8, train_prefixes=400, select_prefixes=32),
+    unit=dict(LESSON['unit'], max_iters=40, eval_interval=20, eval_prefixes=32, warmup_iters=5),
+    accuracy=dict(num_prefixes=64, ns='1,8', beam=0),
+)
+
+
 def large_batch(cfg, scale=4, step_share=0.5, trainers=('bit', 'unit'), chunk=4096):
     """--recipe gpu (docs/addition.md, "On a GPU"): a step of these models costs a GPU about the same
     at 32 sequences as at 128 (kernel launches and Python, not arithmetic), so each of `trainers`

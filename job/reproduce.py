@@ -48,6 +48,7 @@ from model import GPT, GPTConfig
 from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
                       rerun_command, run_main, write_json)
 
+from job import lesson
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME,
                          large_batch)
 from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
@@ -111,7 +112,11 @@ def get_args(argv=None):
                         "output in <out_dir>/<stage>.log. Threads change float rounding: the per-stage "
                         "count follows --jobs and the cores, never timing, so the numbers depend on them "
                         "(as OMP_NUM_THREADS would), never on the schedule")
+    p.add_argument('--skip_lesson', action='store_true',
+                   help="skip the lesson (python -m job.lesson, into <out_dir>/lesson) that the Shakespeare job "
+                        "runs first")
     args = p.parse_args(argv)
+    args.lesson = args.data == 'shakespeare' and not args.skip_lesson
     if args.jobs is None:
         args.jobs = min(2, torch.get_num_threads()) if args.quick else 1
     if args.jobs < 1:
@@ -186,6 +191,10 @@ def main(argv=None):
     pick_device(args.device)  # every stage would fail on it
     check_data_dir(args)
     lock_folder(os.path.join(ROOT, args.out_dir), '--out_dir')  # one job per folder (checked writable first)
+    if args.lesson:  # the energy fixing its LM in minutes, before the hour of Table 1
+        lesson.run(args, os.path.join(args.out_dir, 'lesson'))
+        print("\nNext, the paper's Table 1 on Shakespeare (README: about 46 min on an idle 2-core CPU; "
+              "Ctrl-C keeps what is done, and a rerun resumes)\n", flush=True)
     pipe = Pipeline(os.path.join(args.out_dir, 'timings.json'), args.jobs,
                     threads=max(1, torch.get_num_threads() // args.jobs))
     try:
