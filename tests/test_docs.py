@@ -68,15 +68,16 @@ CLAIMS = [
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
     ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['K']]),
     # docs/using.md: the stage commands of the main job
-    ('docs/using.md', r'train_lm\.py --out_dir out/lm --lr_decay_iters (\d+) --max_iters (\d+) '
-                      r'--patience (\d+) --min_rel_delta ([\d.]+)',
+    ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr ([\de.-]+)',
+     [LM['n_layer'], LM['n_head'], LM['n_embd'], LM['lr']]),
+    ('docs/using.md', r'--lr_decay_iters (\d+) --max_iters (\d+) --patience (\d+) --min_rel_delta ([\d.]+)',
      [LM['lr_decay_iters'], LM['max_iters'], LM['patience'], LM['min_rel_delta']]),
     ('docs/using.md', r'--split train --out_dir out/neg_train --max_prefixes (\d+) --num_samples (\d+)',
      [NEG['train_prefixes'], NEG['num_samples']]),
     ('docs/using.md', r'--split select --out_dir out/neg_select --max_prefixes (\d+) --num_samples (\d+)',
      [NEG['select_prefixes'], NEG['num_samples']]),
-    ('docs/using.md', r'--objective mlm --alibi --n_embd (\d+) --n_head (\d+)',
-     [MLM['n_embd'], MLM['n_head']]),
+    ('docs/using.md', r'--objective mlm --alibi --n_layer (\d+) --n_embd (\d+) --n_head (\d+)',
+     [MLM['n_layer'], MLM['n_embd'], MLM['n_head']]),
     ('docs/using.md', r'--energy bit --init_from out/mlm/best\.pt --lr ([\de.-]+) --max_iters (\d+) '
                       r'--patience (\d+)', [BIT['lr'], BIT['max_iters'], BIT['patience']]),
     ('docs/using.md', r'--split test --num_prefixes (\d+)', [DEFAULT['samples']['num_prefixes']]),
@@ -167,3 +168,124 @@ def test_a_config_named_in_the_docs_is_where_they_say():
     wrong = [f'{d}: {f} defines no {name}' for d, f, name in named
              if not re.search(rf'^{name} = ', open(os.path.join(ROOT, f), encoding='utf-8').read(), re.M)]
     assert not wrong, wrong
+
+
+# -----------------------------------------------------------------------------
+# docs/using.md's "Step by step": each command is the job's own (job/reproduce.py's stages), so
+# that it trains the job's models, not a script's defaults
+
+STEPS_IGNORED = {'seed', 'device', 'dtype', 'data_dir', 'quiet', 'resume', 'force',  # the run's, not the recipe's
+                 'snapshots', 'final_eval', 'final_eval_windows', 'num_samples_printed'}
+TRAINERS = {'train_lm.py', 'negatives.py', 'nce_train.py'}  # their command in full: the model it trains
+
+
+def job_commands(argv=()):
+    """{stage: its command} of `python -m job.reproduce argv` as it would print them, without running
+    anything (the data's vocabulary stands in as 65 characters)."""
+    from job import reproduce
+
+    class Stop(Exception):
+        pass
+
+    class Commands:
+        timings, spans = {}, []
+
+        def __init__(self):
+            self.cmds = {}
+
+        def run(self, name, cmd, *rest):
+            self.cmds[name] = cmd
+
+        def wait(self, *names):
+            if not names:  # the job's end: its report is not wanted
+                raise Stop
+
+    pipe, saved = Commands(), (reproduce.prepare_data, reproduce.print_estimate)
+    reproduce.prepare_data, reproduce.print_estimate = (lambda pipe, args: 65), (lambda *a: None)
+    try:
+        reproduce.stages(reproduce.get_args(['--out_dir', 'out', *argv]), pipe)
+    except Stop:
+        pass
+    finally:
+        reproduce.prepare_data, reproduce.print_estimate = saved
+    return pipe.cmds
+
+
+def step_by_step(text):
+    """The commands of docs/using.md's "Step by step" code block: [(script, [its words])]."""
+    block = text.split('## Step by step')[1].split('\n## ')[0].replace('\\\n', ' ')
+    steps = []
+    for line in block.splitlines():
+        if line.startswith('    python '):
+            words = line.split('#')[0].split()[1:]
+            if words[:2] == ['-m', 'extensions.run']:
+                words = words[2:]
+            script = ' '.join(words[:2]) if words[0] == '-m' else words[0]
+            steps.append((script, words[2:] if words[0] == '-m' else words[1:]))
+    return steps
+
+
+def flag_values(words):
+    """['--a', '1', '--b', '--c', 'x', 'y'] -> {'a': ['1'], 'b': [], 'c': ['x', 'y']}"""
+    flags, key = {}, None
+    for w in words:
+        if w.startswith('--'):
+            key = w[2:]
+            flags[key] = []
+        elif key is not None:
+            flags[key].append(w)
+    return flags
+
+
+def same_value(a, b):
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def step_mismatches(steps, cmds):
+    """Each documented step that is not its stage's command, as one line: a flag whose value differs
+    from the stage's; for a trainer, also any setting the two parse to differently (a flag the doc
+    leaves out that the job gives)."""
+    import importlib
+    bad = []
+    for script, words in steps:
+        flags = flag_values([w for w in words if w != '...'])
+        out = (flags.get('out_dir') or flags.get('out') or [None])[0]
+        stage = [c for c in cmds.values() if script in ' '.join(c[:4])
+                 and out in (flag_values(c).get('out_dir', []) + flag_values(c).get('out', []))]
+        if len(stage) != 1:
+            bad.append(f'{script} {out}: no stage of the job writes there')
+            continue
+        job = flag_values(stage[0])
+        for k, v in flags.items():
+            if k not in STEPS_IGNORED and not (set(v) <= set(job.get(k, [])) if len(v) > 1 else
+                                               len(job.get(k, [])) == len(v) and all(map(same_value, v, job[k]))):
+                bad.append(f'{script} {out}: --{k} {" ".join(v)}, the job {job.get(k)}')
+        if script in TRAINERS and '...' not in words:
+            get_args = importlib.import_module(script[:-3]).get_args
+            doc, run = vars(get_args(words)), vars(get_args(stage[0][1:]))
+            bad += [f'{script} {out}: {k} is {doc[k]!r}, the job {run[k]!r}' for k in sorted(doc)
+                    if k not in STEPS_IGNORED and doc[k] != run[k]]
+    return bad
+
+
+def test_the_step_by_step_commands_are_the_jobs():
+    """docs/using.md's step-by-step commands train what the main job trains: each flag they give has the
+    job's value, and a trainer's command (train_lm.py, negatives.py, nce_train.py) leaves no flag of
+    the job's out (the script's defaults are not the job's: train_lm.py alone builds a 4x256 model)."""
+    steps = step_by_step(open(os.path.join(ROOT, 'docs/using.md'), encoding='utf-8').read())
+    assert len(steps) >= 8 and sum(s in TRAINERS for s, _ in steps) >= 5, steps
+    bad = step_mismatches(steps, job_commands())
+    assert not bad, '\n'.join(bad)
+
+
+def test_a_step_that_is_not_the_jobs_fails():
+    """The check can fail: a flag left out (the script's default differs) and a wrong value each give a line."""
+    text = open(os.path.join(ROOT, 'docs/using.md'), encoding='utf-8').read()
+    cmds = job_commands()
+    dropped = re.sub(r'(train_lm\.py --out_dir out/lm.*?) --n_embd \d+', r'\1', text, count=1)
+    assert any('n_embd is 256' in b for b in step_mismatches(step_by_step(dropped), cmds))
+    wrong = text.replace('--max_prefixes 8000', '--max_prefixes 800', 1)
+    assert any('--max_prefixes 800,' in b for b in step_mismatches(step_by_step(wrong), cmds))
