@@ -289,3 +289,44 @@ def test_a_step_that_is_not_the_jobs_fails():
     assert any('n_embd is 256' in b for b in step_mismatches(step_by_step(dropped), cmds))
     wrong = text.replace('--max_prefixes 8000', '--max_prefixes 800', 1)
     assert any('--max_prefixes 800,' in b for b in step_mismatches(step_by_step(wrong), cmds))
+
+
+# -----------------------------------------------------------------------------
+# what the project is, not how it was made: no words of the organisation that ran its work
+
+ORGANISATIONAL = r'\blent\b|\blease\b|\bleases\b|device tool|\blending\b|this session|\bthe issue\b|\bissues? \d+'
+DATED_NOTES = 'docs/experiments.md'  # its dated notes may name the issue a day's work answered
+
+
+def organisational_words(texts):
+    """[(file, the words)] of each organisational word in `texts` ({file: text}); in DATED_NOTES an issue
+    number is allowed, no other word."""
+    found = []
+    for f, text in texts.items():
+        for m in re.finditer(ORGANISATIONAL, text, re.I):
+            if not (f == DATED_NOTES and re.fullmatch(r'issues? \d+', m.group(), re.I)):
+                found.append((f, text[max(0, m.start() - 30):m.end() + 30]))
+    return found
+
+
+def project_texts():
+    files = ['README.md'] + [f'docs/{f}' for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.md')]
+    files += [f'assets/{f}' for f in os.listdir(os.path.join(ROOT, 'assets')) if f.endswith('.json')]
+    return {f: read(f) for f in sorted(files)}
+
+
+def test_no_organisational_words():
+    """README.md, docs/*.md and assets/*.json say what the project is and which machine and command made
+    a number, not how its work was organised: no "lent", "lease", "device tool", "lending", "this
+    session", "the issue" or "issue N" (docs/experiments.md's dated notes may name their issue)."""
+    texts = project_texts()
+    assert len(texts) >= 20 and 'docs/experiments.md' in texts
+    found = organisational_words(texts)
+    assert not found, '\n'.join(f'{f}: ...{w}...' for f, w in found)
+
+
+def test_an_organisational_word_is_found():
+    planted = {'docs/using.md': 'no GPU was lent for it (issue 46)', 'assets/x.json': '{"note": "the lease ran out"}',
+               DATED_NOTES: '## 2026-11-28 (issue 46): the issue asked this session for it; release 2'}
+    found = organisational_words(planted)
+    assert [f for f, _ in found] == ['docs/using.md'] * 2 + ['assets/x.json'] + [DATED_NOTES] * 2, found
