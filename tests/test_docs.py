@@ -7,6 +7,7 @@ JSON (test_layout.test_readme_numbers_come_from_the_committed_run).
 """
 
 import ast
+import json
 import os
 import re
 
@@ -92,6 +93,161 @@ CLAIMS = [
      [support_names('nce_train.py')]),
     ('docs/nanogpt.md', r'`train_lm\.py` (\d+)\)', [support_names('train_lm.py')]),
 ]
+
+# README: nothing. docs/addition.md: the ADDITION job's caps
+CLAIMS += [
+    ('docs/addition.md', r'a cap of ([\d,]+) steps that the stopping rule can\s+reach, RALM with ([\d,]+) and '
+                         r'TaiLr with ([\d,]+)',
+     [ADDITION['balm']['max_iters'], ADDITION['residual']['max_iters'], ADDITION['tailr']['max_iters']]),
+    ('docs/addition.md', r'EXO stops at (\d+) steps', [ADDITION['exo']['max_iters']]),
+    ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['K']]),
+    ('docs/addition.md', r'EXO LM \(from the UNIT, K = (\d+), (\d+) steps\)',
+     [ADDITION['exo']['K'], ADDITION['exo']['max_iters']]),
+    ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples', [ADDITION['neg']['select_samples']]),
+]
+
+
+def asset(name):
+    return json.load(open(os.path.join(ROOT, 'assets', name), encoding='utf-8'))
+
+
+def by(rows, *keys):
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+ADD = by(asset('results_addition.json')['rows'], 'model', 'split')
+MAIN = by(asset('results.json')['rows'], 'model', 'split')
+ACC = by(asset('accuracy_addition.json')['rows'], 'model', 'method')
+CL, LMS = asset('claims.json')['claims'], asset('claims.json')['lms']
+ADD_LMS, ADD_TIMES = asset('claims_addition.json')['lms'], asset('results_addition.json')['timings_s']
+CALIB = asset('results.json')['calibration']
+H200 = asset('gpu_h200_addition.json')
+EXACT = asset('exact_logz.json')
+
+
+def acc(model, method, key='exact'):
+    return ACC[model, method][key]
+
+
+def share_of_gap(model):
+    """How far `model`'s P(correct) goes from the base LM's to the joint model's, in %."""
+    lm, joint = acc('BASE LM', 'greedy', 'p_correct'), acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')
+    return 100 * (acc(model, 'greedy', 'p_correct') - lm) / (joint - lm)
+
+
+def decoder(model, method):
+    """A table row's four n's and the SE at 64."""
+    return [acc(model, f'{method}, n = {n}') for n in (1, 4, 16, 64)] + [acc(model, f'{method}, n = 64', 'exact_se')]
+
+
+# (doc, regex, the values in assets/*.json): a number stated from a committed result equals it to
+# the digits the doc gives (rounded, not truncated)
+JSON_CLAIMS = [
+    # docs/addition.md, Table 1 on the test windows (assets/results_addition.json)
+    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), TaiLr ([\d.]+), '
+                         r'EXO ([\d.]+), RALM level',
+     [ADD['BASE LM', 'test']['ppl'], ADD['BALM', 'test']['ppl'], ADD['BALM', 'test']['gain_nats_per_token'],
+      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'], ADD['TAILR', 'test']['ppl'],
+      ADD['EXO', 'test']['ppl']]),
+    ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains ([\d.]+) and '
+                         r'([\d.]+), SE ([\d.]+)\)',
+     [ADD['JOINT UNIT', 'test']['ppl_enumerated'], ADD['JOINT BIT', 'test']['ppl_enumerated'],
+      ADD['JOINT UNIT', 'test']['gain_enumerated'], ADD['JOINT BIT', 'test']['gain_enumerated'],
+      ADD['JOINT UNIT', 'test']['gain_enumerated_se']]),
+    # docs/addition.md, the accuracy table (assets/accuracy_addition.json)
+    ('docs/addition.md', r'BASE LM \(3x96\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('BASE LM', 'greedy'), acc('BASE LM', 'sampled'), acc('BASE LM', 'greedy', 'p_correct'),
+      acc('BASE LM', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'BASE LM: majority vote \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BASE LM', 'majority vote')),
+    ('docs/addition.md', r'BASE LM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BASE LM', 'log-prob rerank')),
+    ('docs/addition.md', r'BASE LM: any of the n correct \(oracle\) \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) '
+                         r'\(([\d.]+)\)', decoder('BASE LM', 'oracle')),
+    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('BALM', 'greedy'), acc('BALM', 'sampled'), acc('BALM', 'greedy', 'p_correct'),
+      acc('BALM', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'BALM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BALM', 'log-prob rerank')),
+    ('docs/addition.md', r'TaiLr LM: greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('TAILR', 'greedy'), acc('TAILR', 'sampled'), acc('TAILR', 'greedy', 'p_correct'),
+      acc('TAILR', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'200 steps\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('EXO', 'greedy'), acc('EXO', 'sampled'), acc('EXO', 'greedy', 'p_correct'),
+      acc('EXO', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\) \| '
+                         r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
+     decoder('JOINT', 'Algorithm 1') + [acc('JOINT', 'Algorithm 1, n = 64', 'p_correct'),
+                                        acc('JOINT', 'Algorithm 1, n = 64', 'p_correct_se')]),
+    ('docs/addition.md', r'its mode among the samples\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\)',
+     decoder('JOINT', 'joint mode')),
+    ('docs/addition.md', r'its P\(correct\) ([\d.]+): (\d+)% of the way from the LM\'s ([\d.]+) to the joint\s+'
+                         r'model\'s ([\d.]+)',
+     [acc('EXO', 'greedy', 'p_correct'), share_of_gap('EXO'), acc('BASE LM', 'greedy', 'p_correct'),
+      acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')]),
+    ('docs/addition.md', r'EXO folds in (\d+)% of it', [share_of_gap('EXO')]),
+    ('docs/addition.md', r'On\s+addition it has (\d+)% of the way', [share_of_gap('EXO')]),
+    # docs/addition.md, where each LM stopped (assets/claims_addition.json) and the idle run's stage times
+    ('docs/addition.md', r'BASE at step ([\d,]+) \(best =\s+last: .{0,120}?BALM best ([\d,]+) of ([\d,]+) \(([\d.]+)\), '
+                         r'RALM best ([\d,]+) of ([\d,]+), TaiLr best ([\d,]+) of ([\d,]+) \(([\d.]+)\)',
+     [ADD_LMS['BASE']['best_step'], ADD_LMS['BALM']['best_step'], ADD_LMS['BALM']['last_step'],
+      ADD_LMS['BALM']['best_select_loss'], ADD_LMS['RALM']['best_step'], ADD_LMS['RALM']['last_step'],
+      ADD_LMS['TAILR']['best_step'], ADD_LMS['TAILR']['last_step'], ADD_LMS['TAILR']['best_select_loss']]),
+    ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 problems x 16\), '
+                         r'BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), TaiLr\s+(\d+), estimate_ppl (\d+), '
+                         r'addition_eval (\d+)',
+     [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm', 'tailr',
+                             'estimate_ppl', 'addition_eval')]),
+    # docs/addition.md, the H200 run (assets/gpu_h200_addition.json)
+    ('docs/addition.md', r'\*\*([\d.]+) s, [\d.]+ min\*\* end to end', [H200['wall_s']]),
+    ('docs/addition.md', r'Stages \(s\): BALM (\d+) \(.{0,40}\), BIT (\d+) and UNIT (\d+) \(', 
+     [H200['timings_s'][k] for k in ('balm', 'bit', 'unit')]),
+    # docs/reports.md: where each LM stopped, what holds, the calibration (assets/claims.json, results.json)
+    ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of ([\d,]+) '
+                        r'\(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) \(([\d.]+)\)',
+     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss'], LMS['BALM']['best_step'], LMS['BALM']['last_step'],
+      LMS['BALM']['best_select_loss'], LMS['RALM']['best_step'], LMS['RALM']['last_step'],
+      LMS['RALM']['best_select_loss'], LMS['TAILR']['best_step'], LMS['TAILR']['last_step'],
+      LMS['TAILR']['best_select_loss']]),
+    ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, ([\d.]+) SE; '
+                        r'JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains ([\d.]+)\s+\(([\d.]+)\) and '
+                        r'RALM ([\d.]+) \(([\d.]+)\)',
+     [v for m in ('JOINT BIT', 'JOINT UNIT') for v in (
+         MAIN[m, 'test']['gain_nats_per_token'], MAIN[m, 'test']['gain_se'],
+         MAIN[m, 'test']['gain_nats_per_token'] / MAIN[m, 'test']['gain_se'])]
+     + [MAIN[m, 'test'][k] for m in ('BALM', 'RALM') for k in ('gain_nats_per_token', 'gain_se')]),
+    ('docs/reports.md', r'gains ([\d.]+) alone and ([\d.]+) with the BIT as one more metric',
+     [MAIN['JOINT METRICS', 'test']['gain_nats_per_token'], MAIN['JOINT METRICS+BIT', 'test']['gain_nats_per_token']]),
+    ('docs/reports.md', r'bound is\s+\+?([-\d.]+) / \+?([-\d.]+) nats/token for BIT, \+?([-\d.]+) / \+?([-\d.]+) for UNIT '
+                        r'\(.{0,40}\),\s+\+?([-\d.]+) / \+?([-\d.]+) for METRICS\+BIT',
+     [CALIB[e][k] for e in ('BIT', 'UNIT', 'METRICS+BIT') for k in ('bias_lower', 'bias_upper')]),
+    # docs/exact_logz.md: the exact values (assets/exact_logz.json)
+    ('docs/exact_logz.md', r'mean P_LM\(correct sum\) ([\d.]+), exact joint P\(correct sum\) ([\d.]+) \(joint\s+'
+                           r'log-likelihood of the real continuation ([-\d.]+) nats against the LM\'s ([-\d.]+)\)',
+     [EXACT['test']['exact'][k] for k in ('p_lm_correct', 'p_joint_correct', 'joint_ll_real', 'lm_logp_real')]),
+    ('docs/exact_logz.md', r'correct sum on ([\d.]+) of them, the joint model\'s on (\d\.\d+)',
+     [EXACT['test']['exact'][k] for k in ('lm_mode_exact', 'joint_mode_exact')]),
+    ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15', [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
+]
+# the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| ([-+\d.]+) \(([\d.]+)\)[^|]*\| ([\d.]+) \|',
+                 [CL[c]['diff'], CL[c]['se'], CL[c]['p']]) for c in CL]
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| [^\n]*?\| not significant \(adjusted p ([\d.]+)\) \|', [CL[c]['p_holm']])
+                for c in ('C7', 'T1', 'T2')]
+# docs/exact_logz.md's table: each n's row, its 12 numbers (assets/exact_logz.json, test)
+EXACT_COLUMNS = [('T_n', 'bias'), ('T_n', 'spread'), ('T_n', 'mean_abs'), ('upper', 'bias'), ('eq4_coverage',),
+                 ('eq4_coverage_slack',), ('estimate', 'bias'), ('estimate', 'spread'), ('estimate', 'mean_abs'),
+                 ('estimate', 'within_tol'), ('sure', 'bias'), ('ess_median',), ('sure_flag_share',)]
+
+
+def exact_row(row):
+    return [row[c[0]] if len(c) == 1 else row[c[0]][c[1]] for c in EXACT_COLUMNS]
+
+
+JSON_CLAIMS += [('docs/exact_logz.md', rf'\| {row["n"]:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| '
+                                       r'([\d.]+) \(([\d.]+)\) \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| '
+                                       r'([-\d.]+) \| ([\d.]+) \| ([\d.]+) \|', exact_row(row))
+                for row in EXACT['test']['table']]
 
 # (doc, regex, the counts in the code): lines, claimed "about", within LINE_TOLERANCE
 LINE_TOLERANCE = 0.05
@@ -330,3 +486,70 @@ def test_an_organisational_word_is_found():
                DATED_NOTES: '## 2026-11-28 (issue 46): the issue asked this session for it; release 2'}
     found = organisational_words(planted)
     assert [f for f, _ in found] == ['docs/using.md'] * 2 + ['assets/x.json'] + [DATED_NOTES] * 2, found
+
+
+def takes_dtype(path):
+    """Whether the script declares --dtype: through plumbing's common_flags, the trainers' parser, or
+    its own add_argument (then its default)."""
+    src = open(os.path.join(ROOT, path), encoding='utf-8').read()
+    own = re.search(r"\('--dtype', default='(\w+)'", src)
+    declared = re.search(r"common_flags\([^)]*'dtype'", src) or 'training_parser(' in src
+    return own.group(1) if own else bool(declared)
+
+
+def test_the_scripts_that_take_dtype_are_those_the_docs_name():
+    """docs/using.md's "Device and precision": the scripts it says take --dtype do, those it says run in
+    fp32 do not, and exact_logz's --dtype has the default it says."""
+    text = read('docs/using.md')
+    named = re.search(r'those that train, sample or score under autocast \(([^)]+)\) also take `--dtype`', text)
+    fp32 = re.search(r'(`[\w/]+\.py`) and (`[\w/]+\.py`) run in fp32', text)
+    default = re.search(r"`extensions/exact_logz\.py`'s `--dtype` defaults to (\w+)", text)
+    assert named and fp32 and default, 'reword the test with docs/using.md'
+    scripts = re.findall(r'`([\w/]+\.py)`', named.group(1))
+    assert len(scripts) >= 6 and all(takes_dtype(s) is True for s in scripts), scripts
+    assert not any(takes_dtype(s.strip('`')) for s in fp32.groups())
+    assert takes_dtype('extensions/exact_logz.py') == default.group(1)
+    stages = ('train_lm.py', 'nce_train.py', 'negatives.py', 'estimate_ppl.py', 'sample.py',
+              'extensions/metric_ebm.py', 'extensions/exo.py', 'extensions/addition_eval.py')
+    assert {s for s in stages if takes_dtype(s)} == set(scripts), 'a stage script the sentence leaves out'
+
+
+
+def rounds_to(said, value):
+    """Whether the doc's `said` is `value` to the digits it gives ('0.0013' for 0.00125..., '6,250' for 6250)."""
+    said = said.replace(',', '')
+    digits = len(said.split('.')[1]) if '.' in said else 0
+    return abs(float(said) - value) <= 0.5 * 10 ** -digits * (1 + 1e-9) + 1e-12
+
+
+def json_mismatches(claims, docs):
+    bad = []
+    for doc, pattern, want in claims:
+        found = re.findall(pattern, docs[doc])
+        if not found:
+            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of JSON_CLAIMS with the doc')
+        for said in found:
+            said = (said,) if isinstance(said, str) else said
+            if not all(rounds_to(s, w) for s, w in zip(said, want, strict=True)):
+                bad.append(f'{doc}: {pattern!r} says {list(said)}, assets/ {[float(f"{w:.6g}") for w in want]}')
+    return bad
+
+
+def test_doc_numbers_equal_the_committed_results():
+    """Every row of JSON_CLAIMS: the numbers docs/addition.md, reports.md and exact_logz.md state from a
+    committed run are those of assets/*.json, to the digits they give."""
+    assert len(JSON_CLAIMS) >= 40
+    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    bad = json_mismatches(JSON_CLAIMS, docs)
+    assert not bad, '\n'.join(bad)
+
+
+def test_a_planted_result_mismatch_fails():
+    """The check can fail: EXO's old PPL, a share of the gap and a claim's p each give one line."""
+    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    planted = dict(docs, **{'docs/addition.md': docs['docs/addition.md'].replace('EXO 1.035', 'EXO 1.037')
+                            .replace('EXO folds in 31%', 'EXO folds in 46%'),
+                            'docs/reports.md': docs['docs/reports.md'].replace('| 0.15 |', '| 0.05 |')})
+    bad = json_mismatches(JSON_CLAIMS, planted)
+    assert len(bad) == 3 and "'1.037'" in bad[0] and "'46'" in bad[1] and "'0.05'" in bad[2], bad
+    assert rounds_to('0.0013', 0.00125000001) and not rounds_to('0.0013', 0.00124) and rounds_to('6,250', 6250)
