@@ -229,6 +229,31 @@ JSON_CLAIMS = [
      [EXACT['test']['exact'][k] for k in ('lm_mode_exact', 'joint_mode_exact')]),
     ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15', [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
 ]
+# docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
+STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
+             'estimate_ppl', 'samples', 'samples_untruncated')
+
+
+def stage_times(name):
+    t = asset(name)['timings_s']
+    return [t[k] for k in STAGE_ROW] + [t['claims'] + t['figures']]
+
+
+TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+), (\d+) '
+             r'\| (\d+) \| {} min \|')
+EARLIER = stage_times('results_earlier_recipe.json')
+JSON_CLAIMS += [
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+) \+ (\d+)', 46), stage_times('results.json')),
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32), EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
+    ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), BIT (\d+) '
+                        r'\(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics (\d+),\s+estimate_ppl (\d+), '
+                        r'samples (\d+) \+ (\d+), claims and figures (\d+) s',
+     [asset('results_avx2_fp32.json')['timings_s'][k] for k in ('lm', 'balm', 'ralm')]
+     + [sum(asset('results_avx2_fp32.json')['timings_s'][k] for k in ('neg_train', 'neg_select'))]
+     + [asset('results_avx2_fp32.json')['timings_s'][k] for k in ('mlm', 'bit', 'unit', 'tailr', 'metrics',
+                                                                 'estimate_ppl', 'samples', 'samples_untruncated')]
+     + [stage_times('results_avx2_fp32.json')[-1]]),
+]
 # the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
 JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| ([-+\d.]+) \(([\d.]+)\)[^|]*\| ([\d.]+) \|',
                  [CL[c]['diff'], CL[c]['se'], CL[c]['p']]) for c in CL]
