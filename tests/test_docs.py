@@ -69,7 +69,8 @@ CLAIMS = [
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
     ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['K']]),
     # docs/using.md: the stage commands of the main job
-    ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr ([\de.-]+)',
+    ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '
+                      r'([\de.-]+)',
      [LM['n_layer'], LM['n_head'], LM['n_embd'], LM['lr']]),
     ('docs/using.md', r'--lr_decay_iters (\d+) --max_iters (\d+) --patience (\d+) --min_rel_delta ([\d.]+)',
      [LM['lr_decay_iters'], LM['max_iters'], LM['patience'], LM['min_rel_delta']]),
@@ -96,14 +97,16 @@ CLAIMS = [
 
 # README: nothing. docs/addition.md: the ADDITION job's caps
 CLAIMS += [
-    ('docs/addition.md', r'a cap of ([\d,]+) steps that the stopping rule can\s+reach, RALM with ([\d,]+) and '
+    ('docs/addition.md', r'a cap of ([\d,]+) steps that the stopping rule can\s+reach, RALM with ([\d,]+) '
+                         r'and '
                          r'TaiLr with ([\d,]+)',
      [ADDITION['balm']['max_iters'], ADDITION['residual']['max_iters'], ADDITION['tailr']['max_iters']]),
     ('docs/addition.md', r'EXO stops at (\d+) steps', [ADDITION['exo']['max_iters']]),
     ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['K']]),
     ('docs/addition.md', r'EXO LM \(from the UNIT, K = (\d+), (\d+) steps\)',
      [ADDITION['exo']['K'], ADDITION['exo']['max_iters']]),
-    ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples', [ADDITION['neg']['select_samples']]),
+    ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples',
+     [ADDITION['neg']['select_samples']]),
 ]
 
 
@@ -137,34 +140,42 @@ def share_of_gap(model):
 
 def decoder(model, method):
     """A table row's four n's and the SE at 64."""
-    return [acc(model, f'{method}, n = {n}') for n in (1, 4, 16, 64)] + [acc(model, f'{method}, n = 64', 'exact_se')]
+    return ([acc(model, f'{method}, n = {n}') for n in (1, 4, 16, 64)]
+            + [acc(model, f'{method}, n = 64', 'exact_se')])
 
 
 # (doc, regex, the values in assets/*.json): a number stated from a committed result equals it to
 # the digits the doc gives (rounded, not truncated)
 JSON_CLAIMS = [
     # docs/addition.md, Table 1 on the test windows (assets/results_addition.json)
-    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), TaiLr ([\d.]+), '
+    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), '
+                         r'TaiLr ([\d.]+), '
                          r'EXO ([\d.]+), RALM level',
      [ADD['BASE LM', 'test']['ppl'], ADD['BALM', 'test']['ppl'], ADD['BALM', 'test']['gain_nats_per_token'],
-      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'], ADD['TAILR', 'test']['ppl'],
+      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'],
+      ADD['TAILR', 'test']['ppl'],
       ADD['EXO', 'test']['ppl']]),
-    ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains ([\d.]+) and '
+    ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains '
+                         r'([\d.]+) and '
                          r'([\d.]+), SE ([\d.]+)\)',
      [ADD['JOINT UNIT', 'test']['ppl_enumerated'], ADD['JOINT BIT', 'test']['ppl_enumerated'],
       ADD['JOINT UNIT', 'test']['gain_enumerated'], ADD['JOINT BIT', 'test']['gain_enumerated'],
       ADD['JOINT UNIT', 'test']['gain_enumerated_se']]),
     # docs/addition.md, the accuracy table (assets/accuracy_addition.json)
-    ('docs/addition.md', r'BASE LM \(3x96\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+    ('docs/addition.md', r'BASE LM \(3x96\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) '
+                         r'\(([\d.]+)\)',
      [acc('BASE LM', 'greedy'), acc('BASE LM', 'sampled'), acc('BASE LM', 'greedy', 'p_correct'),
       acc('BASE LM', 'greedy', 'p_correct_se')]),
     ('docs/addition.md', r'BASE LM: majority vote \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
      decoder('BASE LM', 'majority vote')),
-    ('docs/addition.md', r'BASE LM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+    ('docs/addition.md', r'BASE LM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) '
+                         r'\(([\d.]+)\)',
      decoder('BASE LM', 'log-prob rerank')),
-    ('docs/addition.md', r'BASE LM: any of the n correct \(oracle\) \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) '
+    ('docs/addition.md', r'BASE LM: any of the n correct \(oracle\) \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
+                         r'([\d.]+) '
                          r'\(([\d.]+)\)', decoder('BASE LM', 'oracle')),
-    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| '
+                         r'([\d.]+) \(([\d.]+)\)',
      [acc('BALM', 'greedy'), acc('BALM', 'sampled'), acc('BALM', 'greedy', 'p_correct'),
       acc('BALM', 'greedy', 'p_correct_se')]),
     ('docs/addition.md', r'BALM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
@@ -175,59 +186,75 @@ JSON_CLAIMS = [
     ('docs/addition.md', r'200 steps\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
      [acc('EXO', 'greedy'), acc('EXO', 'sampled'), acc('EXO', 'greedy', 'p_correct'),
       acc('EXO', 'greedy', 'p_correct_se')]),
-    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\) \| '
+    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* '
+                         r'\(([\d.]+)\) \| '
                          r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
      decoder('JOINT', 'Algorithm 1') + [acc('JOINT', 'Algorithm 1, n = 64', 'p_correct'),
                                         acc('JOINT', 'Algorithm 1, n = 64', 'p_correct_se')]),
-    ('docs/addition.md', r'its mode among the samples\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\)',
+    ('docs/addition.md', r'its mode among the samples\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
+                         r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
      decoder('JOINT', 'joint mode')),
-    ('docs/addition.md', r'its P\(correct\) ([\d.]+): (\d+)% of the way from the LM\'s ([\d.]+) to the joint\s+'
+    ('docs/addition.md', r'its P\(correct\) ([\d.]+): (\d+)% of the way from the LM\'s ([\d.]+) to the '
+                         r'joint\s+'
                          r'model\'s ([\d.]+)',
      [acc('EXO', 'greedy', 'p_correct'), share_of_gap('EXO'), acc('BASE LM', 'greedy', 'p_correct'),
       acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')]),
     ('docs/addition.md', r'EXO folds in (\d+)% of it', [share_of_gap('EXO')]),
     ('docs/addition.md', r'On\s+addition it has (\d+)% of the way', [share_of_gap('EXO')]),
     # docs/addition.md, where each LM stopped (assets/claims_addition.json) and the idle run's stage times
-    ('docs/addition.md', r'BASE at step ([\d,]+) \(best =\s+last: .{0,120}?BALM best ([\d,]+) of ([\d,]+) \(([\d.]+)\), '
+    ('docs/addition.md', r'BASE at step ([\d,]+) \(best =\s+last: .{0,120}?BALM best ([\d,]+) of ([\d,]+) '
+                         r'\(([\d.]+)\), '
                          r'RALM best ([\d,]+) of ([\d,]+), TaiLr best ([\d,]+) of ([\d,]+) \(([\d.]+)\)',
      [ADD_LMS['BASE']['best_step'], ADD_LMS['BALM']['best_step'], ADD_LMS['BALM']['last_step'],
       ADD_LMS['BALM']['best_select_loss'], ADD_LMS['RALM']['best_step'], ADD_LMS['RALM']['last_step'],
       ADD_LMS['TAILR']['best_step'], ADD_LMS['TAILR']['last_step'], ADD_LMS['TAILR']['best_select_loss']]),
-    ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 problems x 16\), '
-                         r'BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), TaiLr\s+(\d+), estimate_ppl (\d+), '
+    ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 '
+                         r'problems x 16\), '
+                         r'BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), TaiLr\s+(\d+), '
+                         r'estimate_ppl (\d+), '
                          r'addition_eval (\d+)',
-     [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm', 'tailr',
+     [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm',
+                             'tailr',
                              'estimate_ppl', 'addition_eval')]),
     # docs/addition.md, the H200 run (assets/gpu_h200_addition.json)
     ('docs/addition.md', r'\*\*([\d.]+) s, [\d.]+ min\*\* end to end', [H200['wall_s']]),
     ('docs/addition.md', r'Stages \(s\): BALM (\d+) \(.{0,40}\), BIT (\d+) and UNIT (\d+) \(', 
      [H200['timings_s'][k] for k in ('balm', 'bit', 'unit')]),
     # docs/reports.md: where each LM stopped, what holds, the calibration (assets/claims.json, results.json)
-    ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of ([\d,]+) '
+    ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of '
+                        r'([\d,]+) '
                         r'\(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) \(([\d.]+)\)',
-     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss'], LMS['BALM']['best_step'], LMS['BALM']['last_step'],
+     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss'], LMS['BALM']['best_step'],
+      LMS['BALM']['last_step'],
       LMS['BALM']['best_select_loss'], LMS['RALM']['best_step'], LMS['RALM']['last_step'],
       LMS['RALM']['best_select_loss'], LMS['TAILR']['best_step'], LMS['TAILR']['last_step'],
       LMS['TAILR']['best_select_loss']]),
-    ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, ([\d.]+) SE; '
-                        r'JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains ([\d.]+)\s+\(([\d.]+)\) and '
+    ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, '
+                        r'([\d.]+) SE; '
+                        r'JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains '
+                        r'([\d.]+)\s+\(([\d.]+)\) and '
                         r'RALM ([\d.]+) \(([\d.]+)\)',
      [v for m in ('JOINT BIT', 'JOINT UNIT') for v in (
          MAIN[m, 'test']['gain_nats_per_token'], MAIN[m, 'test']['gain_se'],
          MAIN[m, 'test']['gain_nats_per_token'] / MAIN[m, 'test']['gain_se'])]
      + [MAIN[m, 'test'][k] for m in ('BALM', 'RALM') for k in ('gain_nats_per_token', 'gain_se')]),
     ('docs/reports.md', r'gains ([\d.]+) alone and ([\d.]+) with the BIT as one more metric',
-     [MAIN['JOINT METRICS', 'test']['gain_nats_per_token'], MAIN['JOINT METRICS+BIT', 'test']['gain_nats_per_token']]),
-    ('docs/reports.md', r'bound is\s+\+?([-\d.]+) / \+?([-\d.]+) nats/token for BIT, \+?([-\d.]+) / \+?([-\d.]+) for UNIT '
+     [MAIN[m, 'test']['gain_nats_per_token'] for m in ('JOINT METRICS', 'JOINT METRICS+BIT')]),
+    ('docs/reports.md', r'bound is\s+\+?([-\d.]+) / \+?([-\d.]+) nats/token for BIT, \+?([-\d.]+) / '
+                        r'\+?([-\d.]+) for UNIT '
                         r'\(.{0,40}\),\s+\+?([-\d.]+) / \+?([-\d.]+) for METRICS\+BIT',
      [CALIB[e][k] for e in ('BIT', 'UNIT', 'METRICS+BIT') for k in ('bias_lower', 'bias_upper')]),
     # docs/exact_logz.md: the exact values (assets/exact_logz.json)
-    ('docs/exact_logz.md', r'mean P_LM\(correct sum\) ([\d.]+), exact joint P\(correct sum\) ([\d.]+) \(joint\s+'
-                           r'log-likelihood of the real continuation ([-\d.]+) nats against the LM\'s ([-\d.]+)\)',
-     [EXACT['test']['exact'][k] for k in ('p_lm_correct', 'p_joint_correct', 'joint_ll_real', 'lm_logp_real')]),
+    ('docs/exact_logz.md', r'mean P_LM\(correct sum\) ([\d.]+), exact joint P\(correct sum\) ([\d.]+) '
+                           r'\(joint\s+'
+                           r'log-likelihood of the real continuation ([-\d.]+) nats against the LM\'s '
+                           r'([-\d.]+)\)',
+     [EXACT['test']['exact'][k]
+      for k in ('p_lm_correct', 'p_joint_correct', 'joint_ll_real', 'lm_logp_real')]),
     ('docs/exact_logz.md', r'correct sum on ([\d.]+) of them, the joint model\'s on (\d\.\d+)',
      [EXACT['test']['exact'][k] for k in ('lm_mode_exact', 'joint_mode_exact')]),
-    ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15', [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
+    ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15',
+     [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
 ]
 # docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
 STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
@@ -239,39 +266,38 @@ def stage_times(name):
     return [t[k] for k in STAGE_ROW] + [t['claims'] + t['figures']]
 
 
-TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+), (\d+) '
-             r'\| (\d+) \| {} min \|')
-EARLIER = stage_times('results_earlier_recipe.json')
+TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) '
+             r'\| (\d+), (\d+) \| (\d+) \| {} min \|')
+EARLIER, AVX2 = stage_times('results_earlier_recipe.json'), stage_times('results_avx2_fp32.json')
 JSON_CLAIMS += [
     ('docs/reports.md', TIMES_ROW.format(r'(\d+) \+ (\d+)', 46), stage_times('results.json')),
-    ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32), EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
-    ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), BIT (\d+) '
-                        r'\(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics (\d+),\s+estimate_ppl (\d+), '
-                        r'samples (\d+) \+ (\d+), claims and figures (\d+) s',
-     [asset('results_avx2_fp32.json')['timings_s'][k] for k in ('lm', 'balm', 'ralm')]
-     + [sum(asset('results_avx2_fp32.json')['timings_s'][k] for k in ('neg_train', 'neg_select'))]
-     + [asset('results_avx2_fp32.json')['timings_s'][k] for k in ('mlm', 'bit', 'unit', 'tailr', 'metrics',
-                                                                 'estimate_ppl', 'samples', 'samples_untruncated')]
-     + [stage_times('results_avx2_fp32.json')[-1]]),
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32),
+     EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
+    ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), '
+                        r'BIT (\d+) \(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics (\d+),\s+'
+                        r'estimate_ppl (\d+), samples (\d+) \+ (\d+), claims and figures (\d+) s',
+     AVX2[:3] + [AVX2[3] + AVX2[4]] + AVX2[5:]),
 ]
 # the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
 JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| ([-+\d.]+) \(([\d.]+)\)[^|]*\| ([\d.]+) \|',
                  [CL[c]['diff'], CL[c]['se'], CL[c]['p']]) for c in CL]
-JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| [^\n]*?\| not significant \(adjusted p ([\d.]+)\) \|', [CL[c]['p_holm']])
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| [^\n]*?\| not significant \(adjusted p ([\d.]+)\) \|',
+                 [CL[c]['p_holm']])
                 for c in ('C7', 'T1', 'T2')]
 # docs/exact_logz.md's table: each n's row, its 12 numbers (assets/exact_logz.json, test)
-EXACT_COLUMNS = [('T_n', 'bias'), ('T_n', 'spread'), ('T_n', 'mean_abs'), ('upper', 'bias'), ('eq4_coverage',),
-                 ('eq4_coverage_slack',), ('estimate', 'bias'), ('estimate', 'spread'), ('estimate', 'mean_abs'),
-                 ('estimate', 'within_tol'), ('sure', 'bias'), ('ess_median',), ('sure_flag_share',)]
+EXACT_COLUMNS = [('T_n', 'bias'), ('T_n', 'spread'), ('T_n', 'mean_abs'), ('upper', 'bias'),
+                 ('eq4_coverage',), ('eq4_coverage_slack',), ('estimate', 'bias'), ('estimate', 'spread'),
+                 ('estimate', 'mean_abs'), ('estimate', 'within_tol'), ('sure', 'bias'), ('ess_median',),
+                 ('sure_flag_share',)]
 
 
 def exact_row(row):
     return [row[c[0]] if len(c) == 1 else row[c[0]][c[1]] for c in EXACT_COLUMNS]
 
 
-JSON_CLAIMS += [('docs/exact_logz.md', rf'\| {row["n"]:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| '
-                                       r'([\d.]+) \(([\d.]+)\) \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| '
-                                       r'([-\d.]+) \| ([\d.]+) \| ([\d.]+) \|', exact_row(row))
+EXACT_ROW = (r'\| {:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \(([\d.]+)\) \| '
+             r'([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \|')
+JSON_CLAIMS += [('docs/exact_logz.md', EXACT_ROW.format(row['n']), exact_row(row))
                 for row in EXACT['test']['table']]
 
 # (doc, regex, the counts in the code): lines, claimed "about", within LINE_TOLERANCE
@@ -355,7 +381,8 @@ def test_a_config_named_in_the_docs_is_where_they_say():
 # docs/using.md's "Step by step": each command is the job's own (job/reproduce.py's stages), so
 # that it trains the job's models, not a script's defaults
 
-STEPS_IGNORED = {'seed', 'device', 'dtype', 'data_dir', 'quiet', 'resume', 'force',  # the run's, not the recipe's
+# the run's, not the recipe's
+STEPS_IGNORED = {'seed', 'device', 'dtype', 'data_dir', 'quiet', 'resume', 'force',
                  'snapshots', 'final_eval', 'final_eval_windows', 'num_samples_printed'}
 TRAINERS = {'train_lm.py', 'negatives.py', 'nce_train.py'}  # their command in full: the model it trains
 
@@ -441,8 +468,10 @@ def step_mismatches(steps, cmds):
             continue
         job = flag_values(stage[0])
         for k, v in flags.items():
-            if k not in STEPS_IGNORED and not (set(v) <= set(job.get(k, [])) if len(v) > 1 else
-                                               len(job.get(k, [])) == len(v) and all(map(same_value, v, job[k]))):
+            given = job.get(k, [])
+            same = (set(v) <= set(given) if len(v) > 1  # --energy A=a B=b: some of the job's
+                    else len(given) == len(v) and all(map(same_value, v, given)))
+            if k not in STEPS_IGNORED and not same:
                 bad.append(f'{script} {out}: --{k} {" ".join(v)}, the job {job.get(k)}')
         if script in TRAINERS and '...' not in words:
             get_args = importlib.import_module(script[:-3]).get_args
@@ -463,7 +492,8 @@ def test_the_step_by_step_commands_are_the_jobs():
 
 
 def test_a_step_that_is_not_the_jobs_fails():
-    """The check can fail: a flag left out (the script's default differs) and a wrong value each give a line."""
+    """The check can fail: a flag left out (the script's default differs) and a wrong value each give
+    a line."""
     text = open(os.path.join(ROOT, 'docs/using.md'), encoding='utf-8').read()
     cmds = job_commands()
     dropped = re.sub(r'(train_lm\.py --out_dir out/lm.*?) --n_embd \d+', r'\1', text, count=1)
@@ -475,7 +505,8 @@ def test_a_step_that_is_not_the_jobs_fails():
 # -----------------------------------------------------------------------------
 # what the project is, not how it was made: no words of the organisation that ran its work
 
-ORGANISATIONAL = r'\blent\b|\blease\b|\bleases\b|device tool|\blending\b|this session|\bthe issue\b|\bissues? \d+'
+ORGANISATIONAL = (r'\blent\b|\blease\b|\bleases\b|device tool|\blending\b|this session|\bthe issue\b'
+                  r'|\bissues? \d+')
 DATED_NOTES = 'docs/experiments.md'  # its dated notes may name the issue a day's work answered
 
 
@@ -507,7 +538,8 @@ def test_no_organisational_words():
 
 
 def test_an_organisational_word_is_found():
-    planted = {'docs/using.md': 'no GPU was lent for it (issue 46)', 'assets/x.json': '{"note": "the lease ran out"}',
+    planted = {'docs/using.md': 'no GPU was lent for it (issue 46)',
+               'assets/x.json': '{"note": "the lease ran out"}',
                DATED_NOTES: '## 2026-11-28 (issue 46): the issue asked this session for it; release 2'}
     found = organisational_words(planted)
     assert [f for f, _ in found] == ['docs/using.md'] * 2 + ['assets/x.json'] + [DATED_NOTES] * 2, found
@@ -526,7 +558,8 @@ def test_the_scripts_that_take_dtype_are_those_the_docs_name():
     """docs/using.md's "Device and precision": the scripts it says take --dtype do, those it says run in
     fp32 do not, and exact_logz's --dtype has the default it says."""
     text = read('docs/using.md')
-    named = re.search(r'those that train, sample or score under autocast \(([^)]+)\) also take `--dtype`', text)
+    named = re.search(r'those that train, sample or score under autocast \(([^)]+)\) also take `--dtype`',
+                      text)
     fp32 = re.search(r'(`[\w/]+\.py`) and (`[\w/]+\.py`) run in fp32', text)
     default = re.search(r"`extensions/exact_logz\.py`'s `--dtype` defaults to (\w+)", text)
     assert named and fp32 and default, 'reword the test with docs/using.md'
@@ -541,7 +574,8 @@ def test_the_scripts_that_take_dtype_are_those_the_docs_name():
 
 
 def rounds_to(said, value):
-    """Whether the doc's `said` is `value` to the digits it gives ('0.0013' for 0.00125..., '6,250' for 6250)."""
+    """Whether the doc's `said` is `value` to the digits it gives ('0.0013' for 0.00125..., '6,250' for
+    6250)."""
     said = said.replace(',', '')
     digits = len(said.split('.')[1]) if '.' in said else 0
     return abs(float(said) - value) <= 0.5 * 10 ** -digits * (1 + 1e-9) + 1e-12
@@ -556,7 +590,8 @@ def json_mismatches(claims, docs):
         for said in found:
             said = (said,) if isinstance(said, str) else said
             if not all(rounds_to(s, w) for s, w in zip(said, want, strict=True)):
-                bad.append(f'{doc}: {pattern!r} says {list(said)}, assets/ {[float(f"{w:.6g}") for w in want]}')
+                json_values = [float(f'{w:.6g}') for w in want]
+                bad.append(f'{doc}: {pattern!r} says {list(said)}, assets/ {json_values}')
     return bad
 
 
@@ -577,4 +612,5 @@ def test_a_planted_result_mismatch_fails():
                             'docs/reports.md': docs['docs/reports.md'].replace('| 0.15 |', '| 0.05 |')})
     bad = json_mismatches(JSON_CLAIMS, planted)
     assert len(bad) == 3 and "'1.037'" in bad[0] and "'46'" in bad[1] and "'0.05'" in bad[2], bad
-    assert rounds_to('0.0013', 0.00125000001) and not rounds_to('0.0013', 0.00124) and rounds_to('6,250', 6250)
+    assert rounds_to('0.0013', 0.00125000001) and not rounds_to('0.0013', 0.00124)
+    assert rounds_to('6,250', 6250)
