@@ -98,8 +98,7 @@ CLAIMS = [
 # README: nothing. docs/addition.md: the ADDITION job's caps
 CLAIMS += [
     ('docs/addition.md', r'a cap of ([\d,]+) steps that the stopping rule can\s+reach, RALM with ([\d,]+) '
-                         r'and '
-                         r'TaiLr with ([\d,]+)',
+                         r'and TaiLr with ([\d,]+)',
      [ADDITION['balm']['max_iters'], ADDITION['residual']['max_iters'], ADDITION['tailr']['max_iters']]),
     ('docs/addition.md', r'EXO stops at (\d+) steps', [ADDITION['exo']['max_iters']]),
     ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['K']]),
@@ -148,16 +147,13 @@ def decoder(model, method):
 # the digits the doc gives (rounded, not truncated)
 JSON_CLAIMS = [
     # docs/addition.md, Table 1 on the test windows (assets/results_addition.json)
-    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), '
-                         r'TaiLr ([\d.]+), '
-                         r'EXO ([\d.]+), RALM level',
+    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), TaiLr '
+                         r'([\d.]+), EXO ([\d.]+), RALM level',
      [ADD['BASE LM', 'test']['ppl'], ADD['BALM', 'test']['ppl'], ADD['BALM', 'test']['gain_nats_per_token'],
-      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'],
-      ADD['TAILR', 'test']['ppl'],
+      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'], ADD['TAILR', 'test']['ppl'],
       ADD['EXO', 'test']['ppl']]),
     ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains '
-                         r'([\d.]+) and '
-                         r'([\d.]+), SE ([\d.]+)\)',
+                         r'([\d.]+) and ([\d.]+), SE ([\d.]+)\)',
      [ADD['JOINT UNIT', 'test']['ppl_enumerated'], ADD['JOINT BIT', 'test']['ppl_enumerated'],
       ADD['JOINT UNIT', 'test']['gain_enumerated'], ADD['JOINT BIT', 'test']['gain_enumerated'],
       ADD['JOINT UNIT', 'test']['gain_enumerated_se']]),
@@ -172,10 +168,9 @@ JSON_CLAIMS = [
                          r'\(([\d.]+)\)',
      decoder('BASE LM', 'log-prob rerank')),
     ('docs/addition.md', r'BASE LM: any of the n correct \(oracle\) \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
-                         r'([\d.]+) '
-                         r'\(([\d.]+)\)', decoder('BASE LM', 'oracle')),
-    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| '
-                         r'([\d.]+) \(([\d.]+)\)',
+                         r'([\d.]+) \(([\d.]+)\)', decoder('BASE LM', 'oracle')),
+    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) '
+                         r'\(([\d.]+)\)',
      [acc('BALM', 'greedy'), acc('BALM', 'sampled'), acc('BALM', 'greedy', 'p_correct'),
       acc('BALM', 'greedy', 'p_correct_se')]),
     ('docs/addition.md', r'BALM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
@@ -186,54 +181,44 @@ JSON_CLAIMS = [
     ('docs/addition.md', r'200 steps\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
      [acc('EXO', 'greedy'), acc('EXO', 'sampled'), acc('EXO', 'greedy', 'p_correct'),
       acc('EXO', 'greedy', 'p_correct_se')]),
-    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* '
-                         r'\(([\d.]+)\) \| '
-                         r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
+    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\) '
+                         r'\| \*\*([\d.]+)\*\* \(([\d.]+)\)',
      decoder('JOINT', 'Algorithm 1') + [acc('JOINT', 'Algorithm 1, n = 64', 'p_correct'),
                                         acc('JOINT', 'Algorithm 1, n = 64', 'p_correct_se')]),
     ('docs/addition.md', r'its mode among the samples\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
                          r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
      decoder('JOINT', 'joint mode')),
     ('docs/addition.md', r'its P\(correct\) ([\d.]+): (\d+)% of the way from the LM\'s ([\d.]+) to the '
-                         r'joint\s+'
-                         r'model\'s ([\d.]+)',
+                         r'joint\s+model\'s ([\d.]+)',
      [acc('EXO', 'greedy', 'p_correct'), share_of_gap('EXO'), acc('BASE LM', 'greedy', 'p_correct'),
       acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')]),
     ('docs/addition.md', r'EXO folds in (\d+)% of it', [share_of_gap('EXO')]),
     ('docs/addition.md', r'On\s+addition it has (\d+)% of the way', [share_of_gap('EXO')]),
     # docs/addition.md, where each LM stopped (assets/claims_addition.json) and the idle run's stage times
     ('docs/addition.md', r'BASE at step ([\d,]+) \(best =\s+last: .{0,120}?BALM best ([\d,]+) of ([\d,]+) '
-                         r'\(([\d.]+)\), '
-                         r'RALM best ([\d,]+) of ([\d,]+), TaiLr best ([\d,]+) of ([\d,]+) \(([\d.]+)\)',
+                         r'\(([\d.]+)\), RALM best ([\d,]+) of ([\d,]+), TaiLr best ([\d,]+) of ([\d,]+) '
+                         r'\(([\d.]+)\)',
      [ADD_LMS['BASE']['best_step'], ADD_LMS['BALM']['best_step'], ADD_LMS['BALM']['last_step'],
       ADD_LMS['BALM']['best_select_loss'], ADD_LMS['RALM']['best_step'], ADD_LMS['RALM']['last_step'],
       ADD_LMS['TAILR']['best_step'], ADD_LMS['TAILR']['last_step'], ADD_LMS['TAILR']['best_select_loss']]),
     ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 '
-                         r'problems x 16\), '
-                         r'BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), TaiLr\s+(\d+), '
-                         r'estimate_ppl (\d+), '
-                         r'addition_eval (\d+)',
+                         r'problems x 16\), BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), '
+                         r'TaiLr\s+(\d+), estimate_ppl (\d+), addition_eval (\d+)',
      [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm',
-                             'tailr',
-                             'estimate_ppl', 'addition_eval')]),
+                             'tailr', 'estimate_ppl', 'addition_eval')]),
     # docs/addition.md, the H200 run (assets/gpu_h200_addition.json)
     ('docs/addition.md', r'\*\*([\d.]+) s, [\d.]+ min\*\* end to end', [H200['wall_s']]),
     ('docs/addition.md', r'Stages \(s\): BALM (\d+) \(.{0,40}\), BIT (\d+) and UNIT (\d+) \(', 
      [H200['timings_s'][k] for k in ('balm', 'bit', 'unit')]),
     # docs/reports.md: where each LM stopped, what holds, the calibration (assets/claims.json, results.json)
     ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of '
-                        r'([\d,]+) '
-                        r'\(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) \(([\d.]+)\)',
-     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss'], LMS['BALM']['best_step'],
-      LMS['BALM']['last_step'],
-      LMS['BALM']['best_select_loss'], LMS['RALM']['best_step'], LMS['RALM']['last_step'],
-      LMS['RALM']['best_select_loss'], LMS['TAILR']['best_step'], LMS['TAILR']['last_step'],
-      LMS['TAILR']['best_select_loss']]),
+                        r'([\d,]+) \(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) '
+                        r'\(([\d.]+)\)',
+     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss']]
+     + [LMS[m][k] for m in ('BALM', 'RALM', 'TAILR') for k in ('best_step', 'last_step', 'best_select_loss')]),
     ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, '
-                        r'([\d.]+) SE; '
-                        r'JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains '
-                        r'([\d.]+)\s+\(([\d.]+)\) and '
-                        r'RALM ([\d.]+) \(([\d.]+)\)',
+                        r'([\d.]+) SE; JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains '
+                        r'([\d.]+)\s+\(([\d.]+)\) and RALM ([\d.]+) \(([\d.]+)\)',
      [v for m in ('JOINT BIT', 'JOINT UNIT') for v in (
          MAIN[m, 'test']['gain_nats_per_token'], MAIN[m, 'test']['gain_se'],
          MAIN[m, 'test']['gain_nats_per_token'] / MAIN[m, 'test']['gain_se'])]
@@ -241,14 +226,12 @@ JSON_CLAIMS = [
     ('docs/reports.md', r'gains ([\d.]+) alone and ([\d.]+) with the BIT as one more metric',
      [MAIN[m, 'test']['gain_nats_per_token'] for m in ('JOINT METRICS', 'JOINT METRICS+BIT')]),
     ('docs/reports.md', r'bound is\s+\+?([-\d.]+) / \+?([-\d.]+) nats/token for BIT, \+?([-\d.]+) / '
-                        r'\+?([-\d.]+) for UNIT '
-                        r'\(.{0,40}\),\s+\+?([-\d.]+) / \+?([-\d.]+) for METRICS\+BIT',
+                        r'\+?([-\d.]+) for UNIT \(.{0,40}\),\s+\+?([-\d.]+) / \+?([-\d.]+) for METRICS\+BIT',
      [CALIB[e][k] for e in ('BIT', 'UNIT', 'METRICS+BIT') for k in ('bias_lower', 'bias_upper')]),
     # docs/exact_logz.md: the exact values (assets/exact_logz.json)
     ('docs/exact_logz.md', r'mean P_LM\(correct sum\) ([\d.]+), exact joint P\(correct sum\) ([\d.]+) '
-                           r'\(joint\s+'
-                           r'log-likelihood of the real continuation ([-\d.]+) nats against the LM\'s '
-                           r'([-\d.]+)\)',
+                           r'\(joint\s+log-likelihood of the real continuation ([-\d.]+) nats against the '
+                           r'LM\'s ([-\d.]+)\)',
      [EXACT['test']['exact'][k]
       for k in ('p_lm_correct', 'p_joint_correct', 'joint_ll_real', 'lm_logp_real')]),
     ('docs/exact_logz.md', r'correct sum on ([\d.]+) of them, the joint model\'s on (\d\.\d+)',
@@ -266,16 +249,16 @@ def stage_times(name):
     return [t[k] for k in STAGE_ROW] + [t['claims'] + t['figures']]
 
 
-TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) '
-             r'\| (\d+), (\d+) \| (\d+) \| {} min \|')
+TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| '
+             r'(\d+), (\d+) \| (\d+) \| {} min \|')
 EARLIER, AVX2 = stage_times('results_earlier_recipe.json'), stage_times('results_avx2_fp32.json')
 JSON_CLAIMS += [
     ('docs/reports.md', TIMES_ROW.format(r'(\d+) \+ (\d+)', 46), stage_times('results.json')),
     ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32),
      EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
     ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), '
-                        r'BIT (\d+) \(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics (\d+),\s+'
-                        r'estimate_ppl (\d+), samples (\d+) \+ (\d+), claims and figures (\d+) s',
+                        r'BIT (\d+) \(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics '
+                        r'(\d+),\s+estimate_ppl (\d+), samples (\d+) \+ (\d+), claims and figures (\d+) s',
      AVX2[:3] + [AVX2[3] + AVX2[4]] + AVX2[5:]),
 ]
 # the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
@@ -505,8 +488,8 @@ def test_a_step_that_is_not_the_jobs_fails():
 # -----------------------------------------------------------------------------
 # what the project is, not how it was made: no words of the organisation that ran its work
 
-ORGANISATIONAL = (r'\blent\b|\blease\b|\bleases\b|device tool|\blending\b|this session|\bthe issue\b'
-                  r'|\bissues? \d+')
+ORGANISATIONAL = (r'\blent\b|\blease\b|\bleases\b|device tool|\blending\b|this session|\bthe '
+                  r'issue\b|\bissues? \d+')
 DATED_NOTES = 'docs/experiments.md'  # its dated notes may name the issue a day's work answered
 
 
