@@ -150,8 +150,8 @@ JSON_CLAIMS = [
     ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), TaiLr '
                          r'([\d.]+), EXO ([\d.]+), RALM level',
      [ADD['BASE LM', 'test']['ppl'], ADD['BALM', 'test']['ppl'], ADD['BALM', 'test']['gain_nats_per_token'],
-      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'], ADD['TAILR', 'test']['ppl'],
-      ADD['EXO', 'test']['ppl']]),
+      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'],
+      ADD['TAILR', 'test']['ppl'], ADD['EXO', 'test']['ppl']]),
     ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains '
                          r'([\d.]+) and ([\d.]+), SE ([\d.]+)\)',
      [ADD['JOINT UNIT', 'test']['ppl_enumerated'], ADD['JOINT BIT', 'test']['ppl_enumerated'],
@@ -215,7 +215,8 @@ JSON_CLAIMS = [
                         r'([\d,]+) \(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) '
                         r'\(([\d.]+)\)',
      [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss']]
-     + [LMS[m][k] for m in ('BALM', 'RALM', 'TAILR') for k in ('best_step', 'last_step', 'best_select_loss')]),
+     + [LMS[m][k] for m in ('BALM', 'RALM', 'TAILR')
+        for k in ('best_step', 'last_step', 'best_select_loss')]),
     ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, '
                         r'([\d.]+) SE; JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains '
                         r'([\d.]+)\s+\(([\d.]+)\) and RALM ([\d.]+) \(([\d.]+)\)',
