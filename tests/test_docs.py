@@ -240,6 +240,34 @@ JSON_CLAIMS = [
     ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15',
      [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
 ]
+# docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
+ADD_CLAIMS = asset('claims_addition.json')['claims']
+PER_PROBLEM = asset('accuracy_addition.json')['per_problem']
+DECODERS = [f'D{i}' for i in range(1, 11)]
+WEAKEST = ADD_CLAIMS[max(DECODERS, key=lambda d: ADD_CLAIMS[d]['p_holm'])]
+WEAKEST_P = WEAKEST['p_holm'] if WEAKEST['what'].startswith('Alg. 1 > BALM log-prob rerank') else float('nan')
+
+
+def only(a, b):
+    """How many problems `a` (model, outcome) gets right and `b` does not, and the other way round."""
+    x, y = PER_PROBLEM[a[0]][a[1]], PER_PROBLEM[b[0]][b[1]]
+    pairs = list(zip(x, y, strict=True))
+    return [sum(p and not q for p, q in pairs), sum(q and not p for p, q in pairs)]
+
+
+JSON_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) claims with a p-value',
+     [sum(c.get('p') is not None and 'same_as' not in c for c in ADD_CLAIMS.values())]),
+    ('docs/addition.md', r'the largest Holm-adjusted p (\d)e-13 \(Algorithm 1 against BALM\'s rerank: (\d+) '
+                         r'problems only\s+Algorithm 1 gets right, (\d+) only BALM\)',
+     [1e13 * WEAKEST_P] + only(('JOINT', 'a1_64_exact'), ('BALM', 'rerank_64_exact'))),
+    ('docs/addition.md', r'\+([\d.]+) points, paired p (\d)e-5, (\d)e-4 after Holm; (\d+) problems it alone '
+                         r'gets\s+right, (\d+) the LM alone',
+     [100 * ADD_CLAIMS['D11']['diff'], 1e5 * ADD_CLAIMS['D11']['p'], 1e4 * ADD_CLAIMS['D11']['p_holm']]
+     + only(('EXO', 'greedy_exact'), ('BASE LM', 'greedy_exact'))),
+    ('docs/addition.md', r'Eq\. 4\'s range is flagged on (\d+)% of problems',
+     [100 * sum(PER_PROBLEM['JOINT']['eq4_flagged']) / len(PER_PROBLEM['JOINT']['eq4_flagged'])]),
+]
 # docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
 STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
              'estimate_ppl', 'samples', 'samples_untruncated')
