@@ -268,6 +268,31 @@ JSON_CLAIMS += [
     ('docs/addition.md', r'Eq\. 4\'s range is flagged on (\d+)% of problems',
      [100 * sum(PER_PROBLEM['JOINT']['eq4_flagged']) / len(PER_PROBLEM['JOINT']['eq4_flagged'])]),
 ]
+# docs/addition.md's three seeds (assets/seeds_addition.json): mean (SD) [min, max] of exact match
+SEEDS = by(asset('seeds_addition.json')['rows'], 'model', 'method')
+
+
+def seeds(model, method, spread=False):
+    e = SEEDS[model, method]['exact']
+    return [e['mean'], e['sd']] + ([e['min'], e['max']] if spread else [])
+
+
+M_SD, M_SD_RANGE = r'([\d.]+) \(([\d.]+)\)', r'([\d.]+) \(([\d.]+)\) \[([\d.]+), ([\d.]+)\]'
+JSON_CLAIMS += [
+    ('docs/addition.md', rf'\| BASE LM greedy / majority of 64 / log-prob rerank of 64 \| {M_SD_RANGE} / '
+                         rf'{M_SD} / {M_SD} \|',
+     seeds('BASE LM', 'greedy', True) + seeds('BASE LM', 'majority vote, n = 64')
+     + seeds('BASE LM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| BASE LM, any of 64 correct \| {M_SD} \|', seeds('BASE LM', 'oracle, n = 64')),
+    ('docs/addition.md', rf'\| BALM greedy / log-prob rerank of 64 \| {M_SD_RANGE} / {M_SD} \|',
+     seeds('BALM', 'greedy', True) + seeds('BALM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| TaiLr LM greedy \| {M_SD} \|', seeds('TAILR', 'greedy')),
+    ('docs/addition.md', rf'\| EXO LM greedy \| {M_SD_RANGE} \|', seeds('EXO', 'greedy', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT Algorithm 1, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'Algorithm 1, n = 64', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT mode, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'joint mode, n = 64', True)),
+]
 # docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
 STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
              'estimate_ppl', 'samples', 'samples_untruncated')
