@@ -11,6 +11,7 @@ import json
 import os
 import re
 
+from extensions.exact_logz import RECIPE
 from job.configs import ADDITION, DEFAULT
 from tests.common import ROOT
 
@@ -106,6 +107,19 @@ CLAIMS += [
      [ADDITION['exo']['K'], ADDITION['exo']['max_iters']]),
     ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples',
      [ADDITION['neg']['select_samples']]),
+]
+
+# docs/exact_logz.md: the study's recipe (extensions/exact_logz.RECIPE) beside ADDITION's
+EXACT_RECIPE = ' '.join(RECIPE)
+CLAIMS += [
+    ('docs/exact_logz.md', r'eval every (\d+) \(not (\d+)\) steps, cap ([\d,]+) \(not ([\d,]+)\), stopped on '
+                           r'whole windows by ([\d.]+)% \(not on the answer by (\d+)%\)',
+     [int(re.search(r'--eval_interval (\d+) --patience', EXACT_RECIPE)[1]), ADDITION['lm']['eval_interval'],
+      int(re.search(r'--max_iters (\d+) --lr 3e-3', EXACT_RECIPE)[1]), ADDITION['lm']['max_iters'],
+      100 * float(re.search(r'--min_rel_delta ([\d.]+)', EXACT_RECIPE)[1]),
+      100 * ADDITION['lm']['min_rel_delta']]),
+    ('docs/exact_logz.md', r'selection problems, cap ([\d,]+) \(not ([\d,]+)\)',
+     [int(re.search(r'--max_iters (\d+) --lr 2e-4', EXACT_RECIPE)[1]), ADDITION['unit']['max_iters']]),
 ]
 
 
