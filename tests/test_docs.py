@@ -123,6 +123,31 @@ CLAIMS += [
 ]
 
 
+def constant(path, name):
+    """The value of `NAME = value` at the top level of a module of the repo."""
+    return float(re.search(rf'^{name} = ([\d.e*]+)', open(os.path.join(ROOT, path), encoding='utf-8').read(),
+                           re.M)[1].replace('2**16', '65536'))
+
+
+# docs/using.md and docs/guarantees.md: the limits and thresholds the code holds as constants
+CLAIMS += [
+    ('docs/using.md', r'for sampling and scoring of models at least (\d+) wide',
+     [constant('plumbing/device.py', 'CPU_BF16_MIN_WIDTH')]),
+    ('docs/using.md', r'\((\d+) in all by default\)',
+     [int(re.search(r'budget="\$\{2:-(\d+)\}"', open(os.path.join(ROOT, 'job/gpu_check.sh')).read())[1])]),
+    ('docs/guarantees.md', r'would not fit in (\d+)% of the memory',
+     [100 * constant('plumbing/budget.py', 'MEMORY_SHARE')]),
+    ('docs/guarantees.md', r'`negatives\.py` stores at most ([\d,]+) samples per prefix',
+     [constant('plumbing/guards.py', 'MAX_SAMPLES')]),
+    ('docs/guarantees.md', r'LM samples per prefix at most ([\d,]+)',
+     [constant('extensions/exo.py', 'MAX_SAMPLES')]),
+    ('docs/guarantees.md', r'`--dpi` at most ([\d,]+)', [constant('job/figures.py', 'MAX_DPI')]),
+    ('docs/guarantees.md', r'holding a number beyond (1e\d+)', [constant('data/__init__.py', 'JSON_BOUND')]),
+    ('docs/guarantees.md', r'NAME_MAX \((\d+) bytes; the last\s+name (\d+) less',
+     [255, constant('plumbing/run.py', 'TMP_ROOM')]),
+]
+
+
 def asset(name):
     return json.load(open(os.path.join(ROOT, 'assets', name), encoding='utf-8'))
 
