@@ -332,6 +332,19 @@ JSON_CLAIMS += [
     ('docs/addition.md', rf'\| \*\*JOINT mode, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
      seeds('JOINT', 'joint mode, n = 64', True)),
 ]
+# docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
+H100 = asset('gpu_h100.json')['main_job']
+H100_STAGES = [H100['stage_seconds'][k] for k in ('balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit',
+                                                  'tailr')]
+JSON_CLAIMS += [
+    ('docs/using.md', r'the main job\'s stages through TaiLr took\s+([\d.]+) minutes', [H100['total_s'] / 60]),
+    ('docs/reports.md', r'LM (\d+) \(([\d,]+) steps at (\d+)k tokens/s\), BALM (\d+), RALM (\d+), negatives (\d+) '
+                        r'\+ (\d+), MLM (\d+), BIT (\d+), UNIT (\d+),\s+TaiLr (\d+) s: ([\d.]+) min to this point',
+     [H100['stage_seconds']['lm'], H100['lm']['stopped_at'], H100['lm']['tokens_per_s'] / 1000] + H100_STAGES
+     + [H100['total_s'] / 60]),
+    ('docs/reports.md', r'the quick job passed\s+every stage there in (\d+) s',
+     [asset('gpu_h100.json')['quick_job']['wall_s']]),
+]
 # docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
 STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
              'estimate_ppl', 'samples', 'samples_untruncated')
