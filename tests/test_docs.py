@@ -332,6 +332,16 @@ JSON_CLAIMS += [
     ('docs/addition.md', rf'\| \*\*JOINT mode, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
      seeds('JOINT', 'joint mode, n = 64', True)),
 ]
+SEED_TESTS = {c['what']: c for c in asset('seeds_addition.json')['comparisons']}
+OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
+EXO_SEEDS = SEED_TESTS['EXO LM greedy > LM greedy']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): .{0,300}? by seed the margins over BALM are '
+                         r'([\d.]+)-([\d.]+) points\. EXO\'s LM beats the\s+LM\'s greedy by ([\d.]+) points '
+                         r'\(([\d.]+), ([\d.]+), ([\d.]+) by seed; p ([\d.]+)e-9\)',
+     [len(SEED_TESTS), 100 * min(OVER_BALM), 100 * max(OVER_BALM), 100 * EXO_SEEDS['diff']]
+     + [100 * d for d in EXO_SEEDS['diff_per_seed']] + [1e9 * EXO_SEEDS['p']]),
+]
 # docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
 H100 = asset('gpu_h100.json')['main_job']
 H100_STAGES = [H100['stage_seconds'][k]
