@@ -342,6 +342,29 @@ JSON_CLAIMS += [
      [len(SEED_TESTS), 100 * min(OVER_BALM), 100 * max(OVER_BALM), 100 * EXO_SEEDS['diff']]
      + [100 * d for d in EXO_SEEDS['diff_per_seed']] + [1e9 * EXO_SEEDS['p']]),
 ]
+# docs/addition.md's EXO on Shakespeare (assets/exo_shakespeare.json; JOINT BIT from assets/results.json)
+EXO_SH = asset('exo_shakespeare.json')
+EXO_TEST = by(EXO_SH['rows'], 'model', 'split')['EXO', 'test']
+KL_BEFORE, KL_AFTER = EXO_SH['curve'][0]['select_kl_to_joint'], EXO_SH['exo']['best']['select_kl_to_joint']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'best\.pt chosen on the\s+selection split\'s KL, at step (\d+) of (\d+)',
+     [EXO_SH['exo']['best_iter'], EXO_SH['exo']['args']['max_iters']]),
+    ('docs/addition.md', r'\| base LM \| ([\d.]+) \(selection\) \| 0 \| ([\d.]+) \| \|',
+     [KL_BEFORE, by(EXO_SH['rows'], 'model', 'split')['BASE LM', 'test']['ppl']]),
+    ('docs/addition.md', r'\| EXO LM \| ([\d.]+) \(selection\), ([\d.]+) \(test\) \| ([\d.]+) \(selection\), '
+                         r'([\d.]+) \(test\) \| ([\d.]+) \| ([\d.]+) \(([\d.]+)\) \|',
+     [KL_AFTER, EXO_SH['exo']['final']['test']['kl_to_joint'], EXO_SH['exo']['best']['select_kl_to_base'],
+      EXO_SH['exo']['final']['test']['kl_to_base'], EXO_TEST['ppl'], EXO_TEST['gain_nats_per_token'],
+      EXO_TEST['gain_se']]),
+    ('docs/addition.md', r'\| JOINT BIT \(Table 1\) \| 0 \| \| ([\d.]+) \(range ([\d.]+)-([\d.]+)\) \| '
+                         r'([\d.]+) \(([\d.]+)\) \|',
+     [MAIN['JOINT BIT', 'test'][k]
+      for k in ('ppl_low', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')]),
+    ('docs/addition.md', r'EXO removes (\d+)% of the KL from the LM to the joint model \(selection split\), and '
+                         r'its exact test gain, ([\d.]+)\s+nats/token \(([\d.]+) SE\)',
+     [100 * (1 - KL_AFTER / KL_BEFORE), EXO_TEST['gain_nats_per_token'],
+      EXO_TEST['gain_nats_per_token'] / EXO_TEST['gain_se']]),
+]
 # docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
 H100 = asset('gpu_h100.json')['main_job']
 H100_STAGES = [H100['stage_seconds'][k]
