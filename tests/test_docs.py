@@ -360,8 +360,8 @@ JSON_CLAIMS += [
                          r'([\d.]+) \(([\d.]+)\) \|',
      [MAIN['JOINT BIT', 'test'][k]
       for k in ('ppl_low', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')]),
-    ('docs/addition.md', r'EXO removes (\d+)% of the KL from the LM to the joint model \(selection split\), and '
-                         r'its exact test gain, ([\d.]+)\s+nats/token \(([\d.]+) SE\)',
+    ('docs/addition.md', r'EXO removes (\d+)% of the KL from the LM to the joint model \(selection split\), '
+                         r'and its exact test gain, ([\d.]+)\s+nats/token \(([\d.]+) SE\)',
      [100 * (1 - KL_AFTER / KL_BEFORE), EXO_TEST['gain_nats_per_token'],
       EXO_TEST['gain_nats_per_token'] / EXO_TEST['gain_se']]),
 ]
