@@ -370,8 +370,8 @@ BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.j
 MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
 JSON_CLAIMS += [
     ('docs/reports.md', r'fp32 matmul peak,\s+(\d+) GFLOP/s on 2 cores; .{0,80}?LM training ([\d.]+) \(bf16: '
-                        r'([\d.]+)x faster, ([\d.]+) of the bf16 peak\), cached\s+sampling \(.{0,60}?\) ([\d.]+), '
-                        r'energy forward ([\d.]+), NCE training ([\d.]+)\.',
+                        r'([\d.]+)x faster, ([\d.]+) of the bf16 peak\), cached\s+sampling \(.{0,60}?\) '
+                        r'([\d.]+), energy forward ([\d.]+), NCE training ([\d.]+)\.',
      [BENCH['matmul_gflops_fp32'], BENCH['train_mfu_fp32'], BENCH['bf16_train_speedup'],
       BENCH['train_mfu_bf16']] + [BENCH[k] for k in MFU[1:]]),
     ('docs/reports.md', r'fp32\): ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) of a (\d+) GFLOP/s peak',
