@@ -377,6 +377,25 @@ JSON_CLAIMS += [
     ('docs/reports.md', r'fp32\): ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) of a (\d+) GFLOP/s peak',
      [BENCH_AVX2[k] for k in MFU] + [BENCH_AVX2['matmul_gflops_fp32']]),
 ]
+# docs/reports.md's Fig. 4 (assets/ordering.json) and the sizes of --ordering (DEFAULT)
+ORDER = asset('ordering.json')
+CLAIMS += [
+    ('docs/reports.md', r'each LM snapshot with its own ([\d,]+) x (\d+) negatives and a [\d,]+-step BIT '
+                        r'\(that run\'s;\s+`--ordering` now trains (\d+) steps\), (\d+) val\s+prefixes, n = (\d+)\.',
+     [DEFAULT['ordering']['train_prefixes'], NEG['num_samples']]
+     + [DEFAULT['ordering'][k] for k in ('bit_iters', 'max_prefixes', 'num_samples')]),
+]
+JSON_CLAIMS += [
+    ('docs/reports.md', r'At LM steps ([\d,]+) / ([\d,]+) / ([\d,]+) / ([\d,]+) \(best\) BALM gains ([\d.]+) '
+                        r'/ ([\d.]+) / ([\d.]+)\s+/ ([\d.]+) nats/token \(SE about ([\d.]+)\), JOINT BIT '
+                        r'([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(SE ([\d.]+) / ([\d.]+) /\s+([\d.]+) / '
+                        r'([\d.]+)\)',
+     [p['iter'] for p in ORDER['points']] + [p['balm_gain'] for p in ORDER['points']]
+     + [sum(p['balm_gain_se'] for p in ORDER['points']) / len(ORDER['points'])]
+     + [p['joint_gain'] for p in ORDER['points']] + [p['joint_gain_se'] for p in ORDER['points']]),
+    ('docs/reports.md', r'the energy\'s gain falls (\d+) times, BALM\'s (\d+);',
+     [int(ORDER['points'][0][f'{k}_gain'] / ORDER['points'][-1][f'{k}_gain']) for k in ('joint', 'balm')]),  # whole
+]
 # docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
 H100 = asset('gpu_h100.json')['main_job']
 H100_STAGES = [H100['stage_seconds'][k]
