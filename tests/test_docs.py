@@ -1,7 +1,12 @@
 """Docs that cannot drift: each number or flag value in README.md and docs/ that names a config value
-(job/configs.py), a count of lines or of imported names, or a count of works, is a row of CLAIMS
-below, checked against the code. A row whose words no longer match fails too: reword it with the
-doc. Elsewhere: the documented commands' flags against each script's --help
+(job/configs.py), a limit in the code, a count of lines or of imported names, or a count of works, is a
+row of CLAIMS below, checked against the code; each number stated from a committed result is a row of
+JSON_CLAIMS, checked against assets/*.json to the digits the doc gives. A row whose words no longer
+match fails too: reword it with the doc. docs/using.md's step-by-step commands are compared with the
+stage commands job/reproduce.py builds; the scripts said to take --dtype with the scripts; and no doc
+or asset says how the project's work was organised (issue numbers only in docs/experiments.md's dated
+notes, whose other numbers are their day's measurements, each with its machine and command).
+Elsewhere: the documented commands' flags against each script's --help
 (test_layout.test_every_documented_command_runs), README's results and times against the committed
 JSON (test_layout.test_readme_numbers_come_from_the_committed_run).
 """
