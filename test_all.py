@@ -1,5 +1,5 @@
 """The method's tests to read first: each equation against an exact reference (float64 brute force,
-exact enumeration or a closed form), CPU only, tiny models. About a minute on 2 idle cores:
+exact enumeration or a closed form), CPU only, tiny models (their time on an idle machine: README):
 
     python -m pytest -q test_all.py            # the learner's command: these tests
     python -m pytest -q test_all.py tests      # every test (CI's and the README's command)

@@ -1,5 +1,5 @@
 """
-Exact Z on a task small enough to enumerate (issue 45, item 3): addition with N = 2 digits
+Exact Z on a task small enough to enumerate: addition with N = 2 digits
 (data/addition/prepare.py --digits 2), where a continuation is the 3 sum digits and the end of
 text, L = 4 tokens over a 13-token vocabulary: all V^L = 28,561 continuations of a prompt are
 scored. That is every continuation the LM can emit: sampling draws L untruncated tokens.

@@ -97,12 +97,14 @@ QUICK_GPT2 = dict(
 # --data addition (data/addition/prepare.py, docs/addition.md): problems `a+b=c` of N = 6 digits, the
 # sum most-significant digit first; each window is one problem (prefix 2N + 2 = 14 tokens, the sum
 # and end of text 8). No metric energy (repetition and coherence say nothing here); EXO distils the
-# BIT into an LM (extensions/exo.py) and addition_eval.py scores every model against the known
-# answer. Sizes for ~14 min on 2 CPU cores (estimated from stage times); only EXO's lr was tuned.
+# energy that gains more on the selection split (BIT or UNIT: reproduce.stronger_energy) into an LM
+# (extensions/exo.py) and addition_eval.py scores every model against the known answer. Chosen on
+# the selection split: the energies' recipe, BALM's lr and patience, EXO's K, lr and steps; the rest
+# not tuned. Its time: 41.3 min idle with --jobs 2 on a 2-core AMD EPYC with bf16 (docs/addition.md).
 # Every LM here (BASE, BALM, RALM, TaiLr) is stopped and selected on the loss of the answer alone
 # (train_lm.py --select_on continuation): the operands' digits are ~87% of the window's loss and
 # irreducible, so 0.1% of the window's loss was ~10% of the answer's. The rule: less than 1% better
-# on the answer over 2 evaluations; the caps are far enough for it to fire (issue 45).
+# on the answer over 2 evaluations; the caps are far enough for it to fire.
 ADDITION = dict(
     data=dict(digits=6),
     lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=66, batch_size=32, max_iters=12000, lr=3e-3,

@@ -96,7 +96,8 @@ def get_args(argv=None):
                    help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2), data/addition')
     common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
         quiet='no progress bars in the stages', device='passed to every stage',
-        dtype="passed to every stage ('auto': each stage measures what is fastest for its work)"))
+        dtype="passed to every stage that takes it ('auto': each chooses from the hardware and its models' "
+              "width, never from a timing); EXO and addition_eval run in fp32"))
     p.add_argument('--data_seed', type=int, default=1337,
                    help="the seed of the data's preparation (splits, addition's problems), apart from --seed "
                         "(the models'), so that runs at several seeds train and test on the same data")
@@ -239,7 +240,7 @@ def stages(args, pipe):
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
     # RALM and TaiLr after the energies and EXO: off the critical path (LM -> negatives -> energies
-    # -> EXO), they fill the core BALM frees (--jobs 2: about 3 of the addition job's 36 minutes)
+    # -> EXO), with --jobs 2 they fill the core BALM frees
     train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
     train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
     # the talk's metric energy, where the config fits one

@@ -1,15 +1,22 @@
 """Docs that cannot drift: each number or flag value in README.md and docs/ that names a config value
-(job/configs.py), a count of lines or of imported names, or a count of works, is a row of CLAIMS
-below, checked against the code. A row whose words no longer match fails too: reword it with the
-doc. Elsewhere: the documented commands' flags against each script's --help
+(job/configs.py), a limit in the code, a count of lines or of imported names, or a count of works, is a
+row of CLAIMS below, checked against the code; each number stated from a committed result is a row of
+JSON_CLAIMS, checked against assets/*.json to the digits the doc gives. A row whose words no longer
+match fails too: reword it with the doc. docs/using.md's step-by-step commands are compared with the
+stage commands job/reproduce.py builds; the scripts said to take --dtype with the scripts; and no doc
+or asset says how the project's work was organised (issue numbers only in docs/experiments.md's dated
+notes, whose other numbers are their day's measurements, each with its machine and command).
+Elsewhere: the documented commands' flags against each script's --help
 (test_layout.test_every_documented_command_runs), README's results and times against the committed
 JSON (test_layout.test_readme_numbers_come_from_the_committed_run).
 """
 
 import ast
+import json
 import os
 import re
 
+from extensions.exact_logz import RECIPE
 from job.configs import ADDITION, DEFAULT
 from tests.common import ROOT
 
@@ -103,15 +110,17 @@ CLAIMS = [
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
     ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['K']]),
     # docs/using.md: the stage commands of the main job
-    ('docs/using.md', r'train_lm\.py --out_dir out/lm --lr_decay_iters (\d+) --max_iters (\d+) '
-                      r'--patience (\d+) --min_rel_delta ([\d.]+)',
+    ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '
+                      r'([\de.-]+)',
+     [LM['n_layer'], LM['n_head'], LM['n_embd'], LM['lr']]),
+    ('docs/using.md', r'--lr_decay_iters (\d+) --max_iters (\d+) --patience (\d+) --min_rel_delta ([\d.]+)',
      [LM['lr_decay_iters'], LM['max_iters'], LM['patience'], LM['min_rel_delta']]),
     ('docs/using.md', r'--split train --out_dir out/neg_train --max_prefixes (\d+) --num_samples (\d+)',
      [NEG['train_prefixes'], NEG['num_samples']]),
     ('docs/using.md', r'--split select --out_dir out/neg_select --max_prefixes (\d+) --num_samples (\d+)',
      [NEG['select_prefixes'], NEG['num_samples']]),
-    ('docs/using.md', r'--objective mlm --alibi --n_embd (\d+) --n_head (\d+)',
-     [MLM['n_embd'], MLM['n_head']]),
+    ('docs/using.md', r'--objective mlm --alibi --n_layer (\d+) --n_embd (\d+) --n_head (\d+)',
+     [MLM['n_layer'], MLM['n_embd'], MLM['n_head']]),
     ('docs/using.md', r'--energy bit --init_from out/mlm/best\.pt --lr ([\de.-]+) --max_iters (\d+) '
                       r'--patience (\d+)', [BIT['lr'], BIT['max_iters'], BIT['patience']]),
     ('docs/using.md', r'--split test --num_prefixes (\d+)', [DEFAULT['samples']['num_prefixes']]),
@@ -126,6 +135,366 @@ CLAIMS = [
      [support_names('nce_train.py')]),
     ('docs/nanogpt.md', r'`train_lm\.py` (\d+)\)', [support_names('train_lm.py')]),
 ]
+
+# README: nothing. docs/addition.md: the ADDITION job's caps
+CLAIMS += [
+    ('docs/addition.md', r'a cap of ([\d,]+) steps that the stopping rule can\s+reach, RALM with ([\d,]+) '
+                         r'and TaiLr with ([\d,]+)',
+     [ADDITION['balm']['max_iters'], ADDITION['residual']['max_iters'], ADDITION['tailr']['max_iters']]),
+    ('docs/addition.md', r'EXO stops at (\d+) steps', [ADDITION['exo']['max_iters']]),
+    ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['K']]),
+    ('docs/addition.md', r'EXO LM \(from the UNIT, K = (\d+), (\d+) steps\)',
+     [ADDITION['exo']['K'], ADDITION['exo']['max_iters']]),
+    ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples',
+     [ADDITION['neg']['select_samples']]),
+]
+
+# docs/exact_logz.md: the study's recipe (extensions/exact_logz.RECIPE) beside ADDITION's
+EXACT_RECIPE = ' '.join(RECIPE)
+CLAIMS += [
+    ('docs/exact_logz.md', r'eval every (\d+) \(not (\d+)\) steps, cap ([\d,]+) \(not ([\d,]+)\), stopped on '
+                           r'whole windows by ([\d.]+)% \(not on the answer by (\d+)%\)',
+     [int(re.search(r'--eval_interval (\d+) --patience', EXACT_RECIPE)[1]), ADDITION['lm']['eval_interval'],
+      int(re.search(r'--max_iters (\d+) --lr 3e-3', EXACT_RECIPE)[1]), ADDITION['lm']['max_iters'],
+      100 * float(re.search(r'--min_rel_delta ([\d.]+)', EXACT_RECIPE)[1]),
+      100 * ADDITION['lm']['min_rel_delta']]),
+    ('docs/exact_logz.md', r'selection problems, cap ([\d,]+) \(not ([\d,]+)\)',
+     [int(re.search(r'--max_iters (\d+) --lr 2e-4', EXACT_RECIPE)[1]), ADDITION['unit']['max_iters']]),
+]
+
+
+def constant(path, name):
+    """The value of `NAME = value` at the top level of a module of the repo."""
+    return float(re.search(rf'^{name} = ([\d.e*]+)', open(os.path.join(ROOT, path), encoding='utf-8').read(),
+                           re.M)[1].replace('2**16', '65536'))
+
+
+# docs/using.md and docs/guarantees.md: the limits and thresholds the code holds as constants
+CLAIMS += [
+    ('docs/using.md', r'for sampling and scoring of models at least (\d+) wide',
+     [constant('plumbing/device.py', 'CPU_BF16_MIN_WIDTH')]),
+    ('docs/using.md', r'\((\d+) in all by default\)',
+     [int(re.search(r'budget="\$\{2:-(\d+)\}"', open(os.path.join(ROOT, 'job/gpu_check.sh')).read())[1])]),
+    ('docs/guarantees.md', r'would not fit in (\d+)% of the memory',
+     [100 * constant('plumbing/budget.py', 'MEMORY_SHARE')]),
+    ('docs/guarantees.md', r'`negatives\.py` stores at most ([\d,]+) samples per prefix',
+     [constant('plumbing/guards.py', 'MAX_SAMPLES')]),
+    ('docs/guarantees.md', r'LM samples per prefix at most ([\d,]+)',
+     [constant('extensions/exo.py', 'MAX_SAMPLES')]),
+    ('docs/guarantees.md', r'`--dpi` at most ([\d,]+)', [constant('job/figures.py', 'MAX_DPI')]),
+    ('docs/guarantees.md', r'holding a number beyond (1e\d+)', [constant('data/__init__.py', 'JSON_BOUND')]),
+    ('docs/guarantees.md', r'NAME_MAX \((\d+) bytes; the last\s+name (\d+) less',
+     [255, constant('plumbing/run.py', 'TMP_ROOM')]),
+]
+
+
+def asset(name):
+    return json.load(open(os.path.join(ROOT, 'assets', name), encoding='utf-8'))
+
+
+def by(rows, *keys):
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+ADD = by(asset('results_addition.json')['rows'], 'model', 'split')
+MAIN = by(asset('results.json')['rows'], 'model', 'split')
+ACC = by(asset('accuracy_addition.json')['rows'], 'model', 'method')
+CL, LMS = asset('claims.json')['claims'], asset('claims.json')['lms']
+ADD_LMS, ADD_TIMES = asset('claims_addition.json')['lms'], asset('results_addition.json')['timings_s']
+CALIB = asset('results.json')['calibration']
+H200 = asset('gpu_h200_addition.json')
+EXACT = asset('exact_logz.json')
+
+
+def acc(model, method, key='exact'):
+    return ACC[model, method][key]
+
+
+def share_of_gap(model):
+    """How far `model`'s P(correct) goes from the base LM's to the joint model's, in %."""
+    lm, joint = acc('BASE LM', 'greedy', 'p_correct'), acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')
+    return 100 * (acc(model, 'greedy', 'p_correct') - lm) / (joint - lm)
+
+
+def decoder(model, method):
+    """A table row's four n's and the SE at 64."""
+    return ([acc(model, f'{method}, n = {n}') for n in (1, 4, 16, 64)]
+            + [acc(model, f'{method}, n = 64', 'exact_se')])
+
+
+# (doc, regex, the values in assets/*.json): a number stated from a committed result equals it to
+# the digits the doc gives (rounded, not truncated)
+JSON_CLAIMS = [
+    # docs/addition.md, Table 1 on the test windows (assets/results_addition.json)
+    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), TaiLr '
+                         r'([\d.]+), EXO ([\d.]+), RALM level',
+     [ADD['BASE LM', 'test']['ppl'], ADD['BALM', 'test']['ppl'], ADD['BALM', 'test']['gain_nats_per_token'],
+      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'],
+      ADD['TAILR', 'test']['ppl'], ADD['EXO', 'test']['ppl']]),
+    ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains '
+                         r'([\d.]+) and ([\d.]+), SE ([\d.]+)\)',
+     [ADD['JOINT UNIT', 'test']['ppl_enumerated'], ADD['JOINT BIT', 'test']['ppl_enumerated'],
+      ADD['JOINT UNIT', 'test']['gain_enumerated'], ADD['JOINT BIT', 'test']['gain_enumerated'],
+      ADD['JOINT UNIT', 'test']['gain_enumerated_se']]),
+    # docs/addition.md, the accuracy table (assets/accuracy_addition.json)
+    ('docs/addition.md', r'BASE LM \(3x96\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) '
+                         r'\(([\d.]+)\)',
+     [acc('BASE LM', 'greedy'), acc('BASE LM', 'sampled'), acc('BASE LM', 'greedy', 'p_correct'),
+      acc('BASE LM', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'BASE LM: majority vote \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BASE LM', 'majority vote')),
+    ('docs/addition.md', r'BASE LM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) '
+                         r'\(([\d.]+)\)',
+     decoder('BASE LM', 'log-prob rerank')),
+    ('docs/addition.md', r'BASE LM: any of the n correct \(oracle\) \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
+                         r'([\d.]+) \(([\d.]+)\)', decoder('BASE LM', 'oracle')),
+    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) '
+                         r'\(([\d.]+)\)',
+     [acc('BALM', 'greedy'), acc('BALM', 'sampled'), acc('BALM', 'greedy', 'p_correct'),
+      acc('BALM', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'BALM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BALM', 'log-prob rerank')),
+    ('docs/addition.md', r'TaiLr LM: greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('TAILR', 'greedy'), acc('TAILR', 'sampled'), acc('TAILR', 'greedy', 'p_correct'),
+      acc('TAILR', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'200 steps\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('EXO', 'greedy'), acc('EXO', 'sampled'), acc('EXO', 'greedy', 'p_correct'),
+      acc('EXO', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\) '
+                         r'\| \*\*([\d.]+)\*\* \(([\d.]+)\)',
+     decoder('JOINT', 'Algorithm 1') + [acc('JOINT', 'Algorithm 1, n = 64', 'p_correct'),
+                                        acc('JOINT', 'Algorithm 1, n = 64', 'p_correct_se')]),
+    ('docs/addition.md', r'its mode among the samples\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
+                         r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
+     decoder('JOINT', 'joint mode')),
+    ('docs/addition.md', r'its P\(correct\) ([\d.]+): (\d+)% of the way from the LM\'s ([\d.]+) to the '
+                         r'joint\s+model\'s ([\d.]+)',
+     [acc('EXO', 'greedy', 'p_correct'), share_of_gap('EXO'), acc('BASE LM', 'greedy', 'p_correct'),
+      acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')]),
+    ('docs/addition.md', r'EXO folds in (\d+)% of it', [share_of_gap('EXO')]),
+    ('docs/addition.md', r'On\s+addition it has (\d+)% of the way', [share_of_gap('EXO')]),
+    # docs/addition.md, where each LM stopped (assets/claims_addition.json) and the idle run's stage times
+    ('docs/addition.md', r'BASE at step ([\d,]+) \(best =\s+last: .{0,120}?BALM best ([\d,]+) of ([\d,]+) '
+                         r'\(([\d.]+)\), RALM best ([\d,]+) of ([\d,]+), TaiLr best ([\d,]+) of ([\d,]+) '
+                         r'\(([\d.]+)\)',
+     [ADD_LMS['BASE']['best_step'], ADD_LMS['BALM']['best_step'], ADD_LMS['BALM']['last_step'],
+      ADD_LMS['BALM']['best_select_loss'], ADD_LMS['RALM']['best_step'], ADD_LMS['RALM']['last_step'],
+      ADD_LMS['TAILR']['best_step'], ADD_LMS['TAILR']['last_step'], ADD_LMS['TAILR']['best_select_loss']]),
+    ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 '
+                         r'problems x 16\), BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), '
+                         r'TaiLr\s+(\d+), estimate_ppl (\d+), addition_eval (\d+)',
+     [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm',
+                             'tailr', 'estimate_ppl', 'addition_eval')]),
+    # docs/addition.md, the H200 run (assets/gpu_h200_addition.json)
+    ('docs/addition.md', r'\*\*([\d.]+) s, [\d.]+ min\*\* end to end', [H200['wall_s']]),
+    ('docs/addition.md', r'Stages \(s\): BALM (\d+) \(.{0,40}\), BIT (\d+) and UNIT (\d+) \(', 
+     [H200['timings_s'][k] for k in ('balm', 'bit', 'unit')]),
+    # docs/reports.md: where each LM stopped, what holds, the calibration (assets/claims.json, results.json)
+    ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of '
+                        r'([\d,]+) \(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) '
+                        r'\(([\d.]+)\)',
+     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss']]
+     + [LMS[m][k] for m in ('BALM', 'RALM', 'TAILR')
+        for k in ('best_step', 'last_step', 'best_select_loss')]),
+    ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, '
+                        r'([\d.]+) SE; JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains '
+                        r'([\d.]+)\s+\(([\d.]+)\) and RALM ([\d.]+) \(([\d.]+)\)',
+     [v for m in ('JOINT BIT', 'JOINT UNIT') for v in (
+         MAIN[m, 'test']['gain_nats_per_token'], MAIN[m, 'test']['gain_se'],
+         MAIN[m, 'test']['gain_nats_per_token'] / MAIN[m, 'test']['gain_se'])]
+     + [MAIN[m, 'test'][k] for m in ('BALM', 'RALM') for k in ('gain_nats_per_token', 'gain_se')]),
+    ('docs/reports.md', r'gains ([\d.]+) alone and ([\d.]+) with the BIT as one more metric',
+     [MAIN[m, 'test']['gain_nats_per_token'] for m in ('JOINT METRICS', 'JOINT METRICS+BIT')]),
+    ('docs/reports.md', r'bound is\s+\+?([-\d.]+) / \+?([-\d.]+) nats/token for BIT, \+?([-\d.]+) / '
+                        r'\+?([-\d.]+) for UNIT \(.{0,40}\),\s+\+?([-\d.]+) / \+?([-\d.]+) for METRICS\+BIT',
+     [CALIB[e][k] for e in ('BIT', 'UNIT', 'METRICS+BIT') for k in ('bias_lower', 'bias_upper')]),
+    # docs/exact_logz.md: the exact values (assets/exact_logz.json)
+    ('docs/exact_logz.md', r'mean P_LM\(correct sum\) ([\d.]+), exact joint P\(correct sum\) ([\d.]+) '
+                           r'\(joint\s+log-likelihood of the real continuation ([-\d.]+) nats against the '
+                           r'LM\'s ([-\d.]+)\)',
+     [EXACT['test']['exact'][k]
+      for k in ('p_lm_correct', 'p_joint_correct', 'joint_ll_real', 'lm_logp_real')]),
+    ('docs/exact_logz.md', r'correct sum on ([\d.]+) of them, the joint model\'s on (\d\.\d+)',
+     [EXACT['test']['exact'][k] for k in ('lm_mode_exact', 'joint_mode_exact')]),
+    ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15',
+     [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
+]
+# docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
+ADD_CLAIMS = asset('claims_addition.json')['claims']
+PER_PROBLEM = asset('accuracy_addition.json')['per_problem']
+DECODERS = [f'D{i}' for i in range(1, 11)]
+WEAKEST = ADD_CLAIMS[max(DECODERS, key=lambda d: ADD_CLAIMS[d]['p_holm'])]
+WEAKEST_P = WEAKEST['p_holm'] if WEAKEST['what'].startswith('Alg. 1 > BALM log-prob rerank') else float('nan')
+
+
+def only(a, b):
+    """How many problems `a` (model, outcome) gets right and `b` does not, and the other way round."""
+    x, y = PER_PROBLEM[a[0]][a[1]], PER_PROBLEM[b[0]][b[1]]
+    pairs = list(zip(x, y, strict=True))
+    return [sum(p and not q for p, q in pairs), sum(q and not p for p, q in pairs)]
+
+
+JSON_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) claims with a p-value',
+     [sum(c.get('p') is not None and 'same_as' not in c for c in ADD_CLAIMS.values())]),
+    ('docs/addition.md', r'the largest Holm-adjusted p (\d)e-13 \(Algorithm 1 against BALM\'s rerank: (\d+) '
+                         r'problems only\s+Algorithm 1 gets right, (\d+) only BALM\)',
+     [1e13 * WEAKEST_P] + only(('JOINT', 'a1_64_exact'), ('BALM', 'rerank_64_exact'))),
+    ('docs/addition.md', r'\+([\d.]+) points, paired p (\d)e-5, (\d)e-4 after Holm; (\d+) problems it alone '
+                         r'gets\s+right, (\d+) the LM alone',
+     [100 * ADD_CLAIMS['D11']['diff'], 1e5 * ADD_CLAIMS['D11']['p'], 1e4 * ADD_CLAIMS['D11']['p_holm']]
+     + only(('EXO', 'greedy_exact'), ('BASE LM', 'greedy_exact'))),
+    ('docs/addition.md', r'Eq\. 4\'s range is flagged on (\d+)% of problems',
+     [100 * sum(PER_PROBLEM['JOINT']['eq4_flagged']) / len(PER_PROBLEM['JOINT']['eq4_flagged'])]),
+]
+# docs/addition.md's three seeds (assets/seeds_addition.json): mean (SD) [min, max] of exact match
+SEEDS = by(asset('seeds_addition.json')['rows'], 'model', 'method')
+
+
+def seeds(model, method, spread=False):
+    e = SEEDS[model, method]['exact']
+    return [e['mean'], e['sd']] + ([e['min'], e['max']] if spread else [])
+
+
+M_SD, M_SD_RANGE = r'([\d.]+) \(([\d.]+)\)', r'([\d.]+) \(([\d.]+)\) \[([\d.]+), ([\d.]+)\]'
+JSON_CLAIMS += [
+    ('docs/addition.md', rf'\| BASE LM greedy / majority of 64 / log-prob rerank of 64 \| {M_SD_RANGE} / '
+                         rf'{M_SD} / {M_SD} \|',
+     seeds('BASE LM', 'greedy', True) + seeds('BASE LM', 'majority vote, n = 64')
+     + seeds('BASE LM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| BASE LM, any of 64 correct \| {M_SD} \|', seeds('BASE LM', 'oracle, n = 64')),
+    ('docs/addition.md', rf'\| BALM greedy / log-prob rerank of 64 \| {M_SD_RANGE} / {M_SD} \|',
+     seeds('BALM', 'greedy', True) + seeds('BALM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| TaiLr LM greedy \| {M_SD} \|', seeds('TAILR', 'greedy')),
+    ('docs/addition.md', rf'\| EXO LM greedy \| {M_SD_RANGE} \|', seeds('EXO', 'greedy', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT Algorithm 1, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'Algorithm 1, n = 64', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT mode, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'joint mode, n = 64', True)),
+]
+SEED_TESTS = {c['what']: c for c in asset('seeds_addition.json')['comparisons']}
+OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
+EXO_SEEDS = SEED_TESTS['EXO LM greedy > LM greedy']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): .{0,300}? by seed the margins over BALM are '
+                         r'([\d.]+)-([\d.]+) points\. EXO\'s LM beats the\s+LM\'s greedy by ([\d.]+) points '
+                         r'\(([\d.]+), ([\d.]+), ([\d.]+) by seed; p ([\d.]+)e-9\)',
+     [len(SEED_TESTS), 100 * min(OVER_BALM), 100 * max(OVER_BALM), 100 * EXO_SEEDS['diff']]
+     + [100 * d for d in EXO_SEEDS['diff_per_seed']] + [1e9 * EXO_SEEDS['p']]),
+]
+# docs/addition.md's EXO on Shakespeare (assets/exo_shakespeare.json; JOINT BIT from assets/results.json)
+EXO_SH = asset('exo_shakespeare.json')
+EXO_TEST = by(EXO_SH['rows'], 'model', 'split')['EXO', 'test']
+KL_BEFORE, KL_AFTER = EXO_SH['curve'][0]['select_kl_to_joint'], EXO_SH['exo']['best']['select_kl_to_joint']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'best\.pt chosen on the\s+selection split\'s KL, at step (\d+) of (\d+)',
+     [EXO_SH['exo']['best_iter'], EXO_SH['exo']['args']['max_iters']]),
+    ('docs/addition.md', r'\| base LM \| ([\d.]+) \(selection\) \| 0 \| ([\d.]+) \| \|',
+     [KL_BEFORE, by(EXO_SH['rows'], 'model', 'split')['BASE LM', 'test']['ppl']]),
+    ('docs/addition.md', r'\| EXO LM \| ([\d.]+) \(selection\), ([\d.]+) \(test\) \| ([\d.]+) \(selection\), '
+                         r'([\d.]+) \(test\) \| ([\d.]+) \| ([\d.]+) \(([\d.]+)\) \|',
+     [KL_AFTER, EXO_SH['exo']['final']['test']['kl_to_joint'], EXO_SH['exo']['best']['select_kl_to_base'],
+      EXO_SH['exo']['final']['test']['kl_to_base'], EXO_TEST['ppl'], EXO_TEST['gain_nats_per_token'],
+      EXO_TEST['gain_se']]),
+    ('docs/addition.md', r'\| JOINT BIT \(Table 1\) \| 0 \| \| ([\d.]+) \(range ([\d.]+)-([\d.]+)\) \| '
+                         r'([\d.]+) \(([\d.]+)\) \|',
+     [MAIN['JOINT BIT', 'test'][k]
+      for k in ('ppl_low', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')]),
+    ('docs/addition.md', r'EXO removes (\d+)% of the KL from the LM to the joint model \(selection split\), '
+                         r'and its exact test gain, ([\d.]+)\s+nats/token \(([\d.]+) SE\)',
+     [100 * (1 - KL_AFTER / KL_BEFORE), EXO_TEST['gain_nats_per_token'],
+      EXO_TEST['gain_nats_per_token'] / EXO_TEST['gain_se']]),
+]
+# docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
+BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
+MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
+JSON_CLAIMS += [
+    ('docs/reports.md', r'fp32 matmul peak,\s+(\d+) GFLOP/s on 2 cores; .{0,80}?LM training ([\d.]+) \(bf16: '
+                        r'([\d.]+)x faster, ([\d.]+) of the bf16 peak\), cached\s+sampling \(.{0,60}?\) '
+                        r'([\d.]+), energy forward ([\d.]+), NCE training ([\d.]+)\.',
+     [BENCH['matmul_gflops_fp32'], BENCH['train_mfu_fp32'], BENCH['bf16_train_speedup'],
+      BENCH['train_mfu_bf16']] + [BENCH[k] for k in MFU[1:]]),
+    ('docs/reports.md', r'fp32\): ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) of a (\d+) GFLOP/s peak',
+     [BENCH_AVX2[k] for k in MFU] + [BENCH_AVX2['matmul_gflops_fp32']]),
+]
+# docs/reports.md's Fig. 4 (assets/ordering.json) and the sizes of --ordering (DEFAULT)
+ORDER = asset('ordering.json')
+CLAIMS += [
+    ('docs/reports.md', r'each LM snapshot with its own ([\d,]+) x (\d+) negatives and a [\d,]+-step BIT '
+                        r'\(that run\'s;\s+`--ordering` now trains (\d+) steps\), (\d+) val\s+prefixes, '
+                        r'n = (\d+)\.',
+     [DEFAULT['ordering']['train_prefixes'], NEG['num_samples']]
+     + [DEFAULT['ordering'][k] for k in ('bit_iters', 'max_prefixes', 'num_samples')]),
+]
+JSON_CLAIMS += [
+    ('docs/reports.md', r'At LM steps ([\d,]+) / ([\d,]+) / ([\d,]+) / ([\d,]+) \(best\) BALM gains ([\d.]+) '
+                        r'/ ([\d.]+) / ([\d.]+)\s+/ ([\d.]+) nats/token \(SE about ([\d.]+)\), JOINT BIT '
+                        r'([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(SE ([\d.]+) / ([\d.]+) /\s+([\d.]+) / '
+                        r'([\d.]+)\)',
+     [p['iter'] for p in ORDER['points']] + [p['balm_gain'] for p in ORDER['points']]
+     + [sum(p['balm_gain_se'] for p in ORDER['points']) / len(ORDER['points'])]
+     + [p['joint_gain'] for p in ORDER['points']] + [p['joint_gain_se'] for p in ORDER['points']]),
+    ('docs/reports.md', r'the energy\'s gain falls (\d+) times, BALM\'s (\d+);',  # whole times
+     [int(ORDER['points'][0][f'{k}_gain'] / ORDER['points'][-1][f'{k}_gain']) for k in ('joint', 'balm')]),
+]
+# docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
+H100 = asset('gpu_h100.json')['main_job']
+H100_STAGES = [H100['stage_seconds'][k]
+               for k in ('balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr')]
+JSON_CLAIMS += [
+    ('docs/using.md', r'the main job\'s stages through TaiLr took\s+([\d.]+) minutes',
+     [H100['total_s'] / 60]),
+    ('docs/reports.md', r'LM (\d+) \(([\d,]+) steps at (\d+)k tokens/s\), BALM (\d+), RALM (\d+), '
+                        r'negatives (\d+) \+ (\d+), MLM (\d+), BIT (\d+), UNIT (\d+),\s+TaiLr (\d+) s: '
+                        r'([\d.]+) min to this point',
+     [H100['stage_seconds']['lm'], H100['lm']['stopped_at'], H100['lm']['tokens_per_s'] / 1000] + H100_STAGES
+     + [H100['total_s'] / 60]),
+    ('docs/reports.md', r'the quick job passed\s+every stage there in (\d+) s',
+     [asset('gpu_h100.json')['quick_job']['wall_s']]),
+]
+# docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
+STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
+             'estimate_ppl', 'samples', 'samples_untruncated')
+
+
+def stage_times(name):
+    t = asset(name)['timings_s']
+    return [t[k] for k in STAGE_ROW] + [t['claims'] + t['figures']]
+
+
+TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| '
+             r'(\d+), (\d+) \| (\d+) \| {} min \|')
+EARLIER, AVX2 = stage_times('results_earlier_recipe.json'), stage_times('results_avx2_fp32.json')
+JSON_CLAIMS += [
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+) \+ (\d+)', 46), stage_times('results.json')),
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32),
+     EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
+    ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), '
+                        r'BIT (\d+) \(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics '
+                        r'(\d+),\s+estimate_ppl (\d+), samples (\d+) \+ (\d+), claims and figures (\d+) s',
+     AVX2[:3] + [AVX2[3] + AVX2[4]] + AVX2[5:]),
+]
+# the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| ([-+\d.]+) \(([\d.]+)\)[^|]*\| ([\d.]+) \|',
+                 [CL[c]['diff'], CL[c]['se'], CL[c]['p']]) for c in CL]
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| [^\n]*?\| not significant \(adjusted p ([\d.]+)\) \|',
+                 [CL[c]['p_holm']])
+                for c in ('C7', 'T1', 'T2')]
+# docs/exact_logz.md's table: each n's row, its 12 numbers (assets/exact_logz.json, test)
+EXACT_COLUMNS = [('T_n', 'bias'), ('T_n', 'spread'), ('T_n', 'mean_abs'), ('upper', 'bias'),
+                 ('eq4_coverage',), ('eq4_coverage_slack',), ('estimate', 'bias'), ('estimate', 'spread'),
+                 ('estimate', 'mean_abs'), ('estimate', 'within_tol'), ('sure', 'bias'), ('ess_median',),
+                 ('sure_flag_share',)]
+
+
+def exact_row(row):
+    return [row[c[0]] if len(c) == 1 else row[c[0]][c[1]] for c in EXACT_COLUMNS]
+
+
+EXACT_ROW = (r'\| {:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \(([\d.]+)\) \| '
+             r'([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \|')
+JSON_CLAIMS += [('docs/exact_logz.md', EXACT_ROW.format(row['n']), exact_row(row))
+                for row in EXACT['test']['table']]
 
 # (doc, regex, the counts in the code): lines, claimed "about", within LINE_TOLERANCE
 LINE_TOLERANCE = 0.05
@@ -209,3 +578,242 @@ def test_a_config_named_in_the_docs_is_where_they_say():
     wrong = [f'{d}: {f} defines no {name}' for d, f, name in named
              if not re.search(rf'^{name} = ', open(os.path.join(ROOT, f), encoding='utf-8').read(), re.M)]
     assert not wrong, wrong
+
+
+# -----------------------------------------------------------------------------
+# docs/using.md's "Step by step": each command is the job's own (job/reproduce.py's stages), so
+# that it trains the job's models, not a script's defaults
+
+# the run's, not the recipe's
+STEPS_IGNORED = {'seed', 'device', 'dtype', 'data_dir', 'quiet', 'resume', 'force',
+                 'snapshots', 'final_eval', 'final_eval_windows', 'num_samples_printed'}
+TRAINERS = {'train_lm.py', 'negatives.py', 'nce_train.py'}  # their command in full: the model it trains
+
+
+def job_commands(argv=()):
+    """{stage: its command} of `python -m job.reproduce argv` as it would print them, without running
+    anything (the data's vocabulary stands in as 65 characters)."""
+    from job import reproduce
+
+    class Stop(Exception):
+        pass
+
+    class Commands:
+        timings, spans = {}, []
+
+        def __init__(self):
+            self.cmds = {}
+
+        def run(self, name, cmd, *rest):
+            self.cmds[name] = cmd
+
+        def wait(self, *names):
+            if not names:  # the job's end: its report is not wanted
+                raise Stop
+
+    pipe, saved = Commands(), (reproduce.prepare_data, reproduce.print_estimate)
+    reproduce.prepare_data, reproduce.print_estimate = (lambda pipe, args: 65), (lambda *a: None)
+    try:
+        reproduce.stages(reproduce.get_args(['--out_dir', 'out', *argv]), pipe)
+    except Stop:
+        pass
+    finally:
+        reproduce.prepare_data, reproduce.print_estimate = saved
+    return pipe.cmds
+
+
+def step_by_step(text):
+    """The commands of docs/using.md's "Step by step" code block: [(script, [its words])]."""
+    block = text.split('## Step by step')[1].split('\n## ')[0].replace('\\\n', ' ')
+    steps = []
+    for line in block.splitlines():
+        if line.startswith('    python '):
+            words = line.split('#')[0].split()[1:]
+            if words[:2] == ['-m', 'extensions.run']:
+                words = words[2:]
+            script = ' '.join(words[:2]) if words[0] == '-m' else words[0]
+            steps.append((script, words[2:] if words[0] == '-m' else words[1:]))
+    return steps
+
+
+def flag_values(words):
+    """['--a', '1', '--b', '--c', 'x', 'y'] -> {'a': ['1'], 'b': [], 'c': ['x', 'y']}"""
+    flags, key = {}, None
+    for w in words:
+        if w.startswith('--'):
+            key = w[2:]
+            flags[key] = []
+        elif key is not None:
+            flags[key].append(w)
+    return flags
+
+
+def same_value(a, b):
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def step_mismatches(steps, cmds):
+    """Each documented step that is not its stage's command, as one line: a flag whose value differs
+    from the stage's; for a trainer, also any setting the two parse to differently (a flag the doc
+    leaves out that the job gives)."""
+    import importlib
+    bad = []
+    for script, words in steps:
+        flags = flag_values([w for w in words if w != '...'])
+        out = (flags.get('out_dir') or flags.get('out') or [None])[0]
+        stage = [c for c in cmds.values() if script in ' '.join(c[:4])
+                 and out in (flag_values(c).get('out_dir', []) + flag_values(c).get('out', []))]
+        if len(stage) != 1:
+            bad.append(f'{script} {out}: no stage of the job writes there')
+            continue
+        job = flag_values(stage[0])
+        for k, v in flags.items():
+            given = job.get(k, [])
+            same = (set(v) <= set(given) if len(v) > 1  # --energy A=a B=b: some of the job's
+                    else len(given) == len(v) and all(map(same_value, v, given)))
+            if k not in STEPS_IGNORED and not same:
+                bad.append(f'{script} {out}: --{k} {" ".join(v)}, the job {job.get(k)}')
+        if script in TRAINERS and '...' not in words:
+            get_args = importlib.import_module(script[:-3]).get_args
+            doc, run = vars(get_args(words)), vars(get_args(stage[0][1:]))
+            bad += [f'{script} {out}: {k} is {doc[k]!r}, the job {run[k]!r}' for k in sorted(doc)
+                    if k not in STEPS_IGNORED and doc[k] != run[k]]
+    return bad
+
+
+def test_the_step_by_step_commands_are_the_jobs():
+    """docs/using.md's step-by-step commands train what the main job trains: each flag they give has the
+    job's value, and a trainer's command (train_lm.py, negatives.py, nce_train.py) leaves no flag of
+    the job's out (the script's defaults are not the job's: train_lm.py alone builds a 4x256 model)."""
+    steps = step_by_step(open(os.path.join(ROOT, 'docs/using.md'), encoding='utf-8').read())
+    assert len(steps) >= 8 and sum(s in TRAINERS for s, _ in steps) >= 5, steps
+    bad = step_mismatches(steps, job_commands())
+    assert not bad, '\n'.join(bad)
+
+
+def test_a_step_that_is_not_the_jobs_fails():
+    """The check can fail: a flag left out (the script's default differs) and a wrong value each give
+    a line."""
+    text = open(os.path.join(ROOT, 'docs/using.md'), encoding='utf-8').read()
+    cmds = job_commands()
+    dropped = re.sub(r'(train_lm\.py --out_dir out/lm.*?) --n_embd \d+', r'\1', text, count=1)
+    assert any('n_embd is 256' in b for b in step_mismatches(step_by_step(dropped), cmds))
+    wrong = text.replace('--max_prefixes 8000', '--max_prefixes 800', 1)
+    assert any('--max_prefixes 800,' in b for b in step_mismatches(step_by_step(wrong), cmds))
+
+
+# -----------------------------------------------------------------------------
+# what the project is, not how it was made: no words of the organisation that ran its work
+
+ORGANISATIONAL = (r'\blent\b|\blease\b|\bleases\b|device tool|\blending\b|this session|\bthe '
+                  r'issue\b|\bissues? \d+')
+DATED_NOTES = 'docs/experiments.md'  # its dated notes may name the issue a day's work answered
+
+
+def organisational_words(texts):
+    """[(file, the words)] of each organisational word in `texts` ({file: text}); in DATED_NOTES an issue
+    number is allowed, no other word."""
+    found = []
+    for f, text in texts.items():
+        for m in re.finditer(ORGANISATIONAL, text, re.I):
+            if not (f == DATED_NOTES and re.fullmatch(r'issues? \d+', m.group(), re.I)):
+                found.append((f, text[max(0, m.start() - 30):m.end() + 30]))
+    return found
+
+
+def project_texts():
+    files = ['README.md'] + [f'docs/{f}' for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.md')]
+    files += [f'assets/{f}' for f in os.listdir(os.path.join(ROOT, 'assets')) if f.endswith('.json')]
+    return {f: read(f) for f in sorted(files)}
+
+
+def test_no_organisational_words():
+    """README.md, docs/*.md and assets/*.json say what the project is and which machine and command made
+    a number, not how its work was organised: no "lent", "lease", "device tool", "lending", "this
+    session", "the issue" or "issue N" (docs/experiments.md's dated notes may name their issue)."""
+    texts = project_texts()
+    assert len(texts) >= 20 and 'docs/experiments.md' in texts
+    found = organisational_words(texts)
+    assert not found, '\n'.join(f'{f}: ...{w}...' for f, w in found)
+
+
+def test_an_organisational_word_is_found():
+    planted = {'docs/using.md': 'no GPU was lent for it (issue 46)',
+               'assets/x.json': '{"note": "the lease ran out"}',
+               DATED_NOTES: '## 2026-11-28 (issue 46): the issue asked this session for it; release 2'}
+    found = organisational_words(planted)
+    assert [f for f, _ in found] == ['docs/using.md'] * 2 + ['assets/x.json'] + [DATED_NOTES] * 2, found
+
+
+def takes_dtype(path):
+    """Whether the script declares --dtype: through plumbing's common_flags, the trainers' parser, or
+    its own add_argument (then its default)."""
+    src = open(os.path.join(ROOT, path), encoding='utf-8').read()
+    own = re.search(r"\('--dtype', default='(\w+)'", src)
+    declared = re.search(r"common_flags\([^)]*'dtype'", src) or 'training_parser(' in src
+    return own.group(1) if own else bool(declared)
+
+
+def test_the_scripts_that_take_dtype_are_those_the_docs_name():
+    """docs/using.md's "Device and precision": the scripts it says take --dtype do, those it says run in
+    fp32 do not, and exact_logz's --dtype has the default it says."""
+    text = read('docs/using.md')
+    named = re.search(r'those that train, sample or score under autocast \(([^)]+)\) also take `--dtype`',
+                      text)
+    fp32 = re.search(r'(`[\w/]+\.py`) and (`[\w/]+\.py`) run in fp32', text)
+    default = re.search(r"`extensions/exact_logz\.py`'s `--dtype` defaults to (\w+)", text)
+    assert named and fp32 and default, 'reword the test with docs/using.md'
+    scripts = re.findall(r'`([\w/]+\.py)`', named.group(1))
+    assert len(scripts) >= 6 and all(takes_dtype(s) is True for s in scripts), scripts
+    assert not any(takes_dtype(s.strip('`')) for s in fp32.groups())
+    assert takes_dtype('extensions/exact_logz.py') == default.group(1)
+    stages = ('train_lm.py', 'nce_train.py', 'negatives.py', 'estimate_ppl.py', 'sample.py',
+              'extensions/metric_ebm.py', 'extensions/exo.py', 'extensions/addition_eval.py')
+    assert {s for s in stages if takes_dtype(s)} == set(scripts), 'a stage script the sentence leaves out'
+
+
+
+def rounds_to(said, value):
+    """Whether the doc's `said` is `value` to the digits it gives ('0.0013' for 0.00125..., '6,250' for
+    6250)."""
+    said = said.replace(',', '')
+    digits = len(said.split('.')[1]) if '.' in said else 0
+    return abs(float(said) - value) <= 0.5 * 10 ** -digits * (1 + 1e-9) + 1e-12
+
+
+def json_mismatches(claims, docs):
+    bad = []
+    for doc, pattern, want in claims:
+        found = re.findall(pattern, docs[doc])
+        if not found:
+            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of JSON_CLAIMS with the doc')
+        for said in found:
+            said = (said,) if isinstance(said, str) else said
+            if not all(rounds_to(s, w) for s, w in zip(said, want, strict=True)):
+                json_values = [float(f'{w:.6g}') for w in want]
+                bad.append(f'{doc}: {pattern!r} says {list(said)}, assets/ {json_values}')
+    return bad
+
+
+def test_doc_numbers_equal_the_committed_results():
+    """Every row of JSON_CLAIMS: the numbers docs/addition.md, reports.md and exact_logz.md state from a
+    committed run are those of assets/*.json, to the digits they give."""
+    assert len(JSON_CLAIMS) >= 40
+    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    bad = json_mismatches(JSON_CLAIMS, docs)
+    assert not bad, '\n'.join(bad)
+
+
+def test_a_planted_result_mismatch_fails():
+    """The check can fail: EXO's old PPL, a share of the gap and a claim's p each give one line."""
+    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    planted = dict(docs, **{'docs/addition.md': docs['docs/addition.md'].replace('EXO 1.035', 'EXO 1.037')
+                            .replace('EXO folds in 31%', 'EXO folds in 46%'),
+                            'docs/reports.md': docs['docs/reports.md'].replace('| 0.15 |', '| 0.05 |')})
+    bad = json_mismatches(JSON_CLAIMS, planted)
+    assert len(bad) == 3 and "'1.037'" in bad[0] and "'46'" in bad[1] and "'0.05'" in bad[2], bad
+    assert rounds_to('0.0013', 0.00125000001) and not rounds_to('0.0013', 0.00124)
+    assert rounds_to('6,250', 6250)
