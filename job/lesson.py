@@ -51,28 +51,34 @@ def get_args(argv=None):
         out_dir='where the stages write (default: out-lesson/, out-quick-lesson/ with --quick)'))
     common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
         quiet='no progress bars in the stages', device='passed to every stage', dtype='passed to every stage'))
+    p.add_argument('--data_dir', default=None,
+                   help='where the problems are prepared (default: data/lesson, data/lesson_quick with --quick)')
     p.add_argument('--data_seed', type=int, default=1337,
                    help="the seed of the problems drawn (apart from --seed, the models')")
     p.add_argument('--jobs', type=int, default=1, at_least=1,
                    help='stages run at once, like make -j (the lesson is a chain: 1 is as fast)')
     args = p.parse_args(argv)
     args.out_dir = args.out_dir or ('out-quick-lesson' if args.quick else 'out-lesson')
+    args.data_dir = args.data_dir or lesson_data(args.quick)
     return args
+
+
+def lesson_data(quick):
+    return 'data/lesson_quick' if quick else 'data/lesson'
 
 
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
     lock_folder(os.path.join(ROOT, args.out_dir), '--out_dir')
-    run(args, args.out_dir)
+    run(args, args.out_dir, args.data_dir)
 
 
-def run(args, out):
-    """The lesson's stages into `out` (args: quick, seed, data_seed, device, dtype, quiet, jobs), then
-    its table (printed, and lesson.json / lesson.txt in `out`)."""
-    from job.reproduce import flags, negatives, nce  # the main job's stages, shared
+def run(args, out, data_dir):
+    """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, seed,
+    data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in `out`)."""
+    from job.reproduce import flags, negatives, nce  # the main job's stages (job.reproduce imports this file)
     cfg = LESSON_QUICK if args.quick else LESSON
-    data_dir = 'data/lesson_quick' if args.quick else 'data/lesson'
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'), args.jobs, threads=max(1, torch.get_num_threads() // args.jobs))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])

@@ -193,7 +193,7 @@ def main(argv=None):
     check_data_dir(args)
     lock_folder(os.path.join(ROOT, args.out_dir), '--out_dir')  # one job per folder (checked writable first)
     if args.lesson:  # the energy fixing its LM in minutes, before the hour of Table 1
-        lesson.run(args, os.path.join(args.out_dir, 'lesson'))
+        lesson.run(args, os.path.join(args.out_dir, 'lesson'), lesson.lesson_data(args.quick))
         print("\nNext, the paper's Table 1 on Shakespeare (README: about 46 min on an idle 2-core CPU; "
               "Ctrl-C keeps what is done, and a rerun resumes)\n", flush=True)
     pipe = Pipeline(os.path.join(args.out_dir, 'timings.json'), args.jobs,

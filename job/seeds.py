@@ -4,7 +4,9 @@ accuracy.json (extensions/addition_eval.py) read from each run, and per row the 
 seed, their mean and spread (the sample SD over seeds); then the decoders of job.claims compared
 on all seeds at once. A problem is the unit (the seeds share the problems): per problem, the
 difference of the two decoders' exact matches averaged over the seeds, a paired t-test over
-problems, Holm (1979) over the comparisons; McNemar's exact p at each seed beside it.
+problems, Holm (1979) over the comparisons; McNemar's exact p at each seed beside it. Then the
+seed as the unit (seed_level): the per-seed differences t-tested over seeds (df = seeds - 1) and by
+the exact sign test, each with Holm over the family: what holds whatever the training seed.
 
     for s in 1337 2 3; do python -m job.reproduce --data addition --jobs 2 --seed $s \\
         --out_dir out-addition-s$s; done
@@ -13,6 +15,7 @@ problems, Holm (1979) over the comparisons; McNemar's exact p at each seed besid
 Writes the JSON and, beside it, the same as a table (.txt).
 """
 
+import math
 import os
 import statistics
 import sys
@@ -23,7 +26,7 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.seeds")
 from data import read_json
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
-from job.stats import ALPHA, holm, mcnemar, paired
+from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
 from plumbing import ArgumentParser, check_writable, common_flags, run_main, write_json, write_text
 
 
@@ -98,6 +101,24 @@ def comparisons(accs):
     for row, p_holm in zip(out, holm([r['p'] for r in out])):
         row['p_holm'] = p_holm
         row['holds_holm'] = bool(row['diff'] > 0) if p_holm < ALPHA else None
+    return seed_level(out)
+
+
+def seed_level(out):
+    """Each comparison with the seed as the unit: its per-seed differences (diff_per_seed) by a
+    paired t over seeds and by the exact sign test (seeds better against seeds worse, ties left
+    out), each with Holm over the family. Three seeds cannot pass the sign test (p >= 0.25)."""
+    for c in out:
+        d = c['diff_per_seed']
+        t = paired(d) if len(d) > 1 else {}
+        better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
+        c['seed_level'] = dict(t_p=t.get('p'), t_df=t.get('df'), sign=[better, worse],
+                               sign_p=math.exp(sign_test_log_p(better, worse)))
+    for key in ('t_p', 'sign_p'):
+        ps = [c['seed_level'][key] for c in out]
+        if None not in ps:
+            for c, p_holm in zip(out, holm(ps)):
+                c['seed_level'][f'{key}_holm'] = p_holm
     return out
 
 
@@ -115,6 +136,12 @@ def fmt(result):
         per_seed = ' '.join(f'{d:+.3f}' for d in c['diff_per_seed'])
         lines.append(f"  {c['what']:48s} {c['diff']:+.3f} ({c['se']:.3f})  p {c['p']:.1e}  "
                      f"p_holm {c['p_holm']:.1e}  per seed {per_seed}")
+    lines.append("the seed as the unit: paired t over the per-seed differences, Holm; exact sign test, Holm")
+    for c in result['comparisons']:
+        s = c['seed_level']
+        t = f"t p {s['t_p']:.2g}, Holm {s['t_p_holm']:.2g}" if s.get('t_p_holm') is not None else 't: no spread'
+        lines.append(f"  {c['what']:48s} {t}; sign {s['sign'][0]}-{s['sign'][1]} p {s['sign_p']:.2g}, "
+                     f"Holm {s['sign_p_holm']:.2g}")
     return '\n'.join(lines) + '\n'
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from job import stats
+from job import lesson, stats
 from data import load_meta
 from model import load_checkpoint
 from plumbing import file_hash
@@ -36,7 +36,7 @@ def test_reproduce_quick_end_to_end(tmp_path):
     every finished stage, and a stage whose outputs are removed runs again with what depends on it."""
     out, data = tmp_path / 'out', tmp_path / 'data'
     cmd = [sys.executable, '-m', 'job.reproduce', '--quick', '--quiet', '--out_dir', str(out),
-           '--data_dir', str(data)]
+           '--data_dir', str(data), '--skip_lesson']  # the lesson's own test: test_lesson_quick_end_to_end
     env = dict(os.environ, OMP_NUM_THREADS='2')  # fixed: the numbers, so the thresholds, depend on it
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -73,6 +73,37 @@ def test_reproduce_quick_end_to_end(tmp_path):
              + (['figures'] if importlib.util.find_spec('matplotlib') else []))
     assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
     assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
+
+
+def test_lesson_quick_end_to_end(tmp_path):
+    """`python -m job.lesson --quick`: every stage of the lesson with tiny sizes, then its table (each
+    decoder's row, the joint mode's paired test against the others) printed and in lesson.json."""
+    out = tmp_path / 'out'
+    res = run_script(['-m', 'job.lesson', '--quick', '--quiet', '--out_dir', str(out), '--data_dir',
+                      str(tmp_path / 'data')], timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = json.load(open(out / 'lesson.json'))
+    assert [r['decoder'] for r in table['rows']] == [label for label, _ in lesson.ROWS]
+    assert 'The lesson: exact sums on 64 held-out test problems, n = 8' in res.stdout
+    assert all(0 <= r['exact'] <= 1 and 0 < r['p'] <= 1 for r in table['rows'])
+
+
+def test_lesson_table_against_hand_counts():
+    """lesson_table on outcomes made by hand: exact match, its SE, and McNemar's exact p from the
+    discordant pairs (the joint mode right where the LM's greedy sum is wrong on 6 problems, the
+    reverse on 1: p = 2 (1 + 7) / 2^7 = 0.125)."""
+    n, mode = 10, [1] * 8 + [0] * 2
+    greedy = [0] * 6 + [1] * 2 + [1, 0]  # 6 where only the mode is right, 1 where only greedy is
+    per = {'BASE LM': {'greedy_exact': greedy, f'majority_{n}_exact': mode, f'rerank_{n}_exact': mode,
+                       f'oracle_{n}_exact': [1] * 10},
+           'JOINT': {f'a1_{n}_exact': greedy, f'mode_{n}_exact': mode}}
+    t = lesson.lesson_table(dict(ns=[1, n], per_problem=per, split='test'))
+    rows = {r['decoder']: r for r in t['rows']}
+    g = rows['LM greedy']
+    assert g['exact'] == 0.3 and g['discordant'] == [6, 1] and g['p'] == pytest.approx(16 / 128)
+    assert g['exact_se'] == pytest.approx(np.std(greedy, ddof=1) / math.sqrt(10))
+    assert g['mode_minus'] == pytest.approx(0.5) and rows['LM majority vote of n']['p'] == 1.0
+    assert t['any_of_n'] == 1.0 and t['a1_minus_greedy'] == 0 and t['problems'] == 10
 
 
 def implied_verdict(name, c, p):

@@ -3,12 +3,14 @@ and the decoders compared with the problem as the unit (the seeds share the prob
 
 import json
 import math
+import os
 import statistics
 
 import numpy as np
 import pytest
 
 from job import seeds, stats
+from tests.common import ROOT
 
 
 def fake_run(folder, seed, joint, lm, data='d1'):
@@ -68,3 +70,26 @@ def test_seeds_refuses_mixed_runs(tmp_path):
         seeds.main([a, fake_run(tmp_path / 'c', 1, [1, 1, 1], [0, 0, 1]), '--out', str(tmp_path / 'o.json')])
     with pytest.raises(ValueError, match='at least 2'):
         seeds.main([a, '--out', str(tmp_path / 'o.json')])
+
+
+def test_seed_level_against_closed_forms():
+    """The seed as the unit: per-seed differences 0.1, 0.2, 0.3 give t = 0.2 / (0.1 / sqrt 3) on 2
+    degrees of freedom, whose two-sided p is 1 - t / sqrt(2 + t^2) in closed form; the sign test of
+    3 seeds better and none worse is 2 / 2^3; Holm over two comparisons doubles the smaller p."""
+    out = seeds.seed_level([dict(diff_per_seed=[0.1, 0.2, 0.3]), dict(diff_per_seed=[0.1, -0.2, 0.4])])
+    a, b = out[0]['seed_level'], out[1]['seed_level']
+    t = 0.2 / (0.1 / math.sqrt(3))
+    assert a['t_df'] == 2 and a['t_p'] == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
+    assert a['sign'] == [3, 0] and a['sign_p'] == pytest.approx(0.25)
+    assert b['sign'] == [2, 1] and b['sign_p'] == pytest.approx(1.0)
+    assert a['t_p_holm'] == pytest.approx(2 * a['t_p']) and a['sign_p_holm'] == pytest.approx(0.5)
+
+
+def test_committed_seed_level_is_the_stored_differences():
+    """assets/seeds_addition.json's seed-level tests are those of its own per-seed differences."""
+    stored = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))['comparisons']
+    again = seeds.seed_level([dict(diff_per_seed=c['diff_per_seed']) for c in stored])
+    for c, d in zip(stored, again):
+        s, want = c['seed_level'], d['seed_level']
+        assert s['sign'] == want['sign'] and s.keys() == want.keys(), c['what']
+        assert all(s[k] == pytest.approx(want[k], rel=1e-9) for k in s if k != 'sign'), c['what']
