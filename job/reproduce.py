@@ -50,7 +50,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
 
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME,
                          large_batch)
-from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
+from job.pipeline import FIX, ROOT, Pipeline, flag_values, wall_seconds
 
 
 def flags(d):
@@ -144,6 +144,7 @@ def check_data_dir(args):
             raise ValueError(f"--data_dir {args.data_dir} holds {tokenizer} data, not --tokenizer "
                              f"{args.tokenizer}: pass the matching --tokenizer, or another --data_dir")
         check_data_kind(args, problem_windows(meta))
+        check_made_with(args, meta)
         return
     corpus = os.path.join(ROOT, 'data', args.data)
     if os.path.isfile(os.path.join(d, 'prepare.py')) and os.path.realpath(d) != os.path.realpath(corpus):
@@ -249,12 +250,57 @@ def stages(args, pipe):
         publish(out)
 
 
+def prepare_command(args, data_seed=None):
+    """The preparation this job asks for: the prepare.py command (its --seed: --data_seed)."""
+    return (['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
+            + (flags(args.cfg['data']) if 'data' in args.cfg else ['--tokenizer', args.tokenizer])
+            + ['--seed', str(args.data_seed if data_seed is None else data_seed)]
+            + (['--quiet'] if args.quiet else []))
+
+
+DATA_SEED = 1337  # --data_seed's default: what prepared data without a record was made with
+
+
+def check_made_with(args, meta):
+    """Prepared data is reused only when made as this job would make it: meta.json's made_with
+    (data.made_with: the preparation's flags and their defaults) against prepare_command; one line
+    naming the flag and the fix otherwise. A meta.json from before the record is taken as made by
+    the job's defaults (--data_seed 1337, the config's sizes; Shakespeare's split ignores the seed)."""
+    rec = meta.get('made_with')
+    if rec is None:
+        if args.data != 'addition':
+            return
+        rec = dict(flags=dict(seed=DATA_SEED), defaults={})
+    if not (isinstance(rec, dict) and isinstance(rec.get('flags'), dict) and isinstance(rec.get('defaults'), dict)):
+        raise ValueError(f"{os.path.join(args.data_dir, 'meta.json')}: made_with is not a record of flags; "
+                         f"delete {args.data_dir} to prepare it again")
+    given = flag_values(prepare_command(args))
+    for k, made in rec['flags'].items():
+        ask = given.get(f'--{k}', rec['defaults'].get(k, made))
+        if not same_flag(made, ask):
+            job_flag = '--data_seed' if k == 'seed' else f'--{k}'
+            fix = (f"pass --data_seed {made} to use it, or a new --data_dir (e.g. {args.data_dir}_seed{ask}) "
+                   f"to prepare seed {ask} there" if k == 'seed' else
+                   f"pass a new --data_dir to prepare this job's data there, or delete {args.data_dir}")
+            raise ValueError(f"--data_dir {args.data_dir} was prepared with --{k} {made} (its meta.json), "
+                             f"not the {job_flag} {ask} this job asks for: {fix}")
+
+
+def same_flag(made, ask):
+    """A recorded flag value (typed, from JSON) and the job's (a command-line string, or a default)."""
+    if isinstance(ask, str) and not isinstance(made, str):
+        if isinstance(made, bool):
+            return made == (ask == '(set)')
+        try:
+            return made == type(made)(ask) if made is not None else ask == 'None'
+        except (TypeError, ValueError):
+            return False
+    return made == ask
+
+
 def prepare_data(pipe, args):
     """The corpus prepared from its own seed (--data_seed) and waited for: its vocabulary size."""
-    pipe.run('prepare', ['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
-             + (flags(args.cfg['data']) if 'data' in args.cfg else ['--tokenizer', args.tokenizer])
-             + ['--seed', str(args.data_seed)] + (['--quiet'] if args.quiet else []),
-             os.path.join(args.data_dir, 'meta.json'))
+    pipe.run('prepare', prepare_command(args), os.path.join(args.data_dir, 'meta.json'))
     pipe.wait('prepare')
     meta = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'), 'delete the data dir and rerun')
     return meta['vocab_size']

@@ -969,7 +969,7 @@ def test_sampling_time_is_said_up_front(tmp_path, capsys):
         guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
     args.n = 100
     guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
-    assert capsys.readouterr().out.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
+    assert capsys.readouterr().err.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
     with pytest.raises(SystemExit):
         sample.get_args(['--help'])
     assert 'to take more than 1.0 h, which is refused without it' in ' '.join(capsys.readouterr().out.split())

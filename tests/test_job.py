@@ -65,14 +65,14 @@ def test_reproduce_quick_end_to_end(tmp_path):
     check_claims_from_run(out)
 
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and '$ python' not in res.stdout, res.stdout
+    assert res.returncode == 0 and '$ python' not in res.stderr, res.stderr  # the job's lines: stderr
     os.remove(out / 'bit' / 'results.json')  # as if killed after its last checkpoint
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
-    ran = [line.split(']')[0][1:] for line in res.stdout.splitlines() if '] $ python' in line]
+    ran = [line.split(']')[0][1:] for line in res.stderr.splitlines() if '] $ python' in line]
     after = (['bit', 'metrics', 'estimate_ppl', 'samples', 'samples_untruncated', 'claims']
              + (['figures'] if importlib.util.find_spec('matplotlib') else []))
-    assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
-    assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
+    assert res.returncode == 0 and ran == after, res.stderr  # and what depends on it
+    assert '--resume' in next(line for line in res.stderr.splitlines() if line.startswith('[bit] $'))
 
 
 def implied_verdict(name, c, p):
@@ -167,12 +167,12 @@ def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
     assert c['start'] >= max(a['end'], b['end']) and {a['threads'], b['threads'], c['threads']} == {'1'}
     assert 'stage writing' in (tmp_path / 'c.log').read_text() and not pipe.running
     assert set(json.load(open(tmp_path / 'timings.json'))) == {'a', 'b', 'c'}
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # the job's diagnostics: stderr
     assert f"> {tmp_path / 'a.log'}" in out
     assert re.search(r'\[b\] finished in \d+s \(its output: .*b\.log\)', out), out
     pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
     pipe.run('a', *fake_stage(tmp_path, 'a', 1.0))  # done: skipped
-    assert not pipe.running and 'skipped' in capsys.readouterr().out
+    assert not pipe.running and 'skipped' in capsys.readouterr().err
 
 
 def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):

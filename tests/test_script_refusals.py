@@ -333,7 +333,7 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
     res = run_script([*argv, '--num_prefixes', '1000000000'])
     assert res.returncode == 0 and 'is full' not in res.stderr, res.stderr
     held = re.search(r'--num_prefixes 1000000000: the test split holds (\d+) prefixes of --prefix_len '
-                     rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stdout)
+                     rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stderr)
     assert held and len(json.loads((tmp_path / 's.json').read_text())['samples']) == int(held[1])
     quiet = ("import plumbing\ndef main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
              "plumbing.run_main(main)")
