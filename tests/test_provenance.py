@@ -157,3 +157,21 @@ def test_a_renamed_stage_folder_is_made_again(tmp_path, capsys):
     said = capsys.readouterr().err
     assert said.startswith('[lm] $ python') and (out / 'lm' / 'best.pt').read_bytes() == kept, said
     assert (out / 'lm2' / 'best.pt').read_bytes() == kept and "[ppl] done already" in said
+
+
+def test_a_kept_folder_is_never_replaced(tmp_path, capsys):
+    """Issue 57, item 3: --seed 7 then --seed 9 over one run folder: the seed-1337 LM kept as lm.old
+    stays there, the seed-7 one goes to lm.old.2, and each rerun says which name it kept (it
+    replaced lm.old, without a word). A stage interrupted and rerun another way keeps its folder too."""
+    out = tmp_path / 'run'
+    best = lambda d: (out / d / 'best.pt').read_text()
+    job(out)
+    job(out, seed=7)
+    assert '--seed 1337' in best('lm.old') and '--seed 7' in best('lm')
+    capsys.readouterr()
+    job(out, seed=9)
+    said = capsys.readouterr().err
+    assert f"kept as {out / 'lm.old.2'}, starting over" in said, said
+    assert '--seed 1337' in best('lm.old') and '--seed 7' in best('lm.old.2') and '--seed 9' in best('lm')
+    job(out, seed=11)
+    assert [best(d).split()[1] for d in ('lm.old', 'lm.old.2', 'lm.old.3', 'lm')] == ['1337', '7', '9', '11']
