@@ -289,13 +289,14 @@ def prepare_flags(parser, out_dir, seed_help, tokenizer=None):
 FREE_PREPARE_FLAGS = ('out_dir', 'quiet', 'force', 'wheel_dir')  # they change no token
 
 
-def made_with(parser, args, unused=()):
-    """What meta.json records of a preparation: {'flags': the flags that change the data, as run
-    (the seed among them; `unused`: flags the corpus ignores, e.g. Shakespeare's fixed split's
-    seed), 'defaults': their defaults}. job/reproduce.py compares it with the preparation it asks for
-    (data_made_with_other_flags), so data of another --data_seed or size is never reused silently."""
+def made_with(corpus, parser, args, unused=()):
+    """What meta.json records of a preparation by data/<corpus>/prepare.py: {'corpus': corpus,
+    'flags': the flags that change the data, as run (the seed among them; `unused`: flags the corpus
+    ignores, e.g. Shakespeare's fixed split's seed), 'defaults': their defaults}. job/reproduce.py
+    compares it with the preparation it asks for (check_made_with), so data of another --data_seed
+    or size is never reused silently."""
     flags = {k: v for k, v in vars(args).items() if k not in FREE_PREPARE_FLAGS + tuple(unused)}
-    return dict(flags=flags, defaults={k: parser.get_default(k) for k in flags})
+    return dict(corpus=corpus, flags=flags, defaults={k: parser.get_default(k) for k in flags})
 
 
 def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False, made_with=None):
@@ -446,3 +447,11 @@ def check_negatives_files(out_dir, meta, has_pos):
         raise ValueError(f"{path} is not a NumPy array ({type(e).__name__}): {fix}") from None
     if offsets.shape != (N,) or offsets.dtype.kind not in 'iu':
         raise ValueError(f"{path} holds {offsets.dtype} of shape {offsets.shape}, not {N} offsets: {fix}")
+    try:  # the split they index, where its folder is still there (its meta.json's count: no read of it)
+        tokens = load_meta(meta['data_dir'])['num_tokens'][meta['split']]
+    except (ValueError, KeyError, TypeError, OSError):
+        tokens = None
+    end = meta['prefix_len'] + L
+    if N and (offsets.min() < 0 or (tokens is not None and offsets.max() + end > tokens)):
+        raise ValueError(f"{path} holds offsets beyond the {meta['split']} split of {meta['data_dir']} "
+                         f"({tokens} tokens; windows of {end}): {fix}")

@@ -38,6 +38,8 @@ def finished(path):
     if not path.endswith('meta.json'):
         return True
     meta = read_json(path, FIX)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is {type(meta).__name__}, not a meta.json's object: {FIX}")
     return meta.get('complete', True) and 'select' in meta.get('num_tokens', {'select': 0})
 
 
@@ -137,6 +139,11 @@ class Pipeline:
         self.spans_path = os.path.join(self.out_dir, 'spans.json')
         self.spans = read_json(self.spans_path, 'delete it (it only records stage times) and rerun') \
             if os.path.exists(self.spans_path) else {}
+        if not isinstance(self.spans, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(t, (int, float)) for t in v)
+                for v in self.spans.values()):
+            raise ValueError(f"{self.spans_path} is not a table of stage spans: delete it (it only records "
+                             f"stage times) and rerun")
         self.records_path = os.path.join(self.out_dir, PROVENANCE)
         self.records = read_records(self.records_path)
         self.running = {}  # stage -> (process, start time, its log or None: the terminal)

@@ -42,7 +42,7 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.reproduce")
 import torch
 
-from data import problem_windows, read_json
+from data import load_meta, problem_windows, read_json
 from energy import Energy
 from model import GPT, GPTConfig
 from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
@@ -138,8 +138,8 @@ def check_data_dir(args):
     d = os.path.join(ROOT, args.data_dir)
     meta_path = os.path.join(d, 'meta.json')
     if os.path.exists(meta_path):
-        meta = read_json(meta_path, 'delete the data dir and rerun')
-        tokenizer = meta.get('tokenizer') if isinstance(meta, dict) else None
+        meta = load_meta(d)  # one line for a meta.json that is not one (a list, edited, not JSON)
+        tokenizer = meta.get('tokenizer')
         if tokenizer != args.tokenizer:
             raise ValueError(f"--data_dir {args.data_dir} holds {tokenizer} data, not --tokenizer "
                              f"{args.tokenizer}: pass the matching --tokenizer, or another --data_dir")
@@ -270,10 +270,13 @@ def check_made_with(args, meta):
     if rec is None:
         if args.data != 'addition':
             return
-        rec = dict(flags=dict(seed=DATA_SEED), defaults={})
-    if not (isinstance(rec, dict) and isinstance(rec.get('flags'), dict) and isinstance(rec.get('defaults'), dict)):
+        rec = dict(corpus='addition', flags=dict(seed=DATA_SEED), defaults={})
+    if not (isinstance(rec, dict) and isinstance(rec.get('flags'), dict)
+            and isinstance(rec.get('defaults'), dict)):
         raise ValueError(f"{os.path.join(args.data_dir, 'meta.json')}: made_with is not a record of flags; "
                          f"delete {args.data_dir} to prepare it again")
+    if rec.get('corpus') != args.data:  # your own text (data/text/prepare.py): used as it is
+        return
     given = flag_values(prepare_command(args))
     for k, made in rec['flags'].items():
         ask = given.get(f'--{k}', rec['defaults'].get(k, made))
@@ -302,8 +305,7 @@ def prepare_data(pipe, args):
     """The corpus prepared from its own seed (--data_seed) and waited for: its vocabulary size."""
     pipe.run('prepare', prepare_command(args), os.path.join(args.data_dir, 'meta.json'))
     pipe.wait('prepare')
-    meta = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'), 'delete the data dir and rerun')
-    return meta['vocab_size']
+    return load_meta(os.path.join(ROOT, args.data_dir))['vocab_size']
 
 
 def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):

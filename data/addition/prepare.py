@@ -100,7 +100,7 @@ def main(argv=None):
     check_memory(problems_memory(sum(sizes.values()), args.digits),
                  f"drawing {sum(sizes.values()):,} problems (--train, --select, --val, --test)", "lower them")
     meta = prepare(make_problems(sizes, args.digits, args.chain, args.seed), args.out_dir, 'char',
-                   args.quiet, args.force, made_with(parser, args))
+                   args.quiet, args.force, made_with('addition', parser, args))
     if not args.quiet:
         P = 2 * args.digits + 2
         print(f"windows: --prefix_len {P} --gen_len {args.digits + 2} (vocab {meta['vocab_size']})")

@@ -53,7 +53,7 @@ def main(argv=None):
     random.Random(args.seed).shuffle(docs)
     n = args.eval_docs
     prepare(dict(train=docs[3 * n:], select=docs[2 * n:3 * n], val=docs[:n], test=docs[n:2 * n]),
-            args.out_dir, args.tokenizer, args.quiet, args.force, made_with(parser, args))
+            args.out_dir, args.tokenizer, args.quiet, args.force, made_with('cc_news', parser, args))
 
 
 if __name__ == '__main__':

@@ -86,7 +86,7 @@ def main(argv=None):
                 select=[plays[p] for p in SELECT_PLAYS], val=[plays[p] for p in VAL_PLAYS],
                 test=[plays[p] for p in TEST_PLAYS])
     prepare(docs, args.out_dir, args.tokenizer, args.quiet, args.force,
-            made_with(parser, args, unused=('seed',)))  # the split by play is fixed
+            made_with('shakespeare', parser, args, unused=('seed',)))  # the split by play is fixed
 
 
 if __name__ == '__main__':

@@ -94,7 +94,7 @@ def main(argv=None):
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
     prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir,
-            args.tokenizer, args.quiet, args.force, made_with(parser, args))
+            args.tokenizer, args.quiet, args.force, made_with('text', parser, args))
 
 
 if __name__ == '__main__':
