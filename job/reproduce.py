@@ -43,6 +43,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 import torch
 
 from data import load_meta, problem_windows, read_json
+from job import NUMBER, read_report
 from energy import Energy
 from model import GPT, GPTConfig
 from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
@@ -331,12 +332,16 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
               path(f'{name}.json'), ['lm', 'bit'])
 
 
+NCE_RESULTS = {'held_out_gain': NUMBER, 'held_out_acc': NUMBER, 'held_out_gain_enumerated?': NUMBER}
+
+
 def stronger_energy(pipe, path):
     """'bit' or 'unit': the energy whose joint model gains more on the selection split's held-out
     prefixes (nce_train.py's held_out_gain_enumerated, log Z by energy.logz_enumerate: Eq. 4's
     held_out_gain fails where the energy is sharp): the one EXO distils and the accuracy table uses."""
     pipe.wait('bit', 'unit')
-    res = {k: read_json(path(k, 'results.json'), FIX) for k in ('bit', 'unit')}
+    res = {k: read_report(os.path.dirname(path(k)), os.path.join(k, 'results.json'), FIX, NCE_RESULTS)
+           for k in ('bit', 'unit')}
     gain = {k: r.get('held_out_gain_enumerated', r['held_out_gain']) for k, r in res.items()}
     return max(gain, key=gain.get)
 
@@ -488,7 +493,7 @@ def stage_profile(out, timings):
     rows = []
     for stage, seconds in timings.items():
         path = os.path.join(out, stage, 'results.json')
-        r = read_json(path, FIX) if os.path.isfile(path) else {}
+        r = read_report(out, os.path.join(stage, 'results.json'), FIX) if os.path.isfile(path) else {}
         rate, train_s = r.get('tokens_per_s'), r.get('train_time_s')
         number = lambda v: isinstance(v, (int, float))
         tokens = rate * train_s if number(rate) and number(train_s) else None
@@ -508,18 +513,19 @@ def format_profile(rows):
 def report(out, timings, wall_s, data_dir):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the energies' held-out
     gains and NCE accuracies, and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
-    ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
+    ppl = read_report(out, 'ppl.json', FIX, dict(rows=[dict(model=str)], splits=dict(test=dict(
+        num_samples=NUMBER, num_prefixes=NUMBER))))
     keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se',
             'ppl_enumerated', 'gain_enumerated', 'gain_enumerated_se', 'eq4_flagged', 'eq4_ess',
             'scored_mass')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
-    lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
-    nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX) for k in ('bit', 'unit')}
+    lm = read_report(out, os.path.join('lm', 'results.json'), FIX, dict(val_loss=NUMBER))
+    nce = {k: read_report(out, os.path.join(k, 'results.json'), FIX, NCE_RESULTS) for k in ('bit', 'unit')}
     gain, acc = ({k: r[f'held_out_{f}'] for k, r in nce.items()} for f in ('gain', 'acc'))
     test, profile = ppl['splits']['test'], stage_profile(out, timings)
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_gain=gain, held_out_nce_acc=acc,
                     timings_s=timings, wall_s=wall_s, profile=profile,
-                    claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
+                    claims=read_report(out, 'claims.json', FIX, dict(claims=dict))['claims'],
                     calibration=test.get('calibration'), num_samples=test['num_samples'],
                     num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))
