@@ -429,7 +429,8 @@ def check_negatives_files(out_dir, meta, has_pos):
     extended tokens.bin, logp.bin, ...: one line naming it, never samples read past or short of it),
     and offsets.npy N offsets."""
     N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
-    fix = f"the folder is damaged: delete {out_dir} and rerun negatives.py ({negatives_command(meta, out_dir)})"
+    fix = (f"the folder is damaged: delete {out_dir} and rerun negatives.py "
+           f"({negatives_command(meta, out_dir)})")
     sizes = dict(tokens=N * K * L * np.dtype(meta['dtype']).itemsize, logp=N * K * 4, logq=N * K * 4,
                  done=(N + meta['chunk'] - 1) // meta['chunk'])
     if has_pos:
@@ -439,7 +440,8 @@ def check_negatives_files(out_dir, meta, has_pos):
         have = os.path.getsize(path) if os.path.isfile(path) else None
         if have != size:
             raise ValueError(f"{path} {'is missing' if have is None else f'holds {have:,} bytes'}, not the "
-                             f"{size:,} its meta.json implies ({N} prefixes x {K} samples of {L} tokens): {fix}")
+                             f"{size:,} its meta.json implies ({N} prefixes x {K} samples of {L} tokens): "
+                             f"{fix}")
     path = os.path.join(out_dir, 'offsets.npy')
     try:
         offsets = np.load(path, allow_pickle=False)

@@ -314,7 +314,8 @@ def enumerate_split(lm, energy, data, P, L, V, count, ctx, beam, log, cache=None
     for c0 in range(0, len(x), chunk):
         pr = prompts[c0:c0 + chunk]
         part = cached(cache and os.path.join(cache, f'{key}_{c0}.pt'),
-                      lambda: scored(lm, energy, pr, P, L, V, ctx), lambda o: scored_shape(o, len(pr), V ** L))
+                      lambda: scored(lm, energy, pr, P, L, V, ctx),
+                      lambda o: scored_shape(o, len(pr), V ** L))
         part['beam'] = cached(cache and os.path.join(cache, f'{key}_beam{beam}_{c0}.pt'),
                               lambda: index_of(lm.beam_search(pr, L, beam)[0], V),
                               lambda o: rows_shape(o, len(pr), beam, V ** L))

@@ -7,7 +7,8 @@ end, seconds since the epoch) to spans.json: the job's wall time is their union 
 records, for each stage, what made it (its flags, the run folder written as <out>, and the hashes
 of the outputs of the stages it read) and the hashes of its outputs (its done file and best.pt). A
 stage is skipped when this run would make it from the same, resumed when it began from the same
-and has not finished, and otherwise starts over (its folder kept as <folder>.old). An output
+and has not finished, and otherwise starts over (its folder kept as <folder>.old, or .old.2, ...: a
+folder set aside earlier is never replaced). An output
 whose hash is not the recorded one (copied from another run, edited) is refused in one line.
 """
 

@@ -12,7 +12,8 @@ Each stage is the command a user would type (printed before it runs); the recipe
 job/configs.py, the scheduler in job/pipeline.py. Like make, but by content: a stage made from
 what this run would make it from (its number-changing flags, the hashes of what it read, recorded
 in <out_dir>/provenance.json) is skipped, a half-done one resumes, and one made from anything else
-(another --seed, a retrained model) starts over, its old folder kept as <folder>.old; an output
+(another --seed, a retrained model) starts over, its old folder kept as <folder>.old (.old.2, ...: never
+replaced); an output
 copied from another run or edited is refused in one line. Everything
 lands in --out_dir: checkpoints, results.json (one row per model and split), claims.json, the
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its

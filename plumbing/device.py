@@ -179,7 +179,8 @@ def setup(device):
     """(rank, world_size, device): the device picked, and DDP set up under torchrun."""
     rank, world_size, device = setup_distributed(pick_device(device))
     if device == 'cpu' and rank == 0:
-        print(f"threads: {torch.get_num_threads()}, {THREADS_WHY or 'OpenMP default'}", file=sys.stderr, flush=True)
+        print(f"threads: {torch.get_num_threads()}, {THREADS_WHY or 'OpenMP default'}", file=sys.stderr,
+              flush=True)
     return rank, world_size, device
 
 

@@ -179,10 +179,12 @@ def test_a_damaged_cache_is_computed_again(tmp_path, capsys):
     torch.save(torch.zeros(1, 5, dtype=torch.int64), shape)
     capsys.readouterr()
     second = run()
-    said = capsys.readouterr().err.splitlines()
-    assert len(said) == 3 and all(f"the cache file {p} is damaged (" in s and s.endswith(': computing it again')
-                                  for p, s in zip((cut, junk, shape), said)), said
+    said, damaged = capsys.readouterr().err.splitlines(), (cut, junk, shape)
+    assert len(said) == len(damaged) == 3, said
+    for p, s in zip(damaged, said):
+        assert f"the cache file {p} is damaged (" in s and s.endswith(': computing it again'), s
     assert "not a (1, 2) tensor of continuation indices" in said[2]
+    assert len(first) == len(second)
     for a, b in zip(first[:6], second[:6]):
         assert torch.equal(a, b)
     run()

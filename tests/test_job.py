@@ -433,9 +433,9 @@ def test_data_of_other_flags_is_not_reused(tmp_path):
     check()
     check('--data_seed', '1337')
     for seed in ('5', '9'):
-        with pytest.raises(ValueError, match=rf"--data_dir {data} was prepared with --seed 1337 \(its meta.json\), "
-                                             rf"not the --data_seed {seed} this job asks for: pass --data_seed "
-                                             rf"1337 to use it, or a new --data_dir"):
+        with pytest.raises(ValueError, match=rf"--data_dir {data} was prepared with --seed 1337 \(its "
+                                             rf"meta.json\), not the --data_seed {seed} this job asks for: "
+                                             rf"pass --data_seed 1337 to use it, or a new --data_dir"):
             check('--data_seed', seed)
     with pytest.raises(ValueError, match=r"was prepared with --train 40 \(its meta.json\), not the --train "
                                          r"200000 this job asks for: pass a new --data_dir"):
@@ -458,7 +458,8 @@ def test_a_closed_pipe_with_jobs_1_ends_quietly(tmp_path):
     job = (f"from job.pipeline import Pipeline\nfrom plumbing import run_main\n"
            f"def main(argv):\n    Pipeline({str(tmp_path / 'timings.json')!r}).run('lm', [{str(stage)!r}], "
            f"{str(tmp_path / 'done')!r})\nrun_main(main)\n")
-    res = subprocess.run(['bash', '-c', f'"$0" -c "$1" | head -4; exit ${{PIPESTATUS[0]}}', sys.executable, job],
+    shell = '"$0" -c "$1" | head -4; exit ${PIPESTATUS[0]}'
+    res = subprocess.run(['bash', '-c', shell, sys.executable, job],
                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
                          timeout=120)
     assert res.returncode == 141 and res.stdout == '0\n1\n2\n3\n', res
