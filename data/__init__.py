@@ -449,11 +449,17 @@ def check_negatives_files(out_dir, meta, has_pos):
         raise ValueError(f"{path} is not a NumPy array ({type(e).__name__}): {fix}") from None
     if offsets.shape != (N,) or offsets.dtype.kind not in 'iu':
         raise ValueError(f"{path} holds {offsets.dtype} of shape {offsets.shape}, not {N} offsets: {fix}")
-    try:  # the split they index, where its folder is still there (its meta.json's count: no read of it)
-        tokens = load_meta(meta['data_dir'])['num_tokens'][meta['split']]
+    try:  # the data they come from, where its folder is still there (its meta.json: no read of a split)
+        data_meta = load_meta(meta['data_dir'])
+        tokens, V = data_meta['num_tokens'][meta['split']], data_meta['vocab_size']
     except (ValueError, KeyError, TypeError, OSError):
-        tokens = None
+        tokens = V = None
     end = meta['prefix_len'] + L
     if N and (offsets.min() < 0 or (tokens is not None and offsets.max() + end > tokens)):
         raise ValueError(f"{path} holds offsets beyond the {meta['split']} split of {meta['data_dir']} "
                          f"({tokens} tokens; windows of {end}): {fix}")
+    path = os.path.join(out_dir, 'tokens.bin')
+    top = int(np.memmap(path, dtype=meta['dtype'], mode='r').max()) if N * K * L else 0
+    if V is not None and top >= V:  # one pass over the samples, once per load
+        raise ValueError(f"{path} holds token id {top}, beyond the vocabulary of {V} of {meta['data_dir']}: "
+                         f"{fix}")

@@ -263,16 +263,16 @@ def test_a_split_is_checked_against_meta_json(tmp_path):
 CORPUS_ABC = "a cab, a bad cab.\n" * 200
 
 
-def fake_negatives(d, N=4, K=3, L=2):
-    """A complete negatives folder of N prefixes x K samples of L tokens (zeros), as negatives.py
-    writes it."""
+def fake_negatives(d, data_dir, N=4, K=3, L=2):
+    """A complete negatives folder of N prefixes x K samples of L tokens (zeros) of the train split of
+    data_dir, as negatives.py writes it."""
     from plumbing import write_json
     os.makedirs(d)
     for name, size in (('tokens', N * K * L * 2), ('logp', N * K * 4), ('logq', N * K * 4), ('done', 2),
                        ('pos_logp', N * 4), ('pos_logq', N * 4)):
         (d / f'{name}.bin').write_bytes(bytes(size))
     np.save(d / 'offsets.npy', np.arange(N, dtype=np.int64))
-    write_json(dict(lm_path='lm.pt', lm_hash='0', data_dir='data', split='train', prefix_len=2, gen_len=L,
+    write_json(dict(lm_path='lm.pt', lm_hash='0', data_dir=data_dir, split='train', prefix_len=2, gen_len=L,
                     num_prefixes=N, num_samples=K, chunk=2, seed=0, dtype='uint16', top_k=None, top_p=None,
                     temperature=1.0, complete=True), str(d / 'meta.json'))
 
@@ -283,13 +283,16 @@ def fake_negatives(d, N=4, K=3, L=2):
     (lambda d: os.remove(d / 'logq.bin'), r'logq.bin is missing'),
     (lambda d: np.save(d / 'offsets.npy', np.arange(3)), r'offsets.npy holds int64 of shape \(3,\), not 4'),
     (lambda d: (d / 'offsets.npy').write_bytes(b'junk'), r'offsets.npy is not a NumPy array'),
-], ids=['tokens-cut', 'logp-longer', 'logq-missing', 'offsets-short', 'offsets-junk'])
+    (lambda d: np.save(d / 'offsets.npy', np.arange(4) * 10**6), r'offsets.npy holds offsets beyond the'),
+    (lambda d: np.full(24, 999, np.uint16).tofile(d / 'tokens.bin'), r'tokens.bin holds token id 999, '),
+], ids=['tokens-cut', 'logp-longer', 'logq-missing', 'offsets-short', 'offsets-junk', 'offsets-beyond',
+        'token-beyond'])
 def test_negatives_files_are_checked_against_their_meta(tmp_path, damage, said):
     """A negatives folder whose file is cut, extended, missing or replaced: one line naming the file
     and the fix (a cut tokens.bin gave np.memmap's unnamed 'mmap length is greater than file size';
-    a longer logp.bin read silently)."""
+    a longer logp.bin read silently; offsets or tokens out of range, an IndexError)."""
     from data import load_negatives
-    fake_negatives(tmp_path / 'neg')
+    fake_negatives(tmp_path / 'neg', prepare_corpus(tmp_path, {'a.txt': CORPUS_ABC}, extra=['--quiet']))
     assert load_negatives(str(tmp_path / 'neg'))['tokens'].shape == (4, 3, 2)
     damage(tmp_path / 'neg')
     with pytest.raises(ValueError, match=said + r'.*delete .*neg and rerun negatives.py'):
