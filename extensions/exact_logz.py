@@ -441,7 +441,8 @@ def main(argv=None):
     device = setup(args.device)[2]
     if device != 'cpu':
         raise ValueError("--device: the replicates run on the CPU (float64); pass --device cpu")
-    log = (lambda *a: None) if args.quiet else (lambda s: print(s, flush=True))
+    # progress: stderr (diagnostics), the tables: stdout (results)
+    log = (lambda *a: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy = load_any_energy(args.energy, args.lm, device)[0]
     layout = problem_windows(meta)

@@ -454,7 +454,8 @@ def ordering(stage, pipe, path, args, cfg):
 
 def figures(pipe, out, args):
     if importlib.util.find_spec('matplotlib') is None:  # run.sh installs it; the core and CI do without
-        print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)")
+        print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)",
+              file=sys.stderr)
         return
     pipe.run('figures',
              ['-m', 'job.figures', '--out_dir', out]
@@ -483,7 +484,7 @@ def print_estimate(timings, default):
         total = timings['lm'] * sum(RELATIVE_TIME.values())
         print(f"estimated total: ~{total / 60:.0f} min on this machine "
               f"(the LM stage took {timings['lm']:.0f}s; "
-              f"README lists each stage's time on its machines)", flush=True)
+              f"README lists each stage's time on its machines)", file=sys.stderr, flush=True)
 
 
 def stage_profile(out, timings):
