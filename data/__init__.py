@@ -56,13 +56,12 @@ def encode_dataset(docs, tokenizer, made_with=None):
 
 
 def same_dataset(out_dir, arrays, meta):
-    """out_dir already holds exactly this data (then nothing is rewritten: models trained on it,
-    and reproduce.py's make-like timestamps, see the same files)."""
+    """out_dir already holds exactly this data (then nothing is rewritten, its meta.json's made_with
+    included: models trained on it, and reproduce.py's provenance, see the same files)."""
     try:
         old = read_json(os.path.join(out_dir, 'meta.json'))
-        if 'made_with' not in old:  # prepared before the record: the same data, left as it is
-            meta = {k: v for k, v in meta.items() if k != 'made_with'}
-        if old != meta:
+        data = lambda m: {k: v for k, v in m.items() if k != 'made_with'}  # the same tokens, however made
+        if not isinstance(old, dict) or data(old) != data(meta):
             return False
         return all(np.array_equal(np.fromfile(os.path.join(out_dir, f'{s}.bin'), dtype=a.dtype), a)
                    for s, a in arrays.items())
