@@ -268,11 +268,12 @@ def check_made_with(args, meta):
     (data.made_with: the preparation's flags and their defaults) against prepare_command; one line
     naming the flag and the fix otherwise. A meta.json from before the record is taken as made by
     the job's defaults (--data_seed 1337, the config's sizes; Shakespeare's split ignores the seed)."""
-    rec = meta.get('made_with')
+    rec, source = meta.get('made_with'), 'its meta.json'
     if rec is None:
         if args.data != 'addition':
             return
         rec = dict(corpus='addition', flags=dict(seed=DATA_SEED), defaults={})
+        source = "the default: its meta.json predates the record"
     if not (isinstance(rec, dict) and isinstance(rec.get('flags'), dict)
             and isinstance(rec.get('defaults'), dict)):
         raise ValueError(f"{os.path.join(args.data_dir, 'meta.json')}: made_with is not a record of flags; "
@@ -287,7 +288,7 @@ def check_made_with(args, meta):
             fix = (f"pass --data_seed {made} to use it, or a new --data_dir (e.g. {args.data_dir}_seed{ask}) "
                    f"to prepare seed {ask} there" if k == 'seed' else
                    f"pass a new --data_dir to prepare this job's data there, or delete {args.data_dir}")
-            raise ValueError(f"--data_dir {args.data_dir} was prepared with --{k} {made} (its meta.json), "
+            raise ValueError(f"--data_dir {args.data_dir} was prepared with --{k} {made} ({source}), "
                              f"not the {job_flag} {ask} this job asks for: {fix}")
 
 
