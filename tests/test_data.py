@@ -240,7 +240,6 @@ def test_a_split_is_checked_against_meta_json(tmp_path):
     from data import load_split
     out = prepare_corpus(tmp_path, {'a.txt': CORPUS_ABC}, extra=['--quiet'])
     meta = load_meta(out)
-    assert meta['made_with']['flags']['seed'] == 0 and meta['made_with']['flags']['val_frac'] == 0.05
     assert len(load_split(out, 'train', meta)) == meta['num_tokens']['train']  # whole: read as before
     cut, edited, beyond = (shutil.copytree(out, tmp_path / d) for d in ('cut', 'edited', 'beyond'))
     with open(cut / 'train.bin', 'r+b') as f:
@@ -258,6 +257,7 @@ def test_a_split_is_checked_against_meta_json(tmp_path):
     with pytest.raises(ValueError, match=rf"beyond/val.bin holds token id {meta['vocab_size']}, beyond the "
                                          rf"vocabulary of {meta['vocab_size']}"):
         load_split(str(beyond), 'val')
+    assert meta['made_with']['flags']['seed'] == 0 and meta['made_with']['flags']['val_frac'] == 0.05
 
 
 CORPUS_ABC = "a cab, a bad cab.\n" * 200
