@@ -21,6 +21,7 @@ uniqueness (Fig. 2 right) and LM log-likelihoods (Fig. 3) of real, LM and joint 
 """
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -205,7 +206,7 @@ def main(argv=None):
     B = min(args.chunk, prefixes.size(0))
     if B * args.n > args.max_rows:
         print(f"n = {args.n} samples x {B} prefixes do not fit in --max_rows {args.max_rows}: "
-              "Algorithm 1 in chunks (energy.joint_sample, tested equal to algorithm_1)")
+              "Algorithm 1 in chunks (energy.joint_sample, tested equal to algorithm_1)", file=sys.stderr)
     results = []
     for s in progress(range(0, prefixes.size(0), args.chunk), quiet=args.quiet, desc='joint sampling'):
         results += joint_records(lm, energy, prefixes[s:s + args.chunk],

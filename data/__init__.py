@@ -4,9 +4,12 @@ The on-disk format of a prepared corpus, shared by every data/<corpus>/prepare.p
     <data_dir>/train.bin, select.bin,         token ids (uint16 if the vocabulary fits, else uint32);
              val.bin, test.bin                each document is followed by the end-of-text id
     <data_dir>/meta.json                      tokenizer (and char table), vocab size, dtype,
-                                              eot id, token and document counts per split
+                                              eot id, token and document counts per split, and
+                                              made_with: the preparation's flags and seed
 
-meta.json is written last, so a data dir that has one is complete.
+meta.json is written last, so a data dir that has one is complete. A reader checks each split
+against it (load_split: its length and its tokens' range, once per load) and the negatives' files
+against theirs (load_negatives: each file's size).
 load_lm_and_data gives a trained LM with the prepared data it goes with (its vocabulary checked).
 """
 
@@ -31,9 +34,9 @@ from data.tokenizer import build_tokenizer, tokenizer_meta
 SPLITS = ('train', 'select', 'val', 'test')
 
 
-def encode_dataset(docs, tokenizer):
+def encode_dataset(docs, tokenizer, made_with=None):
     """docs: {split: [document text, ...]} -> ({split: token ids}, meta), each document followed
-    by the end-of-text id."""
+    by the end-of-text id; meta records made_with (the preparation's flags, see made_with) if given."""
     for split in SPLITS:
         if not docs.get(split):
             raise ValueError(f"split '{split}' has no documents: give it some text")
@@ -47,14 +50,18 @@ def encode_dataset(docs, tokenizer):
             ids.append(tokenizer.eot_id)
         arrays[split] = np.array(ids, dtype=dtype)
         meta['num_tokens'][split], meta['num_docs'][split] = len(ids), len(docs[split])
+    if made_with is not None:
+        meta['made_with'] = made_with
     return arrays, meta
 
 
 def same_dataset(out_dir, arrays, meta):
-    """out_dir already holds exactly this data (then nothing is rewritten: models trained on it,
-    and reproduce.py's make-like timestamps, see the same files)."""
+    """out_dir already holds exactly this data (then nothing is rewritten, its meta.json's made_with
+    included: models trained on it, and reproduce.py's provenance, see the same files)."""
     try:
-        if read_json(os.path.join(out_dir, 'meta.json')) != meta:
+        old = read_json(os.path.join(out_dir, 'meta.json'))
+        data = lambda m: {k: v for k, v in m.items() if k != 'made_with'}  # the same tokens, however made
+        if not isinstance(old, dict) or data(old) != data(meta):
             return False
         return all(np.array_equal(np.fromfile(os.path.join(out_dir, f'{s}.bin'), dtype=a.dtype), a)
                    for s, a in arrays.items())
@@ -62,10 +69,10 @@ def same_dataset(out_dir, arrays, meta):
         return False
 
 
-def write_dataset(out_dir, docs, tokenizer, force=False):
+def write_dataset(out_dir, docs, tokenizer, force=False, made_with=None):
     """docs: {split: [document text, ...]} for train/val/test; tokenizer from tokenizer.py. Prepared
     data that differs is replaced only with force: models trained on it depend on it."""
-    arrays, meta = encode_dataset(docs, tokenizer)
+    arrays, meta = encode_dataset(docs, tokenizer, made_with)
     if os.path.exists(os.path.join(out_dir, 'meta.json')):
         if same_dataset(out_dir, arrays, meta):
             return meta
@@ -171,7 +178,32 @@ def load_meta(data_dir):
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}: it is not a prepared data dir's meta.json; "
                          "re-run prepare.py")
+    check_meta(meta, path)
     return meta
+
+
+def check_meta(meta, path):
+    """A prepared folder's meta.json consistent in itself: a vocabulary size of its tokenizer (a char
+    table's characters + the end of text; GPT-2's 50,257), an end-of-text id and a dtype that hold
+    it, and token and document counts that are counts. One line naming the file otherwise."""
+    fix = "it was edited or damaged: re-run the data's prepare.py (with --force) to remake the folder"
+    V, eot, dtype = meta['vocab_size'], meta['eot_id'], meta['dtype']
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    want = {'char': len(meta['chars']) + 1 if isinstance(meta.get('chars'), str) else None,
+            'gpt2': 50257}.get(meta['tokenizer'], 'unknown')
+    if want == 'unknown' or want is None:
+        raise ValueError(f"{path}: tokenizer {meta['tokenizer']!r}"
+                         f"{' without its char table' if want is None else ' is not char or gpt2'}: {fix}")
+    if not integer(V) or V != want:
+        raise ValueError(f"{path}: vocab_size {V!r} is not its {meta['tokenizer']} tokenizer's {want}: {fix}")
+    if not integer(eot) or not 0 <= eot < V:
+        raise ValueError(f"{path}: eot_id {eot!r} is not a token of its vocabulary of {V}: {fix}")
+    if dtype not in ('uint16', 'uint32') or V > np.iinfo(dtype).max + 1:
+        raise ValueError(f"{path}: dtype {dtype!r} cannot hold its vocabulary of {V}: {fix}")
+    for key in ('num_tokens', 'num_docs'):
+        counts = meta.get(key, {})
+        if not isinstance(counts, dict) or not all(integer(n) and n >= 0 for n in counts.values()):
+            raise ValueError(f"{path}: {key} is not a count per split: {fix}")
 
 
 def load_lm_and_data(lm_path, data_dir=None, device='cpu'):
@@ -214,13 +246,27 @@ def check_problem_windows(meta, prefix_len, gen_len):
 
 
 def load_split(data_dir, split, meta=None):
-    """Token ids of one split as a read-only memmap."""
+    """Token ids of one split as a read-only memmap, checked against meta.json: as many tokens as
+    it records, each below its vocab_size (one np.max over the split, once per load)."""
     meta = meta or load_meta(data_dir)
     path = os.path.join(data_dir, f'{split}.bin')
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         raise ValueError(f"split file {path} is missing or empty (data prepared before the 'select' split "
                          f"existed lack it): re-run the data's prepare.py")
-    return np.memmap(path, dtype=meta['dtype'], mode='r')
+    fix = "re-run the data's prepare.py (with --force) to remake the folder"
+    itemsize, size = np.dtype(meta['dtype']).itemsize, os.path.getsize(path)
+    want = meta.get('num_tokens', {}).get(split)
+    if size % itemsize or (want is not None and size != want * itemsize):
+        raise ValueError(f"split file {path} holds {size / itemsize:,g} tokens, but "
+                         f"{os.path.join(data_dir, 'meta.json')} records "
+                         f"{'whole tokens' if want is None else f'{want:,}'}: truncated or replaced; {fix}")
+    data = np.memmap(path, dtype=meta['dtype'], mode='r')
+    top = int(data.max())
+    if top >= meta['vocab_size']:
+        raise ValueError(f"split file {path} holds token id {top}, beyond the vocabulary of "
+                         f"{meta['vocab_size']} its meta.json records: the folder is damaged, or its "
+                         f"meta.json is another's; {fix}")
+    return data
 
 
 def data_hash(data_dir, splits):
@@ -239,10 +285,24 @@ def prepare_flags(parser, out_dir, seed_help, tokenizer=None):
         seed=seed_help, quiet='no summary line', force='replace other prepared data in --out_dir'))
 
 
-def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False):
-    """Shared by every data/<corpus>/prepare.py: docs {split: [text, ...]} -> out_dir/*.bin + meta.json."""
+FREE_PREPARE_FLAGS = ('out_dir', 'quiet', 'force', 'wheel_dir')  # they change no token
+
+
+def made_with(corpus, parser, args, unused=()):
+    """What meta.json records of a preparation by data/<corpus>/prepare.py: {'corpus': corpus,
+    'flags': the flags that change the data, as run (the seed among them; `unused`: flags the corpus
+    ignores, e.g. Shakespeare's fixed split's seed), 'defaults': their defaults}. job/reproduce.py
+    compares it with the preparation it asks for (check_made_with), so data of another --data_seed
+    or size is never reused silently."""
+    flags = {k: v for k, v in vars(args).items() if k not in FREE_PREPARE_FLAGS + tuple(unused)}
+    return dict(corpus=corpus, flags=flags, defaults={k: parser.get_default(k) for k in flags})
+
+
+def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False, made_with=None):
+    """Shared by every data/<corpus>/prepare.py: docs {split: [text, ...]} -> out_dir/*.bin + meta.json
+    (recording made_with: data.made_with's record of the flags)."""
     tok = build_tokenizer(tokenizer_name, [d for split in docs.values() for d in split])
-    meta = write_dataset(out_dir, docs, tok, force)
+    meta = write_dataset(out_dir, docs, tok, force, made_with)
     if not quiet:
         print(f"{out_dir}: {tok.name} tokenizer, vocab {tok.vocab_size}, tokens " +
               ", ".join(f"{s} {n:,}" for s, n in meta['num_tokens'].items()) +
@@ -351,6 +411,8 @@ def load_negatives(out_dir, mode='r', lm_path=None):
         raise ValueError(f"negatives in {out_dir} predate the stored log P_LM / log q of real continuations, "
                          f"which {needs}: regenerate them into a new --out_dir")
     pos = lambda name: mm(name, 'float32', (N,)) if has_pos else None
+    if mode == 'r':
+        check_negatives_files(out_dir, meta, has_pos)
     try:
         return dict(meta=meta, offsets=np.load(os.path.join(out_dir, 'offsets.npy')),
                     tokens=mm('tokens', meta['dtype'], (N, K, L)), logp=mm('logp', 'float32', (N, K)),
@@ -359,3 +421,44 @@ def load_negatives(out_dir, mode='r', lm_path=None):
     except (OSError, ValueError) as e:  # a missing or truncated file: np.memmap says so without naming it
         raise ValueError(f"negatives in {out_dir} are damaged ({e}): "
                          "delete the folder and rerun negatives.py") from None
+
+
+def check_negatives_files(out_dir, meta, has_pos):
+    """Each file of a complete negatives folder the size its meta.json implies (a truncated or
+    extended tokens.bin, logp.bin, ...: one line naming it, never samples read past or short of it),
+    and offsets.npy N offsets."""
+    N, K, L = meta['num_prefixes'], meta['num_samples'], meta['gen_len']
+    fix = (f"the folder is damaged: delete {out_dir} and rerun negatives.py "
+           f"({negatives_command(meta, out_dir)})")
+    sizes = dict(tokens=N * K * L * np.dtype(meta['dtype']).itemsize, logp=N * K * 4, logq=N * K * 4,
+                 done=(N + meta['chunk'] - 1) // meta['chunk'])
+    if has_pos:
+        sizes.update(pos_logp=N * 4, pos_logq=N * 4)
+    for name, size in sizes.items():
+        path = os.path.join(out_dir, f'{name}.bin')
+        have = os.path.getsize(path) if os.path.isfile(path) else None
+        if have != size:
+            raise ValueError(f"{path} {'is missing' if have is None else f'holds {have:,} bytes'}, not the "
+                             f"{size:,} its meta.json implies ({N} prefixes x {K} samples of {L} tokens): "
+                             f"{fix}")
+    path = os.path.join(out_dir, 'offsets.npy')
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"{path} is not a NumPy array ({type(e).__name__}): {fix}") from None
+    if offsets.shape != (N,) or offsets.dtype.kind not in 'iu':
+        raise ValueError(f"{path} holds {offsets.dtype} of shape {offsets.shape}, not {N} offsets: {fix}")
+    try:  # the data they come from, where its folder is still there (its meta.json: no read of a split)
+        data_meta = load_meta(meta['data_dir'])
+        tokens, V = data_meta['num_tokens'][meta['split']], data_meta['vocab_size']
+    except (ValueError, KeyError, TypeError, OSError):
+        tokens = V = None
+    end = meta['prefix_len'] + L
+    if N and (offsets.min() < 0 or (tokens is not None and offsets.max() + end > tokens)):
+        raise ValueError(f"{path} holds offsets beyond the {meta['split']} split of {meta['data_dir']} "
+                         f"({tokens} tokens; windows of {end}): {fix}")
+    path = os.path.join(out_dir, 'tokens.bin')
+    top = int(np.memmap(path, dtype=meta['dtype'], mode='r').max()) if N * K * L else 0
+    if V is not None and top >= V:  # one pass over the samples, once per load
+        raise ValueError(f"{path} holds token id {top}, beyond the vocabulary of {V} of {meta['data_dir']}: "
+                         f"{fix}")

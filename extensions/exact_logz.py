@@ -314,9 +314,11 @@ def enumerate_split(lm, energy, data, P, L, V, count, ctx, beam, log, cache=None
     for c0 in range(0, len(x), chunk):
         pr = prompts[c0:c0 + chunk]
         part = cached(cache and os.path.join(cache, f'{key}_{c0}.pt'),
-                      lambda: scored(lm, energy, pr, P, L, V, ctx))
+                      lambda: scored(lm, energy, pr, P, L, V, ctx),
+                      lambda o: scored_shape(o, len(pr), V ** L))
         part['beam'] = cached(cache and os.path.join(cache, f'{key}_beam{beam}_{c0}.pt'),
-                              lambda: index_of(lm.beam_search(pr, L, beam)[0], V))
+                              lambda: index_of(lm.beam_search(pr, L, beam)[0], V),
+                              lambda o: rows_shape(o, len(pr), beam, V ** L))
         parts.append(part)
         times['lm_s'] += part['lm_s']
         times['energy_s'] += part['energy_s']
@@ -340,11 +342,43 @@ def scored(lm, energy, prompts, P, L, V, ctx):
     return dict(part, lm_s=t1 - t0, energy_s=time.time() - t1)
 
 
-def cached(path, make):
-    """What path holds (read weights only: tensors, no code) where it exists, else make(), saved
-    there atomically (no path: make())."""
+def scored_shape(o, B, C):
+    """What is wrong with a cached chunk of scored() for B problems of C continuations (None: nothing)."""
+    if not isinstance(o, dict) or not {'log_p', 'E', 'lm_s', 'energy_s'} <= o.keys():
+        return "not a chunk of scores"
+    for k in ('log_p', 'E'):
+        t = o[k]
+        if not isinstance(t, torch.Tensor) or t.shape != (B, C) or not t.is_floating_point():
+            return f"its {k} is not a ({B}, {C}) float tensor"
+    if torch.isnan(o['log_p']).any() or torch.isnan(o['E']).any():
+        return "it holds NaN"
+    if not all(isinstance(o[k], float) for k in ('lm_s', 'energy_s')):
+        return "its seconds are not numbers"
+    return None
+
+
+def rows_shape(o, B, beam, C):
+    """What is wrong with a cached beam of B problems (None: nothing): (B, beam) row indices below C."""
+    if not isinstance(o, torch.Tensor) or o.shape != (B, beam) or o.dtype != torch.int64:
+        return f"not a ({B}, {beam}) tensor of continuation indices"
+    if len(o) and not (0 <= int(o.min()) and int(o.max()) < C):
+        return f"an index beyond the {C} continuations"
+    return None
+
+
+def cached(path, make, wrong=lambda o: None):
+    """What path holds (read weights only: tensors, no code) where it exists and `wrong` finds
+    nothing amiss with it, else make(), saved there atomically (no path: make()). A damaged file
+    (truncated, overwritten, another shape) is made again, with one line on stderr saying so."""
     if path and os.path.exists(path):
-        return torch.load(path, weights_only=True)
+        try:
+            obj = torch.load(path, weights_only=True)
+            why = wrong(obj)
+        except Exception as e:  # torch.load's errors on a damaged file are of many types
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else 'unreadable'}"
+        if why is None:
+            return obj
+        print(f"the cache file {path} is damaged ({why}): computing it again", file=sys.stderr, flush=True)
     obj = make()
     if path:
         atomic_write(path, lambda tmp: torch.save(obj, tmp))
@@ -407,7 +441,8 @@ def main(argv=None):
     device = setup(args.device)[2]
     if device != 'cpu':
         raise ValueError("--device: the replicates run on the CPU (float64); pass --device cpu")
-    log = (lambda *a: None) if args.quiet else (lambda s: print(s, flush=True))
+    # progress: stderr (diagnostics), the tables: stdout (results)
+    log = (lambda *a: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy = load_any_energy(args.energy, args.lm, device)[0]
     layout = problem_windows(meta)

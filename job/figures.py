@@ -246,7 +246,7 @@ def main(argv=None):
     written = []
     for name, draw, data, present, how in figures:
         if not present:
-            print(f"{name}: skipped, its data is not in the JSON (run {how})")
+            print(f"{name}: skipped, its data is not in the JSON (run {how})", file=sys.stderr)
             continue
         two = draw is fig3_loglik
         fig, ax = plt.subplots(1, 2 if two else 1, figsize=(10, 3.8) if two else (5.5, 3.8))

@@ -7,15 +7,16 @@ end, seconds since the epoch) to spans.json: the job's wall time is their union 
 records, for each stage, what made it (its flags, the run folder written as <out>, and the hashes
 of the outputs of the stages it read) and the hashes of its outputs (its done file and best.pt). A
 stage is skipped when this run would make it from the same, resumed when it began from the same
-and has not finished, and otherwise starts over (its folder kept as <folder>.old). An output
+and has not finished, and otherwise starts over (its folder kept as <folder>.old, or .old.2, ...: a
+folder set aside earlier is never replaced). An output
 whose hash is not the recorded one (copied from another run, edited) is refused in one line.
 """
 
 import contextlib
 import ctypes
+import errno
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def finished(path):
     if not path.endswith('meta.json'):
         return True
     meta = read_json(path, FIX)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is {type(meta).__name__}, not a meta.json's object: {FIX}")
     return meta.get('complete', True) and 'select' in meta.get('num_tokens', {'select': 0})
 
 
@@ -137,6 +140,11 @@ class Pipeline:
         self.spans_path = os.path.join(self.out_dir, 'spans.json')
         self.spans = read_json(self.spans_path, 'delete it (it only records stage times) and rerun') \
             if os.path.exists(self.spans_path) else {}
+        if not isinstance(self.spans, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(t, (int, float)) for t in v)
+                for v in self.spans.values()):
+            raise ValueError(f"{self.spans_path} is not a table of stage spans: delete it (it only records "
+                             f"stage times) and rerun")
         self.records_path = os.path.join(self.out_dir, PROVENANCE)
         self.records = read_records(self.records_path)
         self.running = {}  # stage -> (process, start time, its log or None: the terminal)
@@ -151,7 +159,7 @@ class Pipeline:
             self.wait(*deps)  # with jobs > 1: what it reads is written
         if not inside(done, self.out_dir):  # the prepared data, shared by runs: used as it is
             if finished(done):
-                print(f"[{name}] done already ({done} exists): skipped")
+                say(f"[{name}] done already ({done} exists): skipped")
                 return
         else:
             want, rec = self.provenance(cmd, deps), self.records.get(name)
@@ -160,7 +168,7 @@ class Pipeline:
                 if rec['outputs'] is None:  # it finished, but the job stopped before recording it
                     self.record(name)
                 self.check_outputs(name)
-                print(f"[{name}] done already ({done}, made from the same inputs): skipped")
+                say(f"[{name}] done already ({done}, made from the same inputs): skipped")
                 return
             cmd = self.clear(name, cmd, why)
             self.records[name] = dict(want, outputs=None)  # begun: a stop resumes it, if made from the same
@@ -179,12 +187,11 @@ class Pipeline:
         kept as folder.old (so no --resume); one made from the same (why None) resumes."""
         folder, done = self.folders[name], self.done[name]
         if why and folder and os.path.isdir(folder):
-            shutil.rmtree(folder + '.old', ignore_errors=True)
-            os.replace(folder, folder + '.old')
-            print(f"[{name}] {why} since {folder} was written: kept as {folder}.old, starting over")
+            kept = keep_aside(folder)
+            say(f"[{name}] {why} since {folder} was written: kept as {kept}, starting over")
             return [c for c in cmd if c != '--resume']
         if why and os.path.exists(done):
-            print(f"[{name}] {why} since {done} was written: making it again")
+            say(f"[{name}] {why} since {done} was written: making it again")
         return cmd
 
     def provenance(self, cmd, deps):
@@ -218,7 +225,7 @@ class Pipeline:
                                  f"in {self.records_path}); delete {folder} to rerun that stage")
 
     def start(self, name, cmd, log=None):
-        print(f"[{name}] $ python {' '.join(cmd)}" + (f"  > {log}" if log else ''), flush=True)
+        say(f"[{name}] $ python {' '.join(cmd)}" + (f"  > {log}" if log else ''))
         # Ctrl-C is for this process alone: it kills the stages (safe: every write is atomic and every
         # stage resumes) and says the one command that continues, rather than a stage's own
         # the stage holds the job's --out_dir lock too (one open file, one flock): while any process
@@ -241,6 +248,11 @@ class Pipeline:
             time.sleep(0.1)
         name = ended[0]
         proc, t0, log = self.running.pop(name)
+        if proc.returncode in (128 + signal.SIGPIPE, -signal.SIGPIPE) and not log:
+            # a stage in the terminal (--jobs 1) ended by a closed stdout (`| head`): the job's stdout is
+            # the same pipe, so the job ends as the stage did, quietly with status 141 (run_main)
+            self.stop()
+            raise BrokenPipeError(errno.EPIPE, f"stage '{name}': its stdout, the job's, was closed")
         if proc.returncode != 0:
             self.stop()
             sys.exit(f"error: stage '{name}' failed ({why_failed(proc.returncode, log)}); fix it and rerun: "
@@ -252,7 +264,7 @@ class Pipeline:
         write_json(self.timings, self.timings_path)
         write_json(self.spans, self.spans_path)
         if log:
-            print(f"[{name}] finished in {self.timings[name]:.0f}s (its output: {log})", flush=True)
+            say(f"[{name}] finished in {self.timings[name]:.0f}s (its output: {log})")
 
     def stop(self):
         """Kills the running stages (Ctrl-C, a failed stage, an error): none outlives the job."""
@@ -261,6 +273,24 @@ class Pipeline:
         for proc, _, _ in self.running.values():
             proc.wait()
         self.running.clear()
+
+
+def keep_aside(folder):
+    """Renames folder to the first free name of folder.old, folder.old.2, folder.old.3, ...: a folder
+    set aside earlier is never replaced (each holds work: another seed's LM, a finished run's).
+    Returns the new name."""
+    kept, n = f'{folder}.old', 1
+    while os.path.lexists(kept):
+        n += 1
+        kept = f'{folder}.old.{n}'
+    os.rename(folder, kept)  # the name was free a moment ago; a race with another job is kept out by the lock
+    return kept
+
+
+def say(line):
+    """The job's diagnostics ("[stage] ..." lines) go to stderr, as a Unix tool's do: stdout is
+    for results (the tables of the end), so `| head` or `> file` take those alone."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def wall_seconds(spans):

@@ -12,7 +12,8 @@ Each stage is the command a user would type (printed before it runs); the recipe
 job/configs.py, the scheduler in job/pipeline.py. Like make, but by content: a stage made from
 what this run would make it from (its number-changing flags, the hashes of what it read, recorded
 in <out_dir>/provenance.json) is skipped, a half-done one resumes, and one made from anything else
-(another --seed, a retrained model) starts over, its old folder kept as <folder>.old; an output
+(another --seed, a retrained model) starts over, its old folder kept as <folder>.old (.old.2, ...: never
+replaced); an output
 copied from another run or edited is refused in one line. Everything
 lands in --out_dir: checkpoints, results.json (one row per model and split), claims.json, the
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
@@ -42,7 +43,8 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.reproduce")
 import torch
 
-from data import problem_windows, read_json
+from data import load_meta, problem_windows, read_json
+from job import NUMBER, read_report
 from energy import Energy
 from model import GPT, GPTConfig
 from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
@@ -51,7 +53,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
 from job import lesson
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME,
                          large_batch)
-from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
+from job.pipeline import FIX, ROOT, Pipeline, flag_values, wall_seconds
 
 
 def flags(d):
@@ -144,12 +146,13 @@ def check_data_dir(args):
     d = os.path.join(ROOT, args.data_dir)
     meta_path = os.path.join(d, 'meta.json')
     if os.path.exists(meta_path):
-        meta = read_json(meta_path, 'delete the data dir and rerun')
-        tokenizer = meta.get('tokenizer') if isinstance(meta, dict) else None
+        meta = load_meta(d)  # one line for a meta.json that is not one (a list, edited, not JSON)
+        tokenizer = meta.get('tokenizer')
         if tokenizer != args.tokenizer:
             raise ValueError(f"--data_dir {args.data_dir} holds {tokenizer} data, not --tokenizer "
                              f"{args.tokenizer}: pass the matching --tokenizer, or another --data_dir")
         check_data_kind(args, problem_windows(meta))
+        check_made_with(args, meta)
         return
     corpus = os.path.join(ROOT, 'data', args.data)
     if os.path.isfile(os.path.join(d, 'prepare.py')) and os.path.realpath(d) != os.path.realpath(corpus):
@@ -259,15 +262,63 @@ def stages(args, pipe):
         publish(out)
 
 
+def prepare_command(args, data_seed=None):
+    """The preparation this job asks for: the prepare.py command (its --seed: --data_seed)."""
+    return (['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
+            + (flags(args.cfg['data']) if 'data' in args.cfg else ['--tokenizer', args.tokenizer])
+            + ['--seed', str(args.data_seed if data_seed is None else data_seed)]
+            + (['--quiet'] if args.quiet else []))
+
+
+DATA_SEED = 1337  # --data_seed's default: what prepared data without a record was made with
+
+
+def check_made_with(args, meta):
+    """Prepared data is reused only when made as this job would make it: meta.json's made_with
+    (data.made_with: the preparation's flags and their defaults) against prepare_command; one line
+    naming the flag and the fix otherwise. A meta.json from before the record is taken as made by
+    the job's defaults (--data_seed 1337, the config's sizes; Shakespeare's split ignores the seed)."""
+    rec, source = meta.get('made_with'), 'its meta.json'
+    if rec is None:
+        if args.data != 'addition':
+            return
+        rec = dict(corpus='addition', flags=dict(seed=DATA_SEED), defaults={})
+        source = "the default: its meta.json predates the record"
+    if not (isinstance(rec, dict) and isinstance(rec.get('flags'), dict)
+            and isinstance(rec.get('defaults'), dict)):
+        raise ValueError(f"{os.path.join(args.data_dir, 'meta.json')}: made_with is not a record of flags; "
+                         f"delete {args.data_dir} to prepare it again")
+    if rec.get('corpus') != args.data:  # your own text (data/text/prepare.py): used as it is
+        return
+    given = flag_values(prepare_command(args))
+    for k, made in rec['flags'].items():
+        ask = given.get(f'--{k}', rec['defaults'].get(k, made))
+        if not same_flag(made, ask):
+            job_flag = '--data_seed' if k == 'seed' else f'--{k}'
+            fix = (f"pass --data_seed {made} to use it, or a new --data_dir (e.g. {args.data_dir}_seed{ask}) "
+                   f"to prepare seed {ask} there" if k == 'seed' else
+                   f"pass a new --data_dir to prepare this job's data there, or delete {args.data_dir}")
+            raise ValueError(f"--data_dir {args.data_dir} was prepared with --{k} {made} ({source}), "
+                             f"not the {job_flag} {ask} this job asks for: {fix}")
+
+
+def same_flag(made, ask):
+    """A recorded flag value (typed, from JSON) and the job's (a command-line string, or a default)."""
+    if isinstance(ask, str) and not isinstance(made, str):
+        if isinstance(made, bool):
+            return made == (ask == '(set)')
+        try:
+            return made == type(made)(ask) if made is not None else ask == 'None'
+        except (TypeError, ValueError):
+            return False
+    return made == ask
+
+
 def prepare_data(pipe, args):
     """The corpus prepared from its own seed (--data_seed) and waited for: its vocabulary size."""
-    pipe.run('prepare', ['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
-             + (flags(args.cfg['data']) if 'data' in args.cfg else ['--tokenizer', args.tokenizer])
-             + ['--seed', str(args.data_seed)] + (['--quiet'] if args.quiet else []),
-             os.path.join(args.data_dir, 'meta.json'))
+    pipe.run('prepare', prepare_command(args), os.path.join(args.data_dir, 'meta.json'))
     pipe.wait('prepare')
-    meta = read_json(os.path.join(ROOT, args.data_dir, 'meta.json'), 'delete the data dir and rerun')
-    return meta['vocab_size']
+    return load_meta(os.path.join(ROOT, args.data_dir))['vocab_size']
 
 
 def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
@@ -293,12 +344,16 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
               path(f'{name}.json'), ['lm', 'bit'])
 
 
+NCE_RESULTS = {'held_out_gain': NUMBER, 'held_out_acc': NUMBER, 'held_out_gain_enumerated?': NUMBER}
+
+
 def stronger_energy(pipe, path):
     """'bit' or 'unit': the energy whose joint model gains more on the selection split's held-out
     prefixes (nce_train.py's held_out_gain_enumerated, log Z by energy.logz_enumerate: Eq. 4's
     held_out_gain fails where the energy is sharp): the one EXO distils and the accuracy table uses."""
     pipe.wait('bit', 'unit')
-    res = {k: read_json(path(k, 'results.json'), FIX) for k in ('bit', 'unit')}
+    res = {k: read_report(os.path.dirname(path(k)), os.path.join(k, 'results.json'), FIX, NCE_RESULTS)
+           for k in ('bit', 'unit')}
     gain = {k: r.get('held_out_gain_enumerated', r['held_out_gain']) for k, r in res.items()}
     return max(gain, key=gain.get)
 
@@ -410,7 +465,8 @@ def ordering(stage, pipe, path, args, cfg):
 
 def figures(pipe, out, args):
     if importlib.util.find_spec('matplotlib') is None:  # run.sh installs it; the core and CI do without
-        print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)")
+        print("[figures] skipped: matplotlib is not installed (pip install matplotlib, or bash run.sh)",
+              file=sys.stderr)
         return
     pipe.run('figures',
              ['-m', 'job.figures', '--out_dir', out]
@@ -439,7 +495,7 @@ def print_estimate(timings, default):
         total = timings['lm'] * sum(RELATIVE_TIME.values())
         print(f"estimated total: ~{total / 60:.0f} min on this machine "
               f"(the LM stage took {timings['lm']:.0f}s; "
-              f"README lists each stage's time on its machines)", flush=True)
+              f"README lists each stage's time on its machines)", file=sys.stderr, flush=True)
 
 
 def stage_profile(out, timings):
@@ -450,7 +506,7 @@ def stage_profile(out, timings):
     rows = []
     for stage, seconds in timings.items():
         path = os.path.join(out, stage, 'results.json')
-        r = read_json(path, FIX) if os.path.isfile(path) else {}
+        r = read_report(out, os.path.join(stage, 'results.json'), FIX) if os.path.isfile(path) else {}
         rate, train_s = r.get('tokens_per_s'), r.get('train_time_s')
         number = lambda v: isinstance(v, (int, float))
         tokens = rate * train_s if number(rate) and number(train_s) else None
@@ -470,18 +526,19 @@ def format_profile(rows):
 def report(out, timings, wall_s, data_dir):
     """results.json: the Table-1 rows, the calibration of the log Z bounds, the energies' held-out
     gains and NCE accuracies, and the stage times; prints ppl.txt (estimate_ppl.py's table) with them."""
-    ppl = read_json(os.path.join(out, 'ppl.json'), FIX)
+    ppl = read_report(out, 'ppl.json', FIX, dict(rows=[dict(model=str)], splits=dict(test=dict(
+        num_samples=NUMBER, num_prefixes=NUMBER))))
     keep = ('model', 'params', 'split', 'ppl', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se',
             'ppl_enumerated', 'gain_enumerated', 'gain_enumerated_se', 'eq4_flagged', 'eq4_ess',
             'scored_mass')
     rows = [{k: r[k] for k in keep if k in r} for r in ppl['rows']]
-    lm = read_json(os.path.join(out, 'lm', 'results.json'), FIX)
-    nce = {k: read_json(os.path.join(out, k, 'results.json'), FIX) for k in ('bit', 'unit')}
+    lm = read_report(out, os.path.join('lm', 'results.json'), FIX, dict(val_loss=NUMBER))
+    nce = {k: read_report(out, os.path.join(k, 'results.json'), FIX, NCE_RESULTS) for k in ('bit', 'unit')}
     gain, acc = ({k: r[f'held_out_{f}'] for k, r in nce.items()} for f in ('gain', 'acc'))
     test, profile = ppl['splits']['test'], stage_profile(out, timings)
     write_json(dict(rows=rows, base_lm_val_loss=lm['val_loss'], held_out_gain=gain, held_out_nce_acc=acc,
                     timings_s=timings, wall_s=wall_s, profile=profile,
-                    claims=read_json(os.path.join(out, 'claims.json'), FIX)['claims'],
+                    claims=read_report(out, 'claims.json', FIX, dict(claims=dict))['claims'],
                     calibration=test.get('calibration'), num_samples=test['num_samples'],
                     num_prefixes=test['num_prefixes']),
                os.path.join(out, 'results.json'))

@@ -5,6 +5,7 @@ time checks of bad input).
 """
 
 import os
+import sys
 import resource
 
 import torch
@@ -107,7 +108,7 @@ def check_time(seconds, what, force):
         raise ValueError(f"{what} would take ~{duration(seconds)} by a crude estimate, beyond the "
                          f"{duration(TIME_LIMIT_S)} that runs unasked: lower it, or pass --force to run it")
     if seconds >= 60:
-        print(f"{what}: ~{duration(seconds)} by a crude estimate", flush=True)
+        print(f"{what}: ~{duration(seconds)} by a crude estimate", file=sys.stderr, flush=True)
 
 
 def duration(seconds):

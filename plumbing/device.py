@@ -163,7 +163,7 @@ def precision(device, dtype, work='train', verbose=True, width=None):
     """(dtype, autocast context) for this work (of models `width` wide); prints the choice and why."""
     dtype, why = choose_dtype(device, dtype, work, width)
     if verbose:
-        print(f"{work}: {device}, {dtype} ({why})", flush=True)
+        print(f"{work}: {device}, {dtype} ({why})", file=sys.stderr, flush=True)
     return dtype, autocast(device, dtype)
 
 
@@ -179,7 +179,8 @@ def setup(device):
     """(rank, world_size, device): the device picked, and DDP set up under torchrun."""
     rank, world_size, device = setup_distributed(pick_device(device))
     if device == 'cpu' and rank == 0:
-        print(f"threads: {torch.get_num_threads()}, {THREADS_WHY or 'OpenMP default'}", flush=True)
+        print(f"threads: {torch.get_num_threads()}, {THREADS_WHY or 'OpenMP default'}", file=sys.stderr,
+              flush=True)
     return rank, world_size, device
 
 

@@ -7,6 +7,7 @@ flag, or returns (a few fill a flag's default that depends on others, said where
 """
 
 import os
+import sys
 from types import SimpleNamespace
 
 from plumbing.budget import check_memory, check_time, check_training_memory, forward_seconds
@@ -380,7 +381,7 @@ def check_prefix_count(args, offsets, held):
     if held < args.num_prefixes:
         print(f"--num_prefixes {args.num_prefixes}: the {args.split} split holds {held:,} prefixes of "
               f"--prefix_len {args.prefix_len} + --gen_len {args.gen_len} tokens: taking all {held:,}",
-              flush=True)
+              file=sys.stderr, flush=True)
     # the JSON holds each prefix's texts and tokens: 0.23 MB for 256 prefixes of 64 tokens (~0.9 KiB each)
     check_free_space(args.out, 2**16 + min(held, args.num_prefixes) * (2**12 + 2**6 * args.gen_len), '--out')
 

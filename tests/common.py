@@ -11,6 +11,7 @@ import csv
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -54,9 +55,19 @@ def run_scripts(arg_lists, timeout=300):
     return out
 
 
+# the setup's diagnostics, on stderr since issue 57 (item 5): threads, precision, the time estimate
+DIAGNOSTIC = re.compile(r"threads: \d+, |[\w ]+: (cpu|cuda[:\d]*|mps), \w+ \(|.*: ~.* by a crude estimate$")
+
+
+def without_diagnostics(stderr):
+    """stderr's lines less the setup's diagnostics (DIAGNOSTIC): the lines a test counts."""
+    return [line for line in stderr.strip().splitlines() if not DIAGNOSTIC.match(line)]
+
+
 def assert_clean_error(res, *fragments):
-    """Non-zero exit and exactly one 'error: ...' line on stderr, no traceback."""
-    lines = res.stderr.strip().splitlines()
+    """Non-zero exit and exactly one 'error: ...' line on stderr (beside the setup's diagnostics),
+    no traceback."""
+    lines = without_diagnostics(res.stderr)
     assert res.returncode != 0, res.stdout + res.stderr
     assert len(lines) == 1 and lines[0].startswith('error:'), res.stderr
     for f in fragments:

@@ -37,8 +37,16 @@ from energy import Energy, build_energy, energy_state
 from model import GPT, GPTConfig, load_checkpoint
 from plumbing import file_hash, guards, save_checkpoint, write_json
 from data.addition import prepare as addition_prepare
-from tests.common import (ROOT, SCRIPTS, UNWRITABLE, assert_clean_error, dir_snapshot, fake_main_job_json,
-                          neg_files, ppl_argv, run_script, run_scripts, sample_argv)
+from tests.common import (DIAGNOSTIC, ROOT, SCRIPTS, UNWRITABLE, assert_clean_error, dir_snapshot,
+                          fake_main_job_json, neg_files, ppl_argv, run_script, run_scripts, sample_argv,
+                          without_diagnostics)
+
+
+def the_jobs_last_line(err):
+    """The job's stderr: its "[stage] ..." lines and the setup's diagnostics, then the one line
+    returned (None if anything else is there)."""
+    *notes, last = err.strip().splitlines() or ['']
+    return last if all(n.startswith('[') or DIAGNOSTIC.match(n) for n in notes) else None
 
 
 def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
@@ -53,11 +61,11 @@ def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
                             preexec_fn=default_sigint)
     wait_for(lambda: all(os.path.exists(os.path.join(out, d, 'log.jsonl')) for d in ('lm', 'balm')), proc)
     os.killpg(proc.pid, signal.SIGINT)
-    stdout, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == (
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and the_jobs_last_line(err) == (
         "interrupted: finished stages are kept and a stopped one resumes; continue with: "
         f"{shlex.join(['python', *argv])}"), err
-    assert f"> {os.path.join(out, 'balm.log')}" in stdout
+    assert f"> {os.path.join(out, 'balm.log')}" in err  # the job's lines: stderr
     assert 'threads: 1' in open(os.path.join(out, 'lm.log')).read()
     t0 = time.time()
     with pytest.raises(ProcessLookupError):  # the stages went with it, within seconds
@@ -790,11 +798,12 @@ def test_cli_table_is_large_and_unique():
 @pytest.mark.parametrize('row_id,names', [(i, n) for i, _, n in CLI_TABLE], ids=[i for i, _, _ in CLI_TABLE])
 def test_cli_bad_input(cli_table_results, cli_artifacts, row_id, names):
     r = cli_table_results[row_id]
-    lines = r['stderr'].strip().splitlines()
+    *notes, last = r['stderr'].strip().splitlines() or ['']
     assert r['rc'] != 0, r
     assert 'Traceback' not in r['stderr'], r['stderr']
-    assert len(lines) == 1 and lines[0].startswith('error: '), r['stderr']
-    assert cli_fill(names, cli_artifacts, row_id) in lines[0], lines[0]
+    # one error line; before it only the setup's diagnostics, on stderr since issue 57 (item 5)
+    assert last.startswith('error: ') and all(DIAGNOSTIC.match(n) for n in notes), r['stderr']
+    assert cli_fill(names, cli_artifacts, row_id) in last, last
     assert not r['changed'] and not r['created'], r
 
 
@@ -941,8 +950,8 @@ def test_sigterm_says_rerun_like_ctrl_c(cli_artifacts, tmp_path):
     wait_for(lambda: os.path.exists(os.path.join(out, 'done.bin')) and negatives.chunks_done(out) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f'interrupted: {negatives.chunks_done(out)} of ')
+    assert proc.returncode == 130 and len(without_diagnostics(err)) == 1, err
+    assert without_diagnostics(err)[0].startswith(f'interrupted: {negatives.chunks_done(out)} of ')
     assert err.strip().endswith(f"rerun the same command to finish them: {shlex.join(['python', *argv])}")
 
 
@@ -969,7 +978,7 @@ def test_sampling_time_is_said_up_front(tmp_path, capsys):
         guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
     args.n = 100
     guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
-    assert capsys.readouterr().out.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
+    assert capsys.readouterr().err.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
     with pytest.raises(SystemExit):
         sample.get_args(['--help'])
     assert 'to take more than 1.0 h, which is refused without it' in ' '.join(capsys.readouterr().out.split())
@@ -1026,7 +1035,7 @@ def test_ctrl_c_train_lm_says_how_to_resume(cli_artifacts, tmp_path):
     wait_for(marker.exists, proc)  # stopped right after its first checkpoint
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    lines = err.strip().splitlines()
+    lines = without_diagnostics(err)
     assert proc.returncode == 130 and len(lines) == 1, err
     it = load_checkpoint(os.path.join(out, 'ckpt.pt'))['iter_num']
     assert it == 3
@@ -1056,7 +1065,7 @@ def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
     wait_for(marker.exists, proc)  # stopped right after its third chunk
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    lines = err.strip().splitlines()
+    lines = without_diagnostics(err)
     assert proc.returncode == 130 and len(lines) == 1, err
     n_done, n_chunks = negatives.chunks_done(out), len(open(done, 'rb').read())
     assert n_done == 3 < n_chunks
@@ -1115,7 +1124,7 @@ def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
     wait_for(lambda: os.path.exists(os.path.join(out, 'lm', 'log.jsonl')), proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == (
+    assert proc.returncode == 130 and the_jobs_last_line(err) == (
         "interrupted: finished stages are kept and a stopped one resumes; continue with: "
         f"{shlex.join(['python', *argv])}"), err
     t0 = time.time()
@@ -1218,7 +1227,7 @@ def test_sample_data_dir_from_another_working_directory(cli_artifacts, tmp_path)
             '--table_k', '2', '--out', str(tmp_path / 's.json'), *CLI_CPU]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     res = subprocess.run(argv, cwd=str(tmp_path), capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode != 0 and res.stderr.strip() == (
+    assert res.returncode != 0 and '\n'.join(without_diagnostics(res.stderr)) == (
         f"error: {lm} was trained on the data in {rel}, which holds no prepared data seen from here "
         f"({tmp_path}): pass --data_dir with that data"), res.stderr
     res = subprocess.run(argv + ['--data_dir', A['data']], cwd=str(tmp_path), capture_output=True,

@@ -226,3 +226,74 @@ def test_rng_seeds_are_distinct():
     assert (rng_seed(1337, 'log_z', 'val', 3) == rng_seed(1337, 'log_z', 'val', 3)
             != rng_seed(7, 'log_z', 'val', 3))
     assert 0 <= rng_seed(-5, 'negatives', 'test', 0) < 2**32
+
+
+# ==== issue 57, items 2 and 4: a split is checked against its meta.json; meta.json records the
+#      preparation's flags and seed ====
+
+def test_a_split_is_checked_against_meta_json(tmp_path):
+    """train.bin cut short, meta.json's vocab_size edited 13 -> 12, or a token beyond the vocabulary:
+    one line naming the file (the probe: train_lm.py trained on 1,000 of 15,000 tokens, rc 0; an
+    IndexError deep in the embedding)."""
+    import json
+    import shutil
+    from data import load_split
+    out = prepare_corpus(tmp_path, {'a.txt': CORPUS_ABC}, extra=['--quiet'])
+    meta = load_meta(out)
+    assert len(load_split(out, 'train', meta)) == meta['num_tokens']['train']  # whole: read as before
+    cut, edited, beyond = (shutil.copytree(out, tmp_path / d) for d in ('cut', 'edited', 'beyond'))
+    with open(cut / 'train.bin', 'r+b') as f:
+        f.truncate(2 * 100)
+    with pytest.raises(ValueError, match=r"cut/train.bin holds 100 tokens, but .*meta.json records "
+                                         rf"{meta['num_tokens']['train']:,}: truncated"):
+        load_split(str(cut), 'train')
+    (edited / 'meta.json').write_text(json.dumps(dict(meta, vocab_size=meta['vocab_size'] - 1)))
+    with pytest.raises(ValueError, match=rf"edited/meta.json: vocab_size {meta['vocab_size'] - 1} is not its "
+                                         rf"char tokenizer's {meta['vocab_size']}"):
+        load_split(str(edited), 'train')
+    ids = np.fromfile(beyond / 'val.bin', dtype=np.uint16)
+    ids[3] = meta['vocab_size']
+    ids.tofile(beyond / 'val.bin')
+    with pytest.raises(ValueError, match=rf"beyond/val.bin holds token id {meta['vocab_size']}, beyond the "
+                                         rf"vocabulary of {meta['vocab_size']}"):
+        load_split(str(beyond), 'val')
+    assert meta['made_with']['flags']['seed'] == 0 and meta['made_with']['flags']['val_frac'] == 0.05
+
+
+CORPUS_ABC = "a cab, a bad cab.\n" * 200
+
+
+def fake_negatives(d, data_dir, N=4, K=3, L=2):
+    """A complete negatives folder of N prefixes x K samples of L tokens (zeros) of the train split of
+    data_dir, as negatives.py writes it."""
+    from plumbing import write_json
+    os.makedirs(d)
+    for name, size in (('tokens', N * K * L * 2), ('logp', N * K * 4), ('logq', N * K * 4), ('done', 2),
+                       ('pos_logp', N * 4), ('pos_logq', N * 4)):
+        (d / f'{name}.bin').write_bytes(bytes(size))
+    np.save(d / 'offsets.npy', np.arange(N, dtype=np.int64))
+    write_json(dict(lm_path='lm.pt', lm_hash='0', data_dir=data_dir, split='train', prefix_len=2, gen_len=L,
+                    num_prefixes=N, num_samples=K, chunk=2, seed=0, dtype='uint16', top_k=None, top_p=None,
+                    temperature=1.0, complete=True), str(d / 'meta.json'))
+
+
+@pytest.mark.parametrize('damage, said', [
+    (lambda d: open(d / 'tokens.bin', 'r+b').truncate(10), r'tokens.bin holds 10 bytes, not the 48'),
+    (lambda d: open(d / 'logp.bin', 'ab').write(bytes(4)), r'logp.bin holds 52 bytes, not the 48'),
+    (lambda d: os.remove(d / 'logq.bin'), r'logq.bin is missing'),
+    (lambda d: np.save(d / 'offsets.npy', np.arange(3)), r'offsets.npy holds int64 of shape \(3,\), not 4'),
+    (lambda d: (d / 'offsets.npy').write_bytes(b'junk'), r'offsets.npy is not a NumPy array'),
+    (lambda d: np.save(d / 'offsets.npy', np.arange(4) * 10**6), r'offsets.npy holds offsets beyond the'),
+    (lambda d: np.full(24, 999, np.uint16).tofile(d / 'tokens.bin'), r'tokens.bin holds token id 999, '),
+], ids=['tokens-cut', 'logp-longer', 'logq-missing', 'offsets-short', 'offsets-junk', 'offsets-beyond',
+        'token-beyond'])
+def test_negatives_files_are_checked_against_their_meta(tmp_path, damage, said):
+    """A negatives folder whose file is cut, extended, missing or replaced: one line naming the file
+    and the fix (a cut tokens.bin gave np.memmap's unnamed 'mmap length is greater than file size';
+    a longer logp.bin read silently; offsets or tokens out of range, an IndexError)."""
+    from data import load_negatives
+    fake_negatives(tmp_path / 'neg', prepare_corpus(tmp_path, {'a.txt': CORPUS_ABC}, extra=['--quiet']))
+    assert load_negatives(str(tmp_path / 'neg'))['tokens'].shape == (4, 3, 2)
+    damage(tmp_path / 'neg')
+    with pytest.raises(ValueError, match=said + r'.*delete .*neg and rerun negatives.py'):
+        load_negatives(str(tmp_path / 'neg'))

@@ -6,6 +6,7 @@ Eq. 4 at n = 8 is far off and logz_enumerate is not, and MIN_ESS's rule.
 import itertools
 import math
 
+import numpy as np
 import torch
 
 from energy import logz_bounds, logz_enumerate, score_continuations
@@ -161,3 +162,30 @@ def test_cache_resumes(tmp_path, monkeypatch):
     wider = run(beam=4)
     assert torch.equal(wider[1], first[1]) and torch.equal(wider[2], first[2]) and wider[4].shape == (7, 5)
     assert torch.equal(wider[4][:, 1:], exact_logz.index_of(lm.beam_search(wider[0][:, :P], L, 4)[0], V))
+
+
+def test_a_damaged_cache_is_computed_again(tmp_path, capsys):
+    """Issue 57, item 2: a cache chunk cut in half, overwritten with random bytes, or of another shape
+    is computed again, with one line naming it, and gives the values of a clean run (it was a
+    PytorchStreamReader RuntimeError, an UnpicklingError traceback, or wrong values used)."""
+    lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
+    data = torch.randint(0, V, (5 * 7,), generator=torch.Generator().manual_seed(0)).numpy()
+    run = lambda: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, 2, lambda s: None,
+                                             str(tmp_path), 'k', chunk=3)
+    first = run()
+    cut, junk, shape = tmp_path / 'k_0.pt', tmp_path / 'k_3.pt', tmp_path / 'k_beam2_6.pt'
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    junk.write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)))
+    torch.save(torch.zeros(1, 5, dtype=torch.int64), shape)
+    capsys.readouterr()
+    second = run()
+    said, damaged = capsys.readouterr().err.splitlines(), (cut, junk, shape)
+    assert len(said) == len(damaged) == 3, said
+    for p, s in zip(damaged, said):
+        assert f"the cache file {p} is damaged (" in s and s.endswith(': computing it again'), s
+    assert "not a (1, 2) tensor of continuation indices" in said[2]
+    assert len(first) == len(second)
+    for a, b in zip(first[:6], second[:6]):
+        assert torch.equal(a, b)
+    run()
+    assert capsys.readouterr().err == ''  # each was saved again, whole

@@ -65,14 +65,14 @@ def test_reproduce_quick_end_to_end(tmp_path):
     check_claims_from_run(out)
 
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and '$ python' not in res.stdout, res.stdout
+    assert res.returncode == 0 and '$ python' not in res.stderr, res.stderr  # the job's lines: stderr
     os.remove(out / 'bit' / 'results.json')  # as if killed after its last checkpoint
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
-    ran = [line.split(']')[0][1:] for line in res.stdout.splitlines() if '] $ python' in line]
+    ran = [line.split(']')[0][1:] for line in res.stderr.splitlines() if '] $ python' in line]
     after = (['bit', 'metrics', 'estimate_ppl', 'samples', 'samples_untruncated', 'claims']
              + (['figures'] if importlib.util.find_spec('matplotlib') else []))
-    assert res.returncode == 0 and ran == after, res.stdout  # and what depends on it
-    assert '--resume' in next(line for line in res.stdout.splitlines() if line.startswith('[bit] $'))
+    assert res.returncode == 0 and ran == after, res.stderr  # and what depends on it
+    assert '--resume' in next(line for line in res.stderr.splitlines() if line.startswith('[bit] $'))
 
 
 def test_lesson_quick_end_to_end(tmp_path):
@@ -198,12 +198,12 @@ def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
     assert c['start'] >= max(a['end'], b['end']) and {a['threads'], b['threads'], c['threads']} == {'1'}
     assert 'stage writing' in (tmp_path / 'c.log').read_text() and not pipe.running
     assert set(json.load(open(tmp_path / 'timings.json'))) == {'a', 'b', 'c'}
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # the job's diagnostics: stderr
     assert f"> {tmp_path / 'a.log'}" in out
     assert re.search(r'\[b\] finished in \d+s \(its output: .*b\.log\)', out), out
     pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1)
     pipe.run('a', *fake_stage(tmp_path, 'a', 1.0))  # done: skipped
-    assert not pipe.running and 'skipped' in capsys.readouterr().out
+    assert not pipe.running and 'skipped' in capsys.readouterr().err
 
 
 def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
@@ -444,3 +444,54 @@ def test_figures_draws_the_four_pngs(tmp_path):
             with open(d / name, 'rb') as f:
                 assert f.read(8) == b'\x89PNG\r\n\x1a\n', name  # a real PNG, not an empty file
     assert not list(tmp_path.glob('*.tmp'))  # written atomically
+
+
+def test_data_of_other_flags_is_not_reused(tmp_path):
+    """Issue 57, item 4: prepared data records its flags and seed (meta.json's made_with); the job
+    asking for another --data_seed or other sizes is refused before its first stage, in one line
+    naming the flag and the fix (it said "[prepare] done already" and trained on seed 1337's
+    problems). A meta.json from before the record counts as made by the job's defaults."""
+    from data.addition import prepare
+    from job import reproduce
+    data = tmp_path / 'addition'
+    sizes = dict(digits=6, train=40, select=10, val=10, test=10)
+    prepare.main(['--out_dir', str(data), '--seed', '1337', '--quiet', *reproduce.flags(sizes)])
+
+    def check(*argv, cfg_data=sizes):
+        args = reproduce.get_args(['--data', 'addition', '--quick', '--data_dir', str(data), *argv])
+        args.cfg = dict(args.cfg, data=cfg_data)
+        reproduce.check_data_dir(args)
+    check()
+    check('--data_seed', '1337')
+    for seed in ('5', '9'):
+        with pytest.raises(ValueError, match=rf"--data_dir {data} was prepared with --seed 1337 \(its "
+                                             rf"meta.json\), not the --data_seed {seed} this job asks for: "
+                                             rf"pass --data_seed 1337 to use it, or a new --data_dir"):
+            check('--data_seed', seed)
+    with pytest.raises(ValueError, match=r"was prepared with --train 40 \(its meta.json\), not the --train "
+                                         r"200000 this job asks for: pass a new --data_dir"):
+        check(cfg_data=dict(digits=6))  # the job's own sizes: 200,000 training problems
+    meta = json.load(open(data / 'meta.json'))
+    del meta['made_with']  # prepared before the record
+    (data / 'meta.json').write_text(json.dumps(meta))
+    check()
+    with pytest.raises(ValueError, match=r"was prepared with --seed 1337 .*not the --data_seed 5"):
+        check('--data_seed', '5')
+
+
+def test_a_closed_pipe_with_jobs_1_ends_quietly(tmp_path):
+    """Issue 57, item 5: `python -m job.reproduce --jobs 1 ... | head -4`: the stage in the terminal
+    is ended by the closed pipe (status 141), and so is the job, quietly (it said "error: stage 'lm'
+    failed (its message is above)" with nothing above, status 1)."""
+    stage = tmp_path / 'stage.py'
+    stage.write_text("import plumbing\n\ndef main(argv):\n    for i in range(10 ** 6):\n        print(i)\n\n"
+                     "plumbing.run_main(main)\n")
+    job = (f"from job.pipeline import Pipeline\nfrom plumbing import run_main\n"
+           f"def main(argv):\n    Pipeline({str(tmp_path / 'timings.json')!r}).run('lm', [{str(stage)!r}], "
+           f"{str(tmp_path / 'done')!r})\nrun_main(main)\n")
+    shell = '"$0" -c "$1" | head -4; exit ${PIPESTATUS[0]}'
+    res = subprocess.run(['bash', '-c', shell, sys.executable, job],
+                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                         timeout=120)
+    assert res.returncode == 141 and res.stdout == '0\n1\n2\n3\n', res
+    assert res.stderr.startswith('[lm] $ python') and 'error' not in res.stderr, res.stderr

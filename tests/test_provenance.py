@@ -43,15 +43,15 @@ def test_done_only_when_made_from_the_same(tmp_path, capsys):
     job(out)
     capsys.readouterr()
     job(out)
-    assert capsys.readouterr().out.count('done already') == 2
+    assert capsys.readouterr().err.count('done already') == 2
     job(out, seed=7)
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert 'done already' not in said and '[lm] --seed 1337 -> 7 since' in said, said
     assert '[ppl] --seed 1337 -> 7' in said, said
     assert '7' in json.load(open(out / 'lm' / 'results.json')) and (out / 'lm.old' / 'results.json').exists()
     shutil.move(str(out), str(tmp_path / 'moved'))
     job(tmp_path / 'moved', seed=7)
-    assert capsys.readouterr().out.count('done already') == 2
+    assert capsys.readouterr().err.count('done already') == 2
 
 
 def test_a_remade_input_remakes_what_read_it(tmp_path, capsys):
@@ -60,7 +60,7 @@ def test_a_remade_input_remakes_what_read_it(tmp_path, capsys):
     out = tmp_path / 'run'
     job(out)
     job(out, lm_extra=['--n_embd', '8'])
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert "[lm] --n_embd (not given) -> 8 since" in said, said
     assert "[ppl] stage 'lm' is not the one it was made from" in said, said
 
@@ -135,7 +135,7 @@ def test_a_stopped_stage_resumes_only_if_made_from_the_same(tmp_path, capsys):
     (out / 'b' / 'ckpt.pt').write_text('not this run')
     pipe.run('b', write(out / 'b' / 'done', '--resume'), str(out / 'b' / 'done'), folder=str(out / 'b'))
     assert '--resume' not in json.load(open(out / 'b' / 'done')) and (out / 'b.old' / 'ckpt.pt').exists()
-    assert '[b] no record of what made it since' in capsys.readouterr().out
+    assert '[b] no record of what made it since' in capsys.readouterr().err
 
 
 def test_damaged_provenance_is_one_line(tmp_path):
@@ -154,6 +154,24 @@ def test_a_renamed_stage_folder_is_made_again(tmp_path, capsys):
     kept = (out / 'lm2' / 'best.pt').read_bytes()
     capsys.readouterr()
     job(out)
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert said.startswith('[lm] $ python') and (out / 'lm' / 'best.pt').read_bytes() == kept, said
     assert (out / 'lm2' / 'best.pt').read_bytes() == kept and "[ppl] done already" in said
+
+
+def test_a_kept_folder_is_never_replaced(tmp_path, capsys):
+    """Issue 57, item 3: --seed 7 then --seed 9 over one run folder: the seed-1337 LM kept as lm.old
+    stays there, the seed-7 one goes to lm.old.2, and each rerun says which name it kept (it
+    replaced lm.old, without a word). A stage interrupted and rerun another way keeps its folder too."""
+    out = tmp_path / 'run'
+    best = lambda d: (out / d / 'best.pt').read_text()
+    job(out)
+    job(out, seed=7)
+    assert '--seed 1337' in best('lm.old') and '--seed 7' in best('lm')
+    capsys.readouterr()
+    job(out, seed=9)
+    said = capsys.readouterr().err
+    assert f"kept as {out / 'lm.old.2'}, starting over" in said, said
+    assert '--seed 1337' in best('lm.old') and '--seed 7' in best('lm.old.2') and '--seed 9' in best('lm')
+    job(out, seed=11)
+    assert [best(d).split()[1] for d in ('lm.old', 'lm.old.2', 'lm.old.3', 'lm')] == ['1337', '7', '9', '11']

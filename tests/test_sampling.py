@@ -434,7 +434,7 @@ def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, t
     prefixes = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)[:, :EVAL_P]
     for max_rows, hands_over in ((512, False), (10, True)):
         rep = sample.main(argv + ['--max_rows', str(max_rows), '--out', str(tmp_path / f'{max_rows}.json')])
-        assert capsys.readouterr().out.count(line) == hands_over
+        assert capsys.readouterr().err.count(line) == hands_over
         g = rng(1337, 'joint_samples', 'test', 0, 'cpu')  # main's generator
         out = joint_sample(lm, energy, prefixes, 6, EVAL_L, 5, generator=g, max_rows=max_rows)
         for b, r in enumerate(rep['samples']):

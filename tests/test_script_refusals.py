@@ -333,7 +333,7 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
     res = run_script([*argv, '--num_prefixes', '1000000000'])
     assert res.returncode == 0 and 'is full' not in res.stderr, res.stderr
     held = re.search(r'--num_prefixes 1000000000: the test split holds (\d+) prefixes of --prefix_len '
-                     rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stdout)
+                     rf'{EVAL_P} \+ --gen_len {EVAL_L} tokens: taking all', res.stderr)
     assert held and len(json.loads((tmp_path / 's.json').read_text())['samples']) == int(held[1])
     quiet = ("import plumbing\ndef main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
              "plumbing.run_main(main)")
@@ -345,12 +345,14 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
                          text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert 'Broken pipe' not in res.stderr and 'error' not in res.stderr, res.stderr
     assert res.returncode in (0, 141), res  # 141: sample.py outlived head's read, as a Unix tool would
-    # issue 48, item 5: the file is written before the screen, so a reader that leaves once the setup
-    # lines are read (head -3: threads, sample and score precision) loses no finished sampling
-    shell = f"{shlex.join([sys.executable, *argv, '--out', str(tmp_path / 'q.json')])} --force | head -3"
+    # issue 48, item 5: the file is written before the screen; issue 57, item 5: the setup lines
+    # (threads, sample and score precision) are diagnostics, on stderr, so `| head -1` takes the first
+    # line of results, after the file is written (it took 'threads: ...' and sample.py stopped unwritten)
+    shell = f"{shlex.join([sys.executable, *argv, '--out', str(tmp_path / 'q.json')])} --force | head -1"
     res = subprocess.run(['bash', '-c', f'set -o pipefail; {shell}'], cwd=ROOT, capture_output=True,
                          text=True, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1'))
     assert res.returncode in (0, 141) and json.loads((tmp_path / 'q.json').read_text())['samples'], res
+    assert 'threads' not in res.stdout and res.stderr.startswith('threads: 1'), res
 
 
 def test_memory_check_respects_ulimit_v():

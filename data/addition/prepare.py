@@ -29,7 +29,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.addition.prepare")
-from data import prepare, prepare_flags  # noqa: E402
+from data import made_with, prepare, prepare_flags  # noqa: E402
 from plumbing import (ArgumentParser, at_least, check, check_memory, check_writable, rng_seed,  # noqa: E402
                       run_main)
 
@@ -100,7 +100,7 @@ def main(argv=None):
     check_memory(problems_memory(sum(sizes.values()), args.digits),
                  f"drawing {sum(sizes.values()):,} problems (--train, --select, --val, --test)", "lower them")
     meta = prepare(make_problems(sizes, args.digits, args.chain, args.seed), args.out_dir, 'char',
-                   args.quiet, args.force)
+                   args.quiet, args.force, made_with('addition', parser, args))
     if not args.quiet:
         P = 2 * args.digits + 2
         print(f"windows: --prefix_len {P} --gen_len {args.digits + 2} (vocab {meta['vocab_size']})")

@@ -16,7 +16,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.cc_news.prepare")
-from data import prepare, prepare_flags  # noqa: E402
+from data import made_with, prepare, prepare_flags  # noqa: E402
 from plumbing import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main(argv=None):
     random.Random(args.seed).shuffle(docs)
     n = args.eval_docs
     prepare(dict(train=docs[3 * n:], select=docs[2 * n:3 * n], val=docs[:n], test=docs[n:2 * n]),
-            args.out_dir, args.tokenizer, args.quiet, args.force)
+            args.out_dir, args.tokenizer, args.quiet, args.force, made_with('cc_news', parser, args))
 
 
 if __name__ == '__main__':

