@@ -24,12 +24,13 @@ Like job.reproduce, a finished stage is skipped and a stopped one resumes.
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.lesson")
 import torch
 
-from data import read_json
+from data import load_meta, read_json
 from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_command, run_main, write_json
 
 from job.configs import LESSON, LESSON_QUICK
@@ -77,7 +78,8 @@ def main(argv=None):
 def run(args, out, data_dir):
     """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, seed,
     data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in `out`)."""
-    from job.reproduce import flags, negatives, nce  # the main job's stages (job.reproduce imports this file)
+    # the main job's stages and checks (imported here: job.reproduce imports this file)
+    from job.reproduce import check_made_with, flags, negatives, nce, prepare_command
     cfg = LESSON_QUICK if args.quick else LESSON
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'), args.jobs, threads=max(1, torch.get_num_threads() // args.jobs))
@@ -89,9 +91,11 @@ def run(args, out, data_dir):
 
     t0 = time.time()
     try:
-        pipe.run('prepare', ['-m', 'data.addition.prepare', '--out_dir', data_dir, *flags(cfg['data']),
-                             '--seed', str(args.data_seed)] + (['--quiet'] if args.quiet else []),
-                 os.path.join(data_dir, 'meta.json'))
+        prep = SimpleNamespace(data='addition', data_dir=data_dir, cfg=cfg, data_seed=args.data_seed,
+                               quiet=args.quiet, tokenizer='char')  # job.reproduce's own check and command
+        if os.path.exists(os.path.join(data_dir, 'meta.json')):
+            check_made_with(prep, load_meta(data_dir))  # never problems drawn with other flags
+        pipe.run('prepare', prepare_command(prep), os.path.join(data_dir, 'meta.json'))
         pipe.wait('prepare')
         resume = ['--resume'] if os.path.exists(path('lm', 'ckpt.pt')) else []
         stage('lm', ['train_lm.py', '--data_dir', data_dir, '--out_dir', path('lm')] + flags(cfg['lm']) + resume,

@@ -817,3 +817,20 @@ def test_a_planted_result_mismatch_fails():
     assert len(bad) == 3 and "'1.037'" in bad[0] and "'46'" in bad[1] and "'0.05'" in bad[2], bad
     assert rounds_to('0.0013', 0.00125000001) and not rounds_to('0.0013', 0.00124)
     assert rounds_to('6,250', 6250)
+
+
+def test_readme_reading_order_is_the_learners_path():
+    """README's reading order within its first 1,500 characters, each step naming every function of
+    READING (docs/nanogpt.md's path) and its lines to read as the code has them now."""
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    assert readme.index('## Reading order') < 1500
+    order = ' '.join(readme.split('## Reading order')[1].split('\n## ')[0].split())
+    steps = dict(re.findall(r'(?:^| )(\d)\. (.*?)(?= \d\. |$)', order.split(' `test_all.py`')[0]))
+    assert sorted(int(k) for k in steps) == sorted(READING), steps
+    for step, names in READING.items():
+        text = steps[str(step)]
+        named = lambda w: re.search(rf'`([\w/]+\.)*{w}`', text)  # `x`, `energy.x`, `GPT.x`
+        parts = lambda n: n.split(':')[0].split('.')  # GPT.generate_plain: its name; Energy.kind: its class
+        missing = [n for _, n in names if not (named(parts(n)[-1]) or named(parts(n)[0]))]
+        assert not missing, (step, missing)
+        assert f'({lines_to_read(step)} lines' in text, (step, lines_to_read(step), text)
