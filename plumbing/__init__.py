@@ -33,7 +33,8 @@ from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_
                             checked_load, checkpoint_iter, content_hash, disk_full, file_hash, finite,
                             first_missing, free_space, load_weights, not_a_file, out_of_space,
                             save_checkpoint, save_checkpoints, write_json, write_text)
-from plumbing.run import (COMMON_FLAGS, LOCKS, ArgumentParser, at_least, check, check_heads,  # noqa: F401
+from plumbing.run import (COMMON_FLAGS, LOCKS, MAX_BEAM, MAX_COUNT, MAX_SAMPLES, MAX_TOKENS,  # noqa: F401
+                          ArgumentParser, comma_ints, parser_of, at_least, check, check_heads,  # noqa: F401
                           check_new, check_writable, common_flags, interrupt, lock_folder, named_paths,
                           new_folder, one_job, progress, rerun_command, run_main)
 from plumbing.trainer import (RunDir, check_new_run, check_resumed_flags, check_resumed_iters,  # noqa: F401
