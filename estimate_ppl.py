@@ -36,7 +36,8 @@ from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, lo
 from model import load_lm
 from data.tokenizer import load_tokenizer
 from plumbing import (MAX_BEAM, MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, Precision, comma_ints,
-                      common_flags, file_hash, guards, precision, progress, rng, run_main, setup, teardown_distributed, write_json, write_text)
+                      common_flags, file_hash, guards, precision, progress, rng, run_main, setup,
+                      teardown_distributed, write_json, write_text)
 
 
 def mc_se(log_w):
@@ -357,7 +358,7 @@ def get_args(argv=None):
     a('--step_samples', type=int, default=16, at_least=2, at_most=MAX_SAMPLES,
       help='m LM samples per position for Eq. 5 (the bounds need leave-one-out: at least 2)')
     a('--last_step_samples', type=int, default=1024, at_least=1, at_most=MAX_SAMPLES,
-      help='LM samples for the last step estimated again, beside the exact value (with --per_step: at least 2)')
+      help='LM samples for the last step estimated again, beside the exact value (--per_step: at least 2)')
     a('--calib_prefixes', type=int, default=16, at_least=0, at_most=MAX_COUNT,
       help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
     a('--calib_samples', type=int, default=2048, at_least=2, at_most=MAX_SAMPLES,

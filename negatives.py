@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from data import SPLITS, check_fits, load_negatives, load_split, read_negatives_meta, window_tokens, windows
 from data import load_lm_and_data
 from model import proposal_logprobs
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, atomic_write, common_flags, disk_full,
-                      file_hash, guards, precision, progress, rerun_command, rng, run_main, setup, teardown_distributed, write_json)
+from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, atomic_write, common_flags,
+                      disk_full, file_hash, guards, precision, progress, rerun_command, rng, run_main, setup,
+                      teardown_distributed, write_json)
 
 CHUNK_TOKENS = 2**16  # the default chunk's sequences, in tokens: one decode of all its rows
 

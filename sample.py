@@ -29,8 +29,8 @@ from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
                     score_continuations)  # load_any_energy: an NCE energy or an extension's
 from data import load_lm_and_data
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, TIME_LIMIT_S, ArgumentParser, Precision, common_flags,
-                      duration, guards, precision, progress, rng, run_main, setup, write_json)
+from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, TIME_LIMIT_S, ArgumentParser, Precision,
+                      common_flags, duration, guards, precision, progress, rng, run_main, setup, write_json)
 from data.tokenizer import load_tokenizer
 
 
@@ -152,7 +152,8 @@ def get_args(argv=None):
     a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens of each continuation')
     a('--num_samples', dest='n', type=int, default=100, at_least=1, at_most=MAX_SAMPLES,
       help='LM samples per prefix to resample from (Algorithm 1; the paper: 10,000)')
-    a('--top_k', type=int, default=10, at_least=0, at_most=None, help='top-k of the LM proposal (0: untruncated)')
+    a('--top_k', type=int, default=10, at_least=0, at_most=None,
+      help='top-k of the LM proposal (0: untruncated)')
     a('--correct_proposal', action='store_true',
       help='weights exp(-E) P_LM/q: target the untruncated joint model')
     a('--autoregressive', action='store_true',

@@ -74,7 +74,8 @@ def get_args(argv=None):
       help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
     # model
     a('--n_layer', type=int, default=4, at_least=1, at_most=MAX_TOKENS, help='transformer blocks')
-    a('--n_head', type=int, default=4, at_least=1, at_most=MAX_TOKENS, help='attention heads (they divide n_embd)')
+    a('--n_head', type=int, default=4, at_least=1, at_most=MAX_TOKENS,
+      help='attention heads (they divide n_embd)')
     a('--n_embd', type=int, default=256, at_least=1, at_most=MAX_TOKENS, help='width')
     a('--block_size', type=int, default=256, at_least=1, at_most=MAX_TOKENS, help='context length in tokens')
     a('--dropout', type=float, default=0.0, at_least=0, at_most=None, help='dropout probability, in [0, 1)')
@@ -84,7 +85,8 @@ def get_args(argv=None):
     # evaluation
     a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
                                       '(the ordering figure: models along the training run)')
-    a('--eval_iters', type=int, default=20, at_least=1, at_most=MAX_COUNT, help='selection-set batches per periodic evaluation')
+    a('--eval_iters', type=int, default=20, at_least=1, at_most=MAX_COUNT,
+      help='selection-set batches per periodic evaluation')
     a('--select_on', default='window', choices=['window', 'continuation'],
       help="what the selection loss (stopping, best.pt) scores: every token of its windows, or, on problem "
            "data (a+b=c, data/addition), only the continuation (the answer) after each problem's prefix")

@@ -234,7 +234,8 @@ def prepare_flags(parser, out_dir, seed_help, tokenizer=None):
     common_flags(parser, 'out_dir', default=None if out_dir is None else dict(out_dir=out_dir),
                  help=dict(out_dir='where to write train/select/val/test.bin and meta.json'))
     if tokenizer:
-        parser.add_argument('--tokenizer', default=tokenizer, choices=['char', 'gpt2'])
+        parser.add_argument('--tokenizer', default=tokenizer, choices=['char', 'gpt2'],
+                            help="char: one token per character; gpt2: GPT-2's BPE (the paper's)")
     common_flags(parser, 'seed', 'quiet', 'force', default=dict(seed=0), help=dict(
         seed=seed_help, quiet='no summary line', force='replace other prepared data in --out_dir'))
 

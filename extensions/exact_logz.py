@@ -43,8 +43,8 @@ import torch
 from data import load_lm_and_data, load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
-from plumbing import (MAX_BEAM, MAX_COUNT, MAX_SAMPLES, ArgumentParser, atomic_write, check_new, check_writable,
-                      comma_ints, common_flags, file_hash, rng, run_main, setup, write_json)
+from plumbing import (MAX_BEAM, MAX_COUNT, MAX_SAMPLES, ArgumentParser, atomic_write, check_new,
+                      check_writable, comma_ints, common_flags, file_hash, rng, run_main, setup, write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
 # scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,

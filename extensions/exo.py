@@ -57,10 +57,10 @@ from energy import load_any_energy, logz_bounds, logz_diagnostics, score_continu
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from model import load_checkpoint
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, check, check_new, check_resumed_flags,
-                      check_resumed_iters, check_training_memory, check_writable, common_flags, file_hash, given_flags,
-                      lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,
-                      save_checkpoint, setup, write_json)
+from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, check, check_new,
+                      check_resumed_flags, check_resumed_iters, check_training_memory, check_writable,
+                      common_flags, file_hash, given_flags, lock_folder, missing_checkpoint, new_folder,
+                      one_job, rerun_command, rng, run_main, save_checkpoint, setup, write_json)
 
 
 def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', log_w=None):

@@ -34,9 +34,9 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, Precision, check, check_memory, check_new,
-                      check_writable, common_flags, file_hash, named_paths, precision, progress, rng, run_main,
-                      save_checkpoints, setup, write_json, write_text)
+from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, Precision, check, check_memory,
+                      check_new, check_writable, common_flags, file_hash, named_paths, precision, progress,
+                      rng, run_main, save_checkpoints, setup, write_json, write_text)
 
 
 
@@ -69,7 +69,8 @@ def get_args(argv=None):
     a('--top_k', type=int, default=10, at_least=1, at_most=None, help="top-k decoding (the table's row)")
     a('--joint_top_k', type=int, default=0, at_least=0, at_most=None,
       help="the table's joint samples: Algorithm 1 from n top-k LM samples (0: untruncated: the joint model)")
-    a('--top_p', type=float, default=0.9, at_least=None, at_most=1, help='top-p (nucleus) decoding, in (0, 1]')
+    a('--top_p', type=float, default=0.9, at_least=None, at_most=1,
+      help='top-p (nucleus) decoding, in (0, 1]')
     a('--chunk', type=int, default=16, at_least=1, at_most=MAX_COUNT, help='prefixes per batch')
     common_flags(p, 'out_dir', 'force', 'device', 'dtype', 'seed', 'quiet',
                  default=dict(out_dir='out/metrics'),

@@ -10,8 +10,8 @@ import sys
 import time
 
 from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json, write_text
-from plumbing.run import (FLAG_OF, MAX_COUNT, ArgumentParser, check, check_heads, check_writable, common_flags,
-                          lock_folder, new_folder, progress, rerun_command, run_main)
+from plumbing.run import (FLAG_OF, MAX_COUNT, ArgumentParser, check, check_heads, check_writable,
+                          common_flags, lock_folder, new_folder, progress, rerun_command, run_main)
 
 
 def training_parser(description, out_dir, **defaults):
@@ -27,7 +27,8 @@ def training_parser(description, out_dir, **defaults):
            '(nce_train.py)')
     a('--grad_accum', type=int, default=None, at_least=1, at_most=MAX_GRAD_ACCUM,
       help='micro-batches per iteration, summed over processes (default: one per process)')
-    a('--max_iters', type=int, at_least=1, at_most=MAX_COUNT, help='iterations of the run (a cap where it stops early)')
+    a('--max_iters', type=int, at_least=1, at_most=MAX_COUNT,
+      help='iterations of the run (a cap where it stops early)')
     a('--lr', type=float, at_least=None, at_most=None, help='peak learning rate (positive)')
     a('--min_lr', type=float, at_least=0, at_most=None, help='learning rate at the end of the cosine decay')
     a('--warmup_iters', type=int, at_least=0, at_most=MAX_COUNT, help='iterations of linear warm-up')
@@ -36,7 +37,8 @@ def training_parser(description, out_dir, **defaults):
     a('--weight_decay', type=float, default=0.1, at_least=0, at_most=None, help='AdamW weight decay')
     a('--beta1', type=float, default=0.9, at_least=0, at_most=None, help="AdamW's beta1, in [0, 1)")
     a('--beta2', type=float, default=0.99, at_least=0, at_most=None, help="AdamW's beta2, in [0, 1)")
-    a('--grad_clip', type=float, default=1.0, at_least=0, at_most=None, help='clip gradients at this norm (0: off)')
+    a('--grad_clip', type=float, default=1.0, at_least=0, at_most=None,
+      help='clip gradients at this norm (0: off)')
     a('--eval_interval', type=int, at_least=1, at_most=MAX_COUNT,
       help='evaluate on the selection split, and checkpoint, every this many iterations')
     a('--patience', type=int, default=0, at_least=0, at_most=MAX_COUNT,
@@ -44,7 +46,8 @@ def training_parser(description, out_dir, **defaults):
            'over the last this many evaluations (0: off); best.pt holds the weights of the best')
     a('--min_rel_delta', type=float, default=0.0, at_least=0, at_most=None,
       help='early stopping: the smallest relative improvement that counts (0.001: 0.1%%; 0: any)')
-    a('--log_interval', type=int, default=10, at_least=1, at_most=MAX_COUNT, help='log every this many iterations')
+    a('--log_interval', type=int, default=10, at_least=1, at_most=MAX_COUNT,
+      help='log every this many iterations')
     common_flags(p, 'device', 'dtype', help=dict(
         dtype="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
               "on a CPU bf16 where it has bf16 units; float16 on a CPU is emulated, slow, for tests)"))
