@@ -150,7 +150,7 @@ def get_args(argv=None):
       help='prefixes per batch (their samples share each LM/energy call)')
     a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='tokens of each prefix')
     a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens of each continuation')
-    a('--num_samples', dest='n', type=int, default=100, at_least=1, at_most=MAX_SAMPLES,
+    a('--num_samples', dest='n', type=int, default=100, at_least=1, at_most=None,  # drawn in chunks: time-bound
       help='LM samples per prefix to resample from (Algorithm 1; the paper: 10,000)')
     a('--top_k', type=int, default=10, at_least=0, at_most=None,
       help='top-k of the LM proposal (0: untruncated)')

@@ -135,7 +135,8 @@ ADDITION = dict(
     samples=dict(num_prefixes=128, num_samples=64, logz_samples=32, table_prefixes=1, candidate_samples=16),
     # EXO's K (--num_samples) and lr by the selection split's KL(pi_theta || joint) and P(correct): K = 64
     # of 8, 32, 64 (K = 8: lr 1e-5 of 3e-6, 1e-5, 3e-5, 1e-4; the loss dpo as well) (docs/addition.md); 200
-    # steps: on the selection split the next 150 bought 5% of its reverse KL (2.07 at 150, 1.97 at 300, 2.04 at 400)
+    # steps: on the selection split the next 150 bought 5% of its reverse KL (2.07 at 150, 1.97 at 300, 2.04
+    # at 400)
     exo=dict(num_samples=64, batch_size=16, max_iters=200, lr=1e-5, eval_interval=50, eval_prefixes=256,
              eval_samples=16),
     accuracy=dict(num_prefixes=1000, ns='1,4,16,64'),

@@ -141,7 +141,8 @@ def check_resumed_flags(args, argv, saved, fixed, path, what):
         if name not in given:
             setattr(args, name, saved[name])
         elif name not in by_content and not same_value(getattr(args, name), saved[name]):
-            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
+            raise ValueError(f"{FLAG_OF.get(name, '--' + name)} {getattr(args, name)} contradicts {path} "
+                             f"({name} {saved[name]}): "
                              f"--resume continues that {what}; drop the flag, or start a new run in "
                              f"another --out_dir")
 
