@@ -19,6 +19,7 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_bad_input.py   bad input: one clear line each (the CLI table), a full disk, memory,
                               Ctrl-C and SIGTERM
     tests/test_script_refusals.py  each script's refusals, case by case
+    tests/test_flags.py       every script's flags: one vocabulary, help and defaults, declared bounds
     tests/test_resume.py      resume, locks, DDP and torchrun, fp16, finite checkpoints
     tests/test_hardware.py    precision and threads from the hardware, the wait policy
     tests/test_job.py         the main job end to end (job/reproduce.py), figures, bench

@@ -297,8 +297,8 @@ def get_args(argv=None):
         if path is not None:
             check_writable(path, f, folder=False)
             check_new(path, f, args.force)
-    if args.cache:
-        os.makedirs(args.cache, exist_ok=True)
+    if args.cache:  # created at its first save (cached), once the models have loaded
+        check_writable(args.cache, '--cache')
     return args
 
 
@@ -348,6 +348,7 @@ def cached(path, make):
         return torch.load(path, weights_only=True)
     obj = make()
     if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(obj, tmp))
     return obj
 

@@ -264,7 +264,7 @@ def resume_hint(argv):
     """Stopped: what out_dir holds, and the command that resumes (or reruns) it."""
     p = ArgumentParser(add_help=False)
     common_flags(p, 'out_dir')
-    p.add_argument('--max_iters', type=int, default=None)
+    p.add_argument('--max_iters', type=int, default=None, at_least=1, at_most=None, help='as get_args')
     args = p.parse_known_args(argv)[0]
     ckpt, best = (os.path.join(args.out_dir, f) for f in ('ckpt.pt', 'best.pt'))
     if not os.path.exists(ckpt) and os.path.exists(best):

@@ -28,7 +28,10 @@ def main(argv):
         raise ValueError(f"{argv[0] if argv else 'no script'}: name the script to run first, one of "
                          f"{', '.join(SCRIPTS)} (python -m extensions.run estimate_ppl.py --lm ...)")
     run.PROG_SUFFIX[:] = argv[:1]  # its usage line: python -m extensions.run sample.py
-    SCRIPTS[argv[0]](argv[1:])
+    try:
+        SCRIPTS[argv[0]](argv[1:])
+    finally:
+        run.PROG_SUFFIX.clear()
 
 
 if __name__ == '__main__':

@@ -115,18 +115,17 @@ class ArgumentParser(argparse.ArgumentParser):
     def add_argument(self, *args, at_least=UNSET, at_most=UNSET, finite=True, path=None, **kw):
         if 'dest' in kw and args and args[0].startswith('--') and kw.get('action') is None:
             kw.setdefault('metavar', args[0][2:].upper())  # the flag's name in --help, not the dest's
-        action = super().add_argument(*args, **kw)
-        flag = action.option_strings[0] if action.option_strings else action.dest
-        if not action.help and action.help is not argparse.SUPPRESS:
+        flag, numeric = args[0] if args else kw.get('dest'), kw.get('type') in (int, float, comma_ints)
+        if not kw.get('help'):  # checked before argparse registers the flag
             raise TypeError(f"{flag}: declare its help (what it is, its unit)")
-        numeric = action.type in (int, float, comma_ints)
         if numeric and (at_least is UNSET or at_most is UNSET):
             raise TypeError(f"{flag}: a number declares its bounds, at_least= and at_most= (None: unbounded)")
         if not numeric and (at_least is not UNSET or at_most is not UNSET):
             raise TypeError(f"{flag}: bounds declared on a flag that is not a number (type=int or float)")
+        action = super().add_argument(*args, **kw)
         if numeric:
             self.bounds[action.dest] = (flag, at_least, at_most, finite and action.type is float)
-        if path or (path is None and action.option_strings and PATH_FLAG.search(action.dest)):
+        if path or (path is None and action.option_strings and PATH_FLAG.search(flag[2:])):
             self.paths.add(action.dest)
         if action.option_strings and action.dest != flag[2:]:
             self.flag_of[action.dest] = flag
