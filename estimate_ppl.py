@@ -35,9 +35,8 @@ from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, lo
                     sample_log_weights, score, score_continuations, share_energies)
 from model import load_lm
 from data.tokenizer import load_tokenizer
-from plumbing import (MAX_BEAM, MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, Precision, comma_ints,
-                      common_flags, file_hash, guards, precision, progress, rng, run_main, setup,
-                      teardown_distributed, write_json, write_text)
+from plumbing import (ArgumentParser, Precision, comma_ints, common_flags, file_hash, guards, precision,
+                      progress, rng, run_main, setup, teardown_distributed, write_json, write_text)
 
 
 def mc_se(log_w):
@@ -341,32 +340,32 @@ def get_args(argv=None):
       help='more LMs to report as rows (BALM, RALM)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', dest='splits', default='test', help='the split, or comma-separated splits: val,test')
-    a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='tokens of each prefix')
-    a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens of each continuation')
-    a('--num_prefixes', dest='max_prefixes', type=int, default=256, at_least=0, at_most=MAX_COUNT,
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--num_prefixes', dest='max_prefixes', type=int, default=256, at_least=0, at_most='count',
       help='evenly spaced prefixes per split (0: all; else at least 2)')
-    a('--num_samples', type=int, default=128, at_least=2, at_most=MAX_SAMPLES,
+    a('--num_samples', type=int, default=128, at_least=2, at_most='samples',
       help='n LM samples per prefix for the log Z bounds')
-    a('--ns', dest='sweep', type=comma_ints, default='', at_least=2, at_most=MAX_SAMPLES,
+    a('--ns', dest='sweep', type=comma_ints, default='', at_least=2, at_most='samples',
       help='comma-separated n values for the bounds as n grows (Fig. 2 left; default: none)')
     a('--per_step', nargs='?', const='', default=None, metavar='NAME',
       help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
-    a('--step_prefixes', type=int, default=8, at_least=1, at_most=MAX_COUNT,
+    a('--step_prefixes', type=int, default=8, at_least=1, at_most='count',
       help='prefixes of Fig. 1 (evenly spaced over the split)')
-    a('--step_every', type=int, default=1, at_least=1, at_most=MAX_TOKENS,
+    a('--step_every', type=int, default=1, at_least=1, at_most='tokens',
       help='Fig. 1: log Z every this many positions (and at the last two)')
-    a('--step_samples', type=int, default=16, at_least=2, at_most=MAX_SAMPLES,
+    a('--step_samples', type=int, default=16, at_least=2, at_most='samples',
       help='m LM samples per position for Eq. 5 (the bounds need leave-one-out: at least 2)')
-    a('--last_step_samples', type=int, default=1024, at_least=1, at_most=MAX_SAMPLES,
+    a('--last_step_samples', type=int, default=1024, at_least=1, at_most='samples',
       help='LM samples for the last step estimated again, beside the exact value (--per_step: at least 2)')
-    a('--calib_prefixes', type=int, default=16, at_least=0, at_most=MAX_COUNT,
+    a('--calib_prefixes', type=int, default=16, at_least=0, at_most='count',
       help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
-    a('--calib_samples', type=int, default=2048, at_least=2, at_most=MAX_SAMPLES,
+    a('--calib_samples', type=int, default=2048, at_least=2, at_most='samples',
       help='LM samples per prefix of the calibration reference (n_ref), and as many more for its groups')
-    a('--chunk', type=int, default=16, at_least=1, at_most=MAX_COUNT, help='prefixes per batch')
-    a('--max_rows', type=int, default=512, at_least=1, at_most=MAX_COUNT,
+    a('--chunk', type=int, default=16, at_least=1, at_most='count', help='prefixes per batch')
+    a('--max_rows', type=int, default=512, at_least=1, at_most='count',
       help='sequences per forward (bounds memory)')
-    a('--beam', type=int, default=0, at_least=0, at_most=MAX_BEAM,
+    a('--beam', type=int, default=0, at_least=0, at_most='beam',
       help="the LM's most likely continuations (beam search of this width) scored exactly in log Z "
            "(energy.logz_enumerate), beside the real one; worth it where the LM is peaked (addition)")
     a('--out', default='out/ppl.json',

@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from data import SPLITS, check_fits, load_negatives, load_split, read_negatives_meta, window_tokens, windows
 from data import load_lm_and_data
 from model import proposal_logprobs
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, atomic_write, common_flags,
-                      disk_full, file_hash, guards, precision, progress, rerun_command, rng, run_main, setup,
-                      teardown_distributed, write_json)
+from plumbing import (ArgumentParser, atomic_write, common_flags, disk_full, file_hash, guards, precision,
+                      progress, rerun_command, rng, run_main, setup, teardown_distributed, write_json)
 
 CHUNK_TOKENS = 2**16  # the default chunk's sequences, in tokens: one decode of all its rows
 
@@ -68,26 +67,24 @@ def get_args(argv=None):
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='train', choices=SPLITS, help='the split whose prefixes are continued')
     common_flags(p, 'out_dir', help=dict(out_dir='where the negatives go'))
-    a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='tokens of each prefix')
-    a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens of each continuation')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
     a('--stride', type=int, default=None, at_least=1, at_most=None,
       help='between prefix starts (default: prefix_len + gen_len)')
-    a('--num_prefixes', dest='max_prefixes', type=int, default=0, at_least=0, at_most=MAX_COUNT,
+    a('--num_prefixes', dest='max_prefixes', type=int, default=0, at_least=0, at_most='count',
       help='an evenly spaced subset of this many prefixes (0: all)')
-    a('--num_samples', type=int, default=16, at_least=1, at_most=MAX_SAMPLES,
+    a('--num_samples', type=int, default=16, at_least=1, at_most='samples',
       help='K continuations per prefix (the paper stores 16 or 128)')
     a('--top_k', type=int, default=0, at_least=0, at_most=None,
       help='truncate sampling to the top k tokens (0: untruncated, as NCE needs P_LM)')
     a('--top_p', type=float, default=None, at_least=None, at_most=1,
       help='truncate sampling to this nucleus, in (0, 1] (default: untruncated)')
     a('--temperature', type=float, default=1.0, at_least=0, at_most=None, help='of sampling (0: greedy)')
-    a('--chunk', type=int, default=None, at_least=1, at_most=MAX_COUNT,
+    a('--chunk', type=int, default=None, at_least=1, at_most='count',
       help='prefixes per generate call and per resumable unit (default: about 2^16 sampled tokens, '
            'prompts included)')
     common_flags(p, 'device', 'dtype', 'seed', 'quiet')
-    args = p.parse_args(argv)
-    args.max_prefixes, args.top_k = args.max_prefixes or None, args.top_k or None  # 0: all, untruncated
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None):

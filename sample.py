@@ -29,8 +29,8 @@ from data import SPLITS, check_fits, load_split, window_tokens, windows
 from energy import (gumbel_keys, joint_sample, load_any_energy, sample_log_weights, score,
                     score_continuations)  # load_any_energy: an NCE energy or an extension's
 from data import load_lm_and_data
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, TIME_LIMIT_S, ArgumentParser, Precision,
-                      common_flags, duration, guards, precision, progress, rng, run_main, setup, write_json)
+from plumbing import (TIME_LIMIT_S, ArgumentParser, Precision, common_flags, duration, guards, precision,
+                      progress, rng, run_main, setup, write_json)
 from data.tokenizer import load_tokenizer
 
 
@@ -144,13 +144,13 @@ def get_args(argv=None):
     a('--prompt', default=None, help='a text prompt (else prefixes of --split)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
     a('--split', default='test', choices=SPLITS, help='the split whose prefixes are continued')
-    a('--num_prefixes', type=int, default=4, at_least=1, at_most=MAX_COUNT,
+    a('--num_prefixes', type=int, default=4, at_least=1, at_most='count',
       help='prefixes of --split (evenly spaced)')
-    a('--chunk', type=int, default=8, at_least=1, at_most=MAX_COUNT,
+    a('--chunk', type=int, default=8, at_least=1, at_most='count',
       help='prefixes per batch (their samples share each LM/energy call)')
-    a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='tokens of each prefix')
-    a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens of each continuation')
-    a('--num_samples', dest='n', type=int, default=100, at_least=1, at_most=None,  # drawn in chunks: time-bound
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--num_samples', dest='n', type=int, default=100, at_least=1, at_most=None,  # in chunks: time-bound
       help='LM samples per prefix to resample from (Algorithm 1; the paper: 10,000)')
     a('--top_k', type=int, default=10, at_least=0, at_most=None,
       help='top-k of the LM proposal (0: untruncated)')
@@ -162,22 +162,22 @@ def get_args(argv=None):
       help='A.1: the LM\'s top next tokens whose Z is estimated (the paper: 128)')
     a('--keep', type=int, default=10, at_least=1, at_most=None,
       help='A.1: the top entries kept after reweighting and renormalised (the paper: 10)')
-    a('--candidate_samples', dest='m', type=int, default=32, at_least=2, at_most=MAX_SAMPLES,
+    a('--candidate_samples', dest='m', type=int, default=32, at_least=2, at_most='samples',
       help='A.1: LM completions per candidate\'s Z estimate (a log Z bound: at least 2), for '
            '--autoregressive and the Table-3 view (the paper: 10,000)')
     a('--table_k', type=int, default=5, at_least=0, at_most=None,
       help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
-    a('--table_prefixes', type=int, default=4, at_least=0, at_most=MAX_COUNT,
+    a('--table_prefixes', type=int, default=4, at_least=0, at_most='count',
       help='Table-3 view for the first this many prefixes only (each costs candidates x candidate_samples '
            'LM samples)')
-    a('--logz_samples', type=int, default=0, at_least=0, at_most=MAX_SAMPLES,
+    a('--logz_samples', type=int, default=0, at_least=0, at_most='samples',
       help="untruncated LM samples per prefix for log Z (Eq. 4's lower bound T_n), "
            "which puts the joint model's log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
-    a('--print_prefixes', type=int, default=8, at_least=0, at_most=MAX_COUNT,
+    a('--print_prefixes', type=int, default=8, at_least=0, at_most='count',
       help='print the samples of the first this many prefixes')
-    a('--max_rows', type=int, default=512, at_least=1, at_most=MAX_COUNT,
+    a('--max_rows', type=int, default=512, at_least=1, at_most='count',
       help='sequences per forward (bounds memory)')
-    a('--out', default='out/samples.json', help='the JSON of the samples (job/human_eval.py, job/figures.py)')
+    a('--out', default='out/samples.json', help='the JSON of the samples')
     common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
         force=FORCE_HELP, dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the '
                                 'widths)'))

@@ -29,8 +29,8 @@ from data.tokenizer import load_tokenizer
 from energy import mlm_mask
 from model import (GPT, RALM, GPTConfig, configure_optimizer, get_lr, load_checkpoint, load_lm, stopped_early,
                    width_for_params)
-from plumbing import (MAX_COUNT, MAX_TOKENS, RunDir, all_reduce, checkpoints, file_hash, guards, one_job,
-                      precision, rng_seed, run_trainer, setup, teardown_distributed, training_parser)
+from plumbing import (RunDir, all_reduce, checkpoints, file_hash, guards, one_job, precision, rng_seed,
+                      run_trainer, setup, teardown_distributed, training_parser)
 
 # The paper's models (Section 4.1, Appendix A.3 / Table 4) for GPT-2 BPE, prefix 120 + 40 tokens.
 # Shapes: d_ff = 4 d_model everywhere; BIT-BASE/LARGE are RoBERTa-base/large; BIT-MED matches UNIT.
@@ -73,11 +73,11 @@ def get_args(argv=None):
     a('--gamma', type=float, default=None, at_least=0, at_most=None,
       help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
     # model
-    a('--n_layer', type=int, default=4, at_least=1, at_most=MAX_TOKENS, help='transformer blocks')
-    a('--n_head', type=int, default=4, at_least=1, at_most=MAX_TOKENS,
+    a('--n_layer', type=int, default=4, at_least=1, at_most='tokens', help='transformer blocks')
+    a('--n_head', type=int, default=4, at_least=1, at_most='tokens',
       help='attention heads (they divide n_embd)')
-    a('--n_embd', type=int, default=256, at_least=1, at_most=MAX_TOKENS, help='width')
-    a('--block_size', type=int, default=256, at_least=1, at_most=MAX_TOKENS, help='context length in tokens')
+    a('--n_embd', type=int, default=256, at_least=1, at_most='tokens', help='width')
+    a('--block_size', type=int, default=256, at_least=1, at_most='tokens', help='context length in tokens')
     a('--dropout', type=float, default=0.0, at_least=0, at_most=None, help='dropout probability, in [0, 1)')
     a('--bias', action='store_true', help='biases in linear layers and LayerNorms')
     a('--alibi', action='store_true',
@@ -85,14 +85,14 @@ def get_args(argv=None):
     # evaluation
     a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
                                       '(the ordering figure: models along the training run)')
-    a('--eval_iters', type=int, default=20, at_least=1, at_most=MAX_COUNT,
+    a('--eval_iters', type=int, default=20, at_least=1, at_most='count',
       help='selection-set batches per periodic evaluation')
     a('--select_on', default='window', choices=['window', 'continuation'],
       help="what the selection loss (stopping, best.pt) scores: every token of its windows, or, on problem "
            "data (a+b=c, data/addition), only the continuation (the answer) after each problem's prefix")
     a('--final_eval', type=int, default=1, choices=[0, 1], at_least=0, at_most=1,
       help='1: val/test PPL over the whole splits at the end')
-    a('--final_eval_windows', type=int, default=0, at_least=0, at_most=MAX_COUNT,
+    a('--final_eval_windows', type=int, default=0, at_least=0, at_most='count',
       help='evenly spaced windows of each split for it (0: all)')
     a('--print_samples', dest='num_samples', type=int, default=2, at_least=0, at_most=1000,
       help='samples printed at the end')

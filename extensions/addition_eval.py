@@ -45,8 +45,8 @@ from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics,
                     score_continuations)
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
-from plumbing import (MAX_BEAM, MAX_COUNT, MAX_SAMPLES, ArgumentParser, check_new, check_writable, comma_ints,
-                      common_flags, named_paths, rng, run_main, setup, write_json)
+from plumbing import (ArgumentParser, check_new, check_writable, comma_ints, common_flags, named_paths, rng,
+                      run_main, setup, write_json)
 
 
 def answer_layout(data, meta):
@@ -256,15 +256,15 @@ def get_args(argv=None):
     a('--extra_lm', nargs='*', default=[], metavar='NAME=PATH', help='more LMs: BALM, EXO, ...')
     a('--data_dir', default=None, help="default: the data the LM was trained on")
     a('--split', default='test', choices=SPLITS, help='the split scored (val and test are only reported)')
-    a('--num_prefixes', type=int, default=1000, at_least=1, at_most=MAX_COUNT,
+    a('--num_prefixes', type=int, default=1000, at_least=1, at_most='count',
       help='problems (evenly spaced over the split)')
-    a('--ns', type=comma_ints, default='1,4,16,64', at_least=1, at_most=MAX_SAMPLES,
+    a('--ns', type=comma_ints, default='1,4,16,64', at_least=1, at_most='samples',
       help='comma-separated LM samples per answer of the decoders that choose among samples')
     a('--top_k', type=int, default=0, at_least=0, at_most=None,
       help="the LMs' samples (Algorithm 1's proposal): top-k (0: untruncated)")
-    a('--beam', type=int, default=8, at_least=0, at_most=MAX_BEAM,
+    a('--beam', type=int, default=8, at_least=0, at_most='beam',
       help="the LM's most likely continuations (beam search) scored exactly in log Z (0: none)")
-    a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most=MAX_COUNT, help='problems per batch')
+    a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
     common_flags(p, 'force', 'device', 'seed', 'quiet',

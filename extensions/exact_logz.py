@@ -43,8 +43,8 @@ import torch
 from data import load_lm_and_data, load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
-from plumbing import (MAX_BEAM, MAX_COUNT, MAX_SAMPLES, ArgumentParser, atomic_write, check_new,
-                      check_writable, comma_ints, common_flags, file_hash, rng, run_main, setup, write_json)
+from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
+                      file_hash, rng, run_main, setup, write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
 # scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,
@@ -266,15 +266,15 @@ def get_args(argv=None):
     a('--data_dir', default=None, help='default: the data the LM was trained on')
     a('--split', default='test', help='the split reported')
     a('--select_split', default='select', help='the split that chooses MIN_ESS')
-    a('--num_prefixes', dest='prompts', type=int, default=200, at_least=1, at_most=MAX_COUNT,
+    a('--num_prefixes', dest='prompts', type=int, default=200, at_least=1, at_most='count',
       help='problems of --split (evenly spaced)')
-    a('--select_prefixes', dest='select_prompts', type=int, default=200, at_least=1, at_most=MAX_COUNT,
+    a('--select_prefixes', dest='select_prompts', type=int, default=200, at_least=1, at_most='count',
       help='problems of --select_split')
-    a('--ns', type=comma_ints, default='8,16,32,64,128,256,512,1024', at_least=2, at_most=MAX_SAMPLES,
+    a('--ns', type=comma_ints, default='8,16,32,64,128,256,512,1024', at_least=2, at_most='samples',
       help='comma-separated LM samples per log Z estimate (Eq. 4 needs at least 2)')
-    a('--reps', type=int, default=200, at_least=1, at_most=MAX_SAMPLES,
+    a('--reps', type=int, default=200, at_least=1, at_most='samples',
       help='replicates of n samples per prompt')
-    a('--beam', type=int, default=32, at_least=1, at_most=MAX_BEAM,
+    a('--beam', type=int, default=32, at_least=1, at_most='beam',
       help="the LM's beam width: logz_enumerate's known set beside the real one (32: the narrowest of 8, "
            "32, 128 within 0.01 nats on 95%% of the selection split's replicates at n = 64)")
     a('--tol', type=float, default=0.01, at_least=0, at_most=None,

@@ -57,10 +57,10 @@ from energy import load_any_energy, logz_bounds, logz_diagnostics, score_continu
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from model import load_checkpoint
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, check, check_new,
-                      check_resumed_flags, check_resumed_iters, check_training_memory, check_writable,
-                      common_flags, file_hash, given_flags, lock_folder, missing_checkpoint, new_folder,
-                      one_job, rerun_command, rng, run_main, save_checkpoint, setup, write_json)
+from plumbing import (ArgumentParser, check, check_new, check_resumed_flags, check_resumed_iters,
+                      check_training_memory, check_writable, common_flags, file_hash, given_flags,
+                      lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,
+                      save_checkpoint, setup, write_json)
 
 
 def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', log_w=None):
@@ -164,30 +164,30 @@ def get_args(argv=None):
       help='E, the reward r = -E (nce_train.py best.pt or metric_ebm.py energy.pt)')
     a('--data_dir', default=None, help='default: the data the LM was trained on')
     common_flags(p, 'out_dir', help=dict(out_dir='best.pt (an LM checkpoint), results.json, log'))
-    a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='x: tokens of the prefix')
-    a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='y: tokens of the continuation')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='x: tokens of the prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='y: tokens of the continuation')
     a('--loss', default='exo', choices=['exo', 'dpo'],
       help='exo: L_exo (reverse KL); dpo: L_dpo-rw (forward KL)')
-    a('--num_samples', dest='K', type=int, default=8, at_least=2, at_most=MAX_SAMPLES,
+    a('--num_samples', dest='K', type=int, default=8, at_least=2, at_most='samples',
       help='K, LM samples per training prefix')
     a('--beta_pi', type=float, default=1.0, at_least=None, at_most=None,
       help="the policy's scale, positive (1: the joint model's)")
     a('--beta_r', type=float, default=1.0, at_least=None, at_most=None,
       help="the reward's temperature, positive (1: the joint model's)")
-    a('--batch_size', type=int, default=16, at_least=1, at_most=MAX_COUNT, help='prefixes per step')
+    a('--batch_size', type=int, default=16, at_least=1, at_most='count', help='prefixes per step')
     a('--lr', type=float, default=1e-4, at_least=None, at_most=None, help='learning rate (positive)')
-    a('--max_iters', type=int, default=300, at_least=1, at_most=MAX_COUNT, help='iterations of the run')
-    a('--eval_interval', type=int, default=50, at_least=1, at_most=MAX_COUNT,
+    a('--max_iters', type=int, default=300, at_least=1, at_most='count', help='iterations of the run')
+    a('--eval_interval', type=int, default=50, at_least=1, at_most='count',
       help='evaluate on the selection split, and checkpoint, every this many iterations')
-    a('--patience', type=int, default=0, at_least=0, at_most=MAX_COUNT,
+    a('--patience', type=int, default=0, at_least=0, at_most='count',
       help='stop after this many evaluations without a better best.pt (0: off)')
-    a('--eval_prefixes', type=int, default=256, at_least=1, at_most=MAX_COUNT,
+    a('--eval_prefixes', type=int, default=256, at_least=1, at_most='count',
       help='selection prefixes that choose best.pt')
-    a('--eval_samples', type=int, default=16, at_least=2, at_most=MAX_SAMPLES,
+    a('--eval_samples', type=int, default=16, at_least=2, at_most='samples',
       help="pi_theta's samples per eval prefix (reverse KL)")
-    a('--logz_samples', type=int, default=1024, at_least=2, at_most=MAX_SAMPLES,
+    a('--logz_samples', type=int, default=1024, at_least=2, at_most='samples',
       help="LM samples per eval prefix for log Z (Eq. 4's range), drawn once before training")
-    a('--forward_samples', type=int, default=128, at_least=1, at_most=MAX_SAMPLES,
+    a('--forward_samples', type=int, default=128, at_least=1, at_most='samples',
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--resume', action='store_true',
       help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")

@@ -34,9 +34,9 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, Precision, check, check_memory,
-                      check_new, check_writable, common_flags, file_hash, named_paths, precision, progress,
-                      rng, run_main, save_checkpoints, setup, write_json, write_text)
+from plumbing import (ArgumentParser, Precision, check, check_memory, check_new, check_writable, common_flags,
+                      file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
+                      write_json, write_text)
 
 
 
@@ -48,30 +48,30 @@ def get_args(argv=None):
     a('--metrics', default='rep-4,tr-32,div,coh,logp', help=f'comma-separated: {METRIC_HELP}')
     a('--energy_metric', nargs='*', default=[], metavar='NAME=CKPT', help='trained energies as more metrics')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
-    a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='tokens of each prefix')
-    a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens of each continuation')
-    a('--num_prefixes', dest='prefixes', type=int, default=512, at_least=2, at_most=MAX_COUNT,
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--num_prefixes', dest='prefixes', type=int, default=512, at_least=2, at_most='count',
       help='selection-split prefixes mu is fitted on (a standard error: at least 2)')
-    a('--fit_samples', dest='pool', type=int, default=64, at_least=2, at_most=MAX_SAMPLES,
+    a('--fit_samples', dest='pool', type=int, default=64, at_least=2, at_most='samples',
       help='untruncated LM samples per prefix that fit mu (importance sampling)')
     a('--check_split', dest='check_splits', default='val,test',
       help="comma-separated splits whose moments are checked, not fitted ('': none)")
-    a('--check_prefixes', type=int, default=128, at_least=1, at_most=MAX_COUNT,
+    a('--check_prefixes', type=int, default=128, at_least=1, at_most='count',
       help='prefixes of each --check_split')
     a('--table', action='store_true', help="the talk's metrics table of decoding methods on --table_split")
     a('--table_split', default='test', choices=SPLITS, help="the split of the talk's table")
-    a('--table_prefixes', type=int, default=256, at_least=1, at_most=MAX_COUNT,
+    a('--table_prefixes', type=int, default=256, at_least=1, at_most='count',
       help="prefixes of the talk's table")
     a('--compare', nargs='*', default=[], metavar='NAME=CKPT', help='energies in the table (Algorithm 1)')
     a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT', help='LMs in the table (temperature 1)')
-    a('--num_samples', dest='n', type=int, default=32, at_least=1, at_most=MAX_SAMPLES,
+    a('--num_samples', dest='n', type=int, default=32, at_least=1, at_most='samples',
       help='Algorithm 1: top-k LM samples per prefix to resample from')
     a('--top_k', type=int, default=10, at_least=1, at_most=None, help="top-k decoding (the table's row)")
     a('--joint_top_k', type=int, default=0, at_least=0, at_most=None,
       help="the table's joint samples: Algorithm 1 from n top-k LM samples (0: untruncated: the joint model)")
     a('--top_p', type=float, default=0.9, at_least=None, at_most=1,
       help='top-p (nucleus) decoding, in (0, 1]')
-    a('--chunk', type=int, default=16, at_least=1, at_most=MAX_COUNT, help='prefixes per batch')
+    a('--chunk', type=int, default=16, at_least=1, at_most='count', help='prefixes per batch')
     common_flags(p, 'out_dir', 'force', 'device', 'dtype', 'seed', 'quiet',
                  default=dict(out_dir='out/metrics'),
                  help=dict(force='replace the results of an earlier fit in --out_dir',

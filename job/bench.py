@@ -60,8 +60,8 @@ from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, flops_per_token
 from nce_train import nce_loss
-from plumbing import (MAX_COUNT, MAX_SAMPLES, MAX_TOKENS, ArgumentParser, Precision, autocast, check_heads,
-                      check_writable, common_flags, pick_device, run_main, write_json)
+from plumbing import (ArgumentParser, Precision, autocast, check_heads, check_writable, common_flags,
+                      pick_device, run_main, write_json)
 
 
 def get_args(argv=None):
@@ -84,26 +84,26 @@ def get_args(argv=None):
     a('--matmul_size', type=int, default=0, at_least=0, at_most=2**16,
       help='side of the square matmuls (0: 2048 on CPU, 8192 on GPU)')
     # the char GPT of train_lm.py's defaults
-    a('--n_layer', type=int, default=4, at_least=1, at_most=MAX_TOKENS, help="the LM's blocks")
-    a('--n_head', type=int, default=4, at_least=1, at_most=MAX_TOKENS, help="the LM's heads")
-    a('--n_embd', type=int, default=256, at_least=1, at_most=MAX_TOKENS, help="the LM's width")
-    a('--block_size', type=int, default=256, at_least=1, at_most=MAX_TOKENS,
+    a('--n_layer', type=int, default=4, at_least=1, at_most='tokens', help="the LM's blocks")
+    a('--n_head', type=int, default=4, at_least=1, at_most='tokens', help="the LM's heads")
+    a('--n_embd', type=int, default=256, at_least=1, at_most='tokens', help="the LM's width")
+    a('--block_size', type=int, default=256, at_least=1, at_most='tokens',
       help="the LM's context in tokens")
-    a('--batch_size', type=int, default=16, at_least=1, at_most=MAX_COUNT, help='sequences per training step')
+    a('--batch_size', type=int, default=16, at_least=1, at_most='count', help='sequences per training step')
     # sampling workload
-    a('--num_prefixes', type=int, default=8, at_least=1, at_most=MAX_COUNT, help='prefixes per sampling run')
-    a('--prefix_len', type=int, default=128, at_least=1, at_most=MAX_TOKENS, help='tokens per prefix')
-    a('--num_samples', type=int, default=16, at_least=1, at_most=MAX_SAMPLES,
+    a('--num_prefixes', type=int, default=8, at_least=1, at_most='count', help='prefixes per sampling run')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens per prefix')
+    a('--num_samples', type=int, default=16, at_least=1, at_most='samples',
       help='continuations per prefix (K)')
-    a('--gen_len', type=int, default=64, at_least=1, at_most=MAX_TOKENS, help='tokens per continuation')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens per continuation')
     # log Z estimation workload (estimate_ppl.py's defaults; prefix_len + gen_len tokens)
-    a('--chunk', type=int, default=16, at_least=1, at_most=MAX_COUNT,
+    a('--chunk', type=int, default=16, at_least=1, at_most='count',
       help="prefixes per batch of the log Z workload (estimate_ppl.py's --chunk)")
-    a('--logz_samples', type=int, default=64, at_least=1, at_most=MAX_SAMPLES,
+    a('--logz_samples', type=int, default=64, at_least=1, at_most='samples',
       help="LM samples per prefix of the log Z workload (estimate_ppl.py's --num_samples)")
-    a('--energy_embd', type=int, default=128, at_least=1, at_most=MAX_TOKENS,
+    a('--energy_embd', type=int, default=128, at_least=1, at_most='tokens',
       help='width of the BIT energy (n_layer, n_head: the LM\'s)')
-    a('--max_rows', type=int, default=256, at_least=1, at_most=MAX_COUNT,
+    a('--max_rows', type=int, default=256, at_least=1, at_most='count',
       help="sequences per forward (estimate_ppl.py's --max_rows)")
     args = p.parse_args(argv)
     check_heads(args.n_embd, args.n_head)

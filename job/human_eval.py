@@ -27,7 +27,7 @@ import sys
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.human_eval")
-from plumbing import MAX_COUNT, ArgumentParser, check_writable, common_flags, not_a_file, run_main, write_json
+from plumbing import ArgumentParser, check_writable, common_flags, not_a_file, run_main, write_json
 
 
 def binomial_p_value(wins, losses):
@@ -187,14 +187,14 @@ def main(argv=None):
     e.add_argument('--samples', default='out/samples.json', path=True, help="sample.py's JSON output")
     e.add_argument('--systems', default='joint,base',
                    help='the two systems compared (base, joint, worst, gold)')
-    e.add_argument('--checks', type=int, default=2, at_least=0, at_most=MAX_COUNT,
+    e.add_argument('--checks', type=int, default=2, at_least=0, at_most='count',
                    help='attention-check items (system vs real text)')
     common_flags(e, 'out_dir', 'force', 'seed', default=dict(out_dir='out/human_eval'), help=dict(
         force='overwrite an existing key.json (votes collected against it become unscorable)'))
     s = sub.add_parser('score', help='read votes back and report the preference')
     s.add_argument('--key', default='out/human_eval/key.json', path=True, help="export's key.json")
     s.add_argument('--votes', required=True, path=True, help='CSV with columns rater,item,choice')
-    s.add_argument('--max_failed_checks', type=int, default=0, at_least=0, at_most=MAX_COUNT,
+    s.add_argument('--max_failed_checks', type=int, default=0, at_least=0, at_most='count',
                    help='drop raters failing more checks than this')
     s.add_argument('--per_vote', action='store_true',
                    help='count votes, not items decided by majority (p-values too small)')

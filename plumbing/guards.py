@@ -217,7 +217,9 @@ def check_energy_block(length, block_size):
 
 def check_negatives_flags(args, chunk_tokens):
     """negatives.py's flags, before out_dir is created (a folder made with bad flags would refuse the
-    fixed rerun); --chunk's default filled: about chunk_tokens sampled tokens, prompts included."""
+    fixed rerun); --chunk's default filled: about chunk_tokens sampled tokens, prompts included;
+    --num_prefixes 0 (all) and --top_k 0 (untruncated) as None, as the sampler takes them."""
+    args.max_prefixes, args.top_k = args.max_prefixes or None, args.top_k or None
     if args.chunk is None:  # small models decode ~8x faster in 4,096 rows than in 512 (addition)
         args.chunk = max(1, chunk_tokens // (args.num_samples * (args.prefix_len + args.gen_len)))
     check(args, 'top_p', lambda v: v > 0, 'in (0, 1]')  # the declared bounds (negatives.get_args): the rest

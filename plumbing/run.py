@@ -72,6 +72,9 @@ def comma_ints(text):
 
 comma_ints.__name__ = 'comma-separated integers'  # argparse's "invalid ... value" line
 
+# at_most= by the kind of size (a declaration reads at_most='samples'), or a number
+SIZES = dict(samples=MAX_SAMPLES, beam=MAX_BEAM, tokens=MAX_TOKENS, count=MAX_COUNT)
+
 
 # where a flag's declaration names a different attribute (dest=, the name the code and the checkpoints
 # recorded before the flag's rename): {dest: flag} of the last parse, for the lines of the checks that
@@ -97,7 +100,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     Every flag is declared with help and, where it has them, its kind and bounds, which parse_args
     checks (one line naming the flag, before any work): a number (type int or float) declares
-    at_least= and at_most= (None: unbounded that way; a size bounded by memory: MAX_SAMPLES, ...),
+    at_least= and at_most= (None: unbounded that way; a size bounded by memory: at_most='samples',
+    'beam', 'tokens' or 'count', SIZES),
     and a float is refused as nan or inf unless finite=False; a comma-separated list of ints
     (type=comma_ints) has each value bounded; path=True (or a name PATH_FLAG knows): '' is refused.
     A declaration without them is refused when the parser is built (a flag cannot be added unguarded)."""
@@ -123,6 +127,7 @@ class ArgumentParser(argparse.ArgumentParser):
         if not numeric and (at_least is not UNSET or at_most is not UNSET):
             raise TypeError(f"{flag}: bounds declared on a flag that is not a number (type=int or float)")
         action = super().add_argument(*args, **kw)
+        at_most = SIZES[at_most] if isinstance(at_most, str) else at_most
         if numeric:
             self.bounds[action.dest] = (flag, at_least, at_most, finite and action.type is float)
         if path or (path is None and action.option_strings and PATH_FLAG.search(flag[2:])):

@@ -10,8 +10,8 @@ import sys
 import time
 
 from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json, write_text
-from plumbing.run import (FLAG_OF, MAX_COUNT, ArgumentParser, check, check_heads, check_writable,
-                          common_flags, lock_folder, new_folder, progress, rerun_command, run_main)
+from plumbing.run import (FLAG_OF, ArgumentParser, check, check_heads, check_writable, common_flags,
+                          lock_folder, new_folder, progress, rerun_command, run_main)
 
 
 def training_parser(description, out_dir, **defaults):
@@ -22,31 +22,31 @@ def training_parser(description, out_dir, **defaults):
     common_flags(p, 'out_dir', help=dict(out_dir='checkpoints, log and results go here'),
                  default=dict(out_dir=out_dir))
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
-    a('--batch_size', type=int, default=16, at_least=1, at_most=MAX_COUNT,
+    a('--batch_size', type=int, default=16, at_least=1, at_most='count',
       help='per micro-batch per process: sequences (train_lm.py), positives with their negatives '
            '(nce_train.py)')
     a('--grad_accum', type=int, default=None, at_least=1, at_most=MAX_GRAD_ACCUM,
       help='micro-batches per iteration, summed over processes (default: one per process)')
-    a('--max_iters', type=int, at_least=1, at_most=MAX_COUNT,
+    a('--max_iters', type=int, at_least=1, at_most='count',
       help='iterations of the run (a cap where it stops early)')
     a('--lr', type=float, at_least=None, at_most=None, help='peak learning rate (positive)')
     a('--min_lr', type=float, at_least=0, at_most=None, help='learning rate at the end of the cosine decay')
-    a('--warmup_iters', type=int, at_least=0, at_most=MAX_COUNT, help='iterations of linear warm-up')
-    a('--lr_decay_iters', type=int, default=None, at_least=1, at_most=MAX_COUNT,
+    a('--warmup_iters', type=int, at_least=0, at_most='count', help='iterations of linear warm-up')
+    a('--lr_decay_iters', type=int, default=None, at_least=1, at_most='count',
       help='end of the cosine decay (default: max_iters)')
     a('--weight_decay', type=float, default=0.1, at_least=0, at_most=None, help='AdamW weight decay')
     a('--beta1', type=float, default=0.9, at_least=0, at_most=None, help="AdamW's beta1, in [0, 1)")
     a('--beta2', type=float, default=0.99, at_least=0, at_most=None, help="AdamW's beta2, in [0, 1)")
     a('--grad_clip', type=float, default=1.0, at_least=0, at_most=None,
       help='clip gradients at this norm (0: off)')
-    a('--eval_interval', type=int, at_least=1, at_most=MAX_COUNT,
+    a('--eval_interval', type=int, at_least=1, at_most='count',
       help='evaluate on the selection split, and checkpoint, every this many iterations')
-    a('--patience', type=int, default=0, at_least=0, at_most=MAX_COUNT,
+    a('--patience', type=int, default=0, at_least=0, at_most='count',
       help='early stopping: stop once the best selection figure has improved by less than --min_rel_delta '
            'over the last this many evaluations (0: off); best.pt holds the weights of the best')
     a('--min_rel_delta', type=float, default=0.0, at_least=0, at_most=None,
       help='early stopping: the smallest relative improvement that counts (0.001: 0.1%%; 0: any)')
-    a('--log_interval', type=int, default=10, at_least=1, at_most=MAX_COUNT,
+    a('--log_interval', type=int, default=10, at_least=1, at_most='count',
       help='log every this many iterations')
     common_flags(p, 'device', 'dtype', help=dict(
         dtype="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "

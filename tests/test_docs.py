@@ -49,7 +49,7 @@ CLAIMS = [
     # README: the main job's recipe (DEFAULT) and its models' shapes
     ('README.md', r'prefix (\d+) \+ continuation (\d+);', [NEG['prefix_len'], NEG['gen_len']]),
     ('README.md', r'([\d,]+) val and ([\d,]+) test prefixes, n = (\d+) LM samples each',
-     [PPL['max_prefixes'], PPL['max_prefixes'], PPL['num_samples']]),
+     [PPL['num_prefixes'], PPL['num_prefixes'], PPL['num_samples']]),
     ('README.md', r'stops once less than ([\d.]+)% better on it over ([\d,]+) steps',
      [100 * LM['min_rel_delta'], LM['patience'] * LM['eval_interval']]),
     ('README.md', r'binary NCE on (\d+) LM samples of\s+each of ([\d,]+) training prefixes',
@@ -66,18 +66,18 @@ CLAIMS = [
     ('README.md', r'([\d,]+) test problems, mean over the \d+ seeds \(SD over seeds\); '
                   r'"of (\d+)": among (\d+) LM',
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
-    ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['K']]),
+    ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['num_samples']]),
     # docs/using.md: the stage commands of the main job
     ('docs/using.md', r'train_lm\.py --out_dir out/lm --lr_decay_iters (\d+) --max_iters (\d+) '
                       r'--patience (\d+) --min_rel_delta ([\d.]+)',
      [LM['lr_decay_iters'], LM['max_iters'], LM['patience'], LM['min_rel_delta']]),
-    ('docs/using.md', r'--split train --out_dir out/neg_train --max_prefixes (\d+) --num_samples (\d+)',
+    ('docs/using.md', r'--split train --out_dir out/neg_train --num_prefixes (\d+) --num_samples (\d+)',
      [NEG['train_prefixes'], NEG['num_samples']]),
-    ('docs/using.md', r'--split select --out_dir out/neg_select --max_prefixes (\d+) --num_samples (\d+)',
+    ('docs/using.md', r'--split select --out_dir out/neg_select --num_prefixes (\d+) --num_samples (\d+)',
      [NEG['select_prefixes'], NEG['num_samples']]),
     ('docs/using.md', r'--objective mlm --alibi --n_embd (\d+) --n_head (\d+)',
      [MLM['n_embd'], MLM['n_head']]),
-    ('docs/using.md', r'--energy bit --init_from out/mlm/best\.pt --lr ([\de.-]+) --max_iters (\d+) '
+    ('docs/using.md', r'--body bit --init_from out/mlm/best\.pt --lr ([\de.-]+) --max_iters (\d+) '
                       r'--patience (\d+)', [BIT['lr'], BIT['max_iters'], BIT['patience']]),
     ('docs/using.md', r'--split test --num_prefixes (\d+)', [DEFAULT['samples']['num_prefixes']]),
     ('docs/using.md', r'DEFAULT \(`job/configs\.py`\) takes `--loss binary --select loss` on (\d+) negatives',

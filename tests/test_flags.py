@@ -231,8 +231,10 @@ def test_declarations_are_enforced():
     p.add_argument('--t', type=float, default=1.0, at_least=0, at_most=2, help='a rate')
     p.add_argument('--out', default='o.json', help='a file')
     for argv, line in ((['--t', 'nan'], '--t nan: must be a finite number'),
-                       (['--t', '3'], '--t 3.0: must be at most 2'), (['--t', '-1'], '--t -1.0: must be at least 0'),
-                       (['--out', ''], "--out '': an empty path"), (['--t', 'x'], "--t: invalid float value: 'x'")):
+                       (['--t', '3'], '--t 3.0: must be at most 2'),
+                       (['--t', '-1'], '--t -1.0: must be at least 0'),
+                       (['--out', ''], "--out '': an empty path"),
+                       (['--t', 'x'], "--t: invalid float value: 'x'")):
         with pytest.raises(ValueError) as e:
             p.parse_args(argv)
         assert str(e.value).startswith(line), str(e.value)

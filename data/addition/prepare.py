@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.addition.prepare")
 from data import prepare, prepare_flags  # noqa: E402
-from plumbing import (MAX_COUNT, ArgumentParser, check_memory, check_writable, rng_seed,  # noqa: E402
+from plumbing import (ArgumentParser, check_memory, check_writable, rng_seed,  # noqa: E402
                       run_main)
 
 
@@ -90,7 +90,7 @@ def main(argv=None):
     a('--chain', type=float, default=0.3, at_least=0, at_most=1,
       help='per digit position, the probability that the two digits sum to 9')
     for split, n in dict(train=200000, select=5000, val=5000, test=5000).items():  # memory: check_memory
-        a(f'--{split}_problems', dest=split, type=int, default=n, at_least=1, at_most=MAX_COUNT,
+        a(f'--{split}_problems', dest=split, type=int, default=n, at_least=1, at_most='count',
           help=f'problems of the {split} split')
     args = parser.parse_args(argv)
     sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
