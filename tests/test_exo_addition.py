@@ -453,7 +453,7 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
                                    '--extra_lm', f'X={lm_path}', f'X={lm_ckpt}'],
               '--extra_lm: the name X is given twice'),
              (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--ns', '1,100000000'],
-              '--ns 100000000: at most 65,536'),
+              '--ns 100000000: must be at most 65,536'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--prefix_len', '8', '--gen_len', '5', '--batch_size', '100000000'],
               'a step of --batch_size 100000000 x --num_samples 8 samples needs'),
