@@ -314,7 +314,7 @@ def negatives_command(meta, out_dir):
     """The negatives.py command that makes (or finishes) the negatives meta describes."""
     flags = dict(lm=meta['lm_path'], data_dir=meta['data_dir'], split=meta['split'], out_dir=out_dir,
                  prefix_len=meta['prefix_len'], gen_len=meta['gen_len'], stride=meta.get('stride'),
-                 max_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
+                 num_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
                  top_p=meta.get('top_p'), temperature=meta.get('temperature'), chunk=meta['chunk'],
                  seed=meta['seed'], dtype=meta.get('precision'))
     return shlex.join(['python', 'negatives.py']

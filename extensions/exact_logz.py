@@ -60,10 +60,10 @@ RECIPE = [
     "--eval_interval 100 --patience 2 --min_rel_delta 0.001 --snapshots ''",
     'python negatives.py --lm {o}/lm/best.pt --split train --out_dir {o}/neg_train --num_samples 16 '
     '--prefix_len 6 --gen_len 4',
-    'python negatives.py --lm {o}/lm/best.pt --split select --out_dir {o}/neg_select --max_prefixes 200 '
+    'python negatives.py --lm {o}/lm/best.pt --split select --out_dir {o}/neg_select --num_prefixes 200 '
     '--num_samples 64 --prefix_len 6 --gen_len 4',
     'python nce_train.py --lm {o}/lm/best.pt --negatives {o}/neg_train --held_out_negatives {o}/neg_select '
-    '--energy unit --init_from {o}/lm/best.pt --out_dir {o}/unit --batch_size 32 --max_iters 1500 --lr 2e-4 '
+    '--body unit --init_from {o}/lm/best.pt --out_dir {o}/unit --batch_size 32 --max_iters 1500 --lr 2e-4 '
     '--min_lr 2e-5 --warmup_iters 50 --eval_interval 100 --eval_prefixes 200 --patience 4',
 ]  # each with --seed 0 --device cpu --dtype bfloat16 (the job's); then this script with OMP_NUM_THREADS=1
 
@@ -109,7 +109,7 @@ def energies(energy, prompts, P, L, V, ctx):
     pooled states from P on are those of the continuation). ~6x less work than every sequence."""
     if not getattr(energy, 'config', None) or not energy.config.causal:
         raise ValueError("--energy: enumeration shares the first L-1 tokens, which needs a causal energy "
-                         "(a UNIT, nce_train.py --energy unit)")
+                         "(a UNIT, nce_train.py --body unit)")
     heads = all_continuations(V, L - 1).to(prompts.device)
     last = torch.arange(V, device=prompts.device).expand(heads.size(0), V)[..., None]  # (V^(L-1), V, 1)
     out = []

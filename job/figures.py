@@ -236,7 +236,7 @@ def main(argv=None):
     figures = [('fig1_per_step.png', fig1_per_step, (ppl, split, claims), 'per_step' in res,
                 'estimate_ppl.py --per_step'),
                ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split, claims), 'sweep' in res,
-                'estimate_ppl.py --sweep'),
+                'estimate_ppl.py --ns'),
                ('fig2_right_ngrams.png', fig2_right_ngrams, (claims,), claims is not None, 'claims.py'),
                ('fig3_loglik.png', fig3_loglik, (samples, claims), has_samples, 'sample.py')]
     if ordering:
