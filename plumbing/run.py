@@ -1,7 +1,8 @@
 """
 The entry point and bad input: run_main (one `error:` line instead of a traceback, Ctrl-C and
-SIGTERM hints, the output folders of a failed run removed), ArgumentParser, the flags every script
-shares (common_flags) and the flag checks, and one job per output folder (lock_folder).
+SIGTERM hints, the output folders of a failed run removed), ArgumentParser (every flag declared
+with its help, kind and bounds, checked as it is parsed), the flags every script shares
+(common_flags) and the flag checks, and one job per output folder (lock_folder).
 """
 
 import argparse
