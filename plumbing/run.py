@@ -112,6 +112,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, **kw):
         kw.setdefault('prog', ' '.join(script_command() + PROG_SUFFIX))  # the usage line as it is typed
         kw.setdefault('formatter_class', HelpFormatter)
+        kw.setdefault('allow_abbrev', False)  # a retired name (--m) is not a prefix of another (--max_rows)
         self.bounds = {}  # dest -> (flag, at_least, at_most, finite)
         self.paths = set()  # dests of path flags
         self.flag_of = {}  # dest -> flag, where they differ (FLAG_OF)

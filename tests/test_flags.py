@@ -224,6 +224,8 @@ def test_declarations_are_enforced():
         p.add_argument('--k', type=int, default=1, help='a count')
     with pytest.raises(TypeError, match='--k: a number declares its bounds'):
         p.add_argument('--k', type=float, default=1, at_least=0, help='a count')
+    with pytest.raises(ValueError, match='unrecognized arguments: --m'):  # no prefix of --max_rows
+        parser_of(importlib.import_module('sample').get_args, []).parse_args(['--m', '3'])
     with pytest.raises(TypeError, match='--w: declare its help'):
         p.add_argument('--w', default='x')
     with pytest.raises(TypeError, match='not a number'):
