@@ -17,9 +17,9 @@ ones, the samples) scored exactly, the rest estimated without bias. Its sure par
 joint probability of the real continuation at most 1.
 
 Also: per-step perplexity (Eq. 5, Fig. 1) with --per_step, exact at the last position by
-enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --sweep.
+enumerating the vocabulary; and the bounds as n grows (Fig. 2 left) with --ns.
 
-    python estimate_ppl.py --lm out/lm/best.pt --energy out/bit/best.pt --splits val,test
+    python estimate_ppl.py --lm out/lm/best.pt --energy out/bit/best.pt --split val,test
     torchrun --standalone --nproc_per_node 2 estimate_ppl.py ...      # prefixes sharded over ranks
 """
 
@@ -36,8 +36,8 @@ from energy import (kl_to_lm, load_any_energy, logz_bounds, logz_diagnostics, lo
                     sample_log_weights, score, score_continuations, share_energies)
 from model import load_lm
 from data.tokenizer import load_tokenizer
-from plumbing import (ArgumentParser, Precision, common_flags, file_hash, guards, precision, progress, rng,
-                      run_main, setup, teardown_distributed, write_json, write_text)
+from plumbing import (ArgumentParser, Precision, comma_ints, common_flags, file_hash, guards, precision,
+                      progress, rng, run_main, setup, teardown_distributed, write_json, write_text)
 
 
 def mc_se(log_w):
@@ -414,27 +414,33 @@ def get_args(argv=None):
     a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT',
       help='more LMs to report as rows (BALM, RALM)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
-    a('--splits', default='test', help='comma-separated: val,test')
-    a('--prefix_len', type=int, default=128)
-    a('--gen_len', type=int, default=64)
-    a('--max_prefixes', type=int, default=256, help='evenly spaced prefixes per split (0: all)')
-    a('--num_samples', type=int, default=128, help='n LM samples per prefix for the log Z bounds')
-    a('--sweep', default='', help='comma-separated n values for the bounds as n grows (Fig. 2 left)')
+    a('--split', dest='splits', default='test', help='the split, or comma-separated splits: val,test')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--num_prefixes', dest='max_prefixes', type=int, default=256, at_least=0, at_most='count',
+      help='evenly spaced prefixes per split (0: all; else at least 2)')
+    a('--num_samples', type=int, default=128, at_least=2, at_most='samples',
+      help='n LM samples per prefix for the log Z bounds')
+    a('--ns', dest='sweep', type=comma_ints, default='', at_least=2, at_most='samples',
+      help='comma-separated n values for the bounds as n grows (Fig. 2 left; default: none)')
     a('--per_step', nargs='?', const='', default=None, metavar='NAME',
       help='per-step PPL (Eq. 5, Fig. 1) on the last split, of energy NAME (default: the first)')
-    a('--step_prefixes', type=int, default=8, help='prefixes of Fig. 1 (evenly spaced over the split)')
-    a('--step_every', type=int, default=1,
+    a('--step_prefixes', type=int, default=8, at_least=1, at_most='count',
+      help='prefixes of Fig. 1 (evenly spaced over the split)')
+    a('--step_every', type=int, default=1, at_least=1, at_most='tokens',
       help='Fig. 1: log Z every this many positions (and at the last two)')
-    a('--step_samples', type=int, default=16, help='m LM samples per position for Eq. 5')
-    a('--last_step_samples', type=int, default=1024,
-      help='LM samples for the last step estimated again, beside the exact value')
-    a('--calib_prefixes', type=int, default=16,
+    a('--step_samples', type=int, default=16, at_least=2, at_most='samples',
+      help='m LM samples per position for Eq. 5 (the bounds need leave-one-out: at least 2)')
+    a('--last_step_samples', type=int, default=1024, at_least=1, at_most='samples',
+      help='LM samples for the last step estimated again, beside the exact value (--per_step: at least 2)')
+    a('--calib_prefixes', type=int, default=16, at_least=0, at_most='count',
       help='prefixes of the last split on which the n-sample bounds are calibrated (0: off)')
-    a('--calib_samples', type=int, default=2048,
+    a('--calib_samples', type=int, default=2048, at_least=2, at_most='samples',
       help='LM samples per prefix of the calibration reference (n_ref), and as many more for its groups')
-    a('--chunk', type=int, default=16, help='prefixes per batch')
-    a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
-    a('--beam', type=int, default=0,
+    a('--chunk', type=int, default=16, at_least=1, at_most='count', help='prefixes per batch')
+    a('--max_rows', type=int, default=512, at_least=1, at_most='count',
+      help='sequences per forward (bounds memory)')
+    a('--beam', type=int, default=0, at_least=0, at_most='beam',
       help="the LM's most likely continuations (beam search of this width) scored exactly in log Z "
            "(energy.logz_enumerate), beside the real one; worth it where the LM is peaked (addition)")
     a('--out', default='out/ppl.json',

@@ -44,8 +44,8 @@ from data import load_meta, load_negatives, load_split, negatives_hash, untrunca
 from energy import (POOLS, build_energy, energy_state, load_energy, logz_bounds, logz_diagnostics,
                     logz_enumerate)
 from model import configure_optimizer, get_lr, load_checkpoint, stopped_early
-from plumbing import (RunDir, all_reduce, file_hash, guards, one_job, precision, rng_seed, run_trainer,
-                      setup, teardown_distributed, training_parser)
+from plumbing import (RunDir, all_reduce, file_hash, guards, one_job, precision, rng_seed, run_trainer, setup,
+                      teardown_distributed, training_parser)
 
 
 def get_args(argv=None):
@@ -57,28 +57,32 @@ def get_args(argv=None):
     a('--held_out_negatives', required=True,
       help="negatives.py output for held-out prefixes, which choose best.pt (--select): the selection split "
            "('select', carved from the training documents), so that val and test are only reported")
-    a('--energy', default='bit', choices=['bit', 'unit'], help='bidirectional or LM-initialised causal body')
+    a('--body', dest='energy', default='bit', choices=['bit', 'unit'],
+      help="the energy's body: bidirectional (BIT) or LM-initialised causal (UNIT)")
     a('--init_from', default=None,
       help='bit: an MLM checkpoint (train_lm.py --objective mlm); unit: an LM (default --lm)')
     a('--pool', default='continuation', choices=POOLS, help='mean-pool hidden states over these positions')
-    a('--context', type=int, default=None, at_least=0,
+    a('--context', type=int, default=None, at_least=0, at_most='tokens',
       help='the energy sees only the last N prefix tokens (default: all)')
-    a('--n_layer', type=int, default=None, at_least=1, help='BIT from scratch: layers (default: the LM\'s)')
-    a('--n_head', type=int, default=None, at_least=1)
-    a('--n_embd', type=int, default=None, at_least=1)
-    a('--dropout', type=float, default=None,
+    a('--n_layer', type=int, default=None, at_least=1, at_most='tokens',
+      help='BIT from scratch: layers (default: the LM\'s)')
+    a('--n_head', type=int, default=None, at_least=1, at_most='tokens',
+      help="BIT from scratch: heads (default: the LM's)")
+    a('--n_embd', type=int, default=None, at_least=1, at_most='tokens',
+      help="BIT from scratch: width (default: the LM's)")
+    a('--dropout', type=float, default=None, at_least=0, at_most=None,
       help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
     a('--loss', default='ranking', choices=['binary', 'ranking'],
       help='ranking: cross-entropy over [x+, all M negatives] (no gradient from a negative equal to x+); '
            'binary: Eq. 3, one negative per positive')
-    a('--num_neg', type=int, default=None, at_least=1,
+    a('--num_neg', type=int, default=None, at_least=1, at_most='samples',
       help='ranking: negatives per positive (default: all K stored)')
     a('--select', default='gain', choices=['gain', 'gain_enumerated', 'loss'],
       help="what chooses best.pt and early stopping on the held-out prefixes: gain, the joint model's "
            "log-likelihood of their real continuations over the LM's (Eq. 2, log Z at Eq. 4's upper end); "
            "gain_enumerated, the same with log Z from energy.logz_enumerate (untruncated negatives: where "
            "samples repeat, as on addition, Eq. 4 fails); loss, the NCE loss")
-    a('--eval_prefixes', type=int, default=256, at_least=1,
+    a('--eval_prefixes', type=int, default=256, at_least=1, at_most='count',
       help='held-out prefixes (fixed negatives each) per evaluation')
     return p.parse_args(argv)
 

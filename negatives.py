@@ -65,17 +65,22 @@ def get_args(argv=None):
     a = p.add_argument
     a('--lm', default='out/lm/best.pt', help='base LM checkpoint (train_lm.py)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
-    a('--split', default='train', choices=SPLITS)
+    a('--split', default='train', choices=SPLITS, help='the split whose prefixes are continued')
     common_flags(p, 'out_dir', help=dict(out_dir='where the negatives go'))
-    a('--prefix_len', type=int, default=128)
-    a('--gen_len', type=int, default=64)
-    a('--stride', type=int, default=None, help='between prefix starts (default: prefix_len + gen_len)')
-    a('--max_prefixes', type=int, default=None, help='evenly spaced subset of this many prefixes')
-    a('--num_samples', type=int, default=16, help='K continuations per prefix')
-    a('--top_k', type=int, default=None, help='truncate sampling (default: none, NCE needs P_LM)')
-    a('--top_p', type=float, default=None)
-    a('--temperature', type=float, default=1.0)
-    a('--chunk', type=int, default=None,
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--stride', type=int, default=None, at_least=1, at_most=None,
+      help='between prefix starts (default: prefix_len + gen_len)')
+    a('--num_prefixes', dest='max_prefixes', type=int, default=0, at_least=0, at_most='count',
+      help='an evenly spaced subset of this many prefixes (0: all)')
+    a('--num_samples', type=int, default=16, at_least=1, at_most='samples',
+      help='K continuations per prefix (the paper stores 16 or 128)')
+    a('--top_k', type=int, default=0, at_least=0, at_most=None,
+      help='truncate sampling to the top k tokens (0: untruncated, as NCE needs P_LM)')
+    a('--top_p', type=float, default=None, at_least=None, at_most=1,
+      help='truncate sampling to this nucleus, in (0, 1] (default: untruncated)')
+    a('--temperature', type=float, default=1.0, at_least=0, at_most=None, help='of sampling (0: greedy)')
+    a('--chunk', type=int, default=None, at_least=1, at_most='count',
       help='prefixes per generate call and per resumable unit (default: about 2^16 sampled tokens, '
            'prompts included)')
     common_flags(p, 'device', 'dtype', 'seed', 'quiet')

@@ -13,7 +13,7 @@ Generation from the joint model P_LM exp(-E) (Section 3.3).
   renormalised. Expensive by design; also gives the Table-3 view of the next-token distribution
   under the LM and the joint model.
 
-    python sample.py --lm out/lm/best.pt --energy out/bit/best.pt --prompt "ROMEO:" --n 1000
+    python sample.py --lm out/lm/best.pt --energy out/bit/best.pt --prompt "ROMEO:" --num_samples 1000
     python sample.py --lm out/lm/best.pt --energy out/bit/best.pt --split test --num_prefixes 4
 
 Prints BASE LM / JOINT / WORST / GOLD continuations per prefix (the paper's Tables 5-6), n-gram
@@ -140,39 +140,45 @@ FORCE_HELP = (f'replace --out if it exists; run sampling estimated (crudely, gua
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
-    a('--lm', default='out/lm/best.pt')
-    a('--energy', default='out/bit/best.pt')
+    a('--lm', default='out/lm/best.pt', help='the base LM (train_lm.py best.pt)')
+    a('--energy', default='out/bit/best.pt', help="the joint model's energy (nce_train.py best.pt)")
     a('--prompt', default=None, help='a text prompt (else prefixes of --split)')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
-    a('--split', default='test', choices=SPLITS)
-    a('--num_prefixes', type=int, default=4)
-    a('--chunk', type=int, default=8,
-      help='prefixes sampled together (their n samples share each LM/energy call)')
-    a('--prefix_len', type=int, default=128)
-    a('--gen_len', type=int, default=64)
-    a('--n', type=int, default=100, help='LM samples per prefix to resample from (the paper: 10,000)')
-    a('--top_k', type=int, default=10, help='top-k of the LM proposal (0: untruncated)')
+    a('--split', default='test', choices=SPLITS, help='the split whose prefixes are continued')
+    a('--num_prefixes', type=int, default=4, at_least=1, at_most='count',
+      help='prefixes of --split (evenly spaced)')
+    a('--chunk', type=int, default=8, at_least=1, at_most='count',
+      help='prefixes per batch (their samples share each LM/energy call)')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--num_samples', dest='n', type=int, default=100, at_least=1, at_most=None,  # in chunks: time-bound
+      help='LM samples per prefix to resample from (Algorithm 1; the paper: 10,000)')
+    a('--top_k', type=int, default=10, at_least=0, at_most=None,
+      help='top-k of the LM proposal (0: untruncated)')
     a('--correct_proposal', action='store_true',
       help='weights exp(-E) P_LM/q: target the untruncated joint model')
     a('--autoregressive', action='store_true',
       help='also top-k auto-regressive joint sampling (Appendix A.1; slow)')
-    a('--candidates', type=int, default=128,
+    a('--candidates', type=int, default=128, at_least=1, at_most=None,
       help='A.1: the LM\'s top next tokens whose Z is estimated (the paper: 128)')
-    a('--keep', type=int, default=10,
+    a('--keep', type=int, default=10, at_least=1, at_most=None,
       help='A.1: the top entries kept after reweighting and renormalised (the paper: 10)')
-    a('--m', type=int, default=32,
-      help='A.1: LM completions per Z estimate, for --autoregressive and the Table-3 view '
-           '(the paper: 10,000)')
-    a('--table_k', type=int, default=5,
+    a('--candidate_samples', dest='m', type=int, default=32, at_least=2, at_most='samples',
+      help='A.1: LM completions per candidate\'s Z estimate (a log Z bound: at least 2), for '
+           '--autoregressive and the Table-3 view (the paper: 10,000)')
+    a('--table_k', type=int, default=5, at_least=0, at_most=None,
       help='Table-3 view: the first of the kept next tokens shown (0: off; the paper: 5)')
-    a('--table_prefixes', type=int, default=4,
-      help='Table-3 view for the first this many prefixes only (each costs candidates x m LM samples)')
-    a('--logz_samples', type=int, default=0,
+    a('--table_prefixes', type=int, default=4, at_least=0, at_most='count',
+      help='Table-3 view for the first this many prefixes only (each costs candidates x candidate_samples '
+           'LM samples)')
+    a('--logz_samples', type=int, default=0, at_least=0, at_most='samples',
       help="untruncated LM samples per prefix for log Z (Eq. 4's lower bound T_n), "
            "which puts the joint model's log-likelihoods (Fig. 3 right) on an absolute scale (0: off)")
-    a('--print_prefixes', type=int, default=8, help='print the samples of the first this many prefixes')
-    a('--max_rows', type=int, default=512, help='sequences per forward (bounds memory)')
-    a('--out', default='out/samples.json')
+    a('--print_prefixes', type=int, default=8, at_least=0, at_most='count',
+      help='print the samples of the first this many prefixes')
+    a('--max_rows', type=int, default=512, at_least=1, at_most='count',
+      help='sequences per forward (bounds memory)')
+    a('--out', default='out/samples.json', help='the JSON of the samples')
     common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
         force=FORCE_HELP, dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the '
                                 'widths)'))

@@ -19,6 +19,7 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_bad_input.py   bad input: one clear line each (the CLI table), a full disk, memory,
                               Ctrl-C and SIGTERM
     tests/test_script_refusals.py  each script's refusals, case by case
+    tests/test_flags.py       every script's flags: one vocabulary, help and defaults, declared bounds
     tests/test_resume.py      resume, locks, DDP and torchrun, fp16, finite checkpoints
     tests/test_hardware.py    precision and threads from the hardware, the wait policy
     tests/test_job.py         the main job end to end (job/reproduce.py), figures, bench
@@ -327,12 +328,12 @@ def test_joint_ppl_end_to_end_on_the_copy_task(tmp_path):
                         '--prefix_len', '2', '--gen_len', '2', '--num_samples', '4', '--chunk', '256', *CPU])
     nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'),
                     '--held_out_negatives', str(tmp_path / 'select'), '--out_dir', str(tmp_path / 'bit'),
-                    '--energy', 'bit', '--n_layer', '2', '--n_head', '2', '--n_embd', '32',
+                    '--body', 'bit', '--n_layer', '2', '--n_head', '2', '--n_embd', '32',
                     '--batch_size', '32', '--max_iters', '300', '--eval_interval', '100', '--lr', '3e-3',
                     '--min_lr', '3e-4', '--warmup_iters', '20', *CPU])
     best = str(tmp_path / 'bit' / 'best.pt')
-    out = estimate_ppl.main(['--lm', lm_path, '--energy', f'BIT={best}', '--splits', 'test',
-                             '--prefix_len', '2', '--gen_len', '2', '--max_prefixes', '0',
+    out = estimate_ppl.main(['--lm', lm_path, '--energy', f'BIT={best}', '--split', 'test',
+                             '--prefix_len', '2', '--gen_len', '2', '--num_prefixes', '0',
                              '--num_samples', '1024', '--calib_prefixes', '0',
                              '--out', str(tmp_path / 'ppl.json'), *CPU])
     rows = {r['model']: r for r in out['rows']}

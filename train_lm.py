@@ -62,7 +62,7 @@ def get_args(argv=None):
     a('--preset', default=None, choices=sorted(PAPER_PRESETS),
       help="the paper's model shape and Table 4 optimisation settings (GPU scale; flags still override)")
     a('--residual_of', default=None, help='train a RALM (Eq. 6): a GPT whose logits add to this frozen LM\'s')
-    a('--match_params', type=int, default=None, at_least=1,
+    a('--match_params', type=int, default=None, at_least=1, at_most=None,
       help='BALM: choose n_embd so the model has about this many parameters (e.g. base LM + energy)')
     a('--init_from', default=None,
       help='start from the weights of this checkpoint (same shape; e.g. the MLM pretraining of a BIT from '
@@ -70,29 +70,32 @@ def get_args(argv=None):
     a('--objective', default='lm', choices=['lm', 'mlm', 'tailr'],
       help="lm: next-token MLE (base LM, BALM); mlm: BERT-style masked LM of a bidirectional body "
            "(the BIT energy's pretraining, energy.py); tailr: next-token TaiLr (tailr_loss, Ji et al. 2023)")
-    a('--gamma', type=float, default=None, at_least=0,
+    a('--gamma', type=float, default=None, at_least=0, at_most=None,
       help='TaiLr: 1 = total variation, towards 0 = MLE (--objective tailr)')
     # model
-    a('--n_layer', type=int, default=4, at_least=1)
-    a('--n_head', type=int, default=4, at_least=1)
-    a('--n_embd', type=int, default=256, at_least=1)
-    a('--block_size', type=int, default=256, at_least=1, help='context length in tokens')
-    a('--dropout', type=float, default=0.0)
+    a('--n_layer', type=int, default=4, at_least=1, at_most='tokens', help='transformer blocks')
+    a('--n_head', type=int, default=4, at_least=1, at_most='tokens',
+      help='attention heads (they divide n_embd)')
+    a('--n_embd', type=int, default=256, at_least=1, at_most='tokens', help='width')
+    a('--block_size', type=int, default=256, at_least=1, at_most='tokens', help='context length in tokens')
+    a('--dropout', type=float, default=0.0, at_least=0, at_most=None, help='dropout probability, in [0, 1)')
     a('--bias', action='store_true', help='biases in linear layers and LayerNorms')
     a('--alibi', action='store_true',
       help="ALiBi distance penalty in attention (the BIT's MLM pretraining: no plateau)")
     # evaluation
     a('--snapshots', default='', help='comma-separated iterations whose weights are also kept as iter_N.pt '
                                       '(the ordering figure: models along the training run)')
-    a('--eval_iters', type=int, default=20, at_least=1, help='selection-set batches per periodic evaluation')
+    a('--eval_iters', type=int, default=20, at_least=1, at_most='count',
+      help='selection-set batches per periodic evaluation')
     a('--select_on', default='window', choices=['window', 'continuation'],
       help="what the selection loss (stopping, best.pt) scores: every token of its windows, or, on problem "
            "data (a+b=c, data/addition), only the continuation (the answer) after each problem's prefix")
-    a('--final_eval', type=int, default=1, choices=[0, 1],
+    a('--final_eval', type=int, default=1, choices=[0, 1], at_least=0, at_most=1,
       help='1: val/test PPL over the whole splits at the end')
-    a('--final_eval_windows', type=int, default=0, at_least=0,
+    a('--final_eval_windows', type=int, default=0, at_least=0, at_most='count',
       help='evenly spaced windows of each split for it (0: all)')
-    a('--num_samples', type=int, default=2, at_least=0, help='samples printed at the end')
+    a('--print_samples', dest='num_samples', type=int, default=2, at_least=0, at_most=1000,
+      help='samples printed at the end')
     preset = p.parse_known_args(argv)[0].preset
     if preset:
         p.set_defaults(**PAPER_PRESETS[preset], block_size=PAPER_DATA['block_size'])

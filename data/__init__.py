@@ -280,7 +280,8 @@ def prepare_flags(parser, out_dir, seed_help, tokenizer=None):
     common_flags(parser, 'out_dir', default=None if out_dir is None else dict(out_dir=out_dir),
                  help=dict(out_dir='where to write train/select/val/test.bin and meta.json'))
     if tokenizer:
-        parser.add_argument('--tokenizer', default=tokenizer, choices=['char', 'gpt2'])
+        parser.add_argument('--tokenizer', default=tokenizer, choices=['char', 'gpt2'],
+                            help="char: one token per character; gpt2: GPT-2's BPE (the paper's)")
     common_flags(parser, 'seed', 'quiet', 'force', default=dict(seed=0), help=dict(
         seed=seed_help, quiet='no summary line', force='replace other prepared data in --out_dir'))
 
@@ -294,8 +295,10 @@ def made_with(corpus, parser, args, unused=()):
     ignores, e.g. Shakespeare's fixed split's seed), 'defaults': their defaults}. job/reproduce.py
     compares it with the preparation it asks for (check_made_with), so data of another --data_seed
     or size is never reused silently."""
-    flags = {k: v for k, v in vars(args).items() if k not in FREE_PREPARE_FLAGS + tuple(unused)}
-    return dict(corpus=corpus, flags=flags, defaults={k: parser.get_default(k) for k in flags})
+    name = {a.dest: a.option_strings[0][2:] for a in parser._actions if a.option_strings}  # as typed
+    kept = [k for k in vars(args) if k not in FREE_PREPARE_FLAGS + tuple(unused)]
+    return dict(corpus=corpus, flags={name.get(k, k): getattr(args, k) for k in kept},
+                defaults={name.get(k, k): parser.get_default(k) for k in kept})
 
 
 def prepare(docs, out_dir, tokenizer_name, quiet=False, force=False, made_with=None):
@@ -373,7 +376,7 @@ def negatives_command(meta, out_dir):
     """The negatives.py command that makes (or finishes) the negatives meta describes."""
     flags = dict(lm=meta['lm_path'], data_dir=meta['data_dir'], split=meta['split'], out_dir=out_dir,
                  prefix_len=meta['prefix_len'], gen_len=meta['gen_len'], stride=meta.get('stride'),
-                 max_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
+                 num_prefixes=meta['num_prefixes'], num_samples=meta['num_samples'], top_k=meta.get('top_k'),
                  top_p=meta.get('top_p'), temperature=meta.get('temperature'), chunk=meta['chunk'],
                  seed=meta['seed'], dtype=meta.get('precision'))
     return shlex.join(['python', 'negatives.py']

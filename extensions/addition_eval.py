@@ -45,7 +45,7 @@ from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics,
                     score_continuations)
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
-from plumbing import (ArgumentParser, at_least, check_new, check_writable, common_flags, named_paths, rng,
+from plumbing import (ArgumentParser, check_new, check_writable, comma_ints, common_flags, named_paths, rng,
                       run_main, setup, write_json)
 
 
@@ -247,9 +247,6 @@ def format_table(rows):
     return '\n'.join(lines)
 
 
-MAX_SAMPLES = 2**16  # LM samples per answer, as negatives.py bounds them per prefix
-
-
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
@@ -258,28 +255,23 @@ def get_args(argv=None):
       help="the joint model's energy (nce_train.py best.pt or metric_ebm.py energy.pt)")
     a('--extra_lm', nargs='*', default=[], metavar='NAME=PATH', help='more LMs: BALM, EXO, ...')
     a('--data_dir', default=None, help="default: the data the LM was trained on")
-    a('--split', default='test', choices=SPLITS, help='val and test are only reported')
-    a('--num_prefixes', type=int, default=1000, help='problems (evenly spaced over the split)')
-    a('--ns', default='1,4,16,64', help='LM samples per answer of the decoders that choose among samples')
-    a('--top_k', type=int, default=0, help="the LMs' samples (Algorithm 1's proposal): top-k (0: all)")
-    a('--beam', type=int, default=8,
+    a('--split', default='test', choices=SPLITS, help='the split scored (val and test are only reported)')
+    a('--num_prefixes', type=int, default=1000, at_least=1, at_most='count',
+      help='problems (evenly spaced over the split)')
+    a('--ns', type=comma_ints, default='1,4,16,64', at_least=1, at_most='samples',
+      help='comma-separated LM samples per answer of the decoders that choose among samples')
+    a('--top_k', type=int, default=0, at_least=0, at_most=None,
+      help="the LMs' samples (Algorithm 1's proposal): top-k (0: untruncated)")
+    a('--beam', type=int, default=8, at_least=0, at_most='beam',
       help="the LM's most likely continuations (beam search) scored exactly in log Z (0: none)")
-    a('--batch', type=int, default=64, help='problems per batch')
+    a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
     common_flags(p, 'force', 'device', 'seed', 'quiet',
                  help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)
-    at_least(args, 1, 'num_prefixes', 'batch')
-    at_least(args, 0, 'top_k', 'beam')
-    try:
-        args.ns = sorted({int(n) for n in args.ns.split(',')})
-    except ValueError:
-        raise ValueError(f"--ns {args.ns}: give comma-separated integers, e.g. 1,4,16,64") from None
-    if args.ns[0] < 1 or (args.energy and args.ns[-1] < 2):
-        raise ValueError(f"--ns {args.ns}: each at least 1, the largest at least 2 (log Z needs 2 samples)")
-    if args.ns[-1] > MAX_SAMPLES:
-        raise ValueError(f"--ns {args.ns[-1]}: at most {MAX_SAMPLES:,} LM samples per answer")
+    if not args.ns or (args.energy and args.ns[-1] < 2):  # each within the declared bounds
+        raise ValueError(f"--ns {args.ns}: the largest at least 2 (log Z needs 2 samples)")
     clash = {'BASE LM', 'JOINT'} & set(named_paths(args.extra_lm, '--extra_lm'))
     if clash:
         raise ValueError(f"--extra_lm {clash.pop()}=...: that name is the table's own; "

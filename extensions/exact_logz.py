@@ -43,7 +43,7 @@ import torch
 from data import load_lm_and_data, load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
-from plumbing import (ArgumentParser, at_least, atomic_write, check_new, check_writable, common_flags,
+from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
                       file_hash, rng, run_main, setup, write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
@@ -60,10 +60,10 @@ RECIPE = [
     "--eval_interval 100 --patience 2 --min_rel_delta 0.001 --snapshots ''",
     'python negatives.py --lm {o}/lm/best.pt --split train --out_dir {o}/neg_train --num_samples 16 '
     '--prefix_len 6 --gen_len 4',
-    'python negatives.py --lm {o}/lm/best.pt --split select --out_dir {o}/neg_select --max_prefixes 200 '
+    'python negatives.py --lm {o}/lm/best.pt --split select --out_dir {o}/neg_select --num_prefixes 200 '
     '--num_samples 64 --prefix_len 6 --gen_len 4',
     'python nce_train.py --lm {o}/lm/best.pt --negatives {o}/neg_train --held_out_negatives {o}/neg_select '
-    '--energy unit --init_from {o}/lm/best.pt --out_dir {o}/unit --batch_size 32 --max_iters 1500 --lr 2e-4 '
+    '--body unit --init_from {o}/lm/best.pt --out_dir {o}/unit --batch_size 32 --max_iters 1500 --lr 2e-4 '
     '--min_lr 2e-5 --warmup_iters 50 --eval_interval 100 --eval_prefixes 200 --patience 4',
 ]  # each with --seed 0 --device cpu --dtype bfloat16 (the job's); then this script with OMP_NUM_THREADS=1
 
@@ -109,7 +109,7 @@ def energies(energy, prompts, P, L, V, ctx):
     pooled states from P on are those of the continuation). ~6x less work than every sequence."""
     if not getattr(energy, 'config', None) or not energy.config.causal:
         raise ValueError("--energy: enumeration shares the first L-1 tokens, which needs a causal energy "
-                         "(a UNIT, nce_train.py --energy unit)")
+                         "(a UNIT, nce_train.py --body unit)")
     heads = all_continuations(V, L - 1).to(prompts.device)
     last = torch.arange(V, device=prompts.device).expand(heads.size(0), V)[..., None]  # (V^(L-1), V, 1)
     out = []
@@ -266,38 +266,39 @@ def get_args(argv=None):
     a('--data_dir', default=None, help='default: the data the LM was trained on')
     a('--split', default='test', help='the split reported')
     a('--select_split', default='select', help='the split that chooses MIN_ESS')
-    a('--prompts', type=int, default=200, help='problems of --split (evenly spaced)')
-    a('--select_prompts', type=int, default=200, help='problems of --select_split')
-    a('--ns', default='8,16,32,64,128,256,512,1024', help='LM samples per log Z estimate')
-    a('--reps', type=int, default=200, help='replicates of n samples per prompt')
-    a('--beam', type=int, default=32,
+    a('--num_prefixes', dest='prompts', type=int, default=200, at_least=1, at_most='count',
+      help='problems of --split (evenly spaced)')
+    a('--select_prefixes', dest='select_prompts', type=int, default=200, at_least=1, at_most='count',
+      help='problems of --select_split')
+    a('--ns', type=comma_ints, default='8,16,32,64,128,256,512,1024', at_least=2, at_most='samples',
+      help='comma-separated LM samples per log Z estimate (Eq. 4 needs at least 2)')
+    a('--reps', type=int, default=200, at_least=1, at_most='samples',
+      help='replicates of n samples per prompt')
+    a('--beam', type=int, default=32, at_least=1, at_most='beam',
       help="the LM's beam width: logz_enumerate's known set beside the real one (32: the narrowest of 8, "
            "32, 128 within 0.01 nats on 95%% of the selection split's replicates at n = 64)")
-    a('--tol', type=float, default=0.01, help='nats: an estimate within this of the exact log Z')
-    a('--target', type=float, default=0.9, help="MIN_ESS's rule: the unflagged ranges' coverage")
-    a('--slack', type=float, default=0.01,
+    a('--tol', type=float, default=0.01, at_least=0, at_most=None,
+      help='nats: an estimate within this of the exact log Z')
+    a('--target', type=float, default=0.9, at_least=0, at_most=1,
+      help="MIN_ESS's rule: the unflagged ranges' coverage, in [0, 1]")
+    a('--slack', type=float, default=0.01, at_least=0, at_most=None,
       help="MIN_ESS's rule: a range 'contains' log Z within this many nats of either end")
     a('--dtype', default='float32', choices=('float32', 'bfloat16'), help="the energy's forward")
-    a('--cache', default=None,
+    a('--cache', default=None, path=True,
       help='a folder for the enumerated log P_LM and E (saved every 20 problems): a rerun resumes')
     a('--out', required=True, help='JSON results')
     a('--plot', default=None, help='a PNG: error and coverage against n (needs matplotlib)')
     common_flags(p, 'force', 'device', 'seed', 'quiet',
                  help=dict(force='replace --out and --plot', quiet='no progress and no table'))
     args = p.parse_args(argv)
-    at_least(args, 1, 'prompts', 'select_prompts', 'reps', 'beam')
-    try:
-        args.ns = sorted({int(n) for n in args.ns.split(',')})
-    except ValueError:
-        raise ValueError(f"--ns {args.ns}: give comma-separated integers, e.g. 8,64,1024") from None
-    if args.ns[0] < 2:
-        raise ValueError(f"--ns {args.ns[0]}: Eq. 4 needs at least 2 samples")
+    if not args.ns:  # each within the declared bounds
+        raise ValueError("--ns '': give comma-separated integers, e.g. 8,64,1024")
     for f, path in (('--out', args.out), ('--plot', args.plot)):
         if path is not None:
             check_writable(path, f, folder=False)
             check_new(path, f, args.force)
-    if args.cache:
-        os.makedirs(args.cache, exist_ok=True)
+    if args.cache:  # created at its first save (cached), once the models have loaded
+        check_writable(args.cache, '--cache')
     return args
 
 
@@ -381,6 +382,7 @@ def cached(path, make, wrong=lambda o: None):
         print(f"the cache file {path} is damaged ({why}): computing it again", file=sys.stderr, flush=True)
     obj = make()
     if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(obj, tmp))
     return obj
 

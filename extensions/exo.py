@@ -57,12 +57,10 @@ from energy import load_any_energy, logz_bounds, logz_diagnostics, score_continu
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from model import load_checkpoint
-from plumbing import (ArgumentParser, at_least, check, check_new, check_resumed_flags, check_resumed_iters,
+from plumbing import (ArgumentParser, check, check_new, check_resumed_flags, check_resumed_iters,
                       check_training_memory, check_writable, common_flags, file_hash, given_flags,
                       lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,
                       save_checkpoint, setup, write_json)
-
-MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 
 
 def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', log_w=None):
@@ -166,40 +164,41 @@ def get_args(argv=None):
       help='E, the reward r = -E (nce_train.py best.pt or metric_ebm.py energy.pt)')
     a('--data_dir', default=None, help='default: the data the LM was trained on')
     common_flags(p, 'out_dir', help=dict(out_dir='best.pt (an LM checkpoint), results.json, log'))
-    a('--prefix_len', type=int, default=128, help='x: tokens of the prefix')
-    a('--gen_len', type=int, default=64, help='y: tokens of the continuation')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='x: tokens of the prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='y: tokens of the continuation')
     a('--loss', default='exo', choices=['exo', 'dpo'],
       help='exo: L_exo (reverse KL); dpo: L_dpo-rw (forward KL)')
-    a('--K', type=int, default=8, help='LM samples per training prefix')
-    a('--beta_pi', type=float, default=1.0, help="the policy's scale (1: the joint model's)")
-    a('--beta_r', type=float, default=1.0, help="the reward's temperature (1: the joint model's)")
-    a('--batch_size', type=int, default=16, help='prefixes per step')
-    a('--lr', type=float, default=1e-4)
-    a('--max_iters', type=int, default=300)
-    a('--eval_interval', type=int, default=50)
-    a('--patience', type=int, default=0, help='stop after this many evaluations without a better best.pt')
-    a('--eval_prefixes', type=int, default=256, help='selection prefixes that choose best.pt')
-    a('--eval_samples', type=int, default=16, help="pi_theta's samples per eval prefix (reverse KL)")
-    a('--logz_samples', type=int, default=1024,
+    a('--num_samples', dest='K', type=int, default=8, at_least=2, at_most='samples',
+      help='K, LM samples per training prefix')
+    a('--beta_pi', type=float, default=1.0, at_least=None, at_most=None,
+      help="the policy's scale, positive (1: the joint model's)")
+    a('--beta_r', type=float, default=1.0, at_least=None, at_most=None,
+      help="the reward's temperature, positive (1: the joint model's)")
+    a('--batch_size', type=int, default=16, at_least=1, at_most='count', help='prefixes per step')
+    a('--lr', type=float, default=1e-4, at_least=None, at_most=None, help='learning rate (positive)')
+    a('--max_iters', type=int, default=300, at_least=1, at_most='count', help='iterations of the run')
+    a('--eval_interval', type=int, default=50, at_least=1, at_most='count',
+      help='evaluate on the selection split, and checkpoint, every this many iterations')
+    a('--patience', type=int, default=0, at_least=0, at_most='count',
+      help='stop after this many evaluations without a better best.pt (0: off)')
+    a('--eval_prefixes', type=int, default=256, at_least=1, at_most='count',
+      help='selection prefixes that choose best.pt')
+    a('--eval_samples', type=int, default=16, at_least=2, at_most='samples',
+      help="pi_theta's samples per eval prefix (reverse KL)")
+    a('--logz_samples', type=int, default=1024, at_least=2, at_most='samples',
       help="LM samples per eval prefix for log Z (Eq. 4's range), drawn once before training")
-    a('--forward_samples', type=int, default=128,
+    a('--forward_samples', type=int, default=128, at_least=1, at_most='samples',
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--resume', action='store_true',
       help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")
     common_flags(p, 'force', 'device', 'seed', 'quiet',
                  help=dict(force="start over, replacing --out_dir's ckpt.pt, best.pt and results.json"))
     args = p.parse_args(argv)
-    at_least(args, 1, 'prefix_len', 'gen_len', 'batch_size', 'max_iters', 'eval_interval', 'eval_prefixes')
-    at_least(args, 2, 'K', 'eval_samples', 'logz_samples')
-    for name in ('K', 'eval_samples', 'logz_samples'):  # samples per prefix: beyond these, a mistyped size
-        check(args, name, lambda v: v <= MAX_SAMPLES, f'at most {MAX_SAMPLES:,} samples per prefix')
-    at_least(args, 1, 'forward_samples')
     if args.forward_samples > args.logz_samples:
         raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
                          f"{args.logz_samples}: the forward KL reuses log Z's LM samples")
-    at_least(args, 0, 'patience')
-    for name in ('beta_pi', 'beta_r', 'lr'):
-        check(args, name, lambda v: 0 < v < math.inf, 'positive')
+    for name in ('beta_pi', 'beta_r', 'lr'):  # beyond the declared bounds (finite)
+        check(args, name, lambda v: v > 0, 'positive')
     check_writable(args.out_dir, '--out_dir')
     ckpt = os.path.join(args.out_dir, 'ckpt.pt')
     if args.resume and args.force:
@@ -265,7 +264,7 @@ def resume_hint(argv):
     """Stopped: what out_dir holds, and the command that resumes (or reruns) it."""
     p = ArgumentParser(add_help=False)
     common_flags(p, 'out_dir')
-    p.add_argument('--max_iters', type=int, default=None)
+    p.add_argument('--max_iters', type=int, default=None, at_least=1, at_most=None, help='as get_args')
     args = p.parse_known_args(argv)[0]
     ckpt, best = (os.path.join(args.out_dir, f) for f in ('ckpt.pt', 'best.pt'))
     if not os.path.exists(ckpt) and os.path.exists(best):
@@ -295,8 +294,8 @@ def load_models(args, device):
     check_fits(args.prefix_len + args.gen_len, dict(LM=sft))
     config = dataclasses.replace(sft.config, block_size=args.prefix_len + args.gen_len)
     check_training_memory(config, args.batch_size * args.K, device,
-                          f"a step of --batch_size {args.batch_size} x --K {args.K} samples",
-                          "lower --batch_size or --K")
+                          f"a step of --batch_size {args.batch_size} x --num_samples {args.K} samples",
+                          "lower --batch_size or --num_samples")
     return sft, policy, energy, ckpt, data_dir, meta
 
 

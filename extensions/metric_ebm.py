@@ -34,12 +34,11 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm
-from plumbing import (ArgumentParser, Precision, at_least, check, check_memory, check_new, check_writable,
-                      common_flags, file_hash, named_paths, precision, progress, rng, run_main,
-                      save_checkpoints, setup, write_json, write_text)
+from plumbing import (ArgumentParser, Precision, check, check_memory, check_new, check_writable, common_flags,
+                      file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
+                      write_json, write_text)
 
 
-MAX_SAMPLES = 2**16  # LM samples per prefix, as negatives.py bounds them
 
 
 def get_args(argv=None):
@@ -49,47 +48,49 @@ def get_args(argv=None):
     a('--metrics', default='rep-4,tr-32,div,coh,logp', help=f'comma-separated: {METRIC_HELP}')
     a('--energy_metric', nargs='*', default=[], metavar='NAME=CKPT', help='trained energies as more metrics')
     a('--data_dir', default=None, help="prepared data (default: the LM's)")
-    a('--prefix_len', type=int, default=128)
-    a('--gen_len', type=int, default=64)
-    a('--prefixes', type=int, default=512, help='selection-split prefixes mu is fitted on')
-    a('--pool', type=int, default=64, help='untruncated LM samples per prefix (importance sampling)')
-    a('--check_splits', default='val,test', help="splits whose moments are checked, not fitted ('': none)")
-    a('--check_prefixes', type=int, default=128)
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens of each prefix')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens of each continuation')
+    a('--num_prefixes', dest='prefixes', type=int, default=512, at_least=2, at_most='count',
+      help='selection-split prefixes mu is fitted on (a standard error: at least 2)')
+    a('--fit_samples', dest='pool', type=int, default=64, at_least=2, at_most='samples',
+      help='untruncated LM samples per prefix that fit mu (importance sampling)')
+    a('--check_split', dest='check_splits', default='val,test',
+      help="comma-separated splits whose moments are checked, not fitted ('': none)")
+    a('--check_prefixes', type=int, default=128, at_least=1, at_most='count',
+      help='prefixes of each --check_split')
     a('--table', action='store_true', help="the talk's metrics table of decoding methods on --table_split")
-    a('--table_split', default='test', choices=SPLITS)
-    a('--table_prefixes', type=int, default=256)
+    a('--table_split', default='test', choices=SPLITS, help="the split of the talk's table")
+    a('--table_prefixes', type=int, default=256, at_least=1, at_most='count',
+      help="prefixes of the talk's table")
     a('--compare', nargs='*', default=[], metavar='NAME=CKPT', help='energies in the table (Algorithm 1)')
     a('--extra_lm', nargs='*', default=[], metavar='NAME=CKPT', help='LMs in the table (temperature 1)')
-    a('--n', type=int, default=32, help='Algorithm 1: top-k LM samples per prefix to resample from')
-    a('--top_k', type=int, default=10, help='top-k decoding')
-    a('--joint_top_k', type=int, default=0,
+    a('--num_samples', dest='n', type=int, default=32, at_least=1, at_most='samples',
+      help='Algorithm 1: top-k LM samples per prefix to resample from')
+    a('--top_k', type=int, default=10, at_least=1, at_most=None, help="top-k decoding (the table's row)")
+    a('--joint_top_k', type=int, default=0, at_least=0, at_most=None,
       help="the table's joint samples: Algorithm 1 from n top-k LM samples (0: untruncated: the joint model)")
-    a('--top_p', type=float, default=0.9, help='top-p (nucleus) decoding')
-    a('--chunk', type=int, default=16, help='prefixes per batch')
+    a('--top_p', type=float, default=0.9, at_least=None, at_most=1,
+      help='top-p (nucleus) decoding, in (0, 1]')
+    a('--chunk', type=int, default=16, at_least=1, at_most='count', help='prefixes per batch')
     common_flags(p, 'out_dir', 'force', 'device', 'dtype', 'seed', 'quiet',
                  default=dict(out_dir='out/metrics'),
                  help=dict(force='replace the results of an earlier fit in --out_dir',
                            dtype='autocast dtype of sampling, scoring (auto: from the hardware)'))
     args = p.parse_args(argv)
-    at_least(args, 1, 'prefix_len', 'gen_len', 'check_prefixes', 'table_prefixes', 'n', 'top_k', 'chunk')
-    at_least(args, 0, 'joint_top_k')
-    at_least(args, 2, 'prefixes', 'pool')  # SE over prefixes; importance weights over a pool
-    check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
+    check(args, 'top_p', lambda v: v > 0, 'in (0, 1]')  # beyond the declared bounds
     for flag in ('energy_metric', 'compare', 'extra_lm'):
         named_paths(getattr(args, flag), f'--{flag}')
     args.check_splits = [s for s in args.check_splits.split(',') if s]
     if any(s not in SPLITS for s in args.check_splits):
-        raise ValueError(f"--check_splits {','.join(args.check_splits)}: must be comma-separated names of "
+        raise ValueError(f"--check_split {','.join(args.check_splits)}: must be comma-separated names of "
                          f"{', '.join(SPLITS)} (or '' for none)")
     # held at once: float64 features (B, pool, K) of every split, a chunk of samples with their energies
     K = len(args.metrics.split(',')) + len(args.energy_metric)
     prefixes = args.prefixes + args.check_prefixes * len(args.check_splits)
-    for name in ('pool', 'n'):  # samples per prefix: beyond these, a mistyped size
-        check(args, name, lambda v: v <= MAX_SAMPLES, f'at most {MAX_SAMPLES:,} LM samples per prefix')
     rows = max(args.pool, args.n)  # samples per prefix held in one chunk
     check_memory(8 * K * prefixes * args.pool + args.chunk * rows * (8 * args.gen_len + 8),
-                 f"--prefixes/--check_prefixes {prefixes} x --pool {args.pool}"
-                 + (f" (and --chunk {args.chunk} x --n {args.n})" if args.n > args.pool else ''),
+                 f"--num_prefixes/--check_prefixes {prefixes} x --fit_samples {args.pool}"
+                 + (f" (and --chunk {args.chunk} x --num_samples {args.n})" if args.n > args.pool else ''),
                  "lower them")
     check_writable(args.out_dir, '--out_dir')
     check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,

@@ -218,7 +218,7 @@ def check_feasible(f_data, f_pool, names):
         if not lo[k] < target[k] < hi[k]:
             raise ValueError(f"metric {name}: real text's mean {target[k]:.4g} is outside what the LM "
                              f"samples reach ({lo[k]:.4g} to {hi[k]:.4g}): the constraints cannot be met; "
-                             f"drop it or sample more (--pool)")
+                             f"drop it or sample more (--fit_samples)")
 
 
 def fit_mu(f_data, f_pool, names=None, log_p0=None, tol=1e-10, max_steps=100, accept=1e-6):
@@ -253,7 +253,8 @@ def fit_mu(f_data, f_pool, names=None, log_p0=None, tol=1e-10, max_steps=100, ac
     if gap <= accept:
         return mu, step
     raise ValueError(f"moment matching did not converge in {step} Newton steps (largest gap {gap:.2e}): "
-                     f"the metrics may be collinear or the pool too small; drop a metric or raise --pool")
+                     f"the metrics may be collinear or the pool too small; drop a metric or raise "
+                     f"--fit_samples")
 
 
 # -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 import estimate_ppl
 import extensions.metrics  # noqa: F401  registers the metric energy's loader
 import sample
-from plumbing import run_main
+from plumbing import run, run_main
 
 SCRIPTS = {'estimate_ppl.py': estimate_ppl.main, 'sample.py': sample.main}
 
@@ -27,7 +27,11 @@ def main(argv):
     if not argv or argv[0] not in SCRIPTS:
         raise ValueError(f"{argv[0] if argv else 'no script'}: name the script to run first, one of "
                          f"{', '.join(SCRIPTS)} (python -m extensions.run estimate_ppl.py --lm ...)")
-    SCRIPTS[argv[0]](argv[1:])
+    run.PROG_SUFFIX[:] = argv[:1]  # its usage line: python -m extensions.run sample.py
+    try:
+        SCRIPTS[argv[0]](argv[1:])
+    finally:
+        run.PROG_SUFFIX.clear()
 
 
 if __name__ == '__main__':

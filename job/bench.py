@@ -31,7 +31,7 @@ fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taki
 JSON also records the CPU's ATen capability and its avx2/avx512f/avx512_bf16/amx_bf16 flags.
 
     python -m job.bench                   # CPU: ~4 minutes on 2 idle cores
-    python -m job.bench --quick           # smoke test, < 1 minute: fewer repeats, and 2 prompts
+    python -m job.bench --quick           # smoke test, < 1 minute: fewer repeats, and 2 prefixes
                                       # instead of 8, so its sampling figures are not comparable
     python -m job.bench --device cuda     # GPU
 
@@ -60,8 +60,8 @@ from extensions.metrics import MetricEnergy, fit_mu
 import model as model_py
 from model import GPT, GPTConfig, alibi_bias, decode_steps, flops_per_token
 from nce_train import nce_loss
-from plumbing import (ArgumentParser, Precision, at_least, autocast, check_heads, check_writable,
-                      common_flags, pick_device, run_main, write_json)
+from plumbing import (ArgumentParser, Precision, autocast, check_heads, check_writable, common_flags,
+                      pick_device, run_main, write_json)
 
 
 def get_args(argv=None):
@@ -70,47 +70,53 @@ def get_args(argv=None):
     a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
     a('--out', default='out/bench.json', help='the JSON of all figures is written here')
     common_flags(p, 'device')
-    a('--threads', type=int, default=0,
+    a('--threads', type=int, default=0, at_least=0, at_most=4096,
       help='CPU threads (0: torch default); 1 is steadier when other processes share the cores')
     common_flags(p, 'seed', 'quiet',
                  help=dict(quiet='print only the JSON line (no progress on stderr, no table)'))
     a('--quick', action='store_true',
-      help='smoke test: 1 warmup, 3 repeats, at most 2 sampling prompts and 8 samples per log Z prefix')
-    a('--warmup', type=int, default=2, help='untimed runs before each measurement')
-    a('--repeats', type=int, default=5, help='timed runs per measurement (the median is reported)')
-    a('--naive_repeats', type=int, default=1, help='timed runs of the (slow) naive sampler')
-    a('--matmul_size', type=int, default=0, help='side of the square matmuls (0: 2048 on CPU, 8192 on GPU)')
+      help='smoke test: 1 warmup, 3 repeats, at most 2 sampling prefixes and 8 samples per log Z prefix')
+    a('--warmup', type=int, default=2, at_least=0, at_most=1000, help='untimed runs before each measurement')
+    a('--repeats', type=int, default=5, at_least=1, at_most=1000,
+      help='timed runs per measurement (the median is reported)')
+    a('--naive_repeats', type=int, default=1, at_least=1, at_most=1000,
+      help='timed runs of the (slow) naive sampler')
+    a('--matmul_size', type=int, default=0, at_least=0, at_most=2**16,
+      help='side of the square matmuls (0: 2048 on CPU, 8192 on GPU)')
     # the char GPT of train_lm.py's defaults
-    a('--n_layer', type=int, default=4)
-    a('--n_head', type=int, default=4)
-    a('--n_embd', type=int, default=256)
-    a('--block_size', type=int, default=256)
-    a('--batch_size', type=int, default=16, help='sequences per training step')
+    a('--n_layer', type=int, default=4, at_least=1, at_most='tokens', help="the LM's blocks")
+    a('--n_head', type=int, default=4, at_least=1, at_most='tokens', help="the LM's heads")
+    a('--n_embd', type=int, default=256, at_least=1, at_most='tokens', help="the LM's width")
+    a('--block_size', type=int, default=256, at_least=1, at_most='tokens',
+      help="the LM's context in tokens")
+    a('--batch_size', type=int, default=16, at_least=1, at_most='count', help='sequences per training step')
     # sampling workload
-    a('--sample_prompts', type=int, default=8, help='prompts (prefixes) per sampling run')
-    a('--prompt_len', type=int, default=128, help='tokens per prompt')
-    a('--num_samples', type=int, default=16, help='continuations per prompt (K)')
-    a('--new_tokens', type=int, default=64, help='tokens per continuation')
-    # log Z estimation workload (estimate_ppl.py's defaults; prompt_len + new_tokens tokens)
-    a('--estimate_prefixes', type=int, default=16, help="prefixes per batch (estimate_ppl.py's --chunk)")
-    a('--estimate_samples', type=int, default=64, help='LM samples per prefix (n)')
-    a('--energy_embd', type=int, default=128, help='width of the BIT energy (n_layer, n_head: the LM\'s)')
-    a('--max_rows', type=int, default=256, help="sequences per forward (estimate_ppl.py's --max_rows)")
+    a('--num_prefixes', type=int, default=8, at_least=1, at_most='count', help='prefixes per sampling run')
+    a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='tokens per prefix')
+    a('--num_samples', type=int, default=16, at_least=1, at_most='samples',
+      help='continuations per prefix (K)')
+    a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens per continuation')
+    # log Z estimation workload (estimate_ppl.py's defaults; prefix_len + gen_len tokens)
+    a('--chunk', type=int, default=16, at_least=1, at_most='count',
+      help="prefixes per batch of the log Z workload (estimate_ppl.py's --chunk)")
+    a('--logz_samples', type=int, default=64, at_least=1, at_most='samples',
+      help="LM samples per prefix of the log Z workload (estimate_ppl.py's --num_samples)")
+    a('--energy_embd', type=int, default=128, at_least=1, at_most='tokens',
+      help='width of the BIT energy (n_layer, n_head: the LM\'s)')
+    a('--max_rows', type=int, default=256, at_least=1, at_most='count',
+      help="sequences per forward (estimate_ppl.py's --max_rows)")
     args = p.parse_args(argv)
-    at_least(args, 1, 'repeats', 'naive_repeats', 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
-             'sample_prompts', 'prompt_len', 'num_samples', 'new_tokens')
-    at_least(args, 0, 'threads', 'warmup', 'matmul_size')
     check_heads(args.n_embd, args.n_head)
     if args.energy_embd % args.n_head:
         raise ValueError(f"--energy_embd {args.energy_embd} is not a multiple of --n_head {args.n_head} (the "
                          f"energy takes the LM's heads): pick a multiple, e.g. {args.n_head * 32}")
-    if args.prompt_len + args.new_tokens > args.block_size:
-        raise ValueError(f"--prompt_len {args.prompt_len} + --new_tokens {args.new_tokens} "
+    if args.prefix_len + args.gen_len > args.block_size:
+        raise ValueError(f"--prefix_len {args.prefix_len} + --gen_len {args.gen_len} "
                          f"exceeds --block_size {args.block_size}")
     check_writable(args.out, '--out', folder=False)
     if args.quick:
-        args.warmup, args.repeats, args.sample_prompts = 1, 3, min(args.sample_prompts, 2)
-        args.estimate_samples = min(args.estimate_samples, 8)
+        args.warmup, args.repeats, args.num_prefixes = 1, 3, min(args.num_prefixes, 2)
+        args.logz_samples = min(args.logz_samples, 8)
     return args
 
 
@@ -260,7 +266,7 @@ def bench_train(args, device, meta, peak):
 
 @torch.no_grad()
 def bench_sampling(args, device, meta, dtypes, peak_fp32):
-    B, P, K, L = args.sample_prompts, args.prompt_len, args.num_samples, args.new_tokens
+    B, P, K, L = args.num_prefixes, args.prefix_len, args.num_samples, args.gen_len
     torch.manual_seed(args.seed)
     model = GPT(lm_config(args, meta)).to(device).eval()  # random weights: speed does not depend on them
     val = load_split(args.data_dir, 'val', meta)
@@ -387,7 +393,7 @@ def bench_estimate(args, device, meta, dtypes):
     shared by its samples, energies in cache-sized blocks) vs copy_cache_log_weights, runs
     alternating. Both energies use today's 4-D ALiBi bias, so the ratio leaves out what that fix
     alone gave the energy (alibi_sdpa_4d_speedup). Also the energy forward alone, fp32 vs bf16."""
-    B, P, L, n = args.estimate_prefixes, args.prompt_len, args.new_tokens, args.estimate_samples
+    B, P, L, n = args.chunk, args.prefix_len, args.gen_len, args.logz_samples
     torch.manual_seed(args.seed)
     lm = GPT(lm_config(args, meta)).to(device).eval()
     energy = Energy(GPTConfig(block_size=P + L, vocab_size=meta['vocab_size'] + 1, n_layer=args.n_layer,
@@ -464,9 +470,9 @@ def bench_metric_fit(args, device, meta):
     bit = Energy(GPTConfig(block_size=args.block_size, vocab_size=meta['vocab_size'] + 1,
                            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.energy_embd,
                            causal=False)).to(device).eval()
-    x = torch.randint(meta['vocab_size'], (64, args.prompt_len + args.new_tokens), device=device)
-    t = timeit(dict(metrics=lambda: score(metric, x, args.prompt_len, nullcontext()),
-                    bit=lambda: score(bit, x, args.prompt_len, nullcontext())),
+    x = torch.randint(meta['vocab_size'], (64, args.prefix_len + args.gen_len), device=device)
+    t = timeit(dict(metrics=lambda: score(metric, x, args.prefix_len, nullcontext()),
+                    bit=lambda: score(bit, x, args.prefix_len, nullcontext())),
                device, args.warmup, args.repeats)
     res.update(metric_features_seqs_per_s=64 / t['metrics'], bit_energy_seqs_per_s=64 / t['bit'])
     return res

@@ -39,7 +39,7 @@ DEFAULT = dict(
     # not chosen (the selection NLL cannot choose it: docs/experiments.md)
     tailr=dict(gamma=0.01, max_iters=2000, lr=3e-4, min_lr=3e-4, warmup_iters=0, snapshots=''),
     # the talk's metric energy: mu fitted on 512 selection prefixes x 64 LM samples; its table on test
-    metrics=dict(prefixes=512, pool=64, check_prefixes=64, table_prefixes=128, n=32),
+    metrics=dict(num_prefixes=512, fit_samples=64, check_prefixes=64, table_prefixes=128, num_samples=32),
     # each energy early-stopped on its held-out NCE loss (its best.pt: steps after it are not used)
     bit=dict(batch_size=16, max_iters=2400, lr=1e-4, warmup_iters=30, eval_interval=300, eval_prefixes=1024,
              patience=2, loss='binary', select='loss'),
@@ -49,12 +49,12 @@ DEFAULT = dict(
     # bounds' bias at n = 64 is -0.00013 / +0.00016 nats/token, under a quarter of the gain's SE
     # (docs/experiments.md). Fig. 1 on 128 prefixes, log Z every 16 positions; the sampled last step
     # (a check of the exact one) from 128 samples, the calibration on 8 prefixes (the budget's sizes)
-    ppl=dict(max_prefixes=256, num_samples=64, sweep='2,8,32,64', step_prefixes=128, step_samples=32,
+    ppl=dict(num_prefixes=256, num_samples=64, ns='2,8,32,64', step_prefixes=128, step_samples=32,
              step_every=16, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
     # Figs. 2 right and 3 on hundreds of prefixes
-    samples=dict(num_prefixes=256, n=64, logz_samples=32, table_prefixes=1, m=16),
+    samples=dict(num_prefixes=256, num_samples=64, logz_samples=32, table_prefixes=1, candidate_samples=16),
     # reproduce.py --ordering: each LM snapshot with its own negatives and BIT, scored on val
-    ordering=dict(train_prefixes=4000, select_prefixes=256, bit_iters=400, max_prefixes=128, num_samples=32),
+    ordering=dict(train_prefixes=4000, select_prefixes=256, bit_iters=400, num_prefixes=128, num_samples=32),
 )
 # the smoke test: tiny models, and a base LM deliberately undertrained (30 steps, char PPL ~21-25)
 # so that the energy has a large, robust gain to find, which the CI test asserts
@@ -67,29 +67,32 @@ QUICK = dict(
     mlm=dict(n_embd=32, max_iters=100, alibi=True),
     bit=dict(batch_size=16, max_iters=600, lr=1e-3, warmup_iters=10, eval_interval=150),
     unit=dict(batch_size=16, max_iters=300, lr=1e-3, warmup_iters=10, eval_interval=75),
-    ppl=dict(max_prefixes=128, num_samples=64, sweep='2,8,64', step_prefixes=2, step_samples=4,
+    ppl=dict(num_prefixes=128, num_samples=64, ns='2,8,64', step_prefixes=2, step_samples=4,
              last_step_samples=64, calib_prefixes=4, calib_samples=512),
-    samples=dict(num_prefixes=4, n=32, logz_samples=8, table_prefixes=1, candidates=16, m=4),
-    ordering=dict(train_prefixes=400, select_prefixes=32, bit_iters=100, max_prefixes=16, num_samples=8),
+    samples=dict(num_prefixes=4, num_samples=32, logz_samples=8, table_prefixes=1, candidates=16,
+                 candidate_samples=4),
+    ordering=dict(train_prefixes=400, select_prefixes=32, bit_iters=100, num_prefixes=16, num_samples=8),
     tailr=dict(gamma=0.01, max_iters=20, lr=1e-3, eval_interval=10, final_eval_windows=256, snapshots=''),
     # an LM of 30 steps repeats no 4-gram in 32 characters, which real text does: no rep-N, div
-    metrics=dict(metrics='tr-8,coh,logp', prefixes=64, pool=64, check_prefixes=32, table_prefixes=16, n=8),
+    metrics=dict(metrics='tr-8,coh,logp', num_prefixes=64, fit_samples=64, check_prefixes=32,
+                 table_prefixes=16, num_samples=8),
 )
 # the paper's tokenizer (GPT-2 BPE, 50,257 tokens) through every stage, with tiny models: a test
 # that the BPE path runs end to end (the vocabulary makes the LM head and the exact last-step
 # enumeration the big costs), not a result
 QUICK_GPT2 = dict(
     lm=dict(n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=8, max_iters=30, lr=3e-3,
-            warmup_iters=5, eval_interval=15, eval_iters=4, final_eval_windows=32, num_samples=0),
+            warmup_iters=5, eval_interval=15, eval_iters=4, final_eval_windows=32, print_samples=0),
     balm=dict(),
     residual=dict(n_layer=1, n_head=2, n_embd=32),
     neg=dict(prefix_len=24, gen_len=8, num_samples=2, train_prefixes=32, select_prefixes=8),
     mlm=dict(n_embd=32, max_iters=20, alibi=True),
     bit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
     unit=dict(batch_size=8, max_iters=20, lr=1e-3, warmup_iters=5, eval_interval=10),
-    ppl=dict(max_prefixes=4, num_samples=4, sweep='2,4', step_prefixes=2, step_samples=2,
+    ppl=dict(num_prefixes=4, num_samples=4, ns='2,4', step_prefixes=2, step_samples=2,
              last_step_samples=16, calib_prefixes=2, calib_samples=32),
-    samples=dict(num_prefixes=2, n=4, table_prefixes=1, candidates=4, keep=2, table_k=2, m=2),
+    samples=dict(num_prefixes=2, num_samples=4, table_prefixes=1, candidates=4, keep=2, table_k=2,
+                 candidate_samples=2),
     tailr=dict(gamma=0.01, max_iters=10, eval_interval=5, final_eval_windows=32, snapshots=''),
     # no metric energy: the samples of a 30-step BPE LM never reach real text's metrics (its real
     # text's log P_LM is above every sample's, its hidden states all alike), so nothing can match them
@@ -129,13 +132,14 @@ ADDITION = dict(
              eval_prefixes=1024, patience=4, select='gain_enumerated'),
     unit=dict(batch_size=32, max_iters=8000, lr=2e-4, min_lr=2e-5, warmup_iters=50, eval_interval=500,
               eval_prefixes=1024, patience=4, select='gain_enumerated'),
-    ppl=dict(max_prefixes=512, num_samples=64, beam=8, sweep='2,8,32,64', step_prefixes=64, step_samples=32,
+    ppl=dict(num_prefixes=512, num_samples=64, beam=8, ns='2,8,32,64', step_prefixes=64, step_samples=32,
              step_every=1, last_step_samples=128, calib_prefixes=8, calib_samples=1024),
-    samples=dict(num_prefixes=128, n=64, logz_samples=32, table_prefixes=1, m=16),
-    # EXO's K and lr by the selection split's KL(pi_theta || joint) and P(correct): K = 64 of 8, 32, 64
-    # (K = 8: lr 1e-5 of 3e-6, 1e-5, 3e-5, 1e-4; the loss dpo as well) (docs/addition.md); 200 steps: on
-    # the selection split the next 150 bought 5% of its reverse KL (2.07 at 150, 1.97 at 300, 2.04 at 400)
-    exo=dict(K=64, batch_size=16, max_iters=200, lr=1e-5, eval_interval=50, eval_prefixes=256,
+    samples=dict(num_prefixes=128, num_samples=64, logz_samples=32, table_prefixes=1, candidate_samples=16),
+    # EXO's K (--num_samples) and lr by the selection split's KL(pi_theta || joint) and P(correct): K = 64
+    # of 8, 32, 64 (K = 8: lr 1e-5 of 3e-6, 1e-5, 3e-5, 1e-4; the loss dpo as well) (docs/addition.md); 200
+    # steps: on the selection split the next 150 bought 5% of its reverse KL (2.07 at 150, 1.97 at 300, 2.04
+    # at 400)
+    exo=dict(num_samples=64, batch_size=16, max_iters=200, lr=1e-5, eval_interval=50, eval_prefixes=256,
              eval_samples=16),
     accuracy=dict(num_prefixes=1000, ns='1,4,16,64'),
 )
@@ -145,8 +149,9 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
             select_on='continuation'),
     mlm=dict(QUICK['mlm'], select_on='window'),
     neg=dict(prefix_len=14, gen_len=8, num_samples=2, train_prefixes=1600, select_prefixes=64),
-    ppl=dict(QUICK['ppl'], step_every=1), samples=dict(QUICK['samples'], m=2),
-    exo=dict(K=4, batch_size=8, max_iters=20, lr=1e-4, eval_interval=10, eval_prefixes=32, eval_samples=4,
+    ppl=dict(QUICK['ppl'], step_every=1), samples=dict(QUICK['samples'], candidate_samples=2),
+    exo=dict(num_samples=4, batch_size=8, max_iters=20, lr=1e-4, eval_interval=10, eval_prefixes=32,
+             eval_samples=4,
              logz_samples=64, forward_samples=16),
     accuracy=dict(num_prefixes=64, ns='1,5,20'),
 )
@@ -158,10 +163,10 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
 # NCE over 4 of 16 samples per prefix for 6,000 steps at lr 1e-3 (all 16 for 1,500 steps, or lr 3e-3,
 # left Algorithm 1 below the LM's greedy sum: too soft an energy to resample with)
 LESSON = dict(
-    data=dict(digits=4, train=50000, select=2000, val=2000, test=2000),
+    data=dict(digits=4, train_problems=50000, select_problems=2000, val_problems=2000, test_problems=2000),
     lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=64, batch_size=32, max_iters=1500, lr=3e-3,
             min_lr=3e-4, warmup_iters=40, lr_decay_iters=1500, eval_interval=250, patience=0,
-            select_on='continuation', snapshots='', final_eval=0, num_samples=0),
+            select_on='continuation', snapshots='', final_eval=0, print_samples=0),
     neg=dict(prefix_len=10, gen_len=6, num_samples=16, select_samples=64, train_prefixes=20000,
              select_prefixes=256),
     unit=dict(batch_size=32, max_iters=6000, lr=1e-3, min_lr=1e-4, warmup_iters=50, eval_interval=1000,
@@ -169,7 +174,7 @@ LESSON = dict(
     accuracy=dict(num_prefixes=1000, ns='1,4,16,64', beam=0),
 )
 LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson runs end to end
-    data=dict(digits=4, train=2000, select=200, val=200, test=200),
+    data=dict(digits=4, train_problems=2000, select_problems=200, val_problems=200, test_problems=200),
     lm=dict(LESSON['lm'], n_layer=2, n_head=2, n_embd=32, max_iters=40, eval_interval=20, warmup_iters=5),
     neg=dict(LESSON['neg'], num_samples=4, select_samples=8, train_prefixes=400, select_prefixes=32),
     unit=dict(LESSON['unit'], max_iters=40, eval_interval=20, eval_prefixes=32, warmup_iters=5),

@@ -19,7 +19,6 @@ Titles carry the claim each figure measures (claims.json, when present).
 matplotlib is this script's own dependency (run.sh installs it); nothing else in rebm needs it.
 """
 
-import argparse
 import os
 import shutil
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.figures")
 from job import (NUMBER, NUMBER_OR_NULL, NUMBERS, check_claims_inputs, check_same_lm, read_report)
-from plumbing import check_writable, common_flags, run_main
+from plumbing import ArgumentParser, check_writable, common_flags, run_main
 
 # the paper's Fig. 3 colours: real text red, BASE LM black, the joint model green
 KINDS = {'gold': ('real text', 'tab:red'), 'base': ('BASE LM', 'black'), 'joint': ('JOINT', 'tab:green'),
@@ -208,18 +207,17 @@ MAX_DPI = 1200
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     common_flags(p, 'out_dir', default=dict(out_dir='out'),
                  help=dict(out_dir='where ppl.json and samples.json are, and the PNGs go'))
     p.add_argument('--split', default=None,
                    help="split of Fig. 1 and Fig. 2 left (default: the one ppl.json's per-step PPL used)")
     p.add_argument('--copy_to', default=None,
                    help='also copy the PNGs here (e.g. assets/figures, shown by README)')
-    p.add_argument('--dpi', type=int, default=90, help=f'resolution of the PNGs (1 to {MAX_DPI})')
-    args = p.parse_args(argv)
-    if not 1 <= args.dpi <= MAX_DPI:  # 100,000 dpi: gigapixel PNGs, tens of GB of memory
-        raise ValueError(f"--dpi {args.dpi}: must be between 1 and {MAX_DPI} (print quality is 300-600)")
-    return args
+    # 100,000 dpi: gigapixel PNGs, tens of GB of memory; print quality is 300-600
+    p.add_argument('--dpi', type=int, default=90, at_least=1, at_most=MAX_DPI,
+                   help=f'resolution of the PNGs (1 to {MAX_DPI})')
+    return p.parse_args(argv)
 
 
 def main(argv=None):
@@ -238,7 +236,7 @@ def main(argv=None):
     figures = [('fig1_per_step.png', fig1_per_step, (ppl, split, claims), 'per_step' in res,
                 'estimate_ppl.py --per_step'),
                ('fig2_left_bounds.png', fig2_left_bounds, (ppl, split, claims), 'sweep' in res,
-                'estimate_ppl.py --sweep'),
+                'estimate_ppl.py --ns'),
                ('fig2_right_ngrams.png', fig2_right_ngrams, (claims,), claims is not None, 'claims.py'),
                ('fig3_loglik.png', fig3_loglik, (samples, claims), has_samples, 'sample.py')]
     if ordering:

@@ -27,7 +27,7 @@ import sys
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.human_eval")
-from plumbing import ArgumentParser, at_least, check_writable, common_flags, not_a_file, run_main, write_json
+from plumbing import ArgumentParser, check_writable, common_flags, not_a_file, run_main, write_json
 
 
 def binomial_p_value(wins, losses):
@@ -184,16 +184,17 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest='cmd', required=True)
     e = sub.add_parser('export', help='write items for raters and the key')
-    e.add_argument('--samples', default='out/samples.json', help="sample.py's JSON output")
+    e.add_argument('--samples', default='out/samples.json', path=True, help="sample.py's JSON output")
     e.add_argument('--systems', default='joint,base',
                    help='the two systems compared (base, joint, worst, gold)')
-    e.add_argument('--checks', type=int, default=2, help='attention-check items (system vs real text)')
+    e.add_argument('--checks', type=int, default=2, at_least=0, at_most='count',
+                   help='attention-check items (system vs real text)')
     common_flags(e, 'out_dir', 'force', 'seed', default=dict(out_dir='out/human_eval'), help=dict(
         force='overwrite an existing key.json (votes collected against it become unscorable)'))
     s = sub.add_parser('score', help='read votes back and report the preference')
-    s.add_argument('--key', default='out/human_eval/key.json')
-    s.add_argument('--votes', required=True, help='CSV with columns rater,item,choice')
-    s.add_argument('--max_failed_checks', type=int, default=0,
+    s.add_argument('--key', default='out/human_eval/key.json', path=True, help="export's key.json")
+    s.add_argument('--votes', required=True, path=True, help='CSV with columns rater,item,choice')
+    s.add_argument('--max_failed_checks', type=int, default=0, at_least=0, at_most='count',
                    help='drop raters failing more checks than this')
     s.add_argument('--per_vote', action='store_true',
                    help='count votes, not items decided by majority (p-values too small)')
@@ -207,7 +208,6 @@ def main(argv=None):
 
 def run_export(args):
     """human_eval.py export: blinded items of the two systems and attention checks, and the key."""
-    at_least(args, 0, 'checks')
     key_path = os.path.join(args.out_dir, 'key.json')
     # a new key would silently rescore votes collected on the old items
     if os.path.exists(key_path) and not args.force:
@@ -237,7 +237,6 @@ def run_export(args):
 
 def run_score(args):
     """human_eval.py score: the votes against the key, each item decided by its raters' majority."""
-    at_least(args, 0, 'max_failed_checks')
     out = args.out or os.path.splitext(args.votes)[0] + '_report.json'
     check_writable(out, '--out', folder=False)
     key = check_key(load_json(args.key, '--key', 'give the key.json that human_eval.py export wrote'),

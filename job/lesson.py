@@ -54,9 +54,9 @@ def get_args(argv=None):
         quiet='no progress bars in the stages', device='passed to every stage', dtype='passed to every stage'))
     p.add_argument('--data_dir', default=None,
                    help='where the problems are prepared (default: data/lesson, data/lesson_quick with --quick)')
-    p.add_argument('--data_seed', type=int, default=1337,
+    p.add_argument('--data_seed', type=int, default=1337, at_least=0, at_most=2**63 - 1,
                    help="the seed of the problems drawn (apart from --seed, the models')")
-    p.add_argument('--jobs', type=int, default=1, at_least=1,
+    p.add_argument('--jobs', type=int, default=1, at_least=1, at_most=1024,
                    help='stages run at once, like make -j (the lesson is a chain: 1 is as fast)')
     args = p.parse_args(argv)
     args.out_dir = args.out_dir or ('out-quick-lesson' if args.quick else 'out-lesson')

@@ -100,13 +100,13 @@ def get_args(argv=None):
         quiet='no progress bars in the stages', device='passed to every stage',
         dtype="passed to every stage that takes it ('auto': each chooses from the hardware and its models' "
               "width, never from a timing); EXO and addition_eval run in fp32"))
-    p.add_argument('--data_seed', type=int, default=1337,
+    p.add_argument('--data_seed', type=int, default=1337, at_least=0, at_most=2**63 - 1,
                    help="the seed of the data's preparation (splits, addition's problems), apart from --seed "
                         "(the models'), so that runs at several seeds train and test on the same data")
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
                         "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
-    p.add_argument('--jobs', type=int, default=None,
+    p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
                         "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
                         "stages are bound by process starts, not arithmetic (measured: docs/reports.md). "
@@ -122,8 +122,6 @@ def get_args(argv=None):
     args.lesson = args.data == 'shakespeare' and not args.skip_lesson
     if args.jobs is None:
         args.jobs = min(2, torch.get_num_threads()) if args.quick else 1
-    if args.jobs < 1:
-        raise ValueError(f"--jobs {args.jobs}: at least 1 (1: one stage at a time)")
     gpt2, add = args.tokenizer == 'gpt2', args.data == 'addition'
     if add and (gpt2 or args.ordering):
         raise ValueError("--data addition is char-level, without --ordering: drop --tokenizer / --ordering")
@@ -325,7 +323,7 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
     """Table 1 and Figs. 1-2 left (estimate_ppl.py: every model on val and test, Eq. 4-5), then
     joint samples and their analyses (sample.py: Figs. 2 right and 3)."""
     plug_in = ['-m', 'extensions.run'] if metric else []  # its launcher loads the metric energy
-    stage('estimate_ppl', [*plug_in, 'estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val,test',
+    stage('estimate_ppl', [*plug_in, 'estimate_ppl.py', '--lm', lm_ckpt, '--split', 'val,test',
                            '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
                            *metric,
                            '--extra_lm', f"RALM={path('ralm', 'best.pt')}", f"BALM={path('balm', 'best.pt')}",
@@ -388,7 +386,7 @@ def negatives(stage, path, lm_ckpt, neg, name, train_prefixes, select_prefixes, 
         K = neg.get('select_samples', neg['num_samples']) if split == 'select' else neg['num_samples']
         stage(f'{name}_{split}', ['negatives.py', '--lm', lm_ckpt, '--split', split,
                                   '--out_dir', path(f'{name}_{split}')]
-              + flags({k: v for k, v in dict(max_prefixes=count, num_samples=K, prefix_len=neg['prefix_len'],
+              + flags({k: v for k, v in dict(num_prefixes=count, num_samples=K, prefix_len=neg['prefix_len'],
                                              gen_len=neg['gen_len'], chunk=neg.get('chunk')).items()
                        if v is not None}),
               path(f'{name}_{split}', 'meta.json'), deps, path(f'{name}_{split}'))
@@ -400,7 +398,7 @@ def nce(stage, path, kind, lm_ckpt, neg, init, settings, deps, out_name=None):
     out_name = out_name or kind
     resume = ['--resume'] if os.path.exists(path(out_name, 'ckpt.pt')) else []
     stage(out_name, ['nce_train.py', '--lm', lm_ckpt, '--negatives', path(f'{neg}_train'),
-                     '--held_out_negatives', path(f'{neg}_select'), '--energy', kind, '--init_from', init,
+                     '--held_out_negatives', path(f'{neg}_select'), '--body', kind, '--init_from', init,
                      '--out_dir', path(out_name)] + flags(settings) + resume,
           path(out_name, 'results.json'), [f'{neg}_train', f'{neg}_select'] + deps, path(out_name))
 
@@ -440,11 +438,11 @@ def ordering(stage, pipe, path, args, cfg):
                   ['lm'])
         nce(stage, path, 'bit', lm_ckpt, f'{name}_neg', path('mlm', 'best.pt'),
             dict(cfg['bit'], max_iters=oc['bit_iters']), ['mlm'], out_name=f'{name}_bit')
-        stage(f'{name}_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--splits', 'val',
+        stage(f'{name}_ppl', ['estimate_ppl.py', '--lm', lm_ckpt, '--split', 'val',
                               '--energy', f"BIT={path(f'{name}_bit', 'best.pt')}",
                               '--extra_lm', f'BALM={balm}',
                               '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                              '--max_prefixes', str(oc['max_prefixes']),
+                              '--num_prefixes', str(oc['num_prefixes']),
                               '--num_samples', str(oc['num_samples']),
                               '--calib_prefixes', '0', '--out', path(f'{name}_ppl.json'), '--force'],
               path(f'{name}_ppl.json'), [f'{name}_bit', 'balm'])
@@ -458,7 +456,7 @@ def ordering(stage, pipe, path, args, cfg):
                            balm_gain_se=rows['BALM']['gain_se'],
                            joint_gain=rows['JOINT BIT']['gain_nats_per_token'],
                            joint_gain_se=rows['JOINT BIT']['gain_se']))
-    write_json(dict(split='val', energy='BIT', num_prefixes=oc['max_prefixes'], num_samples=oc['num_samples'],
+    write_json(dict(split='val', energy='BIT', num_prefixes=oc['num_prefixes'], num_samples=oc['num_samples'],
                     points=points), path('ordering.json'))
     pipe.done['ordering'] = path('ordering.json')
 

@@ -4,8 +4,9 @@ is what lets the scripts run on any machine and fail with one clear line. Import
 nothing (no environment variable, no file read) until a function is called.
 
     run.py      the entry point run_main: one-line errors (REBM_DEBUG=1 shows the traceback),
-                Ctrl-C and SIGTERM hints, the output folders of a failed run removed; ArgumentParser
-                and the flag checks (bad input: one `error:` line, before any work); lock_folder
+                Ctrl-C and SIGTERM hints, the output folders of a failed run removed; ArgumentParser,
+                whose flags declare their help, kind and bounds (checked as they are parsed: one
+                `error:` line, before any work), and the flag checks; lock_folder
     device.py   the threads' wait policy (decided by run_main), pick_device and the precision from
                 what the hardware has, DDP setup / teardown / all_reduce, rng_seed: one rule for
                 every random stream
@@ -34,8 +35,8 @@ from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_
                             first_missing, free_space, load_weights, not_a_file, out_of_space,
                             save_checkpoint, save_checkpoints, write_json, write_text)
 from plumbing.run import (COMMON_FLAGS, LOCKS, ArgumentParser, at_least, check, check_heads,  # noqa: F401
-                          check_new, check_writable, common_flags, interrupt, lock_folder, named_paths,
-                          new_folder, one_job, progress, rerun_command, run_main)
+                          check_new, check_writable, comma_ints, common_flags, interrupt, lock_folder,
+                          named_paths, new_folder, one_job, parser_of, progress, rerun_command, run_main)
 from plumbing.trainer import (RunDir, check_new_run, check_resumed_flags, check_resumed_iters,  # noqa: F401
                               check_training_flags, checkpoint_hint, diverged, given_flags,
                               micro_batches, missing_checkpoint, run_trainer, training_parser)

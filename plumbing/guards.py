@@ -216,19 +216,14 @@ def check_energy_block(length, block_size):
 # -----------------------------------------------------------------------------
 # negatives.py
 
-MAX_SAMPLES = 2**16  # stored continuations per prefix: beyond it a mistyped size, not an experiment
-
-
 def check_negatives_flags(args, chunk_tokens):
     """negatives.py's flags, before out_dir is created (a folder made with bad flags would refuse the
-    fixed rerun); --chunk's default filled: about chunk_tokens sampled tokens, prompts included."""
-    at_least(args, 1, 'prefix_len', 'gen_len', 'stride', 'max_prefixes', 'num_samples', 'top_k', 'chunk')
+    fixed rerun); --chunk's default filled: about chunk_tokens sampled tokens, prompts included;
+    --num_prefixes 0 (all) and --top_k 0 (untruncated) as None, as the sampler takes them."""
+    args.max_prefixes, args.top_k = args.max_prefixes or None, args.top_k or None
     if args.chunk is None:  # small models decode ~8x faster in 4,096 rows than in 512 (addition)
         args.chunk = max(1, chunk_tokens // (args.num_samples * (args.prefix_len + args.gen_len)))
-    check(args, 'num_samples', lambda v: v <= MAX_SAMPLES,
-          f"at most {MAX_SAMPLES:,} (the paper stores 16 or 128 per prefix)")
-    check(args, 'top_p', lambda v: 0 < v <= 1, 'in (0, 1]')
-    check(args, 'temperature', lambda v: 0 <= v < float('inf'), 'a finite number >= 0 (0: greedy)')
+    check(args, 'top_p', lambda v: v > 0, 'in (0, 1]')  # the declared bounds (negatives.get_args): the rest
     # a chunk's samples come back at once: int64 tokens, float32 log P_LM and log q per token
     check_memory(args.chunk * args.num_samples * 16 * args.gen_len,
                  f"--num_samples {args.num_samples} x --chunk {args.chunk}", "lower them")
@@ -261,23 +256,15 @@ def check_same_settings(old, settings, out_dir, done):
 # estimate_ppl.py
 
 def check_ppl_flags(args, splits):
-    """estimate_ppl.py's flags, checked before any work (one line naming the flag); --sweep and
-    --splits parsed (splits: the names a split may have)."""
-    try:
-        args.sweep = [int(n) for n in args.sweep.split(',') if n]
-    except ValueError:
-        raise ValueError(f"--sweep {args.sweep}: must be comma-separated integers, e.g. 2,4,16") from None
+    """estimate_ppl.py's flags, checked before any work (one line naming the flag), beyond the bounds
+    its parser declares; --split parsed (splits: the names a split may have)."""
     args.splits = [s for s in args.splits.split(',') if s]
     if not args.splits or any(s not in splits for s in args.splits):
-        raise ValueError(f"--splits {','.join(args.splits)}: must be comma-separated names of "
+        raise ValueError(f"--split {','.join(args.splits)}: must be comma-separated names of "
                          f"{', '.join(splits)}")
-    at_least(args, 1, 'prefix_len', 'gen_len', 'step_prefixes', 'step_every', 'chunk', 'max_rows')
-    at_least(args, 0, 'beam')
     check(args, 'max_prefixes', lambda v: v == 0 or v >= 2,
           '0 (all) or at least 2 (the gain has a standard error)')
-    at_least(args, 2, 'step_samples')  # per-step bounds need leave-one-out too
     check_ppl_models(args)
-    at_least(args, 0, 'calib_prefixes')
     if args.per_step is not None:
         at_least(args, 2, 'last_step_samples')  # checked before the main table is computed
     check_ppl_memory(args)
@@ -296,7 +283,7 @@ def check_ppl_models(args):
         raise ValueError(f"--energy/--extra_lm: the name {min(taken)} is taken (by the other flag, or the "
                          f"base LM's row): give each model its own name")
     if min([args.num_samples] + args.sweep) < 2:
-        raise ValueError("--num_samples and --sweep values must be at least 2 "
+        raise ValueError("--num_samples and --ns values must be at least 2 "
                          "(the upper bound needs leave-one-out)")
 
 
@@ -305,8 +292,8 @@ def check_ppl_memory(args):
     largest n, and for the calibration's reference (at least 2 groups of n samples)."""
     per_sample = 8 * args.gen_len + 8 * max(1, len(args.energy))
     n_max = max([args.num_samples] + args.sweep)
-    check_memory(args.chunk * n_max * per_sample, f"--num_samples/--sweep {n_max} x --chunk {args.chunk}",
-                 "lower --num_samples/--sweep (or --chunk)")
+    check_memory(args.chunk * n_max * per_sample, f"--num_samples/--ns {n_max} x --chunk {args.chunk}",
+                 "lower --num_samples/--ns (or --chunk)")
     if args.calib_prefixes:
         check_memory(2 * args.num_samples * per_sample, f"--num_samples {args.num_samples} (calibrated "
                      f"against --calib_samples >= 2 x {args.num_samples})",
@@ -339,18 +326,15 @@ def check_ppl_prefixes(prefixes, length, out, n_models):
 
 def check_sample_flags(args):
     """sample.py's flags, and the memory of its log Z samples and of the Table-3 view."""
-    at_least(args, 1, 'num_prefixes', 'prefix_len', 'gen_len', 'n', 'chunk', 'max_rows')
-    at_least(args, 0, 'top_k', 'table_k', 'table_prefixes', 'print_prefixes')
-    if args.logz_samples == 1 or args.logz_samples < 0:
+    if args.logz_samples == 1:  # the declared bounds (sample.get_args): the rest
         raise ValueError(f"--logz_samples {args.logz_samples}: "
                          "0 (off) or at least 2 (the bounds need leave-one-out)")
-    at_least(args, 2, 'm')  # each Z estimate is a log Z bound, which needs 2 samples
     per_sample = 8 * args.gen_len + 8  # int64 tokens and a float64 energy, held at once per batch
     check_memory(args.chunk * args.logz_samples * per_sample,
                  f"--logz_samples {args.logz_samples} x --chunk {args.chunk}", "lower them")
     if args.autoregressive or args.table_k:  # next_token_table: m completions of max_rows / 16 rows
         rows = max(1, args.max_rows // min(args.m, 16))
-        check_memory(rows * args.m * per_sample, f"--m {args.m}", "lower it")
+        check_memory(rows * args.m * per_sample, f"--candidate_samples {args.m}", "lower it")
     check_writable(args.out, '--out', folder=False)
     check_new(args.out, '--out', args.force)
     return args
@@ -364,7 +348,7 @@ def check_sample_vocab(args, V):
             and not (0 <= args.table_k <= args.keep <= min(args.candidates, V) and args.m >= 1)):
         raise ValueError(f"need 0 <= --table_k ({args.table_k}) <= --keep ({args.keep}) "
                          f"<= --candidates ({args.candidates}) "
-                         f"and the vocabulary size ({V}), and --m ({args.m}) >= 1")
+                         f"and the vocabulary size ({V}), and --candidate_samples ({args.m}) >= 1")
 
 
 def check_prompt(ids):
@@ -389,7 +373,7 @@ def check_prefix_count(args, offsets, held):
 def check_sampling_time(lm, energy, B, P, args, device):
     """Says how long sampling B prefixes of P tokens takes, by a crude estimate from its forward
     tokens (forward_seconds), before it starts; beyond TIME_LIMIT_S only with --force. Sequences
-    sampled and scored: n (Algorithm 1) and --logz_samples per prefix, and candidates x m
+    sampled and scored: --num_samples (Algorithm 1) and --logz_samples per prefix, and candidates x m
     completions for each Table-3 view and each step of --autoregressive."""
     L, C = args.gen_len, min(args.candidates, lm.config.vocab_size)
     rows = B * (args.n + args.logz_samples)
@@ -398,5 +382,5 @@ def check_sampling_time(lm, energy, B, P, args, device):
     sampled, scored = sampled + views * C * args.m * L, scored + views * C * args.m * (P + L)
     seconds = forward_seconds(2 * lm.num_params() * sampled,
                               2 * sum(p.numel() for p in energy.parameters()) * scored, device)
-    check_time(seconds, f"sampling {B} prefixes with --n {args.n}"
-                        + (f", --m {args.m}" if views else ''), args.force)
+    check_time(seconds, f"sampling {B} prefixes with --num_samples {args.n}"
+                        + (f", --candidate_samples {args.m}" if views else ''), args.force)

@@ -1,13 +1,15 @@
 """
 The entry point and bad input: run_main (one `error:` line instead of a traceback, Ctrl-C and
-SIGTERM hints, the output folders of a failed run removed), ArgumentParser, the flags every script
-shares (common_flags) and the flag checks, and one job per output folder (lock_folder).
+SIGTERM hints, the output folders of a failed run removed), ArgumentParser (every flag declared
+with its help, kind and bounds, checked as it is parsed), the flags every script shares
+(common_flags) and the flag checks, and one job per output folder (lock_folder).
 """
 
 import argparse
 import errno
 import fcntl
 import functools
+import math
 import os
 import re
 import shlex
@@ -31,12 +33,13 @@ DEBUG_HELP = "Bad input stops with one 'error:' line; REBM_DEBUG=1 in the enviro
 
 # the flags every script shares, one default each (common_flags): --device auto everywhere
 COMMON_FLAGS = dict(
-    out_dir=dict(required=True, help='where the outputs go'),
+    out_dir=dict(required=True, path=True, help='where the outputs go'),
     force=dict(action='store_true', help='replace the outputs of an earlier run'),
     device=dict(default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': CUDA, else MPS, else the CPU)"),
     dtype=dict(default='auto', choices=DTYPES,
                help="autocast dtype ('auto': from the hardware, docs/using.md)"),
-    seed=dict(type=int, default=1337, help='every random stream derives from it (rng_seed)'),
+    seed=dict(type=int, default=1337, at_least=0, at_most=2**63 - 1,
+              help='every random stream derives from it (rng_seed)'),
     quiet=dict(action='store_true', help='no progress bar'),
 )
 
@@ -51,44 +54,165 @@ def common_flags(parser, *names, help=None, default=None):
         parser.add_argument(f'--{name}', **kw)
 
 
+# -----------------------------------------------------------------------------
+# flags declared with their kind and bounds (ArgumentParser.add_argument), checked as they are parsed
+
+UNSET = object()  # a bound not declared (a numeric flag must declare both, None: none that way)
+
+# sizes bounded by what a machine can hold, generous: a mistyped size is refused before it allocates
+MAX_SAMPLES = 2**16  # LM samples per prefix (negatives.py's bound, docs/using.md)
+MAX_BEAM = 4096      # beam width: 100,000 on addition asked 26 GB; this, about 1 GB
+MAX_TOKENS = 2**20   # tokens of a prefix or a continuation, a context, a width
+MAX_COUNT = 2**31 - 1  # prefixes, problems, iterations, batches: what an int64 index and a run can hold
+
+
+def comma_ints(text):
+    """'1,4,16' -> [1, 4, 16] (sorted, each once): a list of sample counts (--ns)."""
+    return sorted({int(n) for n in text.split(',') if n.strip()})
+
+
+comma_ints.__name__ = 'comma-separated integers'  # argparse's "invalid ... value" line
+
+# at_most= by the kind of size (a declaration reads at_most='samples'), or a number
+SIZES = dict(samples=MAX_SAMPLES, beam=MAX_BEAM, tokens=MAX_TOKENS, count=MAX_COUNT)
+
+
+# where a flag's declaration names a different attribute (dest=, the name the code and the checkpoints
+# recorded before the flag's rename): {dest: flag} of the last parse, for the lines of the checks that
+# name flags (check) and for --resume's flags given (plumbing.trainer.given_flags)
+FLAG_OF = {}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every flag's default in --help (unless its help says it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ''
+        if (action.option_strings and action.default is not argparse.SUPPRESS and action.nargs != 0
+                and 'default' not in text):
+            text += ' (default: %(default)s)'
+        return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (an unknown flag, 'abc' for an int) are one `error:` line through
-    run_main, like every other bad input, instead of the usage text and exit status 2; a flag
-    added with at_least=N must be at least N where given (at_least)."""
+    run_main, like every other bad input, instead of the usage text and exit status 2; its usage
+    names the command as typed (script_command), and --help every default.
+
+    Every flag is declared with help and, where it has them, its kind and bounds, which parse_args
+    checks (one line naming the flag, before any work): a number (type int or float) declares
+    at_least= and at_most= (None: unbounded that way; a size bounded by memory: at_most='samples',
+    'beam', 'tokens' or 'count', SIZES),
+    and a float is refused as nan or inf unless finite=False; a comma-separated list of ints
+    (type=comma_ints) has each value bounded; path=True (or a name PATH_FLAG knows): '' is refused.
+    A declaration without them is refused when the parser is built (a flag cannot be added unguarded)."""
+
+    capture = False  # parsers_of: parse_args hands the built parser back instead of parsing
 
     def __init__(self, **kw):
-        if script_command()[1] == '-m':  # the usage line as it is typed, not the file's name
-            kw.setdefault('prog', ' '.join(script_command()))
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEBUG_HELP, **kw)
-        self.minimums = {}
+        kw.setdefault('prog', ' '.join(script_command() + PROG_SUFFIX))  # the usage line as it is typed
+        kw.setdefault('formatter_class', HelpFormatter)
+        kw.setdefault('allow_abbrev', False)  # a retired name (--m) is not a prefix of another (--max_rows)
+        self.bounds = {}  # dest -> (flag, at_least, at_most, finite)
+        self.paths = set()  # dests of path flags
+        self.flag_of = {}  # dest -> flag, where they differ (FLAG_OF)
+        super().__init__(epilog=DEBUG_HELP, **kw)
 
-    def add_argument(self, *args, at_least=None, **kw):
+    def add_argument(self, *args, at_least=UNSET, at_most=UNSET, finite=True, path=None, **kw):
+        if 'dest' in kw and args and args[0].startswith('--') and kw.get('action') is None:
+            kw.setdefault('metavar', args[0][2:].upper())  # the flag's name in --help, not the dest's
+        flag, numeric = args[0] if args else kw.get('dest'), kw.get('type') in (int, float, comma_ints)
+        if not kw.get('help'):  # checked before argparse registers the flag
+            raise TypeError(f"{flag}: declare its help (what it is, its unit)")
+        if numeric and (at_least is UNSET or at_most is UNSET):
+            raise TypeError(f"{flag}: a number declares its bounds, at_least= and at_most= (None: unbounded)")
+        if not numeric and (at_least is not UNSET or at_most is not UNSET):
+            raise TypeError(f"{flag}: bounds declared on a flag that is not a number (type=int or float)")
         action = super().add_argument(*args, **kw)
-        if at_least is not None:
-            self.minimums[action.dest] = at_least
+        at_most = SIZES[at_most] if isinstance(at_most, str) else at_most
+        if numeric:
+            self.bounds[action.dest] = (flag, at_least, at_most, finite and action.type is float)
+        if path or (path is None and action.option_strings and PATH_FLAG.search(flag[2:])):
+            self.paths.add(action.dest)
+        if action.option_strings and action.dest != flag[2:]:
+            self.flag_of[action.dest] = flag
         return action
 
     def parse_args(self, args=None, namespace=None):
+        if ArgumentParser.capture:
+            raise ParserBuilt(self)
         parsed = super().parse_args(args, namespace)
-        for name, minimum in self.minimums.items():
-            at_least(parsed, minimum, name)
-        for action in self._actions:
-            check_not_empty(action, getattr(parsed, action.dest, None))
+        FLAG_OF.clear()
+        self.check_declared(parsed)
         return parsed
 
+    def check_declared(self, parsed):
+        """The declared bounds and paths of parsed's values (a subcommand's too)."""
+        FLAG_OF.update(self.flag_of)
+        for dest, (flag, lo, hi, finite) in self.bounds.items():
+            value = getattr(parsed, dest, None)
+            for v in value if isinstance(value, list) else [value]:
+                check_bounds(flag, v, lo, hi, finite)
+        for action in self._actions:
+            if action.dest in self.paths:
+                check_not_empty(action, getattr(parsed, action.dest, None))
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(parsed, action.dest, None))
+                if isinstance(sub, ArgumentParser):
+                    sub.check_declared(parsed)
+
     def error(self, message):
+        if message.startswith('argument '):  # "argument --beam: invalid int value" -> "--beam: ..."
+            message = message[len('argument '):]
         raise ValueError(f"{message} (see {self.prog} --help)")
 
 
+class ParserBuilt(Exception):
+    """parsers_of's catch: the parser a script built, at its parse_args."""
+
+    def __init__(self, parser):
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def parser_of(build, *args):
+    """The ArgumentParser that build(*args) (a script's get_args or main) builds, without running
+    anything past its parse_args: what tests/test_flags.py checks every script's flags with."""
+    ArgumentParser.capture = True
+    try:
+        build(*args)
+    except ParserBuilt as e:
+        return e.parser
+    finally:
+        ArgumentParser.capture = False
+    raise TypeError(f"{build.__qualname__} parsed no flags")
+
+
+# extensions.run: the script it runs, named in that script's usage line after its own command
+PROG_SUFFIX = []
+
+
+def check_bounds(flag, v, lo, hi, finite):
+    """A declared number's value: finite (nan and inf refused), within [lo, hi] (None: open)."""
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return
+    if finite and not math.isfinite(v):
+        raise ValueError(f"{flag} {v}: must be a finite number")
+    if lo is not None and not v >= lo:
+        raise ValueError(f"{flag} {v}: must be at least {lo}")
+    if hi is not None and not v <= hi:
+        raise ValueError(f"{flag} {v}: must be at most {hi:,}" + (' (a size bounded by what a machine can '
+                                                                   'hold)' if hi >= 1024 else ''))
+
+
 # a flag that names a file or folder (a NAME=PATH list too): '' is refused, never read as "the default"
-PATH_FLAG = re.compile(r'(_dir|^out|^lm|^energy|init_from|residual_of|negatives|^plot|copy_to|^extra_lm|'
-                       r'^compare|energy_metric)$')
+PATH_FLAG = re.compile(r'(_dir|^out|^lm|^energy$|init_from|residual_of|negatives|^plot|copy_to|^extra_lm|'
+                       r'^compare|energy_metric|^cache$|^key$|^votes$|^samples$)$')
 
 
 def check_not_empty(action, value):
     values = value if isinstance(value, list) else [value]
-    if action.option_strings and PATH_FLAG.search(action.dest) and any(
-            isinstance(v, str) and not v.strip() for v in values):
+    if action.option_strings and any(isinstance(v, str) and not v.strip() for v in values):
         raise ValueError(f"{action.option_strings[0]} '': an empty path; give a file or folder, or leave the "
                          f"flag out for its default")
 
@@ -97,7 +221,7 @@ def check(args, name, ok, must):
     """--name's value (None: not given) must pass ok; written so that NaN fails every rule."""
     v = getattr(args, name)
     if v is not None and not ok(v):
-        raise ValueError(f"--{name} {v}: must be {must}")
+        raise ValueError(f"{FLAG_OF.get(name, '--' + name)} {v}: must be {must}")
 
 
 def at_least(args, minimum, *names):

@@ -5,14 +5,13 @@ bar), and the lines of a diverged or interrupted run.
 """
 
 import json
-import math
 import os
 import sys
 import time
 
 from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json, write_text
-from plumbing.run import (ArgumentParser, check, check_heads, check_writable, common_flags, lock_folder,
-                          new_folder, progress, rerun_command, run_main)
+from plumbing.run import (FLAG_OF, ArgumentParser, check, check_heads, check_writable, common_flags,
+                          lock_folder, new_folder, progress, rerun_command, run_main)
 
 
 def training_parser(description, out_dir, **defaults):
@@ -23,29 +22,32 @@ def training_parser(description, out_dir, **defaults):
     common_flags(p, 'out_dir', help=dict(out_dir='checkpoints, log and results go here'),
                  default=dict(out_dir=out_dir))
     a('--resume', action='store_true', help='continue from out_dir/ckpt.pt (exactly)')
-    a('--batch_size', type=int, default=16, at_least=1,
+    a('--batch_size', type=int, default=16, at_least=1, at_most='count',
       help='per micro-batch per process: sequences (train_lm.py), positives with their negatives '
            '(nce_train.py)')
-    a('--grad_accum', type=int, default=None, at_least=1,
+    a('--grad_accum', type=int, default=None, at_least=1, at_most=MAX_GRAD_ACCUM,
       help='micro-batches per iteration, summed over processes (default: one per process)')
-    a('--max_iters', type=int, at_least=1)
-    a('--lr', type=float, help='peak learning rate')
-    a('--min_lr', type=float, help='learning rate at the end of the cosine decay')
-    a('--warmup_iters', type=int, at_least=0)
-    a('--lr_decay_iters', type=int, default=None, at_least=1,
+    a('--max_iters', type=int, at_least=1, at_most='count',
+      help='iterations of the run (a cap where it stops early)')
+    a('--lr', type=float, at_least=None, at_most=None, help='peak learning rate (positive)')
+    a('--min_lr', type=float, at_least=0, at_most=None, help='learning rate at the end of the cosine decay')
+    a('--warmup_iters', type=int, at_least=0, at_most='count', help='iterations of linear warm-up')
+    a('--lr_decay_iters', type=int, default=None, at_least=1, at_most='count',
       help='end of the cosine decay (default: max_iters)')
-    a('--weight_decay', type=float, default=0.1, at_least=0)
-    a('--beta1', type=float, default=0.9)
-    a('--beta2', type=float, default=0.99)
-    a('--grad_clip', type=float, default=1.0, at_least=0, help='clip gradients at this norm (0: off)')
-    a('--eval_interval', type=int, at_least=1,
+    a('--weight_decay', type=float, default=0.1, at_least=0, at_most=None, help='AdamW weight decay')
+    a('--beta1', type=float, default=0.9, at_least=0, at_most=None, help="AdamW's beta1, in [0, 1)")
+    a('--beta2', type=float, default=0.99, at_least=0, at_most=None, help="AdamW's beta2, in [0, 1)")
+    a('--grad_clip', type=float, default=1.0, at_least=0, at_most=None,
+      help='clip gradients at this norm (0: off)')
+    a('--eval_interval', type=int, at_least=1, at_most='count',
       help='evaluate on the selection split, and checkpoint, every this many iterations')
-    a('--patience', type=int, default=0, at_least=0,
+    a('--patience', type=int, default=0, at_least=0, at_most='count',
       help='early stopping: stop once the best selection figure has improved by less than --min_rel_delta '
            'over the last this many evaluations (0: off); best.pt holds the weights of the best')
-    a('--min_rel_delta', type=float, default=0.0, at_least=0,
+    a('--min_rel_delta', type=float, default=0.0, at_least=0, at_most=None,
       help='early stopping: the smallest relative improvement that counts (0.001: 0.1%%; 0: any)')
-    a('--log_interval', type=int, default=10, at_least=1)
+    a('--log_interval', type=int, default=10, at_least=1, at_most='count',
+      help='log every this many iterations')
     common_flags(p, 'device', 'dtype', help=dict(
         dtype="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
               "on a CPU bf16 where it has bf16 units; float16 on a CPU is emulated, slow, for tests)"))
@@ -61,7 +63,7 @@ MAX_GRAD_ACCUM = 2**16
 
 
 def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=None):
-    """The flags of training_parser in range (beyond the parser's at_least), heads that divide the
+    """The flags of training_parser in range (beyond the bounds the parser declares), heads that divide the
     width, a --patience that can fire within --max_iters, and --out_dir writable (and removed if
     the run creates it and then fails before saving anything); --lr_decay_iters defaults to
     --max_iters, --grad_accum to one micro-batch per process. With --resume, those given (argv)
@@ -69,11 +71,7 @@ def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sour
     args.sources = sources(args), the hashes of its inputs, those it recorded."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
-    check(args, 'grad_accum', lambda v: v <= MAX_GRAD_ACCUM,
-          f'at most {MAX_GRAD_ACCUM:,} micro-batches per iteration (a larger batch: raise --batch_size)')
-    check(args, 'lr', lambda v: 0 < v < math.inf, 'a positive number')
-    check(args, 'min_lr', lambda v: 0 <= v < math.inf, 'a number >= 0')
-    check(args, 'weight_decay', lambda v: v < math.inf, 'a finite number >= 0')
+    check(args, 'lr', lambda v: v > 0, 'a positive number')  # the declared bounds (training_parser): the rest
     for name in ('dropout', 'beta1', 'beta2'):
         check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     check_patience(args.patience, args.max_iters, args.eval_interval)
@@ -109,8 +107,11 @@ def check_patience(patience, max_iters, eval_interval):
 # --resume: the flags given must agree with the run it continues
 
 def given_flags(argv=None):
-    """The names of the flags on the command line (argv, or sys.argv): what a --resume checks."""
-    return {a.split('=')[0][2:] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')}
+    """The names of the flags on the command line (argv, or sys.argv), as the run's args (and its
+    checkpoint) name them (a renamed flag: its dest, FLAG_OF): what a --resume checks."""
+    dest_of = {flag[2:]: dest for dest, flag in FLAG_OF.items()}
+    names = {a.split('=')[0][2:] for a in (sys.argv[1:] if argv is None else argv) if a.startswith('--')}
+    return {dest_of.get(n, n) for n in names}
 
 
 def resumed_dtype(dtype, saved, path):
@@ -140,7 +141,8 @@ def check_resumed_flags(args, argv, saved, fixed, path, what):
         if name not in given:
             setattr(args, name, saved[name])
         elif name not in by_content and not same_value(getattr(args, name), saved[name]):
-            raise ValueError(f"--{name} {getattr(args, name)} contradicts {path} ({name} {saved[name]}): "
+            raise ValueError(f"{FLAG_OF.get(name, '--' + name)} {getattr(args, name)} contradicts {path} "
+                             f"({name} {saved[name]}): "
                              f"--resume continues that {what}; drop the flag, or start a new run in "
                              f"another --out_dir")
 

@@ -145,7 +145,7 @@ DEVICE = os.environ.get('REBM_TEST_DEVICE', 'cpu')
 
 TRAIN_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16',
                '--batch_size', '4', '--eval_iters', '2', '--warmup_iters', '2', '--quiet',
-               '--num_samples', '0', '--device', DEVICE, '--dtype', 'float32']
+               '--print_samples', '0', '--device', DEVICE, '--dtype', 'float32']
 
 
 CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 60
@@ -165,8 +165,8 @@ EVAL_P, EVAL_L = 8, 4  # the prefix and continuation lengths of the command-line
 
 
 def ppl_argv(lm, energy, out, *extra):
-    return ['--lm', lm, '--energy', f'BIT={energy}', '--splits', 'val,test', '--prefix_len', str(EVAL_P),
-            '--gen_len', str(EVAL_L), '--max_prefixes', '5', '--num_samples', '8', '--chunk', '2',
+    return ['--lm', lm, '--energy', f'BIT={energy}', '--split', 'val,test', '--prefix_len', str(EVAL_P),
+            '--gen_len', str(EVAL_L), '--num_prefixes', '5', '--num_samples', '8', '--chunk', '2',
             '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out), *extra]
 
 
@@ -182,7 +182,8 @@ def neg_files(d):
 
 def sample_argv(lm, energy, out):
     return ['--lm', lm, '--energy', energy, '--split', 'test', '--num_prefixes', '3',
-            '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5', '--m', '3',
+            '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--num_samples', '6', '--top_k', '5',
+            '--candidate_samples', '3',
             '--candidates', '6', '--keep', '4', '--table_k', '3', '--autoregressive',
             '--device', 'cpu', '--dtype', 'float32', '--quiet', '--out', str(out)]
 

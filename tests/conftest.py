@@ -50,7 +50,7 @@ def mlm_ckpt(lm_corpus, tmp_path_factory):
 def fox_negatives(lm_ckpt, tmp_path_factory):
     """Negatives of lm_ckpt (P=6, L=4, K=3) for 40 train prefixes and every selection prefix."""
     out = tmp_path_factory.mktemp('fox_neg')
-    for split, extra in (('train', ['--max_prefixes', '40', '--chunk', '16']), ('select', ['--chunk', '8'])):
+    for split, extra in (('train', ['--num_prefixes', '40', '--chunk', '16']), ('select', ['--chunk', '8'])):
         negatives.main(['--lm', lm_ckpt, '--split', split, '--out_dir', str(out / split), *NEG_FLAGS, *extra])
     return dict(train=str(out / 'train'), select=str(out / 'select'))
 
@@ -82,7 +82,7 @@ def train_negatives(lm_ckpt, tmp_path_factory):
     """negatives.py in one go: lm_ckpt's samples for 23 train prefixes in 5 chunks. Returns (its
     dir, its flags)."""
     a = str(tmp_path_factory.mktemp('train_negatives') / 'a')
-    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--num_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
     res = run_script(['negatives.py', '--out_dir', a, *flags])
     assert res.returncode == 0, res.stdout + res.stderr
     return a, flags

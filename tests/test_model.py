@@ -401,7 +401,7 @@ def test_training_lowers_loss(lm_corpus, tmp_path, capsys):
     out = str(tmp_path / 'out')
     res = train_lm.main(['--data_dir', lm_corpus, '--out_dir', out, '--max_iters', '60',
                          '--eval_interval', '30', '--log_interval', '1', *TRAIN_FLAGS, '--lr', '1e-2',
-                         '--batch_size', '8', '--num_samples', '2'])  # later flags win
+                         '--batch_size', '8', '--print_samples', '2'])  # later flags win
     losses, vals = read_log(out)
     V = load_meta(lm_corpus)['vocab_size']
     assert sorted(losses) == list(range(1, 61)) and sorted(vals) == [30, 60]
@@ -436,7 +436,7 @@ def test_ddp_matches_single_process(lm_corpus, tmp_path):
 def test_negatives_under_ddp_match_one_process(lm_ckpt, tmp_path):
     """negatives.py with 2 gloo processes (each its share of the chunks) writes byte for byte what
     one process writes."""
-    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--num_prefixes', '23', '--chunk', '5', *NEG_FLAGS]
     ddp, single = str(tmp_path / 'ddp'), str(tmp_path / 'single')
     res = run_script(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
                       os.path.join(SCRIPTS, 'ddp_recorder.py'), 'negatives.py', '--out_dir', ddp, *flags],

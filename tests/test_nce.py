@@ -192,7 +192,7 @@ def test_nce_learns_what_the_lm_cannot_see(tmp_path):
     assert abs(logp_uni[pos[:, 4:]].sum(1).mean().item() - np.array(neg['logp']).mean()) < 0.2
     out = str(tmp_path / 'bit')
     res = nce_train.main(['--lm', lm_path, '--negatives', str(tmp_path / 'train'), '--held_out_negatives',
-                          str(tmp_path / 'select'), '--out_dir', out, '--energy', 'bit', '--n_layer', '2',
+                          str(tmp_path / 'select'), '--out_dir', out, '--body', 'bit', '--n_layer', '2',
                           '--n_head', '2', '--n_embd', '32', '--batch_size', '32', '--max_iters', '800',
                           '--eval_interval', '800', '--log_interval', '100', '--lr', '3e-3',
                           '--min_lr', '3e-4', '--warmup_iters', '20', *CPU])

@@ -88,7 +88,7 @@ def test_negatives_store_real_continuation_scores(lm_corpus, lm_ckpt, tmp_path):
     data = load_split(lm_corpus, 'train', meta)
     lm, _ = load_lm(lm_ckpt)
     P, L, N = 6, 4, 23
-    flags = ['--lm', lm_ckpt, '--split', 'train', '--max_prefixes', str(N), '--chunk', '5', *NEG_FLAGS]
+    flags = ['--lm', lm_ckpt, '--split', 'train', '--num_prefixes', str(N), '--chunk', '5', *NEG_FLAGS]
     real = None
     # the LM is nearly uniform over 30 tokens: wide truncations, so that some real continuations fit
     for name, extra, proposal in (('full', [], {}), ('topk', ['--top_k', '20'], dict(top_k=20)),

@@ -261,14 +261,14 @@ def test_nce_resume_is_exact(lm_corpus, tmp_path):
         lm = os.path.join(root, 'lm', 'ckpt.pt')
         return ['--lm', lm, '--init_from', lm, '--negatives', os.path.join(root, 'train'),
                 '--held_out_negatives', os.path.join(root, 'select'),
-                '--energy', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4',
+                '--body', 'unit', '--loss', 'ranking', '--num_neg', '2', '--eval_interval', '4',
                 '--log_interval', '1', '--lr_decay_iters', '8', '--lr', '1e-2', *NCE_FLAGS[6:]]
     run, moved = str(tmp_path / 'run'), str(tmp_path / 'moved')
     train_lm.main(['--data_dir', lm_corpus, '--out_dir', os.path.join(run, 'lm'), '--max_iters', '2',
                    '--eval_interval', '2', '--final_eval', '0', '--dropout', '0.1', *TRAIN_FLAGS])
     for split in ('train', 'select'):
         negatives.main(['--lm', os.path.join(run, 'lm', 'ckpt.pt'), '--split', split,
-                        '--out_dir', os.path.join(run, split), '--max_prefixes', '24', *NEG_FLAGS])
+                        '--out_dir', os.path.join(run, split), '--num_prefixes', '24', *NEG_FLAGS])
     a, b = str(tmp_path / 'a'), os.path.join(run, 'b')
     nce_train.main(['--out_dir', a, '--max_iters', '8', *flags(run)])
     nce_train.main(['--out_dir', b, '--max_iters', '4', *flags(run)])

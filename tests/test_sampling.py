@@ -412,7 +412,7 @@ def test_sample_cli_prompt(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
     """A prompt instead of data prefixes: no gold."""
     tok = load_tokenizer(load_meta(lm_corpus))
     rep = sample.main(['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--prompt', 'the quick',
-                       '--gen_len', '4', '--n', '4', '--table_k', '0', '--quiet', '--device', 'cpu',
+                       '--gen_len', '4', '--num_samples', '4', '--table_k', '0', '--quiet', '--device', 'cpu',
                        '--out', str(tmp_path / 'p.json')])
     r = rep['samples'][0]
     assert r['prefix'] == 'the quick' and 'gold' not in r and 'next_tokens' not in r
@@ -424,7 +424,7 @@ def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, t
     it says so in one line and hands over to energy.joint_sample. Either way its samples are
     joint_sample's own from the same generator (in one chunk: algorithm_1 draws exactly as it does)."""
     argv = ['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--split', 'test', '--num_prefixes', '3',
-            '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--n', '6', '--top_k', '5',
+            '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--num_samples', '6', '--top_k', '5',
             '--table_k', '0', '--device', 'cpu', '--dtype', 'float32', '--quiet']
     line = ("n = 6 samples x 3 prefixes do not fit in --max_rows 10: "
             "Algorithm 1 in chunks (energy.joint_sample, tested equal to algorithm_1)")

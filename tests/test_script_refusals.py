@@ -130,7 +130,7 @@ def negatives_nce_bad(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path_factory):
     negatives.main(['--lm', lm_ckpt, '--split', 'select', '--out_dir', val_k1, *NEG_FLAGS,
                     '--num_samples', '1'])
     negatives.main(['--lm', lm_ckpt, '--split', 'val', '--out_dir', val_neg, *NEG_FLAGS,
-                    '--max_prefixes', '4'])
+                    '--num_prefixes', '4'])
     neg = ['negatives.py', '--lm', lm_ckpt, *NEG_FLAGS]
     nce = ['nce_train.py', '--negatives', fox_negatives['train'],
            '--held_out_negatives', fox_negatives['select'],
@@ -153,7 +153,7 @@ def negatives_nce_bad(lm_ckpt, fox_negatives, mlm_ckpt, tmp_path_factory):
                                         'sampled from another LM', e1),
         'nce_past_energy_block_size': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e2), '--init_from', mlm_ckpt],
                                        "exceeds the energy's block_size 8", e2),
-        'nce_unit_of_another_shape': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e3), '--energy', 'unit',
+        'nce_unit_of_another_shape': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e3), '--body', 'unit',
                                        '--n_layer', '3'],
                                       'a UNIT energy has the shape of the LM', e3),
         'nce_bit_from_an_lm': ([*nce, '--lm', lm_ckpt, '--out_dir', str(e4), '--init_from', lm_ckpt],
@@ -202,7 +202,7 @@ def estimate_ppl_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
     no_name[no_name.index('--energy') + 1] = eval_ckpts['bit']  # no NAME=
     cases = {
         'one_sample': (ppl('one_sample', '--num_samples', '1'), 'at least 2'),
-        'sweep_of_one': (ppl('sweep_of_one', '--sweep', '1,4'), 'at least 2'),
+        'sweep_of_one': (ppl('sweep_of_one', '--ns', '1,4'), 'at least 2'),
         'energy_of_another_lm': (ppl('energy_of_another_lm', lm=eval_ckpts['lm2']), 'residual of another LM'),
         'energy_without_name': (no_name, 'must be NAME=CHECKPOINT'),
         'past_block_size': (ppl('past_block_size', '--gen_len', '12'), 'exceeds'),
@@ -308,13 +308,14 @@ def test_human_eval_bad_files(human_eval_files_bad, case):
 def sample_bad(lm_ckpt, eval_ckpts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp('sample_bad')
     return run_bad_cases({
-        'no_samples': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad.json'), '--n', '0'],
+        'no_samples': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad.json'),
+                        '--num_samples', '0'],
                        'at least 1', None),
         'table_k_over_keep': (['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp / 'bad3.json'),
                                '--keep', '2'],
                               '--table_k (3) <= --keep (2)', None),
         'energy_of_another_lm': (['sample.py', '--lm', eval_ckpts['lm2'], '--energy', eval_ckpts['bit'],
-                                  '--n', '2', '--out', str(tmp / 'bad2.json')],
+                                  '--num_samples', '2', '--out', str(tmp / 'bad2.json')],
                                  'residual of another LM', None),
     })
 
@@ -329,7 +330,7 @@ def test_sample_lines_that_mislead(lm_ckpt, eval_ckpts, tmp_path):
     holds (it said the disk was full); `sample.py | head` exits quietly (it said 'Broken pipe: check
     the path and its permissions'), as does any script whose stdout's reader goes away."""
     argv = ['sample.py', *sample_argv(lm_ckpt, eval_ckpts['bit'], tmp_path / 's.json'), '--table_k', '0',
-            '--n', '2']
+            '--num_samples', '2']
     res = run_script([*argv, '--num_prefixes', '1000000000'])
     assert res.returncode == 0 and 'is full' not in res.stderr, res.stderr
     held = re.search(r'--num_prefixes 1000000000: the test split holds (\d+) prefixes of --prefix_len '

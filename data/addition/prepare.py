@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.addition.prepare")
 from data import made_with, prepare, prepare_flags  # noqa: E402
-from plumbing import (ArgumentParser, at_least, check, check_memory, check_writable, rng_seed,  # noqa: E402
+from plumbing import (ArgumentParser, check_memory, check_writable, rng_seed,  # noqa: E402
                       run_main)
 
 
@@ -84,21 +84,20 @@ def make_problems(sizes, digits, chain, seed):
 def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     prepare_flags(parser, HERE, 'draws the problems')
-    parser.add_argument('--digits', type=int, default=6, help='N: operands below 10^N, sums of N + 1 digits')
-    parser.add_argument('--chain', type=float, default=0.3,
-                        help='per digit position, the probability that the two digits sum to 9')
-    parser.add_argument('--train', type=int, default=200000, help='training problems')
-    parser.add_argument('--select', type=int, default=5000, help='selection-split problems')
-    parser.add_argument('--val', type=int, default=5000, help='validation problems')
-    parser.add_argument('--test', type=int, default=5000, help='test problems')
+    a = parser.add_argument
+    a('--digits', type=int, default=6, at_least=1, at_most=18,
+      help='N: operands below 10^N, sums of N + 1 digits (at most 18: sums must fit in 64 bits)')
+    a('--chain', type=float, default=0.3, at_least=0, at_most=1,
+      help='per digit position, the probability that the two digits sum to 9')
+    for split, n in dict(train=200000, select=5000, val=5000, test=5000).items():  # memory: check_memory
+        a(f'--{split}_problems', dest=split, type=int, default=n, at_least=1, at_most='count',
+          help=f'problems of the {split} split')
     args = parser.parse_args(argv)
-    at_least(args, 1, 'digits', 'train', 'select', 'val', 'test')
     sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
-    check(args, 'digits', lambda v: v <= 18, 'at most 18 (sums must fit in 64 bits)')
-    check(args, 'chain', lambda v: 0 <= v <= 1, 'in [0, 1]')
     check_writable(args.out_dir, '--out_dir')
     check_memory(problems_memory(sum(sizes.values()), args.digits),
-                 f"drawing {sum(sizes.values()):,} problems (--train, --select, --val, --test)", "lower them")
+                 f"drawing {sum(sizes.values()):,} problems (--train_problems, --select_problems, ...)",
+                 "lower them")
     meta = prepare(make_problems(sizes, args.digits, args.chain, args.seed), args.out_dir, 'char',
                    args.quiet, args.force, made_with('addition', parser, args))
     if not args.quiet:

@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.cc_news.prepare")
 from data import made_with, prepare, prepare_flags  # noqa: E402
-from plumbing import ArgumentParser, at_least, check_writable, run_main  # noqa: E402
+from plumbing import ArgumentParser, check_writable, run_main  # noqa: E402
 
 
 def load_articles(name, max_docs):
@@ -39,12 +39,11 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     prepare_flags(parser, HERE, 'seeds the choice of val/test articles', tokenizer='gpt2')
     parser.add_argument('--dataset', default='vblagoje/cc_news', help='hub name of the CC-News dataset')
-    parser.add_argument('--max_docs', type=int, default=0, help='use only the first N articles (0: all)')
-    parser.add_argument('--eval_docs', type=int, default=1000,
+    parser.add_argument('--max_docs', type=int, default=0, at_least=0, at_most='count',
+                        help='use only the first N articles (0: all)')
+    parser.add_argument('--eval_docs', type=int, default=1000, at_least=1, at_most='count',
                         help='articles in each of select (carved from training), val and test')
     args = parser.parse_args(argv)
-    at_least(args, 0, 'max_docs')
-    at_least(args, 1, 'eval_docs')
     check_writable(args.out_dir, '--out_dir')  # before the download
     docs = load_articles(args.dataset, args.max_docs)
     if len(docs) < 3 * args.eval_docs + 1:

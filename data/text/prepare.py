@@ -75,11 +75,11 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
     prepare_flags(parser, None, 'shuffles documents before choosing val/test ones', tokenizer='char')
-    parser.add_argument('--val_frac', type=float, default=0.05,
-                        help='fraction of documents (or text) for val')
-    parser.add_argument('--test_frac', type=float, default=0.05,
-                        help='fraction of documents (or text) for test')
-    parser.add_argument('--select_frac', type=float, default=0.05,
+    parser.add_argument('--val_frac', type=float, default=0.05, at_least=None, at_most=None,
+                        help='fraction of documents (or text) for val, in (0, 1)')
+    parser.add_argument('--test_frac', type=float, default=0.05, at_least=None, at_most=None,
+                        help='fraction of documents (or text) for test, in (0, 1)')
+    parser.add_argument('--select_frac', type=float, default=0.05, at_least=None, at_most=None,
                         help='fraction of documents (or text) carved from training for the selection set, '
                              'which chooses what is tuned (early stopping, recipes) '
                              'so that val and test are only reported')
