@@ -158,10 +158,11 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
 
 
 # job/lesson.py, the first thing `bash run.sh` shows: 4-digit addition (50,000 training problems), small
-# enough that an idle 2-core CPU trains the LM and its energy in about four minutes (docs/lesson.md has
-# the measured runs); chosen on the selection split (docs/experiments.md, 2026-11-29): the UNIT by ranking
-# NCE over 4 of 16 samples per prefix for 6,000 steps at lr 1e-3 (all 16 for 1,500 steps, or lr 3e-3,
-# left Algorithm 1 below the LM's greedy sum: too soft an energy to resample with)
+# enough that an idle 2-core CPU trains the LM and its energy in minutes (docs/reports.md has the measured
+# runs). The UNIT's recipe chosen on the selection split (docs/experiments.md, 2026-11-29): ranking NCE
+# over 4 of the 16 samples of 128 prefixes a step at lr 1e-3; 32 prefixes a step for 3x the steps, all 16
+# samples, lr 2e-3 or 3e-3, binary NCE, no weight decay or a BIT from scratch each left Algorithm 1 at or
+# below the LM's greedy sum: too soft an energy to resample with
 LESSON = dict(
     data=dict(digits=4, train_problems=50000, select_problems=2000, val_problems=2000, test_problems=2000),
     lm=dict(n_layer=3, n_head=3, n_embd=96, block_size=64, batch_size=32, max_iters=1500, lr=3e-3,
@@ -169,7 +170,7 @@ LESSON = dict(
             select_on='continuation', snapshots='', final_eval=0, print_samples=0),
     neg=dict(prefix_len=10, gen_len=6, num_samples=16, select_samples=64, train_prefixes=20000,
              select_prefixes=256),
-    unit=dict(batch_size=32, max_iters=6000, lr=1e-3, min_lr=1e-4, warmup_iters=50, eval_interval=1000,
+    unit=dict(batch_size=128, max_iters=2000, lr=1e-3, min_lr=1e-4, warmup_iters=20, eval_interval=500,
               eval_prefixes=256, patience=0, num_neg=4, select='gain_enumerated'),
     accuracy=dict(num_prefixes=1000, ns='1,4,16,64', beam=0),
 )
@@ -177,7 +178,7 @@ LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson 
     data=dict(digits=4, train_problems=2000, select_problems=200, val_problems=200, test_problems=200),
     lm=dict(LESSON['lm'], n_layer=2, n_head=2, n_embd=32, max_iters=40, eval_interval=20, warmup_iters=5),
     neg=dict(LESSON['neg'], num_samples=4, select_samples=8, train_prefixes=400, select_prefixes=32),
-    unit=dict(LESSON['unit'], max_iters=40, eval_interval=20, eval_prefixes=32, warmup_iters=5),
+    unit=dict(LESSON['unit'], batch_size=32, max_iters=40, eval_interval=20, eval_prefixes=32, warmup_iters=5),
     accuracy=dict(num_prefixes=64, ns='1,8', beam=0),
 )
 

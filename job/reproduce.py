@@ -1,5 +1,6 @@
 """
-The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU.
+The main job: the paper's Table 1 on the bundled Shakespeare corpus, end to end, on a CPU, after
+the lesson (job/lesson.py: minutes, into <out_dir>/lesson; --skip_lesson leaves it out).
 
     prepare -> BASE LM -> BALM -> MLM pretraining of the BIT body -> negatives (train, select) ->
     JOINT BIT (NCE) -> JOINT UNIT (NCE) -> RALM and a TaiLr LM (each LM early-stopped on the selection
