@@ -178,7 +178,8 @@ LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson 
     data=dict(digits=4, train_problems=2000, select_problems=200, val_problems=200, test_problems=200),
     lm=dict(LESSON['lm'], n_layer=2, n_head=2, n_embd=32, max_iters=40, eval_interval=20, warmup_iters=5),
     neg=dict(LESSON['neg'], num_samples=4, select_samples=8, train_prefixes=400, select_prefixes=32),
-    unit=dict(LESSON['unit'], batch_size=32, max_iters=40, eval_interval=20, eval_prefixes=32, warmup_iters=5),
+    unit=dict(LESSON['unit'], batch_size=32, max_iters=40, eval_interval=20, eval_prefixes=32,
+              warmup_iters=5),
     accuracy=dict(num_prefixes=64, ns='1,8', beam=0),
 )
 

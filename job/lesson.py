@@ -35,6 +35,7 @@ from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_c
 
 from job.configs import LESSON, LESSON_QUICK
 from job.pipeline import FIX, ROOT, Pipeline
+from job.stages import check_made_with, flags, negatives, nce, prepare_command
 from job.stats import format_p, mcnemar, mean_se
 
 # the table's rows: (label, the decoder's per-problem column in accuracy.json), at n = the largest n
@@ -51,9 +52,11 @@ def get_args(argv=None):
     common_flags(p, 'out_dir', default=dict(out_dir=None), help=dict(
         out_dir='where the stages write (default: out-lesson/, out-quick-lesson/ with --quick)'))
     common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
-        quiet='no progress bars in the stages', device='passed to every stage', dtype='passed to every stage'))
+        quiet='no progress bars in the stages', device='passed to every stage',
+        dtype='passed to every stage'))
     p.add_argument('--data_dir', default=None,
-                   help='where the problems are prepared (default: data/lesson, data/lesson_quick with --quick)')
+                   help='where the problems are prepared (default: data/lesson; data/lesson_quick with '
+                        '--quick)')
     p.add_argument('--data_seed', type=int, default=1337, at_least=0, at_most=2**63 - 1,
                    help="the seed of the problems drawn (apart from --seed, the models')")
     p.add_argument('--jobs', type=int, default=1, at_least=1, at_most=1024,
@@ -77,9 +80,8 @@ def main(argv=None):
 
 def run(args, out, data_dir):
     """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, seed,
-    data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in `out`)."""
-    # the main job's stages and checks (imported here: job.reproduce imports this file)
-    from job.reproduce import check_made_with, flags, negatives, nce, prepare_command
+    data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in
+    `out`)."""
     cfg = LESSON_QUICK if args.quick else LESSON
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'), args.jobs, threads=max(1, torch.get_num_threads() // args.jobs))
@@ -98,14 +100,16 @@ def run(args, out, data_dir):
         pipe.run('prepare', prepare_command(prep), os.path.join(data_dir, 'meta.json'))
         pipe.wait('prepare')
         resume = ['--resume'] if os.path.exists(path('lm', 'ckpt.pt')) else []
-        stage('lm', ['train_lm.py', '--data_dir', data_dir, '--out_dir', path('lm')] + flags(cfg['lm']) + resume,
+        stage('lm', ['train_lm.py', '--data_dir', data_dir, '--out_dir', path('lm')] + flags(cfg['lm'])
+              + resume,
               path('lm', 'results.json'), ['prepare'], path('lm'))
         lm, neg = path('lm', 'best.pt'), cfg['neg']
         negatives(stage, path, lm, neg, 'neg', neg['train_prefixes'], neg['select_prefixes'], ['lm'])
         nce(stage, path, 'unit', lm, 'neg', lm, cfg['unit'], ['lm'])
-        pipe.run('addition_eval', ['-m', 'extensions.addition_eval', '--lm', lm, '--energy', path('unit', 'best.pt'),
-                                   '--out', path('accuracy.json'), '--plot', path('fig_lesson.png'), '--force',
-                                   '--quiet'] + flags(cfg['accuracy']) + common[:2] + ['--device', args.device],
+        pipe.run('addition_eval', ['-m', 'extensions.addition_eval', '--lm', lm,
+                                   '--energy', path('unit', 'best.pt'), '--out', path('accuracy.json'),
+                                   '--plot', path('fig_lesson.png'), '--force', '--quiet']
+                 + flags(cfg['accuracy']) + common[:2] + ['--device', args.device],
                  path('accuracy.json'), ['lm', 'unit'])
         pipe.wait()
     finally:

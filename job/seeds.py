@@ -139,7 +139,8 @@ def fmt(result):
     lines.append("the seed as the unit: paired t over the per-seed differences, Holm; exact sign test, Holm")
     for c in result['comparisons']:
         s = c['seed_level']
-        t = f"t p {s['t_p']:.2g}, Holm {s['t_p_holm']:.2g}" if s.get('t_p_holm') is not None else 't: no spread'
+        t = (f"t p {s['t_p']:.2g}, Holm {s['t_p_holm']:.2g}" if s.get('t_p_holm') is not None
+             else 't: no spread')
         lines.append(f"  {c['what']:48s} {t}; sign {s['sign'][0]}-{s['sign'][1]} p {s['sign_p']:.2g}, "
                      f"Holm {s['sign_p_holm']:.2g}")
     return '\n'.join(lines) + '\n'

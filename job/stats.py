@@ -43,8 +43,8 @@ def t_pvalue(t, df=None):
     """Two-sided p-value P(|T| >= |t|) of Student's t with df degrees of freedom (None: the normal's),
     exp(t_log_pvalue): within 1e-10 relative of the exact value for df up to 1e4 (3e-10 at 1e5:
     lgamma's cancellation), 0.0 only below the smallest double, 4.9e-324, where t_log_pvalue still
-    gives its log. Not 1 minus a finite sum (A&S 26.7.3-4, here until issue 55): off by 4% at p = 1e-14
-    and by every digit below 1e-16 (|t| > 8.5 at 511 df), it stored 0.0 for p = 1e-19 and 1e-73."""
+    gives its log. Not 1 minus a finite sum (A&S 26.7.3-4, used here before 2026-11-29): off by 4% at
+    p = 1e-14 and by every digit below 1e-16 (|t| > 8.5 at 511 df), it stored 0.0 for p = 1e-19 and 1e-73."""
     return math.exp(t_log_pvalue(t, df))
 
 

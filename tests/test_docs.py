@@ -18,6 +18,7 @@ import re
 
 from extensions.exact_logz import RECIPE
 from job.configs import ADDITION, DEFAULT
+from job.stats import format_p
 from tests.common import ROOT
 
 
@@ -834,3 +835,17 @@ def test_readme_reading_order_is_the_learners_path():
         missing = [n for _, n in names if not (named(parts(n)[-1]) or named(parts(n)[0]))]
         assert not missing, (step, missing)
         assert f'({lines_to_read(step)} lines' in text, (step, lines_to_read(step), text)
+
+
+def test_reports_lesson_rows_are_the_committed_runs():
+    """docs/reports.md's table of the lesson's runs: each row's time, decoders and the mode's least lead
+    over the LM's decoders (and its p) are assets/lesson.json's run of that command."""
+    text = open(os.path.join(ROOT, 'docs', 'reports.md'), encoding='utf-8').read()
+    runs = json.load(open(os.path.join(ROOT, 'assets', 'lesson.json')))['runs']
+    assert len(runs) >= 4
+    for r in runs:
+        e = list(r['exact'].values())
+        want = (f"| `{r['command']}` | {r['to_table_s']:.1f} s | {e[0]:.3f} / {e[1]:.3f} / {e[2]:.3f} | "
+                f"{e[3]:.3f} | {e[4]:.3f} | {r['mode_lead_over_lm']:+.3f} "
+                f"({format_p(r['mode_p_over_lm_max'])}) |")
+        assert want in text, want

@@ -167,7 +167,8 @@ def check_claims_from_run(out):
         moved = json.load(open(perturbed / 'claims.json'))['claims']
         assert abs(moved['C1']['diff'] - (c1['diff'] - sign * c / L)) < 1e-9
         assert {k: moved[k]['holds'] for k in want} == want, (sign, c, moved)
-        assert moved['C2'] == res['claims']['C2']  # UNIT vs RALM: untouched
+        alone = lambda claim: {k: v for k, v in claim.items() if 'holm' not in k}  # Holm's: of the family
+        assert alone(moved['C2']) == alone(res['claims']['C2'])  # UNIT vs RALM: untouched
 
 
 # the scheduler's "done" by provenance (a stage made again when what made it changed): test_provenance.py
@@ -221,7 +222,7 @@ def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
                    "and rerun: finished stages are skipped"), msg
     assert time.time() - t0 < 30 and not pipe.running
     assert not (tmp_path / 'slow.json').exists() and not (tmp_path / 'after.json').exists()
-    with pytest.raises(ValueError, match='--jobs 0: at least 1'):
+    with pytest.raises(ValueError, match='--jobs 0: must be at least 1'):
         reproduce_args(['--jobs', '0'])
 
 
@@ -452,10 +453,10 @@ def test_data_of_other_flags_is_not_reused(tmp_path):
     naming the flag and the fix (it said "[prepare] done already" and trained on seed 1337's
     problems). A meta.json from before the record counts as made by the job's defaults."""
     from data.addition import prepare
-    from job import reproduce
+    from job import reproduce, stages
     data = tmp_path / 'addition'
-    sizes = dict(digits=6, train=40, select=10, val=10, test=10)
-    prepare.main(['--out_dir', str(data), '--seed', '1337', '--quiet', *reproduce.flags(sizes)])
+    sizes = dict(digits=6, train_problems=40, select_problems=10, val_problems=10, test_problems=10)
+    prepare.main(['--out_dir', str(data), '--seed', '1337', '--quiet', *stages.flags(sizes)])
 
     def check(*argv, cfg_data=sizes):
         args = reproduce.get_args(['--data', 'addition', '--quick', '--data_dir', str(data), *argv])
@@ -468,8 +469,8 @@ def test_data_of_other_flags_is_not_reused(tmp_path):
                                              rf"meta.json\), not the --data_seed {seed} this job asks for: "
                                              rf"pass --data_seed 1337 to use it, or a new --data_dir"):
             check('--data_seed', seed)
-    with pytest.raises(ValueError, match=r"was prepared with --train 40 \(its meta.json\), not the --train "
-                                         r"200000 this job asks for: pass a new --data_dir"):
+    with pytest.raises(ValueError, match=r"was prepared with --train_problems 40 \(its meta.json\), not the "
+                                         r"--train_problems 200000 this job asks for: pass a new --data_dir"):
         check(cfg_data=dict(digits=6))  # the job's own sizes: 200,000 training problems
     meta = json.load(open(data / 'meta.json'))
     del meta['made_with']  # prepared before the record

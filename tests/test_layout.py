@@ -9,8 +9,9 @@ import collections
 import json
 import os
 import re
+import statistics
 
-
+from job.stats import format_p
 from tests.common import ROOT, assert_clean_error, is_test, python_files, run_scripts
 
 
@@ -47,7 +48,8 @@ def documented_commands():
             key = ('-m job.reproduce' if script == 'run.sh' else script, sub)
             commands[key][f'{script}{rest}'.strip()] = [w.split('=')[0] for w in words if w.startswith('--')]
     readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
-    return commands, re.findall(r'^\| `([\w/.]+)`', readme, re.M)
+    cells = re.findall(r'^\| (`[^|]+)\|', readme, re.M)  # the Files table's first column
+    return commands, [f for cell in cells for f in re.findall(r'`([\w/.]+)`', cell)]
 
 
 def help_flags(help_text):
@@ -105,7 +107,7 @@ def test_readme_numbers_come_from_the_committed_run():
     """Every number of README's Table 1 (params, val and test PPL or joint range, gain and SE,
     reduction), the LMs' stopping steps, the main job's times and the addition section's accuracies
     equal the committed JSON of the run they describe (assets/results.json, claims.json,
-    results_avx2_fp32.json, gpu_h200_addition.json, seeds_addition.json)."""
+    seeds_addition.json)."""
     readme, rows = readme_table_rows()
     res = json.load(open(os.path.join(ROOT, 'assets', 'results.json')))
     lms = json.load(open(os.path.join(ROOT, 'assets', 'claims.json')))['lms']
@@ -126,15 +128,31 @@ def test_readme_numbers_come_from_the_committed_run():
     reports = open(os.path.join(ROOT, 'docs', 'reports.md'), encoding='utf-8').read()
     check_recipes(' '.join(reports.split()))
     minutes = lambda t: sum(s for stage, s in t.items() if not stage.startswith('ord_')) / 60  # not Fig. 4's
-    asset = lambda name: json.load(open(os.path.join(ROOT, 'assets', name)))
-    fp32, h200 = asset('results_avx2_fp32.json')['timings_s'], asset('gpu_h200_addition.json')
-    for phrase in (f"{minutes(res['timings_s']):.0f} min idle on a 2-core AMD EPYC",  # --jobs 1: the sum
-                   f"{minutes(fp32):.0f} there in fp32", f"{h200['wall_s'] / 60:.1f} min on an H200"):
-        assert phrase in prose, phrase
+    assert f"{minutes(res['timings_s']):.0f} min idle on a 2-core AMD EPYC" in prose  # --jobs 1: the sum
     for name, m in lms.items():  # "BASE LM (...; step 4,000)"
         if name in ('BASE', 'RALM', 'BALM'):
             assert re.search(rf'^\| {name}[^|]*step {m["best_step"]:,}\)', readme, re.M), name
     check_readme_addition(readme)
+
+
+def test_readme_lesson_is_the_committed_run():
+    """README's lesson table: each cell is assets/lesson.json's run of `bash run.sh` (its decoders' exact
+    match, SE, the joint mode's lead and McNemar's p), and its minutes the median of the measured runs."""
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    lesson = json.load(open(os.path.join(ROOT, 'assets', 'lesson.json')))
+    rows = {r['decoder']: r for r in lesson['readme_run']['rows']}
+    section = readme.split('## What the lesson shows')[1].split('\n## ')[0]
+    line = lambda start: next(l for l in section.splitlines() if l.startswith(f'| {start}'))
+    cell = lambda r: f"{r['exact']:.3f} ({r['exact_se']:.3f})"
+    lead = lambda r: f"{r['mode_minus']:+.3f} ({format_p(r['p'])})"
+    for name in ('LM greedy', 'joint model: Algorithm 1 of n'):
+        assert f"{cell(rows[name])} | {lead(rows[name])}" in line(name.replace(' n', ' 64')), name
+    both = [rows['LM majority vote of n'], rows['LM log-prob rerank of n']]
+    assert (f"{both[0]['exact']:.3f} / {both[1]['exact']:.3f} | {both[0]['mode_minus']:+.3f} / "
+            f"{both[1]['mode_minus']:+.3f}") in line('LM majority vote')
+    assert f"**{cell(rows['joint model: mode of n'])}**" in line('**joint model: mode')
+    minutes = statistics.median(r['to_table_s'] for r in lesson['runs'] if r['dtype'] == 'auto') / 60
+    assert f"table is up in {minutes:.1f} min" in ' '.join(section.split()), minutes
 
 
 def check_recipes(prose):
@@ -172,9 +190,10 @@ def check_readme_addition(readme):
     p = lambda m, how='greedy': f"{acc[m, how]['p_correct']['mean']:.3f}"
     said = ' '.join(section.split())
     worst = max(c['p_holm'] for c in seeds['comparisons'] if c['better'][0] == 'JOINT')
+    seed_p = [c['seed_level']['t_p'] for c in seeds['comparisons'] if c['better'][0] == 'JOINT']
     for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
                    f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}", f"{len(seeds['seeds'])} seeds",
-                   f"Holm-adjusted p at most {worst:.2g}"):
+                   f"Holm-adjusted p at most {worst:.2g}", f"p is {min(seed_p):.2g} to {max(seed_p):.2g}"):
         assert phrase in said, (phrase, said)
 
 
@@ -182,7 +201,7 @@ MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py'
            'job/__init__.py', 'extensions/__init__.py', 'plumbing/__init__.py', 'plumbing/run.py',
            'plumbing/device.py', 'plumbing/budget.py', 'plumbing/files.py',
            'plumbing/trainer.py', 'plumbing/guards.py', 'plumbing/checkpoints.py', 'job/configs.py',
-           'job/pipeline.py',
+           'job/pipeline.py', 'job/stages.py',
            'job/stats.py'}  # job/figures.py is a script
 
 

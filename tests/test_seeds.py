@@ -89,6 +89,7 @@ def test_committed_seed_level_is_the_stored_differences():
     """assets/seeds_addition.json's seed-level tests are those of its own per-seed differences."""
     stored = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))['comparisons']
     again = seeds.seed_level([dict(diff_per_seed=c['diff_per_seed']) for c in stored])
+    assert len(again) == len(stored)
     for c, d in zip(stored, again):
         s, want = c['seed_level'], d['seed_level']
         assert s['sign'] == want['sign'] and s.keys() == want.keys(), c['what']
