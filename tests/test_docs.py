@@ -845,7 +845,7 @@ def test_reports_lesson_rows_are_the_committed_runs():
     assert len(runs) >= 4
     for r in runs:
         e = list(r['exact'].values())
-        want = (f"| {r['commit']} | `{r['command']}` | {r['to_table_s']:.1f} s | {e[0]:.3f} / {e[1]:.3f} / {e[2]:.3f} | "
-                f"{e[3]:.3f} | {e[4]:.3f} | {r['mode_lead_over_lm']:+.3f} "
-                f"({format_p(r['mode_p_over_lm_max'])}) |")
+        want = (f"| {r['commit']} | `{r['command']}` | {r['to_table_s']:.1f} s | "
+                f"{e[0]:.3f} / {e[1]:.3f} / {e[2]:.3f} | {e[3]:.3f} | {e[4]:.3f} | "
+                f"{r['mode_lead_over_lm']:+.3f} ({format_p(r['mode_p_over_lm_max'])}) |")
         assert want in text, want
