@@ -510,18 +510,20 @@ def number(text):
     return WORDS[text.lower()] if text.lower() in WORDS else float(text.replace(',', ''))
 
 
-def mismatches(claims, docs, tolerance=1e-9):
+def mismatches(claims, docs, tolerance=1e-9, close=None, table='CLAIMS', source='the code'):
     """Each claim of `claims` whose regex finds nothing in its doc (docs: {doc: its text}), or a value
-    other than the code's (relative tolerance), as one line."""
+    other than the code's (relative tolerance; or close(said, value), e.g. rounds_to), as one line."""
+    close = close or (lambda s, w: abs(number(s) - w) <= tolerance * w)
     bad = []
     for doc, pattern, want in claims:
         found = re.findall(pattern, docs[doc])
         if not found:
-            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of CLAIMS with the doc')
+            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of {table} with the doc')
         for said in found:
             said = (said,) if isinstance(said, str) else said
-            if any(abs(number(s) - w) > tolerance * w for s, w in zip(said, want, strict=True)):
-                bad.append(f'{doc}: {pattern!r} says {list(said)}, the code {want}')
+            if not all(close(s, w) for s, w in zip(said, want, strict=True)):
+                shown = want if source == 'the code' else [float(f'{w:.6g}') for w in want]
+                bad.append(f'{doc}: {pattern!r} says {list(said)}, {source} {shown}')
     return bad
 
 
@@ -786,17 +788,7 @@ def rounds_to(said, value):
 
 
 def json_mismatches(claims, docs):
-    bad = []
-    for doc, pattern, want in claims:
-        found = re.findall(pattern, docs[doc])
-        if not found:
-            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of JSON_CLAIMS with the doc')
-        for said in found:
-            said = (said,) if isinstance(said, str) else said
-            if not all(rounds_to(s, w) for s, w in zip(said, want, strict=True)):
-                json_values = [float(f'{w:.6g}') for w in want]
-                bad.append(f'{doc}: {pattern!r} says {list(said)}, assets/ {json_values}')
-    return bad
+    return mismatches(claims, docs, close=rounds_to, table='JSON_CLAIMS', source='assets/')
 
 
 def test_doc_numbers_equal_the_committed_results():
