@@ -139,12 +139,12 @@ def lesson_table(acc):
                          mode_minus=test['diff'], p=test['p'], discordant=test['discordant']))
     a1_vs_greedy = mcnemar(col('a1_{n}_exact'), col('greedy_exact'))
     oracle = sum(col('oracle_{n}_exact')) / len(mode)
-    return dict(n=n, problems=len(mode), split=acc['split'], rows=rows, any_of_n=oracle,
+    return dict(n=n, num_prefixes=len(mode), split=acc['split'], rows=rows, any_of_n=oracle,
                 a1_minus_greedy=a1_vs_greedy['diff'], a1_vs_greedy_p=a1_vs_greedy['p'])
 
 
 def format_lesson(t):
-    lines = [f"The lesson: exact sums on {t['problems']:,} held-out {t['split']} problems, n = {t['n']} LM "
+    lines = [f"The lesson: exact sums on {t['num_prefixes']:,} held-out {t['split']} problems, n = {t['n']} LM "
              f"samples each (McNemar's exact test, paired by problem)",
              f"{'decoder':<32} {'exact (SE)':>15} {'mode minus it':>14} {'p':>9}"]
     for r in t['rows']:

@@ -103,7 +103,7 @@ def test_lesson_table_against_hand_counts():
     assert g['exact'] == 0.3 and g['discordant'] == [6, 1] and g['p'] == pytest.approx(16 / 128)
     assert g['exact_se'] == pytest.approx(np.std(greedy, ddof=1) / math.sqrt(10))
     assert g['mode_minus'] == pytest.approx(0.5) and rows['LM majority vote of n']['p'] == 1.0
-    assert t['any_of_n'] == 1.0 and t['a1_minus_greedy'] == 0 and t['problems'] == 10
+    assert t['any_of_n'] == 1.0 and t['a1_minus_greedy'] == 0 and t['num_prefixes'] == 10
 
 
 def implied_verdict(name, c, p):
