@@ -144,8 +144,8 @@ def lesson_table(acc):
 
 
 def format_lesson(t):
-    lines = [f"The lesson: exact sums on {t['num_prefixes']:,} held-out {t['split']} problems, n = {t['n']} LM "
-             f"samples each (McNemar's exact test, paired by problem)",
+    lines = [f"The lesson: exact sums on {t['num_prefixes']:,} held-out {t['split']} problems, "
+             f"n = {t['n']} LM samples each (McNemar's exact test, paired by problem)",
              f"{'decoder':<32} {'exact (SE)':>15} {'mode minus it':>14} {'p':>9}"]
     for r in t['rows']:
         versus = '' if r['column'].startswith('mode') else f"{r['mode_minus']:>+14.3f} {format_p(r['p']):>9}"
