@@ -22,7 +22,7 @@ q, not P_LM, and the logit is -E + log P_LM - log q: the stored log-probs of eve
 of every real continuation under both give that correction, applied automatically.
 
     python nce_train.py --lm out/lm/best.pt --negatives out/neg_train --held_out_negatives out/neg_select \\
-        --energy bit --out_dir out/bit                                   # CPU or one GPU
+        --body bit --out_dir out/bit                                     # CPU or one GPU
     torchrun --standalone --nproc_per_node 8 nce_train.py ...            # DDP
 
 Batches are a function of (seed, iteration), so --resume is exact and DDP sees the same global

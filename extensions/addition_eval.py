@@ -68,6 +68,23 @@ def scores(pred, gold):
     return hit.all(-1).double(), hit[..., :-1].double().mean(-1)
 
 
+def carry_chains(pre, meta):
+    """The longest carry chain of each problem (B,) of prompts `a+b=` (token ids): the most
+    consecutive digit positions whose column carries out, from the least significant (999+1: 3,
+    909+1: 1, 1+1: 0): what an LM must compute ahead to write the sum's leading digits."""
+    text = [''.join(meta['chars'][i - 1] for i in p.tolist() if i) for p in pre.cpu()]
+    out = []
+    for t in text:
+        a, b = t.rstrip('=').split('+')
+        carry, run, best = 0, 0, 0
+        for da, db in zip(reversed(a), reversed(b)):
+            carry = int(int(da) + int(db) + carry >= 10)
+            run = run + 1 if carry else 0
+            best = max(best, run)
+        out.append(best)
+    return torch.tensor(out)
+
+
 def mean_se(x):
     """(mean, standard error) of a 1-d tensor of per-problem values."""
     x = x.double()
@@ -122,6 +139,20 @@ def joint_decoders(x, logp, E, gold, ns, g):
     return out
 
 
+def beam_mode(bx, blogp, bE, x, logp, E, gold, ns):
+    """The joint model's mode over more than the LM's samples: argmax log P_LM - E among the LM's
+    beam (bx (B, k, L), from beam search, with its log P_LM and E) and the first n samples x, for
+    each n of ns: a decoder that can pick a sum the LM's samples never proposed."""
+    cand = torch.cat([bx, x], 1)
+    ex, dg = scores(cand, gold)
+    rows, k, out = torch.arange(x.size(0), device=x.device), bx.size(1), {}
+    score = torch.cat([blogp - bE, logp - E], 1)
+    for n in ns:
+        i = score[:, :k + n].argmax(1)
+        out[f'beam_{n}_exact'], out[f'beam_{n}_digit'] = ex[rows, i], dg[rows, i]
+    return out
+
+
 @torch.no_grad()
 def lm_columns(lm, pre, gold, ns, top_k, g):
     """Per-problem columns of one LM: greedy and sampled exact/digit scores, log P(correct sum),
@@ -160,6 +191,7 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam=8):
     ex, dg = scores(x, gold)
     for n in ns:
         out[f'oracle_{n}_exact'], out[f'oracle_{n}_digit'] = ex[:, :n].amax(1), dg[:, :n].amax(1)
+    proposals = x, logp, E
     if top_k:  # log Z needs samples of P_LM itself
         x, logp = lm.generate(pre, L, num_samples=max(ns), generator=g)
         logp = logp.double().sum(-1)
@@ -169,6 +201,8 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam=8):
     logp_known = lm.sequence_logprob(torch.cat([pre[:, None].expand(-1, known.size(1), -1), known], 2)
                                      .flatten(0, 1), P).double().view(known.shape[:2])
     e_known = energies(energy, pre, known, P)
+    if beam:  # the beam (the correct sum, known[:, 0], left out) beside the samples
+        out.update(beam_mode(known[:, 1:], logp_known[:, 1:], e_known[:, 1:], *proposals, gold, ns))
     log_a = logp_known[:, 0] - e_known[:, 0]  # the correct sum's term of Z
     z = logz_enumerate(torch.cat([known, x], 1), torch.cat([logp_known, logp], 1),
                        -torch.cat([e_known, E], 1), known=known.size(1))
@@ -203,10 +237,10 @@ def eq4_summary(cols):
 
 
 LM_DECODERS = {'majority': 'majority vote', 'rerank': 'log-prob rerank', 'oracle': 'oracle'}
-JOINT_DECODERS = {'a1': 'Algorithm 1', 'mode': 'joint mode'}
+JOINT_DECODERS = {'a1': 'Algorithm 1', 'mode': 'joint mode', 'beam': 'joint mode, beam + samples'}
 
 
-def rows_of(name, cols, ns, params):
+def rows_of(name, cols, ns, params, beam=0):
     """The table's rows (dicts) from per-problem columns: an LM's greedy, sampled and each of
     LM_DECODERS at each n; the joint model's JOINT_DECODERS at each n, each row with the
     best-of-n oracle of its samples, P(correct sum) (logp_correct_known) and its range by Eq. 4."""
@@ -217,15 +251,25 @@ def rows_of(name, cols, ns, params):
     p, p_se = mean_se(cols['logp_correct'].exp())
     if name == 'JOINT':
         return [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
-                     **acc(f'{key}_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
+                     **({'beam': beam} if key == 'beam' else {}), **acc(f'{key}_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
                      oracle_digit=mean_se(cols[f'oracle_{n}_digit'])[0], p_correct=p, p_correct_se=p_se,
                      p_correct_estimator='logz_enumerate', **eq4_summary(cols))
-                for key, method in JOINT_DECODERS.items() for n in ns]
+                for key, method in JOINT_DECODERS.items() for n in ns if f'{key}_{n}_exact' in cols]
     return ([dict(model=name, method=how, n=1, lm_samples=1, params=params, **acc(how), p_correct=p,
                   p_correct_se=p_se) for how in ('greedy', 'sampled')] +
             [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
                   **acc(f'{key}_{n}'), p_correct=p, p_correct_se=p_se)
              for key, method in LM_DECODERS.items() for n in ns])
+
+
+def by_carry_chain(chains, per_problem):
+    """Exact match of every kept decoder by the problem's longest carry chain: {model: {column:
+    {chain length: mean}}}, and the count of problems at each length."""
+    lengths = sorted(set(chains.tolist()))
+    mean = lambda v, c: torch.tensor(v, dtype=torch.float64)[chains == c].mean().item()
+    out = {name: {k: {c: mean(v, c) for c in lengths} for k, v in cols.items() if k.endswith('_exact')}
+           for name, cols in per_problem.items()}
+    return dict(count={c: (chains == c).sum().item() for c in lengths}, exact=out)
 
 
 def format_table(rows):
@@ -313,12 +357,14 @@ def main(argv=None):
         merged = {k: torch.cat([c[k] for c in parts]).cpu() for k in parts[0]}
         params = (lm if name == 'JOINT' else lms[name]).num_params() + (
             sum(p.numel() for p in energy.parameters()) if name == 'JOINT' else 0)
-        rows += rows_of(name, merged, args.ns, params)
+        rows += rows_of(name, merged, args.ns, params, args.beam)
         per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()
                              if k in kept_columns(args.ns[-1])}
+    chains = carry_chains(x[:, :P], meta)
     res = dict(split=args.split, num_prefixes=len(offsets), prefix_len=P, gen_len=L, ns=args.ns,
                top_k=args.top_k, beam=args.beam, lm=args.lm, energy=args.energy, extra_lm=args.extra_lm,
-               seed=args.seed, rows=rows, per_problem=per_problem)
+               seed=args.seed, rows=rows, carry_chain=chains.tolist(),
+               by_carry_chain=by_carry_chain(chains, per_problem), per_problem=per_problem)
     write_json(res, args.out)
     table = format_table(rows)
     with open(os.path.splitext(args.out)[0] + '.txt', 'w') as f:

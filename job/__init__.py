@@ -142,9 +142,10 @@ ACCURACY_FIX = 'rerun python -m extensions.addition_eval (reproduce.py --data ad
 
 # the decoders compared on addition (accuracy.json), each pair on the same problems and, for the
 # decoders among n samples, the same n samples of the base LM: (better, worse) as (model, column)
-DECODERS = {'JOINT': ('a1', 'mode'), 'BASE LM': ('greedy', 'majority', 'rerank'),
+DECODERS = {'JOINT': ('a1', 'mode', 'beam'), 'BASE LM': ('greedy', 'majority', 'rerank'),
             'BALM': ('greedy', 'rerank')}
 DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode',
+                 ('JOINT', 'beam'): 'joint mode over beam + samples',
                  ('BASE LM', 'greedy'): 'LM greedy',
                  ('BASE LM', 'majority'): 'LM majority vote', ('BASE LM', 'rerank'): 'LM log-prob rerank',
                  ('BALM', 'greedy'): 'BALM greedy', ('BALM', 'rerank'): 'BALM log-prob rerank',
@@ -157,8 +158,8 @@ def decoder_pairs(acc):
     accuracy.json's per-problem columns as (model, column)."""
     per, n = acc['per_problem'], max(acc['ns'])
     col = lambda model, how: (model, f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact')
-    pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] for model in ('BASE LM', 'BALM')
-             if model in per for how in DECODERS[model]]
+    pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] if col('JOINT', j)[1] in per['JOINT']
+             for model in ('BASE LM', 'BALM') if model in per for how in DECODERS[model]]
     pairs += [(('greedy', 'EXO'), ('greedy', 'BASE LM'))] if 'EXO' in per else []
     return [(f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else ''),
              col(m1, h1), col(m2, h2)) for (h1, m1), (h2, m2) in pairs]

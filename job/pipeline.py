@@ -125,13 +125,16 @@ class Pipeline:
     """Runs stages in order, like make: a stage is skipped when provenance.json says it was made
     from what this run would make it from (see the module's docstring).
 
-    jobs = 1 (the default): each stage runs in the terminal, one after another. jobs > 1 (make -j):
-    `run` waits for the stages the new one depends on and for a free slot, starts it in the
-    background and returns; it writes <dir of timings>/<stage>.log and runs on `threads` threads.
-    Stages start in the order of the calls. Code that reads a stage's outputs calls wait() first."""
+    jobs = 1 (the default): each stage runs in the terminal, one after another, in the order of
+    the calls. jobs > 1 (make -j): `run` declares the stage and returns; a stage starts in the
+    background once the stages it depends on have ended and a slot is free, the one with the
+    longest critical path first (`costs`: seconds per stage, e.g. a measured run's), and writes
+    <dir of timings>/<stage>.log on `threads` threads. Code that reads a stage's outputs calls
+    wait() first (wait() is also what runs the queue)."""
 
-    def __init__(self, timings_path, jobs=1, threads=None):
+    def __init__(self, timings_path, jobs=1, threads=None, costs=None):
         self.timings_path, self.done, self.folders, self.jobs = timings_path, {}, {}, jobs
+        self.deps, self.queue, self.costs = {}, {}, costs or {}  # queue: declared, not started
         self.out_dir = os.path.dirname(timings_path) or '.'
         self.timings = read_json(timings_path, 'delete it (it only records stage times) and rerun') \
             if os.path.exists(timings_path) else {}
@@ -152,11 +155,33 @@ class Pipeline:
         self.env = None if jobs == 1 else dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
 
     def run(self, name, cmd, done, deps=(), folder=None):
-        """Run the stage unless done. A half-done one made from the same resumes; one made from
-        something else starts over, its folder kept as folder.old (without --resume)."""
-        self.done[name], self.folders[name] = done, folder
-        if deps:
-            self.wait(*deps)  # with jobs > 1: what it reads is written
+        """Declare a stage (cmd: its command, or a function returning it, called once `deps` have
+        ended: a command that reads what they wrote). It starts as soon as its deps have ended and
+        a slot is free (jobs = 1: at once, in the terminal, to its end); skipped if done, resumed
+        if half-done and made from the same, started over otherwise (its folder kept as .old)."""
+        self.done[name], self.folders[name], self.deps[name] = done, folder, tuple(deps)
+        self.queue[name] = cmd
+        self.dispatch()
+
+    def priority(self, name):
+        """The stage's critical path: its cost plus the longest chain of costs among the declared
+        stages that need it (costs: the job's measured stage seconds; 0 where none is known)."""
+        needs = [n for n, d in self.deps.items() if name in d]
+        return self.costs.get(name, 0) + max(map(self.priority, needs), default=0)
+
+    def dispatch(self):
+        """Starts ready stages (their deps ended) while fewer than `jobs` run: the longest critical
+        path first, then the order of declaration (make -j's order, by the path instead of the file)."""
+        while len(self.running) < self.jobs:
+            ready = [n for n in self.queue if not (set(self.deps[n]) & (self.queue.keys() | self.running.keys()))]
+            if not ready:
+                return
+            name = max(ready, key=lambda n: (self.priority(n), -list(self.queue).index(n)))
+            self.launch(name, self.queue.pop(name))
+
+    def launch(self, name, cmd):
+        """Runs the stage unless done (see run)."""
+        cmd, done, deps = cmd() if callable(cmd) else cmd, self.done[name], self.deps[name]
         if not inside(done, self.out_dir):  # the prepared data, shared by runs: used as it is
             if finished(done):
                 say(f"[{name}] done already ({done} exists): skipped")
@@ -175,10 +200,8 @@ class Pipeline:
             write_json(self.records, self.records_path)
         if self.jobs == 1:  # in the terminal, to its end
             self.start(name, cmd)
-            self.wait(name)
-            return
-        while len(self.running) >= self.jobs:
             self.wait_one()
+            return
         os.makedirs(os.path.dirname(self.timings_path) or '.', exist_ok=True)
         self.start(name, cmd, os.path.join(os.path.dirname(self.timings_path), f'{name}.log'))
 
@@ -238,8 +261,13 @@ class Pipeline:
         self.running[name] = (proc, time.time(), log)
 
     def wait(self, *names):
-        """Until the running stages among `names` (none named: all) have ended."""
-        while self.running.keys() & set(names or self.running):
+        """Until the stages among `names` (none named: all declared) have ended."""
+        names = set(names) or set(self.done)
+        while (self.queue.keys() | self.running.keys()) & names:
+            self.dispatch()
+            if not self.running:  # a stage waits for one never declared or itself waiting
+                stuck = sorted(self.queue.keys() & names)
+                raise RuntimeError(f"stages {stuck} wait for stages that cannot start: {self.deps}")
             self.wait_one()
 
     def wait_one(self):

@@ -20,10 +20,11 @@ lands in --out_dir: checkpoints, results.json (one row per model and split), cla
 figures, and timings.json. --ordering adds Fig. 4: each snapshot of the base LM along its
 training with its own negatives and BIT, beside BALM at the same step.
 
---jobs N (like make -j; on a GPU the stages share it; default 1, 2 with --quick): stages start in
-the order above as soon as those they depend on have ended and fewer than N run (BALM and the MLM
-beside the LM, the BIT beside the UNIT, ...), each on cores // N threads (OMP_NUM_THREADS), its
-output in <out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1:
+--jobs N (like make -j; on a GPU the stages share it; default 1, 2 with --quick): a stage starts as
+soon as those it depends on have ended and fewer than N run, the one heading the longest chain of
+measured stage times first (job.configs.STAGE_SECONDS: the critical path LM -> negatives -> energies
+-> EXO before the baselines), each on cores // N threads (OMP_NUM_THREADS), its output in
+<out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1:
 each stage in the terminal, on every core). A failed stage stops the others and names its log;
 Ctrl-C stops them all. Threads change float rounding, so a stage's thread count follows --jobs and
 the cores, never timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of
@@ -51,7 +52,7 @@ from model import GPT, GPTConfig
 from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
                       rerun_command, run_main, write_json)
 
-from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME,
+from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME, STAGE_SECONDS,
                          large_batch)
 from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
 from job.stages import check_made_with, flags, negatives, nce, prepare_command
@@ -105,7 +106,8 @@ def get_args(argv=None):
                    help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
                         "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
                         "stages are bound by process starts, not arithmetic (measured: docs/reports.md). "
-                        "N > 1: a stage starts once those it needs have ended, on cores // N threads "
+                        "N > 1: a stage starts once those it needs have ended (the longest chain of "
+                        "stage times first), on cores // N threads "
                         "(OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if set, else torch's default), its "
                         "output in <out_dir>/<stage>.log. Threads change float rounding: the per-stage "
                         "count follows --jobs and the cores, never timing, so the numbers depend on them "
@@ -189,7 +191,7 @@ def main(argv=None):
     check_data_dir(args)
     lock_folder(os.path.join(ROOT, args.out_dir), '--out_dir')  # one job per folder (checked writable first)
     pipe = Pipeline(os.path.join(args.out_dir, 'timings.json'), args.jobs,
-                    threads=max(1, torch.get_num_threads() // args.jobs))
+                    threads=max(1, torch.get_num_threads() // args.jobs), costs=STAGE_SECONDS[args.data])
     try:
         if args.lesson:
             lesson(pipe, args)
@@ -244,19 +246,17 @@ def stages(args, pipe):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
 
     def script(name, cmd, done, deps):  # a script without --dtype (fp32): the run's seed and device
-        pipe.run(name, cmd + common + ['--device', args.device], done, deps)
+        pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
-        exo(script, path, lm_ckpt, neg, cfg, stronger_energy(pipe, path))
-    # RALM and TaiLr after the energies and EXO: off the critical path (LM -> negatives -> energies
-    # -> EXO), with --jobs 2 they fill the core BALM frees
+        exo(script, path, lm_ckpt, neg, cfg, lambda: stronger_energy(path))
     train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
     train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
     # the talk's metric energy, where the config fits one
     metric = metric_energies(stage, path, lm_ckpt, neg, cfg['metrics']) if 'metrics' in cfg else []
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
-        accuracy(script, path, lm_ckpt, cfg, stronger_energy(pipe, path))
+        accuracy(script, path, lm_ckpt, cfg, lambda: stronger_energy(path))
     pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'] + ['addition_eval'] * ('accuracy' in cfg))
     if args.ordering:
@@ -301,11 +301,10 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
 NCE_RESULTS = {'held_out_gain': NUMBER, 'held_out_acc': NUMBER, 'held_out_gain_enumerated?': NUMBER}
 
 
-def stronger_energy(pipe, path):
+def stronger_energy(path):
     """'bit' or 'unit': the energy whose joint model gains more on the selection split's held-out
     prefixes (nce_train.py's held_out_gain_enumerated, log Z by energy.logz_enumerate: Eq. 4's
     held_out_gain fails where the energy is sharp): the one EXO distils and the accuracy table uses."""
-    pipe.wait('bit', 'unit')
     res = {k: read_report(os.path.dirname(path(k)), os.path.join(k, 'results.json'), FIX, NCE_RESULTS)
            for k in ('bit', 'unit')}
     gain = {k: r.get('held_out_gain_enumerated', r['held_out_gain']) for k, r in res.items()}
@@ -314,24 +313,25 @@ def stronger_energy(pipe, path):
 
 def exo(script, path, lm_ckpt, neg, cfg, energy):
     """EXO (Ji et al., ICML 2024, from the talk): a copy of the LM fine-tuned towards the joint model
-    LM + `energy` by the reverse KL over K LM samples per prefix, best.pt chosen on the selection split."""
-    script('exo', ['-m', 'extensions.exo', '--lm', lm_ckpt, '--energy', path(energy, 'best.pt'),
-                   '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                   '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stopped EXO starts over
-           path('exo', 'results.json'), ['lm', energy])
+    LM + energy() (called once both energies have ended) by the reverse KL over K LM samples per
+    prefix, best.pt chosen on the selection split."""
+    script('exo', lambda: ['-m', 'extensions.exo', '--lm', lm_ckpt, '--energy', path(energy(), 'best.pt'),
+                           '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
+                           '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stopped EXO starts over
+           path('exo', 'results.json'), ['lm', 'bit', 'unit'])
 
 
 def accuracy(script, path, lm_ckpt, cfg, energy):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
-    model, and of the joint model LM + `energy` by each decoder among n LM samples
-    (extensions/addition_eval.py), and its figure."""
-    script('addition_eval', ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
-                             '--energy', path(energy, 'best.pt'),
-                             '--extra_lm', f"BALM={path('balm', 'best.pt')}", f"EXO={path('exo', 'best.pt')}",
-                             f"TAILR={path('tailr', 'best.pt')}",
-                             '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'), '--force']
-           + flags(cfg['accuracy']),
-           path('accuracy.json'), ['lm', energy, 'balm', 'exo', 'tailr'])
+    model, and of the joint model LM + energy() (called once both energies have ended) by each
+    decoder among n LM samples (extensions/addition_eval.py), and its figure."""
+    script('addition_eval', lambda: ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
+                                     '--energy', path(energy(), 'best.pt'),
+                                     '--extra_lm', f"BALM={path('balm', 'best.pt')}",
+                                     f"EXO={path('exo', 'best.pt')}", f"TAILR={path('tailr', 'best.pt')}",
+                                     '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'),
+                                     '--force'] + flags(cfg['accuracy']),
+           path('accuracy.json'), ['lm', 'bit', 'unit', 'balm', 'exo', 'tailr'])
 
 
 def metric_energies(stage, path, lm_ckpt, neg, mc):

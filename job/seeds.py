@@ -8,16 +8,20 @@ problems, Holm (1979) over the comparisons; McNemar's exact p at each seed besid
 seed as the unit (seed_level): the per-seed differences t-tested over seeds (df = seeds - 1) and by
 the exact sign test, each with Holm over the family: what holds whatever the training seed.
 
-    for s in 1337 2 3; do python -m job.reproduce --data addition --jobs 2 --seed $s \\
-        --out_dir out-addition-s$s; done
-    python -m job.seeds out-addition-s1337 out-addition-s2 out-addition-s3 --out assets/seeds_addition.json
+    python -m job.seeds --seeds 1,2,3,4,5,6,7,8,9,10 --jobs 2   # trains each seed, then the table
+    python -m job.seeds out-seeds/seed1 out-seeds/seed2 ...       # the table of runs already made
 
-Writes the JSON and, beside it, the same as a table (.txt).
+With --seeds, each seed's job (python -m job.reproduce --data addition --seed S --out_dir
+<runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time (on one GPU they
+share it; on a CPU, 1), each into its folder and log (<runs_dir>/seedS.log); a rerun of the same
+command skips what is done and resumes what was stopped, as job.reproduce does. Writes the JSON and,
+beside it, the same as a table (.txt).
 """
 
 import math
 import os
 import statistics
+import subprocess
 import sys
 
 import numpy as np
@@ -27,20 +31,62 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
-from plumbing import ArgumentParser, check_writable, common_flags, run_main, write_json, write_text
+from plumbing import ArgumentParser, check_writable, comma_ints, common_flags, run_main, write_json, write_text
 
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument('runs', nargs='+',
-                   help="the --out_dir of each seed's run of job.reproduce --data addition")
+    p.add_argument('runs', nargs='*',
+                   help="the --out_dir of each seed's run of job.reproduce --data addition (or --seeds)")
+    p.add_argument('--seeds', type=comma_ints, default=None, at_least=0, at_most=2**63 - 1,
+                   help="train these seeds first (job.reproduce --data addition --seed S), each into "
+                        "<runs_dir>/seedS: the runs")
+    p.add_argument('--runs_dir', default='out-seeds', help="with --seeds: where each seed's run goes")
+    p.add_argument('--jobs', type=int, default=2, at_least=1, at_most=1024, help="with --seeds: each job's --jobs")
+    p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
+                   help="with --seeds: seeds trained at a time (more than 1: sharing a GPU)")
+    p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'], help="with --seeds: each job's --recipe")
+    p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
-    common_flags(p, 'seed', help=dict(seed='unused: nothing here is random'))
+    common_flags(p, 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
+                                               quiet="with --seeds: each job's --quiet"))
     args = p.parse_args(argv)
+    if args.seeds is not None:
+        if args.runs:
+            raise ValueError("give either --seeds (trained here) or the runs' folders, not both")
+        args.runs = [os.path.join(args.runs_dir, f'seed{s}') for s in args.seeds]
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
     check_writable(args.out, '--out', folder=False)
     return args
+
+
+def seed_command(args, seed, run):
+    """One seed's addition job: the models' --seed, the data's default --data_seed (shared)."""
+    return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed), '--out_dir', run,
+             '--jobs', str(args.jobs), '--recipe', args.recipe] + ['--quick'] * args.quick
+            + ['--quiet'] * args.quiet)
+
+
+def train_seeds(args):
+    """Each seed's addition job, --at_once at a time, each into its folder and log; one line naming
+    the log of a job that failed (a rerun resumes it)."""
+    os.makedirs(args.runs_dir, exist_ok=True)
+    todo, running = list(zip(args.seeds, args.runs)), []
+    while todo or running:
+        while todo and len(running) < args.at_once:
+            seed, run = todo.pop(0)
+            cmd = seed_command(args, seed, run)
+            print(f"[seed {seed}] $ python {' '.join(cmd[1:])}  > {run}.log", file=sys.stderr, flush=True)
+            with open(f'{run}.log', 'w') as log:
+                running.append((seed, run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        seed, run, proc = running.pop(0)
+        if proc.wait() != 0:
+            for *_, other in running:
+                other.kill()
+            raise ValueError(f"seed {seed}'s job failed (its log: {run}.log); rerun this command: what is "
+                             f"done is kept, a stopped stage resumes")
+        print(f"[seed {seed}] done: {run}", file=sys.stderr, flush=True)
 
 
 def data_hash(run):
@@ -148,6 +194,8 @@ def fmt(result):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.seeds is not None:
+        train_seeds(args)
     accs, seeds = read_runs(args.runs)
     result = dict(runs=args.runs, seeds=seeds, split=accs[0]['split'], num_prefixes=accs[0]['num_prefixes'],
                   rows=rows_over_seeds(accs), comparisons=comparisons(accs))

@@ -420,6 +420,30 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     # random energy's scale dwarfs log P_LM's here: a mode by -E alone is hand_built_decoding's case)
     assert len({want[k, 'digit'] for k in picks}) == 3, want
     assert not plot or png.stat().st_size > 0
+    # the joint mode over the LM's beam of 8 and the samples: argmax log P_LM - E over the union, by loops
+    beam = load_lm(lm_path)[0].beam_search(pre, L, 8)[0]  # (B, 8, L)
+    bseq = torch.cat([pre.repeat_interleave(8, 0), beam.flatten(0, 1)], 1)
+    blp = logprobs64(load_lm(lm_path)[0], bseq[:, :-1])[:, 7:].gather(-1, bseq[:, 8:, None]).sum((1, 2))
+    bE = score_continuations(energy, pre, beam, 8, contextlib.nullcontext())
+    for n in (1, 4):
+        cand = [[(blp[b * 8 + i].item() - bE[b, i].item(), beam[b, i]) for i in range(8)]
+                + [(lp[b, i].item() - E[b, i].item(), x[b, i]) for i in range(n)] for b in range(B)]
+        hit = torch.stack([max(c, key=lambda t: t[0])[1] for c in cand]) == gold
+        row = rows['JOINT', f'joint mode, beam + samples, n = {n}']
+        assert row['exact'] == pytest.approx(hit.all(-1).double().mean().item()), n
+        assert row['digit'] == pytest.approx(hit[:, :-1].double().mean().item()), n
+    # the longest carry chain of each problem, by integer arithmetic
+    res = json.loads(out.read_text())
+    chars = '+0123456789='
+    for p, chain in zip(pre.tolist(), res['carry_chain']):
+        a, b = (int(t) for t in ''.join(chars[i - 1] for i in p).rstrip('=').split('+'))
+        runs, run, k = [0], 0, 1
+        while k <= 10 ** 7:
+            run = run + 1 if (a % (10 * k)) + (b % (10 * k)) >= 10 * k else 0  # column k carries out
+            runs.append(run)
+            k *= 10
+        assert chain == max(runs), (a, b, chain)
+    assert sum(res['by_carry_chain']['count'].values()) == B and len(res['by_carry_chain']['count']) > 1
 
 
 def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):

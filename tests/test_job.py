@@ -207,6 +207,23 @@ def test_pipeline_jobs_runs_independent_stages_together(tmp_path, capsys):
     assert not pipe.running and 'skipped' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('costs, first', [(dict(short=1, long=5, tail=5), 'long'), (None, 'short')])
+def test_pipeline_jobs_starts_the_longest_chain_first(tmp_path, costs, first):
+    """--jobs 2: when a slot frees and two stages are ready, the one heading the longest chain of
+    costs starts (long -> tail: 10 against short's 1), whatever the order they were declared in;
+    without costs, the order of declaration."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1, costs=costs)
+    pipe.run('gate', *fake_stage(tmp_path, 'gate', 0.3))
+    pipe.run('other', *fake_stage(tmp_path, 'other', 3))  # holds the second slot
+    for name, deps in (('short', ['gate']), ('long', ['gate']), ('tail', ['long'])):
+        pipe.run(name, *fake_stage(tmp_path, name, 0), deps)
+    assert set(pipe.running) == {'gate', 'other'} and list(pipe.queue) == ['short', 'long', 'tail']
+    pipe.wait()
+    start = {n: json.load(open(tmp_path / f'{n}.json'))['start'] for n in ('short', 'long')}
+    assert min(start, key=start.get) == first, start
+
+
 def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
     """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
     stage resumes), and the job ends with one line naming the stage, its log and its last line."""
@@ -217,6 +234,7 @@ def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         pipe.run('bad', *fake_stage(tmp_path, 'bad', 0.5, fail=True))
         pipe.run('after', *fake_stage(tmp_path, 'after', 0), ['bad'])
+        pipe.wait()
     msg = str(e.value.code)
     assert msg == (f"error: stage 'bad' failed (its log {tmp_path / 'bad.log'} says: error: boom); fix it "
                    "and rerun: finished stages are skipped"), msg

@@ -61,6 +61,30 @@ def test_seeds_against_brute_force(tmp_path):
     assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
 
 
+def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
+    """--seeds: each seed's job (job.reproduce's command, here a stand-in that writes a run) into
+    <runs_dir>/seedS with its log, --at_once of them at a time, then the table of those runs; a job
+    that fails stops the command with one line naming its log (a rerun: a done run is kept)."""
+    stand_in = ("import json, os, sys, time; sys.path.insert(0, {root!r}); from tests.test_seeds import fake_run; "
+                "import pathlib; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
+                "json.dump(time.time(), open(str(run) + '.start', 'w')); time.sleep(0.5); "
+                "sys.exit('error: boom') if seed == 9 else run.exists() or fake_run(run, seed, [1, 1, seed % 2], [1, 0, 0])")
+    monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [
+        seeds.sys.executable, '-c', stand_in.format(root=ROOT), str(seed), run])
+    runs, out = tmp_path / 'runs', tmp_path / 'table.json'
+    seeds.main(['--seeds', '3,1,2', '--runs_dir', str(runs), '--at_once', '3', '--out', str(out)])
+    res = json.loads(out.read_text())
+    assert res['seeds'] == [1, 2, 3] and res['runs'] == [str(runs / f'seed{s}') for s in (1, 2, 3)]
+    starts = [json.load(open(runs / f'seed{s}.start')) for s in (1, 2, 3)]
+    assert max(starts) - min(starts) < 0.5  # the three at once
+    assert '[seed 2] done' in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"seed 9's job failed \\(its log: {runs / 'seed9'}.log\\)"):
+        seeds.main(['--seeds', '1,9', '--runs_dir', str(runs), '--out', str(out)])
+    assert 'boom' in (runs / 'seed9.log').read_text()
+    with pytest.raises(ValueError, match='either --seeds'):
+        seeds.main(['--seeds', '1,2', str(runs / 'seed1'), '--out', str(out)])
+
+
 def test_seeds_refuses_mixed_runs(tmp_path):
     a = fake_run(tmp_path / 'a', 1, [1, 0, 1], [0, 0, 1])
     with pytest.raises(ValueError, match='not trained on the same data'):
