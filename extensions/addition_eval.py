@@ -310,7 +310,8 @@ def get_args(argv=None):
       help="the LM's most likely continuations (beam search) scored exactly in log Z (0: none)")
     a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
-    a('--plot', default=None, help='a PNG of accuracy against LM samples per answer (needs matplotlib)')
+    a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it (<name>_carry.png) '
+                                   'exact match by the longest carry chain (needs matplotlib)')
     common_flags(p, 'force', 'device', 'seed', 'quiet',
                  help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)
@@ -325,6 +326,7 @@ def get_args(argv=None):
     if args.plot is not None:  # refused before --out is written
         check_writable(args.plot, '--plot', folder=False)
         check_new(args.plot, '--plot', args.force)
+        check_new(carry_plot(args.plot), '--plot', args.force)
     return args
 
 
@@ -373,6 +375,7 @@ def main(argv=None):
         print(table)
     if args.plot:
         plot(rows, args.plot, args.split)
+        plot_carry(res, carry_plot(args.plot))
 
 
 def plot(rows, path, split='test'):
@@ -386,7 +389,7 @@ def plot(rows, path, split='test'):
     models = list(dict.fromkeys(r['model'] for r in rows))
     color = {m: f'C{i}' for i, m in enumerate(models)}
     style = {'majority vote': 's-', 'log-prob rerank': '^--', 'oracle': '.:', 'Algorithm 1': 'o-',
-             'joint mode': 'D-.'}
+             'joint mode': 'D-.', 'joint mode, beam + samples': 'P-'}
     curves = {}
     for r in rows:
         method = r['method'].split(', n = ')[0]
@@ -401,6 +404,37 @@ def plot(rows, path, split='test'):
     ax.set_xlabel('LM samples per answer')
     ax.set_ylabel(f'exact match ({split})')
     ax.legend(fontsize=6, loc='center left', bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def carry_plot(path):
+    return os.path.splitext(path)[0] + '_carry.png'
+
+
+CARRY_CURVES = (('BASE LM', 'greedy', 'LM greedy'), ('BASE LM', 'rerank', 'LM log-prob rerank of n'),
+                ('BALM', 'greedy', 'BALM greedy'), ('EXO', 'greedy', 'EXO LM greedy'),
+                ('BASE LM', 'oracle', 'LM: any of n correct'), ('JOINT', 'a1', 'joint: Algorithm 1 of n'),
+                ('JOINT', 'mode', 'joint: mode of n'), ('JOINT', 'beam', 'joint: mode of beam + n'))
+
+
+def plot_carry(res, path):
+    """Exact match by the problem's longest carry chain (res['by_carry_chain'], at the largest n):
+    where the LM's decoders fail, and whether the joint model's rescue them."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    by, n = res['by_carry_chain'], max(res['ns'])
+    lengths = sorted(by['count'], key=int)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for model, how, label in CARRY_CURVES:
+        col = f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact'
+        if col in by['exact'].get(model, {}):
+            ax.plot([int(c) for c in lengths], [by['exact'][model][col][c] for c in lengths], 'o-',
+                    markersize=3, label=label)
+    ax.set_xlabel(f"longest carry chain (problems: {', '.join(str(by['count'][c]) for c in lengths)})")
+    ax.set_ylabel(f"exact match ({res['split']}, n = {n})")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

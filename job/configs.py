@@ -121,7 +121,8 @@ ADDITION = dict(
     # reached 0.022 in twice the time; 2e-3 over 5,000 stopped at 0.049, the LM's level (docs/addition.md, A
     # faster job). The cap below (RALM's, TaiLr's) lets the stopping rule fire ((patience + 1) * eval_interval)
     balm=dict(n_head=3, lr=1e-3, min_lr=1e-4, max_iters=7000, lr_decay_iters=7000, patience=0),
-    residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=8000, lr_decay_iters=4000),
+    # RALM and TaiLr keep the stopping rule (patience 2), which the base LM's fixed budget gives up
+    residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=8000, lr_decay_iters=4000, patience=2),
     # the recipe (docs/addition.md, chosen on the selection split): 16 LM samples of every training
     # problem, ranking NCE over them, best.pt by the held-out joint gain with log Z from 64 samples;
     # the budget: half of it (4,000 steps, 128,000 problems) made 2.2 minutes less of each energy and
@@ -130,7 +131,8 @@ ADDITION = dict(
              select_prefixes=1024),
     mlm=dict(n_layer=3, n_head=3, n_embd=96, max_iters=2000, lr_decay_iters=2000, eval_interval=500,
              alibi=True, patience=0, min_rel_delta=0, lr=1e-3, select_on='window'),
-    tailr=dict(gamma=0.01, max_iters=4000, lr=3e-4, min_lr=3e-4, warmup_iters=0, eval_interval=250),
+    tailr=dict(gamma=0.01, max_iters=4000, lr=3e-4, min_lr=3e-4, warmup_iters=0, eval_interval=250,
+               patience=2),
     bit=dict(batch_size=32, max_iters=8000, lr=3e-4, min_lr=3e-5, warmup_iters=50, eval_interval=500,
              eval_prefixes=1024, patience=4, select='gain_enumerated'),
     unit=dict(batch_size=32, max_iters=8000, lr=2e-4, min_lr=2e-5, warmup_iters=50, eval_interval=500,

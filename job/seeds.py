@@ -15,9 +15,12 @@ With --seeds, each seed's job (python -m job.reproduce --data addition --seed S 
 <runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time (on one GPU they
 share it; on a CPU, 1), each into its folder and log (<runs_dir>/seedS.log); a rerun of the same
 command skips what is done and resumes what was stopped, as job.reproduce does. Writes the JSON and,
-beside it, the same as a table (.txt).
+beside it, the same as a table (.txt), and every seed's per-problem outcomes (_outcomes.json.gz), from
+which the comparisons can be recomputed.
 """
 
+import gzip
+import json
 import math
 import os
 import statistics
@@ -31,7 +34,8 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
-from plumbing import ArgumentParser, check_writable, comma_ints, common_flags, run_main, write_json, write_text
+from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main, write_json,
+                      write_text)
 
 
 def get_args(argv=None):
@@ -192,6 +196,29 @@ def fmt(result):
     return '\n'.join(lines) + '\n'
 
 
+def outcomes_path(out):
+    return os.path.splitext(out)[0] + '_outcomes.json.gz'
+
+
+def write_outcomes(accs, seeds, path):
+    """Every seed's per-problem outcomes (accuracy.json's per_problem, and the problems' carry chains),
+    gzipped JSON: what the comparisons are recomputed from (read_outcomes)."""
+    data = dict(seeds=seeds, split=accs[0]['split'], ns=accs[0]['ns'], carry_chain=accs[0].get('carry_chain'),
+                per_problem={str(s): a['per_problem'] for s, a in zip(seeds, accs)})
+
+    def write(tmp):
+        with gzip.open(tmp, 'wt') as f:
+            json.dump(data, f)
+    atomic_write(path, write)
+
+
+def read_outcomes(path):
+    """write_outcomes' file as the accs comparisons() takes: [{'ns', 'per_problem'}] in seed order."""
+    with gzip.open(path, 'rt') as f:
+        data = json.load(f)
+    return [dict(ns=data['ns'], per_problem=data['per_problem'][str(s)]) for s in data['seeds']]
+
+
 def main(argv=None):
     args = get_args(argv)
     if args.seeds is not None:
@@ -203,6 +230,7 @@ def main(argv=None):
     print(table, end='')
     write_json(result, args.out)
     write_text(table, os.path.splitext(args.out)[0] + '.txt')
+    write_outcomes(accs, seeds, outcomes_path(args.out))
 
 
 if __name__ == '__main__':

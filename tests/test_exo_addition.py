@@ -419,7 +419,7 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     # the fixture's samples tell the decoders apart (per digit), so a swap of two of them fails (the
     # random energy's scale dwarfs log P_LM's here: a mode by -E alone is hand_built_decoding's case)
     assert len({want[k, 'digit'] for k in picks}) == 3, want
-    assert not plot or png.stat().st_size > 0
+    assert not plot or png.stat().st_size > 0 and (tmp_path / 'acc_carry.png').stat().st_size > 0
     # the joint mode over the LM's beam of 8 and the samples: argmax log P_LM - E over the union, by loops
     beam = load_lm(lm_path)[0].beam_search(pre, L, 8)[0]  # (B, 8, L)
     bseq = torch.cat([pre.repeat_interleave(8, 0), beam.flatten(0, 1)], 1)

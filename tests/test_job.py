@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from job import lesson, stats
+from job.configs import STAGE_SECONDS
 from data import load_meta
 from model import load_checkpoint
 from plumbing import file_hash
@@ -404,6 +405,8 @@ def test_reproduce_quick_addition_end_to_end(tmp_path):
     assert [r['n'] for r in joint if r['method'].startswith('Algorithm 1')] == [1, 5, 20]
     exo_methods = {r['method'] for r in acc['rows'] if r['model'] == 'EXO'}
     assert {'majority vote, n = 20', 'log-prob rerank, n = 20', 'oracle, n = 20'} <= exo_methods
+    # the scheduler's stage times name the job's stages (a renamed stage would lose its priority)
+    assert set(STAGE_SECONDS['addition']) == set(json.load(open(out / 'timings.json')))
     assert all(r['exact'] <= r['oracle_exact'] and r['p_correct'] <= 1 for r in joint)
     assert all(r['p_correct_low'] is None or r['p_correct_low'] <= r['p_correct_high'] <= 1 for r in joint)
     with pytest.raises(ValueError, match='char-level'):

@@ -180,6 +180,8 @@ def check_readme_addition(readme):
                 [cell('BASE LM', f'{how}, n = 64') for how in ('majority vote', 'log-prob rerank', 'oracle')],
             'joint model, of 64: Algorithm 1 / its mode':
                 [cell('JOINT', f'{how}, n = 64') for how in ('Algorithm 1', 'joint mode')],
+            "joint model: mode over the LM's beam of 8 and 64 samples":
+                [cell('JOINT', 'joint mode, beam + samples, n = 64')],
             'BALM': [cell('BALM', 'greedy'), cell('BALM', 'log-prob rerank, n = 64')],
             'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
     section = readme.split('## Where the energy helps')[1].split('\n## ')[0]

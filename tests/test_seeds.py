@@ -58,6 +58,8 @@ def test_seeds_against_brute_force(tmp_path):
     assert first['mcnemar_p_per_seed'][0] == stats.mcnemar(joint[0], lm[0])['p']
     p = [c['p'] for c in res['comparisons']]
     assert [c['p_holm'] for c in res['comparisons']] == stats.holm(p)
+    again = seeds.comparisons(seeds.read_outcomes(tmp_path / 'seeds_outcomes.json.gz'))
+    assert again == res['comparisons']  # every seed's outcomes kept: the tests recomputed from them
     assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
 
 
@@ -110,8 +112,11 @@ def test_seed_level_against_closed_forms():
 
 
 def test_committed_seed_level_is_the_stored_differences():
-    """assets/seeds_addition.json's seed-level tests are those of its own per-seed differences."""
+    """assets/seeds_addition.json's comparisons are those of the per-problem outcomes stored beside it
+    (every seed's), and its seed-level tests those of its own per-seed differences."""
     stored = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))['comparisons']
+    outcomes = seeds.read_outcomes(os.path.join(ROOT, 'assets', 'seeds_addition_outcomes.json.gz'))
+    assert len(outcomes) >= 4 and seeds.comparisons(outcomes) == stored
     again = seeds.seed_level([dict(diff_per_seed=c['diff_per_seed']) for c in stored])
     assert len(again) == len(stored)
     for c, d in zip(stored, again):
