@@ -156,8 +156,8 @@ class Pipeline:
 
     def run(self, name, cmd, done, deps=(), folder=None):
         """Declare a stage (cmd: its command, or a function returning it, called once `deps` have
-        ended: a command that reads what they wrote). It starts as soon as its deps have ended and
-        a slot is free (jobs = 1: at once, in the terminal, to its end); skipped if done, resumed
+        ended: a command that reads what they wrote). It starts as soon as its deps have ended (a dep
+        never declared counts as ended) and a slot is free (jobs = 1: at once, in the terminal, to its end); skipped if done, resumed
         if half-done and made from the same, started over otherwise (its folder kept as .old)."""
         self.done[name], self.folders[name], self.deps[name] = done, folder, tuple(deps)
         self.queue[name] = cmd
@@ -173,7 +173,8 @@ class Pipeline:
         """Starts ready stages (their deps ended) while fewer than `jobs` run: the longest critical
         path first, then the order of declaration (make -j's order, by the path instead of the file)."""
         while len(self.running) < self.jobs:
-            ready = [n for n in self.queue if not (set(self.deps[n]) & (self.queue.keys() | self.running.keys()))]
+            pending = self.queue.keys() | self.running.keys()
+            ready = [n for n in self.queue if not set(self.deps[n]) & pending]
             if not ready:
                 return
             name = max(ready, key=lambda n: (self.priority(n), -list(self.queue).index(n)))
@@ -263,11 +264,12 @@ class Pipeline:
     def wait(self, *names):
         """Until the stages among `names` (none named: all declared) have ended."""
         names = set(names) or set(self.done)
-        while (self.queue.keys() | self.running.keys()) & names:
+        while True:
             self.dispatch()
-            if not self.running:  # a stage waits for one never declared or itself waiting
-                stuck = sorted(self.queue.keys() & names)
-                raise RuntimeError(f"stages {stuck} wait for stages that cannot start: {self.deps}")
+            if not (self.queue.keys() | self.running.keys()) & names:
+                return
+            if not self.running:  # only a cycle of deps leaves queued stages with none running
+                raise RuntimeError(f"stages {sorted(self.queue)} wait for each other: {self.deps}")
             self.wait_one()
 
     def wait_one(self):

@@ -193,7 +193,37 @@ def fmt(result):
              else 't: no spread')
         lines.append(f"  {c['what']:48s} {t}; sign {s['sign'][0]}-{s['sign'][1]} p {s['sign_p']:.2g}, "
                      f"Holm {s['sign_p_holm']:.2g}")
-    return '\n'.join(lines) + '\n'
+    return '\n'.join(lines + carry_lines(result.get('by_carry_chain'))) + '\n'
+
+
+def carry_lines(by):
+    """fmt's table of exact match by the longest carry chain (columns: chain lengths), greedy and
+    the decoders at the largest n."""
+    if not by:
+        return []
+    chains = sorted(by['count'], key=int)
+    lines = ["exact match by the longest carry chain, mean over seeds (problems: "
+             + ', '.join(f"{c}: {by['count'][c]}" for c in chains) + ")"]
+    for model, cols in by['exact'].items():
+        for col, v in cols.items():
+            if col.startswith(('greedy', 'a1', 'mode', 'beam', 'oracle')):
+                lines.append(f"  {model:8s} {col:18s} " + ' '.join(f"{v[c]:.3f}" for c in chains))
+    return lines
+
+
+def by_carry_chain(accs):
+    """Exact match by the problem's longest carry chain (addition_eval's carry_chain), mean over seeds
+    and problems, of each decoder kept per problem: {model: {column: {chain: mean}}}, and the count of
+    problems at each length; None for runs from before the chains were recorded."""
+    if any('carry_chain' not in a for a in accs):
+        return None
+    chains = np.array(accs[0]['carry_chain'])
+    out = {}
+    for model, cols in accs[0]['per_problem'].items():
+        for col in (c for c in cols if c.endswith('_exact')):
+            x = np.array([a['per_problem'][model][col] for a in accs], dtype=np.float64)
+            out.setdefault(model, {})[col] = {int(c): x[:, chains == c].mean() for c in np.unique(chains)}
+    return dict(count={int(c): int((chains == c).sum()) for c in np.unique(chains)}, exact=out)
 
 
 def outcomes_path(out):
@@ -225,7 +255,8 @@ def main(argv=None):
         train_seeds(args)
     accs, seeds = read_runs(args.runs)
     result = dict(runs=args.runs, seeds=seeds, split=accs[0]['split'], num_prefixes=accs[0]['num_prefixes'],
-                  rows=rows_over_seeds(accs), comparisons=comparisons(accs))
+                  rows=rows_over_seeds(accs), comparisons=comparisons(accs),
+                  by_carry_chain=by_carry_chain(accs))
     table = fmt(result)
     print(table, end='')
     write_json(result, args.out)

@@ -13,7 +13,7 @@ from job import seeds, stats
 from tests.common import ROOT
 
 
-def fake_run(folder, seed, joint, lm, data='d1'):
+def fake_run(folder, seed, joint, lm, data='d1', chain=None):
     """An out_dir with a provenance.json naming the prepared data and an accuracy.json of 2 rows."""
     folder.mkdir()
     (folder / 'provenance.json').write_text(json.dumps({'lm': dict(flags=[], inputs={'prepare': {'m': data}},
@@ -23,7 +23,8 @@ def fake_run(folder, seed, joint, lm, data='d1'):
     per = {'JOINT': {'a1_4_exact': joint, 'mode_4_exact': joint},
            'BASE LM': {'greedy_exact': lm, 'majority_4_exact': lm, 'rerank_4_exact': lm}}
     (folder / 'accuracy.json').write_text(json.dumps(dict(split='test', num_prefixes=len(lm), ns=[1, 4],
-                                                          seed=seed, rows=rows, per_problem=per)))
+                                                          seed=seed, rows=rows, per_problem=per,
+                                                          **({'carry_chain': chain} if chain else {}))))
     return str(folder)
 
 
@@ -38,7 +39,8 @@ def test_seeds_against_brute_force(tmp_path):
     rng = np.random.default_rng(0)
     joint = (rng.random((3, 200)) < 0.9).astype(int)
     lm = (rng.random((3, 200)) < 0.8).astype(int)
-    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist())
+    chain = rng.integers(0, 4, 200)
+    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist(), chain=chain.tolist())
             for i, s in enumerate((1, 2, 3))]
     out = tmp_path / 'seeds.json'
     seeds.main([*runs, '--out', str(out)])
@@ -58,6 +60,10 @@ def test_seeds_against_brute_force(tmp_path):
     assert first['mcnemar_p_per_seed'][0] == stats.mcnemar(joint[0], lm[0])['p']
     p = [c['p'] for c in res['comparisons']]
     assert [c['p_holm'] for c in res['comparisons']] == stats.holm(p)
+    by = res['by_carry_chain']  # exact match by carry chain, over seeds and the problems of that length
+    for c in range(4):
+        assert by['exact']['JOINT']['a1_4_exact'][str(c)] == pytest.approx(joint[:, chain == c].mean())
+        assert by['count'][str(c)] == (chain == c).sum()
     again = seeds.comparisons(seeds.read_outcomes(tmp_path / 'seeds_outcomes.json.gz'))
     assert again == res['comparisons']  # every seed's outcomes kept: the tests recomputed from them
     assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
