@@ -103,7 +103,7 @@ QUICK_GPT2 = dict(
 # energy that gains more on the selection split (BIT or UNIT: reproduce.stronger_energy) into an LM
 # (extensions/exo.py) and addition_eval.py scores every model against the known answer. Chosen on
 # the selection split: the energies' recipe, BALM's lr and patience, EXO's K, lr and steps; the rest
-# not tuned. Its time: 41.3 min idle with --jobs 2 on a 2-core AMD EPYC with bf16 (docs/addition.md).
+# not tuned. Its time: 30.6 min idle with --jobs 2 on a 2-core AMD EPYC with bf16 (docs/addition.md).
 # Every LM here (BASE, BALM, RALM, TaiLr) is stopped and selected on the loss of the answer alone
 # (train_lm.py --select_on continuation): the operands' digits are ~87% of the window's loss and
 # irreducible, so 0.1% of the window's loss was ~10% of the answer's. The rule: less than 1% better
@@ -218,10 +218,11 @@ RELATIVE_TIME = dict(lm=1.0, balm=0.91, ralm=0.19, neg_train=0.14, neg_select=0.
 
 # What --jobs N schedules by (job/pipeline.py: among the stages ready to start, the longest chain of
 # these first): each stage's seconds in a measured run of the job (the relative times for Shakespeare;
-# addition's kept recipe, idle, bf16, one thread a stage: docs/addition.md). Only their order matters.
+# addition's: seed 2 of the faster recipe, idle, bf16, one thread a stage: docs/addition.md). Only their
+# order matters.
 STAGE_SECONDS = dict(
     shakespeare=RELATIVE_TIME,
-    addition=dict(prepare=3, lm=276, balm=750, mlm=118, neg_train=529, neg_select=11, bit=435, unit=411,
-                  exo=250, ralm=128, tailr=59, estimate_ppl=73, samples=8, samples_untruncated=8,
-                  addition_eval=72, claims=2, figures=3),
+    addition=dict(prepare=3, lm=295, balm=810, mlm=114, neg_train=521, neg_select=11, bit=381, unit=378,
+                  exo=445, ralm=132, tailr=49, estimate_ppl=81, samples=8, samples_untruncated=8,
+                  addition_eval=74, claims=2, figures=3),
 )
