@@ -77,7 +77,7 @@ def carry_chains(pre, meta):
     for t in text:
         a, b = t.rstrip('=').split('+')
         carry, run, best = 0, 0, 0
-        for da, db in zip(reversed(a), reversed(b)):
+        for da, db in zip(reversed(a), reversed(b), strict=True):
             carry = int(int(da) + int(db) + carry >= 10)
             run = run + 1 if carry else 0
             best = max(best, run)
@@ -251,7 +251,8 @@ def rows_of(name, cols, ns, params, beam=0):
     p, p_se = mean_se(cols['logp_correct'].exp())
     if name == 'JOINT':
         return [dict(model=name, method=f'{method}, n = {n}', n=n, lm_samples=n, params=params,
-                     **({'beam': beam} if key == 'beam' else {}), **acc(f'{key}_{n}'), oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
+                     **({'beam': beam} if key == 'beam' else {}), **acc(f'{key}_{n}'),
+                     oracle_exact=mean_se(cols[f'oracle_{n}_exact'])[0],
                      oracle_digit=mean_se(cols[f'oracle_{n}_digit'])[0], p_correct=p, p_correct_se=p_se,
                      p_correct_estimator='logz_enumerate', **eq4_summary(cols))
                 for key, method in JOINT_DECODERS.items() for n in ns if f'{key}_{n}_exact' in cols]
@@ -310,8 +311,9 @@ def get_args(argv=None):
       help="the LM's most likely continuations (beam search) scored exactly in log Z (0: none)")
     a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
-    a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it (<name>_carry.png) '
-                                   'exact match by the longest carry chain (needs matplotlib)')
+    a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it '
+                                   '(<name>_carry.png) exact match by the longest carry chain (needs '
+                                   'matplotlib)')
     common_flags(p, 'force', 'device', 'seed', 'quiet',
                  help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)

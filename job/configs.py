@@ -119,7 +119,7 @@ ADDITION = dict(
     # BALM: lr 1e-3 (of 3e-3 and 1e-3 by the selection loss), its cosine over a fixed 7,000 steps: answer loss
     # 0.028 on the selection split (the LM's 0.052), where the stopping rule's 14,000 steps (cosine to 12,000)
     # reached 0.022 in twice the time; 2e-3 over 5,000 stopped at 0.049, the LM's level (docs/addition.md, A
-    # faster job). The cap below (RALM's, TaiLr's) lets the stopping rule fire ((patience + 1) * eval_interval)
+    # faster job). The caps below (RALM's, TaiLr's) let the stopping rule fire: (patience + 1) * eval_interval
     balm=dict(n_head=3, lr=1e-3, min_lr=1e-4, max_iters=7000, lr_decay_iters=7000, patience=0),
     # RALM and TaiLr keep the stopping rule (patience 2), which the base LM's fixed budget gives up
     residual=dict(n_layer=3, n_head=3, n_embd=96, max_iters=8000, lr_decay_iters=4000, patience=2),

@@ -157,8 +157,9 @@ class Pipeline:
     def run(self, name, cmd, done, deps=(), folder=None):
         """Declare a stage (cmd: its command, or a function returning it, called once `deps` have
         ended: a command that reads what they wrote). It starts as soon as its deps have ended (a dep
-        never declared counts as ended) and a slot is free (jobs = 1: at once, in the terminal, to its end); skipped if done, resumed
-        if half-done and made from the same, started over otherwise (its folder kept as .old)."""
+        never declared counts as ended) and a slot is free (jobs = 1: at once, in the terminal, to
+        its end); skipped if done, resumed if half-done and made from the same, started over
+        otherwise (its folder kept as .old)."""
         self.done[name], self.folders[name], self.deps[name] = done, folder, tuple(deps)
         self.queue[name] = cmd
         self.dispatch()

@@ -317,7 +317,7 @@ def exo(script, path, lm_ckpt, neg, cfg, energy):
     prefix, best.pt chosen on the selection split."""
     script('exo', lambda: ['-m', 'extensions.exo', '--lm', lm_ckpt, '--energy', path(energy(), 'best.pt'),
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                           '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stopped EXO starts over
+                           '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stop: starts over
            path('exo', 'results.json'), ['lm', 'bit', 'unit'])
 
 

@@ -34,8 +34,8 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
-from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main, write_json,
-                      write_text)
+from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
+                      write_json, write_text)
 
 
 def get_args(argv=None):
@@ -45,11 +45,14 @@ def get_args(argv=None):
     p.add_argument('--seeds', type=comma_ints, default=None, at_least=0, at_most=2**63 - 1,
                    help="train these seeds first (job.reproduce --data addition --seed S), each into "
                         "<runs_dir>/seedS: the runs")
-    p.add_argument('--runs_dir', default='out-seeds', help="with --seeds: where each seed's run goes")
-    p.add_argument('--jobs', type=int, default=2, at_least=1, at_most=1024, help="with --seeds: each job's --jobs")
+    p.add_argument('--runs_dir', default='out-seeds', path=True,
+                   help="with --seeds: where each seed's run goes")
+    p.add_argument('--jobs', type=int, default=2, at_least=1, at_most=1024,
+                   help="with --seeds: each job's --jobs")
     p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
                    help="with --seeds: seeds trained at a time (more than 1: sharing a GPU)")
-    p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'], help="with --seeds: each job's --recipe")
+    p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
+                   help="with --seeds: each job's --recipe")
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
     common_flags(p, 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
@@ -67,9 +70,9 @@ def get_args(argv=None):
 
 def seed_command(args, seed, run):
     """One seed's addition job: the models' --seed, the data's default --data_seed (shared)."""
-    return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed), '--out_dir', run,
-             '--jobs', str(args.jobs), '--recipe', args.recipe] + ['--quick'] * args.quick
-            + ['--quiet'] * args.quiet)
+    return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed),
+             '--out_dir', run, '--jobs', str(args.jobs), '--recipe', args.recipe]
+            + ['--quick'] * args.quick + ['--quiet'] * args.quiet)
 
 
 def train_seeds(args):

@@ -139,13 +139,14 @@ CLAIMS = [
 
 # README: nothing. docs/addition.md: the ADDITION job's caps
 CLAIMS += [
-    ('docs/addition.md', r'over a fixed ([\d,]+) steps \(A faster job, below\), RALM\s+with a cap of ([\d,]+) '
-                         r'and TaiLr with ([\d,]+)',
+    ('docs/addition.md', r'over a fixed ([\d,]+) steps \(A faster job, below\), RALM\s+with a cap of '
+                         r'([\d,]+) and TaiLr with ([\d,]+)',
      [ADDITION['balm']['max_iters'], ADDITION['residual']['max_iters'], ADDITION['tailr']['max_iters']]),
     ('docs/addition.md', r'EXO stops at (\d+) steps', [ADDITION['exo']['max_iters']]),
     ('docs/addition.md', r'the base LM and BALM train for fixed budgets\s+\(([\d,]+) and ([\d,]+) steps',
      [ADDITION['lm']['max_iters'], ADDITION['balm']['max_iters']]),
-    ('docs/addition.md', r"EXO's three log Z tables from (\d+) LM samples", [ADDITION['exo']['logz_samples']]),
+    ('docs/addition.md', r"EXO's three log Z tables from (\d+) LM samples",
+     [ADDITION['exo']['logz_samples']]),
     ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['num_samples']]),
     ('docs/addition.md', r'EXO LM \(from the UNIT, K = (\d+), (\d+) steps\)',
      [ADDITION['exo']['num_samples'], ADDITION['exo']['max_iters']]),

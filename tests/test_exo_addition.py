@@ -435,6 +435,7 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     # the longest carry chain of each problem, by integer arithmetic
     res = json.loads(out.read_text())
     chars = '+0123456789='
+    assert len(res['carry_chain']) == len(pre)
     for p, chain in zip(pre.tolist(), res['carry_chain']):
         a, b = (int(t) for t in ''.join(chars[i - 1] for i in p).rstrip('=').split('+'))
         runs, run, k = [0], 0, 1

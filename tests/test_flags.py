@@ -208,7 +208,7 @@ def test_paths_are_never_empty(script, argv, parser, action):
     name = action.option_strings[0][2:]
     path_like = name in {'lm', 'energy', 'out', 'out_dir', 'data_dir', 'cache', 'key', 'votes', 'samples',
                          'plot', 'init_from', 'residual_of', 'negatives', 'held_out_negatives', 'extra_lm',
-                         'compare', 'energy_metric', 'copy_to', 'wheel_dir'}
+                         'compare', 'energy_metric', 'copy_to', 'wheel_dir', 'runs_dir'}
     assert path_like == (action.dest in parser.paths), f'{script}: --{name} path declaration'
     if not path_like:
         return

@@ -72,7 +72,9 @@ def test_reproduce_quick_end_to_end(tmp_path):
     ran = [line.split(']')[0][1:] for line in res.stderr.splitlines() if '] $ python' in line]
     after = (['bit', 'metrics', 'estimate_ppl', 'samples', 'samples_untruncated', 'claims']
              + (['figures'] if importlib.util.find_spec('matplotlib') else []))
-    assert res.returncode == 0 and ran == after, res.stderr  # and what depends on it
+    # what depends on it, in an order the scheduler chose (the longest chain of stage times first)
+    assert res.returncode == 0 and sorted(ran) == sorted(after) and ran[0] == 'bit', res.stderr
+    assert ran.index('claims') > max(ran.index(s) for s in ('estimate_ppl', 'samples', 'samples_untruncated'))
     assert '--resume' in next(line for line in res.stderr.splitlines() if line.startswith('[bit] $'))
 
 

@@ -73,10 +73,12 @@ def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
     """--seeds: each seed's job (job.reproduce's command, here a stand-in that writes a run) into
     <runs_dir>/seedS with its log, --at_once of them at a time, then the table of those runs; a job
     that fails stops the command with one line naming its log (a rerun: a done run is kept)."""
-    stand_in = ("import json, os, sys, time; sys.path.insert(0, {root!r}); from tests.test_seeds import fake_run; "
+    stand_in = ("import json, os, sys, time; sys.path.insert(0, {root!r}); "
+                "from tests.test_seeds import fake_run; "
                 "import pathlib; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
                 "json.dump(time.time(), open(str(run) + '.start', 'w')); time.sleep(0.5); "
-                "sys.exit('error: boom') if seed == 9 else run.exists() or fake_run(run, seed, [1, 1, seed % 2], [1, 0, 0])")
+                "sys.exit('error: boom') if seed == 9 else "
+                "run.exists() or fake_run(run, seed, [1, 1, seed % 2], [1, 0, 0])")
     monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [
         seeds.sys.executable, '-c', stand_in.format(root=ROOT), str(seed), run])
     runs, out = tmp_path / 'runs', tmp_path / 'table.json'
