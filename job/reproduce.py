@@ -216,7 +216,7 @@ def lesson(pipe, args):
 
 
 def stages(args, pipe):
-    """The job's stages, in the order they start (--jobs 1: the order they run)."""
+    """The job's stages, declared in order (--jobs 1: the order they run; --jobs N: by the critical path)."""
     cfg, out = args.cfg, args.out_dir
     path = lambda *a: os.path.join(out, *a)
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
