@@ -27,7 +27,8 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_seeds.py       the addition table over seeds (job/seeds.py)
     tests/test_human_eval.py  Table 2's protocol (job/human_eval.py)
     tests/test_metric_ebm.py  the talk's metric energy and TaiLr
-    tests/test_exo_addition.py  EXO and the addition task
+    tests/test_exo.py         EXO's objective against exact enumeration (Ji et al., ICML 2024)
+    tests/test_exo_addition.py  the addition task, its decoders, and exo.py's runs on it
     tests/test_provenance.py  the main job's provenance.json
     tests/test_checkpoints.py  a checkpoint checked before use, --resume by content
     tests/test_exact_logz.py  exact log Z on 2-digit addition (extensions/exact_logz.py)

@@ -1,0 +1,172 @@
+"""EXO's objective (Ji et al., ICML 2024) against exact enumeration on a toy: its K-sample gradient
+tends to the reverse KL's, its minimiser is the joint model, its step loss and KL estimates match
+float64 references. exo.py's runs on addition (resume, guards): test_exo_addition.py."""
+
+import copy
+import itertools
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from energy import Energy, score_continuations
+from extensions import exo
+from model import GPTConfig
+from tests.common import NULL, logprobs64, tiny_gpt
+
+
+def exo_toy(V=3):
+    """An enumerable toy: continuations of length 2 over V tokens (V^2 of them), pi_sft and a
+    tabular autoregressive pi_theta (trainable), a fixed random energy; float64."""
+    g = torch.Generator().manual_seed(1)
+    draw = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    logpi = lambda t1, t2: (F.log_softmax(t1, -1)[:, None] + F.log_softmax(t2, -1)).flatten()
+    lsft, E = logpi(draw(V), draw(V, V)), draw(V * V)
+    theta = (draw(V).requires_grad_(), draw(V, V).requires_grad_())
+    return lsft, E, theta, logpi
+
+
+def flat_grad(loss, theta):
+    return torch.cat([t.flatten() for t in torch.autograd.grad(loss, theta)])
+
+
+@pytest.mark.parametrize('loss', ['exo', 'dpo'])
+def test_exo_gradient_tends_to_the_kl_gradient(loss):
+    """The talk's analysis of EXO (Ji et al., ICML 2024): with K samples of pi_sft per prefix, the
+    gradient of L_exo tends to that of the reverse KL(pi_theta || pi*), pi* ∝ pi_sft exp(-E)
+    (the joint model, beta_pi = beta_r = 1), and L_dpo-rw's to the forward KL(pi* || pi_theta)'s, as
+    K grows; exact gradients by enumeration in float64, K-sample ones averaged over 2^16 samples."""
+    lsft, E, theta, logpi = exo_toy()
+    lt, lstar = logpi(*theta), F.log_softmax(lsft - E, -1)
+    kl = (lt.exp() * (lt - lstar)).sum() if loss == 'exo' else (lstar.exp() * (lstar - lt)).sum()
+    exact = flat_grad(kl, theta)
+    errors = []
+    for K in (4, 64, 4096):
+        idx = torch.multinomial(lsft.exp().expand(2 ** 16 // K, -1), K, replacement=True,
+                                generator=torch.Generator().manual_seed(K))
+        lt = logpi(*theta)
+        est = flat_grad(exo.exo_loss(lt[idx], lsft[idx], -E[idx], loss=loss).mean(), theta)
+        errors.append(((est - exact).norm() / exact.norm()).item())
+    assert errors[0] > 0.3 and errors[0] > errors[1] > errors[2], errors  # biased at small K
+    assert errors[2] < 0.03, errors
+
+
+@pytest.mark.parametrize('loss,beta_pi,beta_r', [('exo', 1, 1), ('exo', 2, 1), ('exo', 1, 0.5),
+                                                 ('dpo', 1, 1), ('dpo', 2, 0.5)])
+def test_exo_minimiser_is_the_joint_model(loss, beta_pi, beta_r):
+    """The K -> infinity limit of the loss (every continuation, weighted by pi_sft: exo_loss's
+    log_w) is KL(pi_theta^beta_pi || pi*_beta_r) exactly (forward for dpo), and minimising it over a
+    free tabular policy reaches pi_theta ∝ pi_sft exp(-E / (beta_pi beta_r)): the joint model of
+    Deng et al. at beta_pi = beta_r = 1."""
+    lsft, E, theta, logpi = exo_toy()
+    limit = lambda: exo.exo_loss(logpi(*theta), lsft, -E, beta_pi, beta_r, loss, log_w=lsft)
+    lp = F.log_softmax(beta_pi * logpi(*theta) + (1 - beta_pi) * lsft, -1).detach()  # pi_theta^beta_pi
+    lr = F.log_softmax(lsft - E / beta_r, -1)
+    ref = (lp.exp() * (lp - lr)).sum() if loss == 'exo' else -(lr.exp() * lp).sum()
+    assert abs(limit().item() - ref.item()) < 1e-12
+    opt = torch.optim.LBFGS(theta, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
+                            line_search_fn='strong_wolfe')
+
+    def closure():
+        opt.zero_grad()
+        value = limit()
+        value.backward()
+        return value
+    opt.step(closure)
+    target = F.softmax(lsft - E / (beta_pi * beta_r), -1)
+    assert (logpi(*theta).exp() - target).abs().max().item() < 1e-6
+
+
+def test_exo_step_loss_float64_reference():
+    """exo_step_loss on a GPT: K samples of pi_sft per prefix (redrawn from the same generator),
+    their log-probs under both LMs and energies recomputed in float64, the loss by the formula."""
+    sft = tiny_gpt(vocab_size=7, block_size=16, seed=2)
+    policy = copy.deepcopy(sft)
+    with torch.no_grad():
+        policy.lm_head.weight.add_(0.1 * torch.randn_like(policy.lm_head.weight))
+    torch.manual_seed(3)
+    energy = Energy(GPTConfig(block_size=16, vocab_size=8, n_layer=1, n_head=2, n_embd=16,
+                              causal=False)).eval()
+    with torch.no_grad():
+        energy.head.weight.normal_(0, 1.0)
+    prefix = torch.randint(7, (3, 5), generator=torch.Generator().manual_seed(4))
+    args = types.SimpleNamespace(beta_pi=1.5, beta_r=0.7, loss='exo')
+    got = exo.exo_step_loss(policy, sft, energy, prefix, 4, 6, args, torch.Generator().manual_seed(5))
+    y = sft.generate(prefix, 6, num_samples=4, generator=torch.Generator().manual_seed(5))[0]
+    x = torch.cat([prefix[:, None].expand(-1, 4, -1), y], 2).flatten(0, 1)
+    lp = lambda m: logprobs64(m, x[:, :-1])[:, 4:].gather(-1, x[:, 5:, None]).squeeze(-1).sum(1).view(3, 4)
+    with torch.no_grad():
+        r = -energy(x, 5).double().view(3, 4)  # E itself is float32 (Energy.project)
+    f, g = np.asarray(1.5 * (lp(policy) - lp(sft))), np.asarray(r / 0.7)
+    pf, pr = (np.exp(v - v.max(1, keepdims=True)) for v in (f, g))
+    pf, pr = pf / pf.sum(1, keepdims=True), pr / pr.sum(1, keepdims=True)
+    assert abs(got.item() - (pf * np.log(pf / pr)).sum(1).mean()) < 1e-5
+
+
+def exo_kl_case(dropout=0.0):
+    """A tiny LM (3 tokens), a perturbed copy as pi_theta and a random energy; continuations of 3
+    tokens after 2 prefixes of 2, so every one of the 27 can be enumerated."""
+    sft = tiny_gpt(vocab_size=3, block_size=8, seed=4, dropout=dropout)
+    policy = copy.deepcopy(sft)
+    with torch.no_grad():
+        policy.lm_head.weight.add_(0.2 * torch.randn(policy.lm_head.weight.shape,
+                                                     generator=torch.Generator().manual_seed(5)))
+    torch.manual_seed(6)
+    energy = Energy(GPTConfig(block_size=8, vocab_size=4, n_layer=1, n_head=2, n_embd=16,
+                              causal=False)).eval()
+    with torch.no_grad():
+        energy.head.weight.normal_(0, 1.0)
+    return sft, policy, energy, torch.tensor([[0, 1], [2, 2]])
+
+
+def test_exo_kl_estimates_match_enumeration():
+    """kl_estimates against every continuation enumerated in float64: KL(pi_theta || P_LM), and the
+    reverse KL(pi_theta || pi*) and forward KL(pi* || pi_theta) to the joint model pi* ∝ P_LM exp(-E),
+    each within Monte-Carlo error of the exact value at both ends of log Z's range (log Z from
+    logz_table's own LM samples, the same whatever the policy), low <= high."""
+    sft, policy, energy, prefix = exo_kl_case()
+    y = torch.tensor(list(itertools.product(range(3), repeat=3)))[None].expand(2, -1, -1)  # (2, 27, 3)
+    with torch.no_grad():
+        lsft, lpi = (exo.continuation_logprob(m, prefix, y).double() for m in (sft, policy))
+        E = score_continuations(energy, prefix, y, 2, NULL).double()
+    assert torch.allclose(lsft.exp().sum(1), torch.ones(2, dtype=torch.float64), atol=1e-5)
+    log_z = torch.logsumexp(lsft - E, 1)
+    joint = lsft - E - log_z[:, None]
+    exact = dict(kl_to_base=(lpi.exp() * (lpi - lsft)).sum(1).mean().item(),
+                 kl_reverse=(lpi.exp() * (lpi - joint)).sum(1).mean().item(),
+                 kl_forward=(joint.exp() * (joint - lpi)).sum(1).mean().item())
+    assert min(exact.values()) > 0.05
+    table = exo.logz_table(sft, energy, prefix, 3, 8192, 8192, torch.Generator().manual_seed(7))
+    assert table['logz_samples'] == 8192 and torch.all(table['low'] <= table['high'])
+    assert torch.allclose(table['low'], log_z, atol=0.01) and torch.allclose(table['high'], log_z, atol=0.01)
+    got = exo.kl_estimates(policy, sft, energy, table, 3, 8192, torch.Generator().manual_seed(8))
+    assert abs(got['kl_to_base'] - exact['kl_to_base']) < 0.02, (got, exact)
+    pw = torch.exp(-E - (-E).amax(1, keepdim=True)) * lsft.exp()  # P_LM(y) w(y), exactly, up to a constant
+    ess = pw.sum(1) ** 2 / (pw ** 2 / lsft.exp()).sum(1)  # Kish's ESS of n draws: about n (E w)^2 / E w^2
+    assert got['logz_flagged'] == 0 and abs(got['logz_ess'] / (8192 * ess.mean().item()) - 1) < 0.1
+    for kl in ('kl_reverse', 'kl_forward'):
+        assert got[f'{kl}_low'] <= got[f'{kl}_high']
+        for end in ('low', 'high'):
+            assert abs(got[f'{kl}_{end}'] - exact[kl]) < 0.02, (kl, got, exact)
+
+
+def test_exo_policy_forward_in_eval_mode():
+    """With dropout in the LM, pi_theta's forward runs in eval mode in the loss and the estimates:
+    at step 0 (pi_theta = pi_sft) p_f is uniform, so L_exo = KL(uniform || p_r) exactly (float64
+    reference), and the KL to the base LM is 0; the policy's mode is restored after each."""
+    sft, _, energy, prefix = exo_kl_case(dropout=0.5)
+    policy = copy.deepcopy(sft).train()
+    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo')
+    got = exo.exo_step_loss(policy, sft, energy, prefix, 6, 3, args, torch.Generator().manual_seed(1))
+    y = sft.generate(prefix, 3, num_samples=6, generator=torch.Generator().manual_seed(1))[0]
+    with torch.no_grad():
+        log_pr = torch.log_softmax(-score_continuations(energy, prefix, y, 2, NULL).double(), 1)
+    assert abs(got.item() - (math.log(1 / 6) - log_pr).mean(1).mean().item()) < 1e-5
+    assert policy.training
+    table = exo.logz_table(sft, energy, prefix, 3, 16, 8, torch.Generator().manual_seed(2))
+    kl = exo.kl_estimates(policy, sft, energy, table, 3, 8, torch.Generator().manual_seed(3))
+    assert kl['kl_to_base'] == 0
+    assert policy.training
