@@ -249,14 +249,14 @@ def stages(args, pipe):
         pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
-        exo(script, path, lm_ckpt, neg, cfg, lambda: stronger_energy(path))
+        exo(script, path, lm_ckpt, neg, cfg)
     train('ralm', ['--residual_of', lm_ckpt], ['lm'], **cfg['residual'])
     train('tailr', ['--init_from', lm_ckpt], ['lm'], objective='tailr', **cfg['tailr'])
     # the talk's metric energy, where the config fits one
     metric = metric_energies(stage, path, lm_ckpt, neg, cfg['metrics']) if 'metrics' in cfg else []
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
-        accuracy(script, path, lm_ckpt, cfg, lambda: stronger_energy(path))
+        accuracy(script, path, lm_ckpt, cfg)
     pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'] + ['addition_eval'] * ('accuracy' in cfg))
     if args.ordering:
@@ -311,22 +311,23 @@ def stronger_energy(path):
     return max(gain, key=gain.get)
 
 
-def exo(script, path, lm_ckpt, neg, cfg, energy):
+def exo(script, path, lm_ckpt, neg, cfg):
     """EXO (Ji et al., ICML 2024, from the talk): a copy of the LM fine-tuned towards the joint model
-    LM + energy() (called once both energies have ended) by the reverse KL over K LM samples per
+    LM + the stronger energy (chosen once both have ended) by the reverse KL over K LM samples per
     prefix, best.pt chosen on the selection split."""
-    script('exo', lambda: ['-m', 'extensions.exo', '--lm', lm_ckpt, '--energy', path(energy(), 'best.pt'),
+    script('exo', lambda: ['-m', 'extensions.exo', '--lm', lm_ckpt,
+                           '--energy', path(stronger_energy(path), 'best.pt'),
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                            '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stop: starts over
            path('exo', 'results.json'), ['lm', 'bit', 'unit'])
 
 
-def accuracy(script, path, lm_ckpt, cfg, energy):
+def accuracy(script, path, lm_ckpt, cfg):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
-    model, and of the joint model LM + energy() (called once both energies have ended) by each
+    model, and of the joint model LM + the stronger energy (chosen once both have ended) by each
     decoder among n LM samples (extensions/addition_eval.py), and its figure."""
     script('addition_eval', lambda: ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
-                                     '--energy', path(energy(), 'best.pt'),
+                                     '--energy', path(stronger_energy(path), 'best.pt'),
                                      '--extra_lm', f"BALM={path('balm', 'best.pt')}",
                                      f"EXO={path('exo', 'best.pt')}", f"TAILR={path('tailr', 'best.pt')}",
                                      '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'),
