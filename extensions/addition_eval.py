@@ -180,7 +180,7 @@ def energies(energy, pre, x, P):
 
 
 @torch.no_grad()
-def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam=8):
+def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam):
     """Per-problem columns of the joint model: joint_decoders over the base LM's samples (x,
     logp) = samples, the best-of-n oracle of those samples, log P_joint(correct sum) (Eq. 2) with
     log Z by logz_enumerate (the correct sum and the LM's `beam` most likely continuations known,
@@ -307,8 +307,9 @@ def get_args(argv=None):
       help='comma-separated LM samples per answer of the decoders that choose among samples')
     a('--top_k', type=int, default=0, at_least=0, at_most=None,
       help="the LMs' samples (Algorithm 1's proposal): top-k (0: untruncated)")
-    a('--beam', type=int, default=8, at_least=0, at_most='beam',
-      help="the LM's most likely continuations (beam search) scored exactly in log Z (0: none)")
+    a('--beam', type=int, default=32, at_least=0, at_most='beam',
+      help="the LM's most likely continuations (beam search) scored exactly in log Z and decoded by the "
+           "joint mode beside the samples (0: none; 32: chosen by exact Z, docs/exact_logz.md)")
     a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it '

@@ -2,7 +2,9 @@
 Exact Z on a task small enough to enumerate: addition with N = 2 digits
 (data/addition/prepare.py --digits 2), where a continuation is the 3 sum digits and the end of
 text, L = 4 tokens over a 13-token vocabulary: all V^L = 28,561 continuations of a prompt are
-scored. That is every continuation the LM can emit: sampling draws L untruncated tokens.
+scored (N = 3, a sharp energy: 13^5 = 371,293). That is every continuation the LM can emit:
+sampling draws L untruncated tokens. Both models walk the trie of continuations with their KV
+cache (trie_states): each prefix runs once.
 
 Per prompt (evenly spaced problems of --split, and of --select_split for the threshold):
 - exact log P_LM of every continuation (the sum of its tokens' log-probs, each next-token
@@ -15,6 +17,8 @@ Per prompt (evenly spaced problems of --split, and of --select_split for the thr
   energy.logz_enumerate with known = {real continuation} + the LM's beam (--beam), both against
   the exact log Z: bias, spread (the sd over replicates, averaged over prompts), mean |error|,
   the share of (prompt, replicate) within --tol nats, and Eq. 4's coverage (T_n <= log Z <= upper);
+- the job's estimator (logz_enumerate at --job_n samples) at each beam width of --widths, and the
+  width chosen for the job on --select_split: the narrowest within --tol on --beam_target;
 - MIN_ESS: for each candidate threshold, the coverage of the Eq. 4 ranges that logz_diagnostics
   (logz_sure = logz_enumerate's sure lower bound) leaves unflagged. The rule, on --select_split:
   the smallest candidate at which, at every n, the unflagged ranges contain the exact log Z at
@@ -43,6 +47,7 @@ import torch
 from data import load_lm_and_data, load_split, problem_windows, window_tokens, windows
 from energy import (kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
+from model import GPT, KVCache
 from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
                       file_hash, rng, run_main, setup, write_json)
 
@@ -67,6 +72,28 @@ RECIPE = [
     '--min_lr 2e-5 --warmup_iters 50 --eval_interval 100 --eval_prefixes 200 --patience 4',
 ]  # each with --seed 0 --device cpu --dtype bfloat16 (the job's); then this script with OMP_NUM_THREADS=1
 
+# A sharp energy (docs/exact_logz.md, "A sharp energy: N = 3"): 13^5 = 371,293 continuations per prompt.
+# The LM stopped at step 1,000 of a 2,000-step run (its snapshot: P_LM(correct) 0.40 on the selection
+# split, where best.pt has 0.89), so that most of its samples are wrong and the energy, trained longer and
+# at a higher lr than on N = 2, has much to correct: the 6-digit job's regime (P_LM 0.63, joint ~0.99)
+RECIPE_SHARP = [
+    'python -m data.addition.prepare --digits 3 --train_problems 50000 --select_problems 500 '
+    '--val_problems 500 --test_problems 1000 --out_dir {o}/data',
+    'python train_lm.py --data_dir {o}/data --out_dir {o}/lm --objective lm --n_layer 3 --n_head 3 '
+    '--n_embd 96 --block_size 65 --batch_size 32 --max_iters 2000 --lr 3e-3 --min_lr 3e-4 --warmup_iters 40 '
+    "--eval_interval 250 --patience 0 --min_rel_delta 0.01 --select_on continuation "
+    "--snapshots '500,1000,1500'",
+    'mkdir -p {o}/lm1000 && cp {o}/lm/iter_1000.pt {o}/lm1000/best.pt',
+    'python negatives.py --lm {o}/lm1000/best.pt --split train --out_dir {o}/neg1000_train --num_samples 16 '
+    '--prefix_len 8 --gen_len 5',
+    'python negatives.py --lm {o}/lm1000/best.pt --split select --out_dir {o}/neg1000_select '
+    '--num_prefixes 500 --num_samples 64 --prefix_len 8 --gen_len 5',
+    'python nce_train.py --lm {o}/lm1000/best.pt --negatives {o}/neg1000_train --held_out_negatives '
+    '{o}/neg1000_select --body unit --init_from {o}/lm1000/best.pt --out_dir {o}/unit1000 --batch_size 32 '
+    '--max_iters 6000 --lr 5e-4 --min_lr 5e-5 --warmup_iters 50 --eval_interval 500 --eval_prefixes 500 '
+    '--patience 4',
+]  # each with --seed 0 --device cpu --dtype bfloat16; then this script (docs/exact_logz.md has its flags)
+
 MAX_CONTINUATIONS = 2 ** 20  # V^L above this is not enumerated (N = 2 addition: 28,561)
 THRESHOLDS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
@@ -84,38 +111,73 @@ def index_of(x, V):
     return (x.long() * (V ** torch.arange(L - 1, -1, -1, device=x.device))).sum(-1)
 
 
+def expand(cache, V):
+    """Each row's (k, v) of every layer copied to V consecutive rows: its V children's caches."""
+    return [(k.repeat_interleave(V, 0), v.repeat_interleave(V, 0)) for k, v in cache]
+
+
+@torch.no_grad()
+def trie_states(body, prompt, L, V, rows=4096):
+    """The final hidden states of a causal GPT body on every continuation of one prompt (P,), walked
+    as a trie, level by level: yields (0, the prompt's states (P, C)), then (t, h) for t = 1..L, h
+    (V^t, C) the states at the t-th continuation token, row i the continuation i of
+    all_continuations(V, t). Each prefix runs once, its K/V cached and copied to its V children:
+    about V^(L-1) V / (V - 1) one-token steps, where whole sequences cost V^(L-1) (P + L - 1)
+    tokens (N = 3 addition: 11x fewer). The last level, `rows` parents at a time, attends to its
+    parents' caches shared, not copied (KVCache's prompt sharing, groups of V rows)."""
+    P, S = prompt.numel(), prompt.numel() + L - 1
+    cache = body.new_cache(1, S)
+    yield 0, body.hidden(prompt[None], cache)[0]
+    if L == 0:
+        return
+    children = lambda n: torch.arange(V, device=prompt.device).repeat(n)[:, None]  # row r V + v
+    n = 1
+    for t in range(1, L):
+        cache = expand(cache, V)
+        yield t, body.hidden(children(n), cache, pos=P + t - 1)[:, -1]
+        n *= V
+    last = []
+    for c in range(0, n, rows):
+        parents = [(k[c:c + rows], v[c:c + rows]) for k, v in cache]
+        m = parents[0][0].size(0)
+        kv = [KVCache(k, v, *p) for (k, v), p in zip(body.new_cache(m * V, 1), parents)]
+        last.append(body.hidden(children(m), kv, pos=S)[:, -1])
+    yield L, torch.cat(last)
+
+
 @torch.no_grad()
 def lm_logprobs(lm, prompts, L, V, rows=4096):
-    """log P_LM (B, V^L) in float64 of every continuation of each prompt (B, P): one forward of the
-    V^(L-1) prompt + (L-1)-token sequences gives every token's next-token distribution, each
-    normalised in float64 (so the V^L probabilities sum to 1 up to float64 rounding)."""
-    B, P = prompts.shape
-    heads = all_continuations(V, L - 1).to(prompts.device)  # (V^(L-1), L-1)
+    """log P_LM (B, V^L) in float64 of every continuation of each prompt (B, P), from the trie's
+    states (trie_states: each prefix run once), each next-token distribution normalised in float64
+    (so the V^L probabilities sum to 1 up to float64 rounding)."""
+    if type(lm) is not GPT:
+        raise ValueError(f"--lm: the enumeration walks a plain GPT's cache, not a {type(lm).__name__}")
     out = []
-    for b in range(B):
-        x = torch.cat([prompts[b].expand(heads.size(0), -1), heads], 1)  # (V^(L-1), P+L-1)
-        logits = torch.cat([lm.logits(c, from_pos=P - 1) for c in x.split(rows)])  # (V^(L-1), L, V)
-        logp = torch.log_softmax(logits.double(), -1)
-        head = logp[:, :L - 1].gather(-1, heads[..., None]).squeeze(-1).sum(1)  # (V^(L-1),)
-        out.append((head[:, None] + logp[:, L - 1]).reshape(-1))  # row s * V + v
+    for p in prompts:
+        log_p = torch.zeros(1, dtype=torch.float64, device=p.device)
+        for t, h in trie_states(lm, p, L - 1, V, rows):
+            logits = lm.lm_head(h[-1:] if t == 0 else h)  # (V^t, V): the next token's
+            log_p = (log_p[:, None] + torch.log_softmax(logits.double(), -1)).reshape(-1)  # row r V + v
+        out.append(log_p)
     return torch.stack(out)
 
 
 @torch.no_grad()
-def energies(energy, prompts, P, L, V, ctx):
+def energies(energy, prompts, P, L, V, ctx, rows=4096):
     """E (B, V^L) in float64 of every continuation of each prompt (B, P), for a causal energy (UNIT):
-    the V^(L-1) sequences prompt + (L-1) tokens run once, and each of their V last tokens attends to
-    their K/V (score_continuations' prompt sharing, with the first L-1 tokens as the prompt: its
-    pooled states from P on are those of the continuation). ~6x less work than every sequence."""
-    if not getattr(energy, 'config', None) or not energy.config.causal:
-        raise ValueError("--energy: enumeration shares the first L-1 tokens, which needs a causal energy "
-                         "(a UNIT, nce_train.py --body unit)")
-    heads = all_continuations(V, L - 1).to(prompts.device)
-    last = torch.arange(V, device=prompts.device).expand(heads.size(0), V)[..., None]  # (V^(L-1), V, 1)
+    the trie's states (trie_states), summed along each path, then pooled and projected as
+    Energy.forward pools them (its mean over the pooled positions)."""
+    if not getattr(energy, 'config', None) or not energy.config.causal or energy.context_cut(P):
+        raise ValueError("--energy: enumeration walks the continuations' prefixes, which needs a causal "
+                         "energy that sees the whole prompt (a UNIT, nce_train.py --body unit)")
+    pooled_from = P if energy.pool == 'continuation' else 0
     out = []
     for p in prompts:
-        x = torch.cat([p.expand(heads.size(0), -1), heads], 1)
-        out.append(score_continuations(energy, x, last, P, ctx).reshape(-1))  # row s * V + v
+        with ctx:
+            for t, h in trie_states(energy.body, p, L, V, rows):
+                h = h.float()
+                total = h[pooled_from:].sum(0, keepdim=True) if t == 0 else total.repeat_interleave(V, 0) + h
+        out.append(energy.project(total / (P - pooled_from + L)).double())
     return torch.stack(out)
 
 
@@ -258,6 +320,42 @@ def choose_threshold(curve, target, key='coverage_slack_unflagged'):
     return max(curve, key=worst)['min_ess'], False
 
 
+def beam_curve(lm, prompts, real, log_p, E, log_z, cont, widths, n, reps, seed, split, tol):
+    """The job's estimator (logz_enumerate: the real continuation and the LM's beam known, n samples) at
+    each beam width: the share of (prompt, replicate) within tol nats of the exact log Z, the share of
+    prompts whose median replicate is, and the biases of its estimate and of its sure part."""
+    L, V = cont.size(1), int(cont.max()) + 1
+    rows = []
+    for w in widths:
+        known = torch.cat([real[:, None], index_of(lm.beam_search(prompts, L, w)[0], V)], 1)
+        r = replicate_errors(log_p, E, log_z, known, cont, [n], reps, seed, split)[n]
+        e = r['estimate']
+        rows.append(dict(beam=w, n=n, within_tol=(e.abs() <= tol).double().mean().item(),
+                         prompts_within_tol_median=(e.abs().median(1).values <= tol).double().mean().item(),
+                         estimate_bias=e.mean().item(), sure_bias=r['sure'].mean().item(),
+                         worst_prompt_median_error=e.abs().median(1).values.max().item()))
+    return rows
+
+
+def choose_beam(rows, target):
+    """The narrowest width whose estimates are within tol on >= target of (prompt, replicate); else
+    the one that comes closest. Returns (width, met)."""
+    for r in sorted(rows, key=lambda r: r['beam']):
+        if r['within_tol'] >= target:
+            return r['beam'], True
+    return max(rows, key=lambda r: r['within_tol'])['beam'], False
+
+
+def beam_choice(res, args):
+    """choose_beam on --select_split's beam_curve, with its rule and the chosen width's row on --split."""
+    width, met = choose_beam(res[args.select_split]['beam_curve'], args.beam_target)
+    rule = (f"the narrowest of {args.widths} whose logz_enumerate estimate (n = {args.job_n}) is within "
+            f"{args.tol:g} nats of the exact log Z on >= {args.beam_target:g} of {args.select_split}'s "
+            f"replicates" + ('' if met else ' (none met it: the closest)'))
+    return dict(chosen=width, rule_met=met, n=args.job_n, rule=rule,
+                on_split=next(r for r in res[args.split]['beam_curve'] if r['beam'] == width))
+
+
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
@@ -277,12 +375,22 @@ def get_args(argv=None):
     a('--beam', type=int, default=32, at_least=1, at_most='beam',
       help="the LM's beam width: logz_enumerate's known set beside the real one (32: the narrowest of 8, "
            "32, 128 within 0.01 nats on 95%% of the selection split's replicates at n = 64)")
+    a('--widths', type=comma_ints, default='8,32,128', at_least=1, at_most='beam',
+      help="beam widths tried for the job's estimator at --job_n samples, the narrowest within --tol on "
+           "--beam_target of --select_split's replicates chosen")
+    a('--job_n', type=int, default=64, at_least=1, at_most='samples',
+      help="the job's LM samples per log Z (extensions/addition_eval: max of its --ns)")
+    a('--beam_target', type=float, default=0.95, at_least=0, at_most=1,
+      help='the share of replicates within --tol that a beam width must reach, in [0, 1]')
     a('--tol', type=float, default=0.01, at_least=0, at_most=None,
       help='nats: an estimate within this of the exact log Z')
     a('--target', type=float, default=0.9, at_least=0, at_most=1,
       help="MIN_ESS's rule: the unflagged ranges' coverage, in [0, 1]")
     a('--slack', type=float, default=0.01, at_least=0, at_most=None,
       help="MIN_ESS's rule: a range 'contains' log Z within this many nats of either end")
+    a('--energy_scale', type=float, default=1.0, at_least=0, at_most=None,
+      help="the energy studied is this times --energy's (a sharper one above 1: more of Z where the LM "
+           "puts little; the enumeration's cache is the same)")
     a('--dtype', default='float32', choices=('float32', 'bfloat16'), help="the energy's forward")
     a('--cache', default=None, path=True,
       help='a folder for the enumerated log P_LM and E (saved every 20 problems): a rerun resumes')
@@ -392,6 +500,7 @@ def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
     key = f"{split}_{count}_{args.dtype}_{file_hash(args.lm)}_{file_hash(args.energy)}"
     x, log_p, E, real, known_rows, cont, times = enumerate_split(lm, energy, data, P, L, V, count, ctx,
                                                                  args.beam, log, args.cache, key)
+    E = E * args.energy_scale
     mass_err = (log_p.logsumexp(-1).exp() - 1).abs().max().item()
     if mass_err > 1e-6:
         raise ValueError(f"the LM's probabilities of all continuations sum to 1 +- {mass_err:.2g}, "
@@ -401,7 +510,10 @@ def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
     reps = replicate_errors(log_p, E, ex['log_z'], known_rows, cont, args.ns, args.reps, args.seed, split,
                             args.slack)
     times['replicates_s'] = time.time() - t0
-    log(f"  replicates: {times['replicates_s']:.0f} s")
+    beams = beam_curve(lm, x[:, :P], real, log_p, E, ex['log_z'], cont, args.widths, args.job_n, args.reps,
+                       args.seed, split, args.tol)
+    log(f"  replicates: {times['replicates_s']:.0f} s; the job's estimator (n = {args.job_n}) within "
+        f"{args.tol:g} by beam width: " + ', '.join(f"{r['beam']}: {r['within_tol']:.3f}" for r in beams))
     chars = meta['chars']
     text = lambda row: ''.join('<eot>' if t == meta['eot_id'] else chars[t - 1] for t in row.tolist())
     per_prompt = [dict(problem=text(x[i]), log_z=ex['log_z'][i].item(), lm_logp_real=ex['lm_logp'][i].item(),
@@ -422,7 +534,7 @@ def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
                    lm_mode_exact=ex['lm_mode_correct'].double().mean().item(),
                    joint_mode_exact=ex['joint_mode_correct'].double().mean().item(),
                    log_z_mean=ex['log_z'].mean().item())
-    return reps, summary, per_prompt, times
+    return reps, summary, per_prompt, times, beams
 
 
 def format_table(rows, tol):
@@ -458,19 +570,21 @@ def main(argv=None):
                          f"(at most {MAX_CONTINUATIONS:,}): prepare fewer --digits")
     ctx = nullcontext() if args.dtype == 'float32' else torch.autocast('cpu', dtype=torch.bfloat16)
     res = dict(lm=args.lm, energy=args.energy, data_dir=data_dir, prefix_len=P, gen_len=L, vocab_size=V,
-               continuations_per_prompt=V ** L, ns=args.ns, reps=args.reps, beam=args.beam, tol=args.tol,
+               energy_scale=args.energy_scale, continuations_per_prompt=V ** L, ns=args.ns, reps=args.reps,
+               beam=args.beam, tol=args.tol,
                dtype=args.dtype, seed=args.seed, torch=torch.__version__, thresholds=list(THRESHOLDS),
                target=args.target, slack=args.slack)
     splits = {}
     for split, count in ((args.select_split, args.select_prompts), (args.split, args.prompts)):
         log(f"{split}:")
         data = load_split(data_dir, split, meta)
-        reps, summary, per_prompt, times = run_split(args, lm, energy, data, meta, P, L, count, split, ctx,
-                                                     log)
+        reps, summary, per_prompt, times, beams = run_split(args, lm, energy, data, meta, P, L, count, split,
+                                                            ctx, log)
         splits[split] = reps
         res[split] = dict(exact=summary, table=error_table(reps, args.tol),
                           threshold_curve=threshold_curve(reps, THRESHOLDS), per_prompt=per_prompt,
-                          times=times)
+                          times=times, beam_curve=beams)
+    res['beam_choice'] = beam_choice(res, args)
     chosen, met = choose_threshold(res[args.select_split]['threshold_curve'], args.target)
     rule = (f"the smallest ESS threshold of {list(THRESHOLDS)} at which, on {args.select_split}, the "
             f"Eq. 4 ranges that logz_diagnostics leaves unflagged contain the exact log Z (within "
@@ -484,6 +598,9 @@ def main(argv=None):
     if not args.quiet:
         print(f"\n{args.split}: {res[args.split]['exact']}")
         print(format_table(res[args.split]['table'], args.tol))
+        b = res['beam_choice']
+        print(f"the job's beam: {b['chosen']} ({'rule met' if b['rule_met'] else 'rule not met'}); on "
+              f"{args.split} within {args.tol:g}: {b['on_split']['within_tol']:.3f}")
         print(f"MIN_ESS {chosen} ({'rule met' if met else 'rule not met'}); on {args.split}: "
               + ', '.join(f"n={p['n']}: flagged {p['flagged']:.2f}, covered {p['coverage_slack_unflagged']}"
                           for p in res['min_ess']['on_split']['per_n']))

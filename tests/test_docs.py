@@ -323,6 +323,38 @@ JSON_CLAIMS = [
     ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15',
      [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
 ]
+# docs/exact_logz.md's sharp energy (assets/exact_logz_sharp.json, and the same energy x 2 and x 3)
+SHARP = {k: asset(f'exact_logz_sharp{k}.json') for k in ('', '_x2', '_x3')}
+BEAMS = lambda k, split, key='within_tol': [b[key] for b in SHARP[k][split]['beam_curve']]
+AT_64 = lambda k: next(r for r in SHARP[k]['test']['table'] if r['n'] == 64)
+JSON_CLAIMS += [
+    ('docs/exact_logz.md', r'P_LM\(correct sum\) \*\*([\d.]+)\*\*, the joint model\'s \*\*([\d.]+)\*\*; '
+                           r'the LM\'s mode is correct on ([\d.]+) of them, the joint model\'s on ([\d.]+); '
+                           r'median Kish ESS of 64 LM samples \*\*([\d.]+)\*\*',
+     [SHARP['']['test']['exact'][k]
+      for k in ('p_lm_correct', 'p_joint_correct', 'lm_mode_exact', 'joint_mode_exact')]
+     + [AT_64('')['ess_median']]),
+    ('docs/exact_logz.md', r'Eq\. 4\'s T_n is\s+off by ([-\d.]+) nats on average \(sd ([\d.]+)\), its range '
+                           r'holds log Z in (\d+)% of replicates',
+     [AT_64('')['T_n']['bias'], AT_64('')['T_n']['spread'], 100 * AT_64('')['eq4_coverage']]),
+    ('docs/exact_logz.md', r'\| within 0\.01, selection \(replicates\) \| ([\d.]+) \| \*\*([\d.]+)\*\* '
+                           r'\| ([\d.]+) \|',
+     BEAMS('', 'select')),
+    ('docs/exact_logz.md', r'\| within 0\.01, test \(replicates\) \| ([\d.]+) \| \*\*([\d.]+)\*\* '
+                           r'\| ([\d.]+) \|',
+     BEAMS('', 'test')),
+    ('docs/exact_logz.md', r'\| within 0\.01, test \(prompts, median replicate\) \| ([\d.]+) \| ([\d.]+) '
+                           r'\| ([\d.]+) \|',
+     BEAMS('', 'test', 'prompts_within_tol_median')),
+    ('docs/exact_logz.md', r'\| bias of the estimate / of its sure part, test \| ([-\d.]+) / ([-\d.]+) \| '
+                           r'([-\d.]+) / ([-\d.]+) \| ([-\d.]+) / ([-\d.]+) \|',
+     [b[k] for b in SHARP['']['test']['beam_curve'] for k in ('estimate_bias', 'sure_bias')]),
+] + [
+    ('docs/exact_logz.md', rf'\| the energy x {x}, test: within 0\.01 \(P_joint ([\d.]+), ESS ([\d.]+)\) \| '
+                           r'([\d.]+) \| ([\d.]+) \| ([\d.]+) \|',
+     [SHARP[f'_x{x}']['test']['exact']['p_joint_correct'], AT_64(f'_x{x}')['ess_median']]
+     + BEAMS(f'_x{x}', 'test')) for x in (2, 3)
+]
 # docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
 ADD_CLAIMS = asset('claims_addition.json')['claims']
 PER_PROBLEM = asset('accuracy_addition.json')['per_problem']

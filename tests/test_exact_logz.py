@@ -35,12 +35,15 @@ def test_enumeration_matches_brute_force():
     cont, lp_ref, E_ref = brute(lm, energy, prompts)
     assert torch.equal(exact_logz.all_continuations(V, L), cont)
     assert torch.equal(exact_logz.index_of(cont, V), torch.arange(V ** L))
-    log_p = exact_logz.lm_logprobs(lm, prompts, L, V, rows=5)  # rows: several blocks
+    log_p = exact_logz.lm_logprobs(lm, prompts, L, V, rows=5)  # the trie's last level in 4 blocks
     assert (log_p.logsumexp(-1).exp() - 1).abs().max() < 1e-12  # sums to 1
     assert (log_p - lp_ref).abs().max() < 1e-5  # float32 forward against float32 sequence_logprob
     assert log_p.exp().std(-1).min() > 0.01  # not uniform: a wrong order would show
-    E = torch.cat([score_continuations(energy, p[None], cont[None], P, NULL) for p in prompts])
+    E = exact_logz.energies(energy, prompts, P, L, V, NULL, rows=5)
     assert (E - E_ref).abs().max() < 1e-5 and E.std() > 0.5
+    whole = rand_energy(V, causal=True, pool='all')  # pooled over the prompt's states too
+    E_whole = exact_logz.energies(whole, prompts, P, L, V, NULL, rows=64)  # the last level at once
+    assert (E_whole - brute(lm, whole, prompts)[2]).abs().max() < 1e-5
     real = torch.tensor([5, 17, 60])
     ex = exact_logz.exact_values(log_p, E, real)
     log_z = torch.logsumexp(lp_ref - E_ref, -1)  # Eq. 2's normaliser, from the brute force
@@ -141,6 +144,26 @@ def test_min_ess_rule():
     assert exact_logz.choose_threshold(curve, 0.9) == (4, True)
     assert exact_logz.choose_threshold(curve, 0.98) == (8, True)  # n = 8 all flagged: met
     assert exact_logz.choose_threshold(curve[:3], 0.99) == (4, False)  # none meets: the best worst n
+
+
+def test_beam_curve_and_the_job_width():
+    """The job's estimator by beam width: a beam of every continuation (V^L = 64) leaves nothing to
+    sample, so the estimate is the exact log Z; a beam of 1 leaves a sure part short of it."""
+    lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
+    prompts = torch.tensor([[0, 1], [3, 2], [2, 2]])
+    log_p = exact_logz.lm_logprobs(lm, prompts, L, V)
+    E = exact_logz.energies(energy, prompts, P, L, V, NULL)
+    log_z, cont = (log_p - E).logsumexp(-1), exact_logz.all_continuations(V, L)
+    real = torch.tensor([5, 17, 60])
+    one, every = exact_logz.beam_curve(lm, prompts, real, log_p, E, log_z, cont, [1, V ** L], 8, 20, 0, 's',
+                                       0.01)
+    assert one['beam'] == 1 and every['beam'] == V ** L and every['n'] == 8
+    assert abs(every['estimate_bias']) < 1e-12 and abs(every['sure_bias']) < 1e-12
+    assert every['within_tol'] == 1
+    assert one['sure_bias'] < -0.05 and one['within_tol'] < 1  # 2 continuations known of 64
+    rows = [dict(beam=8, within_tol=0.9), dict(beam=32, within_tol=0.97), dict(beam=128, within_tol=0.99)]
+    assert exact_logz.choose_beam(rows, 0.95) == (32, True)
+    assert exact_logz.choose_beam(rows, 0.995) == (128, False)  # none: the closest
 
 
 def test_cache_resumes(tmp_path, monkeypatch):

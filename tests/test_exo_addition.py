@@ -257,13 +257,15 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
     # random energy's scale dwarfs log P_LM's here: a mode by -E alone is hand_built_decoding's case)
     assert len({want[k, 'digit'] for k in picks}) == 3, want
     assert not plot or png.stat().st_size > 0 and (tmp_path / 'acc_carry.png').stat().st_size > 0
-    # the joint mode over the LM's beam of 8 and the samples: argmax log P_LM - E over the union, by loops
-    beam = load_lm(lm_path)[0].beam_search(pre, L, 8)[0]  # (B, 8, L)
-    bseq = torch.cat([pre.repeat_interleave(8, 0), beam.flatten(0, 1)], 1)
+    # the joint mode over the LM's beam (the tool's default width) and the samples: argmax log P_LM - E
+    # over the union, by loops
+    W = json.loads(out.read_text())['beam']
+    beam = load_lm(lm_path)[0].beam_search(pre, L, W)[0]  # (B, W, L)
+    bseq = torch.cat([pre.repeat_interleave(W, 0), beam.flatten(0, 1)], 1)
     blp = logprobs64(load_lm(lm_path)[0], bseq[:, :-1])[:, 7:].gather(-1, bseq[:, 8:, None]).sum((1, 2))
     bE = score_continuations(energy, pre, beam, 8, contextlib.nullcontext())
     for n in (1, 4):
-        cand = [[(blp[b * 8 + i].item() - bE[b, i].item(), beam[b, i]) for i in range(8)]
+        cand = [[(blp[b * W + i].item() - bE[b, i].item(), beam[b, i]) for i in range(W)]
                 + [(lp[b, i].item() - E[b, i].item(), x[b, i]) for i in range(n)] for b in range(B)]
         hit = torch.stack([max(c, key=lambda t: t[0])[1] for c in cand]) == gold
         row = rows['JOINT', f'joint mode, beam + samples, n = {n}']
