@@ -106,9 +106,10 @@ CLAIMS = [
     ('README.md', r'(\w+) of its works are here', [bold_after('README.md', 'of its works are here')]),
     # README: the addition job (ADDITION)
     ('README.md', r'(\d+)-digit addition', [ADDITION['data']['digits']]),
-    ('README.md', r'([\d,]+) test problems, mean over the \d+ seeds \(SD over seeds\); '
-                  r'"of (\d+)": among (\d+) LM',
+    ('README.md', r'([\d,]+) test problems, mean \(SD\) over \d+ seeds; "of (\d+)": among (\d+) LM',
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
+    ('README.md', r"mode over the LM's beam of (\d+) and (\d+) samples",
+     [ADDITION['accuracy']['beam'], int(ADDITION['accuracy']['ns'].split(',')[-1])]),
     ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['num_samples']]),
     # docs/using.md: the stage commands of the main job
     ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '

@@ -180,7 +180,7 @@ def check_readme_addition(readme):
                 [cell('BASE LM', f'{how}, n = 64') for how in ('majority vote', 'log-prob rerank', 'oracle')],
             'joint model, of 64: Algorithm 1 / its mode':
                 [cell('JOINT', f'{how}, n = 64') for how in ('Algorithm 1', 'joint mode')],
-            "joint model: mode over the LM's beam of 8 and 64 samples":
+            "joint model: mode over the LM's beam of 32 and 64 samples":
                 [cell('JOINT', 'joint mode, beam + samples, n = 64')],
             'BALM': [cell('BALM', 'greedy'), cell('BALM', 'log-prob rerank, n = 64')],
             'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
@@ -193,9 +193,14 @@ def check_readme_addition(readme):
     said = ' '.join(section.split())
     worst = max(c['p_holm'] for c in seeds['comparisons'] if c['better'][0] == 'JOINT')
     seed_p = [c['seed_level']['t_p'] for c in seeds['comparisons'] if c['better'][0] == 'JOINT']
+    over_balm = max(c['seed_level']['t_p_holm'] for c in seeds['comparisons']
+                    if c['better'][0] == 'JOINT' and 'beam' in c['what'] and c['worse'][0] == 'BALM')
+    sign = seeds['comparisons'][0]['seed_level']
     for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
                    f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}", f"{len(seeds['seeds'])} seeds",
-                   f"Holm-adjusted p at most {worst:.2g}", f"p is {min(seed_p):.2g} to {max(seed_p):.2g}"):
+                   f"Holm-adjusted p at most {worst:.2g}", f"p is {min(seed_p):.2g} to {max(seed_p):.2g}",
+                   f"the beam's mode over BALM: Holm {over_balm:.2g}",
+                   f"sign test {sign['sign'][0]}-{sign['sign'][1]}, p {sign['sign_p']:.2g}"):
         assert phrase in said, (phrase, said)
 
 
