@@ -31,8 +31,9 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_exo_addition.py  the addition task, its decoders, and exo.py's runs on it
     tests/test_provenance.py  the main job's provenance.json
     tests/test_checkpoints.py  a checkpoint checked before use, --resume by content
-    tests/test_exact_logz.py  exact log Z on 2-digit addition (extensions/exact_logz.py)
+    tests/test_exact_logz.py  exact log Z on 2- and 3-digit addition (exact_logz.py, enumeration.py)
     tests/test_docs.py        the numbers and flag values of README.md and docs/ against the code
+    tests/test_doc_results.py  the docs' numbers from committed runs against assets/*.json
     tests/test_doc_commands.py  docs/using.md's step-by-step commands against the job's own
     tests/test_layout.py      the files' roles, the import graph, line and function lengths, the
                               README's numbers, every documented command, length checks before zips

@@ -1,16 +1,16 @@
-"""extensions/exact_logz.py: the enumeration against brute force on a tiny vocabulary, the
-replicate sampler against P_LM, estimate_fast against energy.logz_enumerate, a sharp energy where
-Eq. 4 at n = 8 is far off and logz_enumerate is not, and MIN_ESS's rule.
+"""extensions/exact_logz.py and extensions/enumeration.py: the enumeration against brute force
+on a tiny vocabulary, the replicate sampler against P_LM, estimate_fast against
+energy.logz_enumerate, a sharp energy where Eq. 4 at n = 8 is far off and logz_enumerate is not,
+MIN_ESS's rule, and the job's estimator by beam width.
 """
 
 import itertools
-import math
 
 import numpy as np
 import torch
 
-from energy import logz_bounds, logz_enumerate, score_continuations
-from extensions import exact_logz
+from energy import logz_bounds, logz_enumerate
+from extensions import enumeration, exact_logz
 from tests.common import NULL, rand_energy, tiny_gpt
 
 V, P, L = 4, 2, 3
@@ -33,16 +33,16 @@ def test_enumeration_matches_brute_force():
     lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
     prompts = torch.tensor([[0, 1], [3, 2], [2, 2]])
     cont, lp_ref, E_ref = brute(lm, energy, prompts)
-    assert torch.equal(exact_logz.all_continuations(V, L), cont)
-    assert torch.equal(exact_logz.index_of(cont, V), torch.arange(V ** L))
-    log_p = exact_logz.lm_logprobs(lm, prompts, L, V, rows=5)  # the trie's last level in 4 blocks
+    assert torch.equal(enumeration.all_continuations(V, L), cont)
+    assert torch.equal(enumeration.index_of(cont, V), torch.arange(V ** L))
+    log_p = enumeration.lm_logprobs(lm, prompts, L, V, rows=5)  # the trie's last level in 4 blocks
     assert (log_p.logsumexp(-1).exp() - 1).abs().max() < 1e-12  # sums to 1
     assert (log_p - lp_ref).abs().max() < 1e-5  # float32 forward against float32 sequence_logprob
     assert log_p.exp().std(-1).min() > 0.01  # not uniform: a wrong order would show
-    E = exact_logz.energies(energy, prompts, P, L, V, NULL, rows=5)
+    E = enumeration.energies(energy, prompts, P, L, V, NULL, rows=5)
     assert (E - E_ref).abs().max() < 1e-5 and E.std() > 0.5
     whole = rand_energy(V, causal=True, pool='all')  # pooled over the prompt's states too
-    E_whole = exact_logz.energies(whole, prompts, P, L, V, NULL, rows=64)  # the last level at once
+    E_whole = enumeration.energies(whole, prompts, P, L, V, NULL, rows=64)  # the last level at once
     assert (E_whole - brute(lm, whole, prompts)[2]).abs().max() < 1e-5
     real = torch.tensor([5, 17, 60])
     ex = exact_logz.exact_values(log_p, E, real)
@@ -129,7 +129,7 @@ def test_sharp_energy_eq4_far_off_enumerate_exact():
     _, est0 = exact_logz.estimate_fast(idx, log_p - E, -E, torch.log1p(-log_p.exp()), nothing)
     assert (log_z - est0[missed]).min() > 15
     # the replicate pipeline reports the same: coverage 0 for Eq. 4, error < 1e-6 for the estimate
-    cont = exact_logz.all_continuations(4, 3)[:64]
+    cont = enumeration.all_continuations(4, 3)[:64]
     reps = exact_logz.replicate_errors(log_p, E, log_z, torch.tensor([[7]]), cont, [8], 50, 0, 'test',
                                        check=1)
     row = exact_logz.error_table(reps, 0.01)[0]
@@ -151,9 +151,9 @@ def test_beam_curve_and_the_job_width():
     sample, so the estimate is the exact log Z; a beam of 1 leaves a sure part short of it."""
     lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
     prompts = torch.tensor([[0, 1], [3, 2], [2, 2]])
-    log_p = exact_logz.lm_logprobs(lm, prompts, L, V)
-    E = exact_logz.energies(energy, prompts, P, L, V, NULL)
-    log_z, cont = (log_p - E).logsumexp(-1), exact_logz.all_continuations(V, L)
+    log_p = enumeration.lm_logprobs(lm, prompts, L, V)
+    E = enumeration.energies(energy, prompts, P, L, V, NULL)
+    log_z, cont = (log_p - E).logsumexp(-1), enumeration.all_continuations(V, L)
     real = torch.tensor([5, 17, 60])
     one, every = exact_logz.beam_curve(lm, prompts, real, log_p, E, log_z, cont, [1, V ** L], 8, 20, 0, 's',
                                        0.01)
@@ -171,12 +171,12 @@ def test_cache_resumes(tmp_path, monkeypatch):
     another beam width reuses the scored continuations and searches only its beam."""
     lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
     data = torch.randint(0, V, (5 * 7,), generator=torch.Generator().manual_seed(0)).numpy()
-    run = lambda beam=2: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, beam, lambda s: None,
+    run = lambda beam=2: enumeration.enumerate_split(lm, energy, data, P, L, V, 7, NULL, beam, lambda s: None,
                                                     str(tmp_path), 'k', chunk=3)
     first = run()
     assert len(list(tmp_path.glob('k_[0-9]*.pt'))) == 3  # chunks of 3, 3, 1 problems
     assert len(list(tmp_path.glob('k_beam2_*.pt'))) == 3
-    monkeypatch.setattr(exact_logz, 'energies', lambda *a: 1 / 0)  # a rerun must not score again
+    monkeypatch.setattr(enumeration, 'energies', lambda *a: 1 / 0)  # a rerun must not score again
     second = run()
     assert len(first) == len(second)
     for a, b in zip(first[:6], second[:6]):
@@ -184,7 +184,7 @@ def test_cache_resumes(tmp_path, monkeypatch):
     assert first[4].shape == (7, 3) and torch.equal(first[4][:, 0], first[3])  # real, then the beam of 2
     wider = run(beam=4)
     assert torch.equal(wider[1], first[1]) and torch.equal(wider[2], first[2]) and wider[4].shape == (7, 5)
-    assert torch.equal(wider[4][:, 1:], exact_logz.index_of(lm.beam_search(wider[0][:, :P], L, 4)[0], V))
+    assert torch.equal(wider[4][:, 1:], enumeration.index_of(lm.beam_search(wider[0][:, :P], L, 4)[0], V))
 
 
 def test_a_damaged_cache_is_computed_again(tmp_path, capsys):
@@ -193,7 +193,7 @@ def test_a_damaged_cache_is_computed_again(tmp_path, capsys):
     PytorchStreamReader RuntimeError, an UnpicklingError traceback, or wrong values used)."""
     lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
     data = torch.randint(0, V, (5 * 7,), generator=torch.Generator().manual_seed(0)).numpy()
-    run = lambda: exact_logz.enumerate_split(lm, energy, data, P, L, V, 7, NULL, 2, lambda s: None,
+    run = lambda: enumeration.enumerate_split(lm, energy, data, P, L, V, 7, NULL, 2, lambda s: None,
                                              str(tmp_path), 'k', chunk=3)
     first = run()
     cut, junk, shape = tmp_path / 'k_0.pt', tmp_path / 'k_3.pt', tmp_path / 'k_beam2_6.pt'

@@ -204,7 +204,8 @@ def check_readme_addition(readme):
         assert phrase in said, (phrase, said)
 
 
-MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'data/tokenizer.py', 'data/__init__.py',
+MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'extensions/enumeration.py',
+           'data/tokenizer.py', 'data/__init__.py',
            'job/__init__.py', 'extensions/__init__.py', 'plumbing/__init__.py', 'plumbing/run.py',
            'plumbing/device.py', 'plumbing/budget.py', 'plumbing/files.py',
            'plumbing/trainer.py', 'plumbing/guards.py', 'plumbing/checkpoints.py', 'job/configs.py',

@@ -1,0 +1,410 @@
+"""Docs that cannot drift from the committed runs: each number README.md's neighbours in docs/ state
+from a committed result (assets/*.json) equals it to the digits they give (JSON_CLAIMS), and
+docs/reports.md's table of the lesson's runs is assets/lesson.json's. The numbers that name the
+code's values (configs, constants, line counts) are tests/test_docs.py's.
+"""
+
+import json
+import os
+
+from job.stats import format_p
+from tests.common import ROOT
+from tests.test_docs import mismatches, read
+
+def asset(name):
+    return json.load(open(os.path.join(ROOT, 'assets', name), encoding='utf-8'))
+
+
+def by(rows, *keys):
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+ADD = by(asset('results_addition.json')['rows'], 'model', 'split')
+MAIN = by(asset('results.json')['rows'], 'model', 'split')
+ACC = by(asset('accuracy_addition.json')['rows'], 'model', 'method')
+CL, LMS = asset('claims.json')['claims'], asset('claims.json')['lms']
+ADD_LMS, ADD_TIMES = asset('claims_addition.json')['lms'], asset('results_addition.json')['timings_s']
+CALIB = asset('results.json')['calibration']
+H200 = asset('gpu_h200_addition.json')
+EXACT = asset('exact_logz.json')
+
+
+def acc(model, method, key='exact'):
+    return ACC[model, method][key]
+
+
+def share_of_gap(model):
+    """How far `model`'s P(correct) goes from the base LM's to the joint model's, in %."""
+    lm, joint = acc('BASE LM', 'greedy', 'p_correct'), acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')
+    return 100 * (acc(model, 'greedy', 'p_correct') - lm) / (joint - lm)
+
+
+def decoder(model, method):
+    """A table row's four n's and the SE at 64."""
+    return ([acc(model, f'{method}, n = {n}') for n in (1, 4, 16, 64)]
+            + [acc(model, f'{method}, n = 64', 'exact_se')])
+
+
+# (doc, regex, the values in assets/*.json): a number stated from a committed result equals it to
+# the digits the doc gives (rounded, not truncated)
+JSON_CLAIMS = [
+    # docs/addition.md, Table 1 on the test windows (assets/results_addition.json)
+    ('docs/addition.md', r'BASE ([\d.]+), BALM ([\d.]+)\s+\(gain ([\d.]+) nats/token, ([\d.]+) SE\), TaiLr '
+                         r'([\d.]+), EXO ([\d.]+), RALM level',
+     [ADD['BASE LM', 'test']['ppl'], ADD['BALM', 'test']['ppl'], ADD['BALM', 'test']['gain_nats_per_token'],
+      ADD['BALM', 'test']['gain_nats_per_token'] / ADD['BALM', 'test']['gain_se'],
+      ADD['TAILR', 'test']['ppl'], ADD['EXO', 'test']['ppl']]),
+    ('docs/addition.md', r'JOINT UNIT\s+([\d.]+) and JOINT BIT ([\d.]+) with `log Z` enumerated \(gains '
+                         r'([\d.]+) and ([\d.]+), SE ([\d.]+)\)',
+     [ADD['JOINT UNIT', 'test']['ppl_enumerated'], ADD['JOINT BIT', 'test']['ppl_enumerated'],
+      ADD['JOINT UNIT', 'test']['gain_enumerated'], ADD['JOINT BIT', 'test']['gain_enumerated'],
+      ADD['JOINT UNIT', 'test']['gain_enumerated_se']]),
+    # docs/addition.md, the accuracy table (assets/accuracy_addition.json)
+    ('docs/addition.md', r'BASE LM \(3x96\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) '
+                         r'\(([\d.]+)\)',
+     [acc('BASE LM', 'greedy'), acc('BASE LM', 'sampled'), acc('BASE LM', 'greedy', 'p_correct'),
+      acc('BASE LM', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'BASE LM: majority vote \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BASE LM', 'majority vote')),
+    ('docs/addition.md', r'BASE LM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) '
+                         r'\(([\d.]+)\)',
+     decoder('BASE LM', 'log-prob rerank')),
+    ('docs/addition.md', r'BASE LM: any of the n correct \(oracle\) \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
+                         r'([\d.]+) \(([\d.]+)\)', decoder('BASE LM', 'oracle')),
+    ('docs/addition.md', r'BALM \(3x144, converged\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) '
+                         r'\(([\d.]+)\)',
+     [acc('BALM', 'greedy'), acc('BALM', 'sampled'), acc('BALM', 'greedy', 'p_correct'),
+      acc('BALM', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'BALM: log-prob rerank \| ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(([\d.]+)\)',
+     decoder('BALM', 'log-prob rerank')),
+    ('docs/addition.md', r'TaiLr LM: greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('TAILR', 'greedy'), acc('TAILR', 'sampled'), acc('TAILR', 'greedy', 'p_correct'),
+      acc('TAILR', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'200 steps\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+     [acc('EXO', 'greedy'), acc('EXO', 'sampled'), acc('EXO', 'greedy', 'p_correct'),
+      acc('EXO', 'greedy', 'p_correct_se')]),
+    ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\) '
+                         r'\| \*\*([\d.]+)\*\* \(([\d.]+)\)',
+     decoder('JOINT', 'Algorithm 1') + [acc('JOINT', 'Algorithm 1, n = 64', 'p_correct'),
+                                        acc('JOINT', 'Algorithm 1, n = 64', 'p_correct_se')]),
+    ('docs/addition.md', r'its mode among the samples\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / '
+                         r'\*\*([\d.]+)\*\* \(([\d.]+)\)',
+     decoder('JOINT', 'joint mode')),
+    ('docs/addition.md', r'its P\(correct\) ([\d.]+): (\d+)% of the way from the LM\'s ([\d.]+) to the '
+                         r'joint\s+model\'s ([\d.]+)',
+     [acc('EXO', 'greedy', 'p_correct'), share_of_gap('EXO'), acc('BASE LM', 'greedy', 'p_correct'),
+      acc('JOINT', 'Algorithm 1, n = 64', 'p_correct')]),
+    ('docs/addition.md', r'EXO folds in (\d+)% of it', [share_of_gap('EXO')]),
+    ('docs/addition.md', r'On\s+addition it has (\d+)% of the way', [share_of_gap('EXO')]),
+    # docs/addition.md, where each LM stopped (assets/claims_addition.json) and the idle run's stage times
+    ('docs/addition.md', r'BASE at step ([\d,]+) \(best =\s+last: .{0,120}?BALM best ([\d,]+) of ([\d,]+) '
+                         r'\(([\d.]+)\), RALM best ([\d,]+) of ([\d,]+), TaiLr best ([\d,]+) of ([\d,]+) '
+                         r'\(([\d.]+)\)',
+     [ADD_LMS['BASE']['best_step'], ADD_LMS['BALM']['best_step'], ADD_LMS['BALM']['last_step'],
+      ADD_LMS['BALM']['best_select_loss'], ADD_LMS['RALM']['best_step'], ADD_LMS['RALM']['last_step'],
+      ADD_LMS['TAILR']['best_step'], ADD_LMS['TAILR']['last_step'], ADD_LMS['TAILR']['best_select_loss']]),
+    ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 '
+                         r'problems x 16\), BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), '
+                         r'TaiLr\s+(\d+), estimate_ppl (\d+), addition_eval (\d+)',
+     [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm',
+                             'tailr', 'estimate_ppl', 'addition_eval')]),
+    # docs/addition.md, the H200 run (assets/gpu_h200_addition.json)
+    ('docs/addition.md', r'\*\*([\d.]+) s, [\d.]+ min\*\* end to end', [H200['wall_s']]),
+    ('docs/addition.md', r'Stages \(s\): BALM (\d+) \(.{0,40}\), BIT (\d+) and UNIT (\d+) \(', 
+     [H200['timings_s'][k] for k in ('balm', 'bit', 'unit')]),
+    # docs/reports.md: where each LM stopped, what holds, the calibration (assets/claims.json, results.json)
+    ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of '
+                        r'([\d,]+) \(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) '
+                        r'\(([\d.]+)\)',
+     [LMS['BASE']['best_step'], LMS['BASE']['best_select_loss']]
+     + [LMS[m][k] for m in ('BALM', 'RALM', 'TAILR')
+        for k in ('best_step', 'last_step', 'best_select_loss')]),
+    ('docs/reports.md', r'JOINT BIT gains over the LM alone, ([\d.]+)\s+\(([\d.]+)\) nats/token on test, '
+                        r'([\d.]+) SE; JOINT UNIT ([\d.]+) \(([\d.]+)\), ([\d.]+) SE\. BALM gains '
+                        r'([\d.]+)\s+\(([\d.]+)\) and RALM ([\d.]+) \(([\d.]+)\)',
+     [v for m in ('JOINT BIT', 'JOINT UNIT') for v in (
+         MAIN[m, 'test']['gain_nats_per_token'], MAIN[m, 'test']['gain_se'],
+         MAIN[m, 'test']['gain_nats_per_token'] / MAIN[m, 'test']['gain_se'])]
+     + [MAIN[m, 'test'][k] for m in ('BALM', 'RALM') for k in ('gain_nats_per_token', 'gain_se')]),
+    ('docs/reports.md', r'gains ([\d.]+) alone and ([\d.]+) with the BIT as one more metric',
+     [MAIN[m, 'test']['gain_nats_per_token'] for m in ('JOINT METRICS', 'JOINT METRICS+BIT')]),
+    ('docs/reports.md', r'bound is\s+\+?([-\d.]+) / \+?([-\d.]+) nats/token for BIT, \+?([-\d.]+) / '
+                        r'\+?([-\d.]+) for UNIT \(.{0,40}\),\s+\+?([-\d.]+) / \+?([-\d.]+) for METRICS\+BIT',
+     [CALIB[e][k] for e in ('BIT', 'UNIT', 'METRICS+BIT') for k in ('bias_lower', 'bias_upper')]),
+    # docs/exact_logz.md: the exact values (assets/exact_logz.json)
+    ('docs/exact_logz.md', r'mean P_LM\(correct sum\) ([\d.]+), exact joint P\(correct sum\) ([\d.]+) '
+                           r'\(joint\s+log-likelihood of the real continuation ([-\d.]+) nats against the '
+                           r'LM\'s ([-\d.]+)\)',
+     [EXACT['test']['exact'][k]
+      for k in ('p_lm_correct', 'p_joint_correct', 'joint_ll_real', 'lm_logp_real')]),
+    ('docs/exact_logz.md', r'correct sum on ([\d.]+) of them, the joint model\'s on (\d\.\d+)',
+     [EXACT['test']['exact'][k] for k in ('lm_mode_exact', 'joint_mode_exact')]),
+    ('docs/exact_logz.md', r'sum to 1\s+within ([\d.]+)e-15',
+     [1e15 * EXACT['test']['exact']['lm_mass_max_error']]),
+]
+# docs/exact_logz.md's sharp energy (assets/exact_logz_sharp.json, and the same energy x 2 and x 3)
+SHARP = {k: asset(f'exact_logz_sharp{k}.json') for k in ('', '_x2', '_x3')}
+BEAMS = lambda k, split, key='within_tol': [b[key] for b in SHARP[k][split]['beam_curve']]
+AT_64 = lambda k: next(r for r in SHARP[k]['test']['table'] if r['n'] == 64)
+JSON_CLAIMS += [
+    ('docs/exact_logz.md', r'P_LM\(correct sum\) \*\*([\d.]+)\*\*, the joint model\'s \*\*([\d.]+)\*\*; '
+                           r'the LM\'s mode is correct on ([\d.]+) of them, the joint model\'s on ([\d.]+); '
+                           r'median Kish ESS of 64 LM samples \*\*([\d.]+)\*\*',
+     [SHARP['']['test']['exact'][k]
+      for k in ('p_lm_correct', 'p_joint_correct', 'lm_mode_exact', 'joint_mode_exact')]
+     + [AT_64('')['ess_median']]),
+    ('docs/exact_logz.md', r'Eq\. 4\'s T_n is\s+off by ([-\d.]+) nats on average \(sd ([\d.]+)\), its range '
+                           r'holds log Z in (\d+)% of replicates',
+     [AT_64('')['T_n']['bias'], AT_64('')['T_n']['spread'], 100 * AT_64('')['eq4_coverage']]),
+    ('docs/exact_logz.md', r'\| within 0\.01, selection \(replicates\) \| ([\d.]+) \| \*\*([\d.]+)\*\* '
+                           r'\| ([\d.]+) \|',
+     BEAMS('', 'select')),
+    ('docs/exact_logz.md', r'\| within 0\.01, test \(replicates\) \| ([\d.]+) \| \*\*([\d.]+)\*\* '
+                           r'\| ([\d.]+) \|',
+     BEAMS('', 'test')),
+    ('docs/exact_logz.md', r'\| within 0\.01, test \(prompts, median replicate\) \| ([\d.]+) \| ([\d.]+) '
+                           r'\| ([\d.]+) \|',
+     BEAMS('', 'test', 'prompts_within_tol_median')),
+    ('docs/exact_logz.md', r'\| bias of the estimate / of its sure part, test \| ([-\d.]+) / ([-\d.]+) \| '
+                           r'([-\d.]+) / ([-\d.]+) \| ([-\d.]+) / ([-\d.]+) \|',
+     [b[k] for b in SHARP['']['test']['beam_curve'] for k in ('estimate_bias', 'sure_bias')]),
+] + [
+    ('docs/exact_logz.md', rf'\| the energy x {x}, test: within 0\.01 \(P_joint ([\d.]+), ESS ([\d.]+)\) \| '
+                           r'([\d.]+) \| ([\d.]+) \| ([\d.]+) \|',
+     [SHARP[f'_x{x}']['test']['exact']['p_joint_correct'], AT_64(f'_x{x}')['ess_median']]
+     + BEAMS(f'_x{x}', 'test')) for x in (2, 3)
+]
+# docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
+ADD_CLAIMS = asset('claims_addition.json')['claims']
+PER_PROBLEM = asset('accuracy_addition.json')['per_problem']
+DECODERS = [f'D{i}' for i in range(1, 11)]
+WEAKEST = ADD_CLAIMS[max(DECODERS, key=lambda d: ADD_CLAIMS[d]['p_holm'])]
+WEAKEST_P = WEAKEST['p_holm'] if WEAKEST['what'].startswith('Alg. 1 > BALM log-prob rerank') else float('nan')
+
+
+def only(a, b):
+    """How many problems `a` (model, outcome) gets right and `b` does not, and the other way round."""
+    x, y = PER_PROBLEM[a[0]][a[1]], PER_PROBLEM[b[0]][b[1]]
+    pairs = list(zip(x, y, strict=True))
+    return [sum(p and not q for p, q in pairs), sum(q and not p for p, q in pairs)]
+
+
+JSON_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) claims with a p-value',
+     [sum(c.get('p') is not None and 'same_as' not in c for c in ADD_CLAIMS.values())]),
+    ('docs/addition.md', r'the largest Holm-adjusted p (\d)e-13 \(Algorithm 1 against BALM\'s rerank: (\d+) '
+                         r'problems only\s+Algorithm 1 gets right, (\d+) only BALM\)',
+     [1e13 * WEAKEST_P] + only(('JOINT', 'a1_64_exact'), ('BALM', 'rerank_64_exact'))),
+    ('docs/addition.md', r'\+([\d.]+) points, paired p (\d)e-5, (\d)e-4 after Holm; (\d+) problems it alone '
+                         r'gets\s+right, (\d+) the LM alone',
+     [100 * ADD_CLAIMS['D11']['diff'], 1e5 * ADD_CLAIMS['D11']['p'], 1e4 * ADD_CLAIMS['D11']['p_holm']]
+     + only(('EXO', 'greedy_exact'), ('BASE LM', 'greedy_exact'))),
+    ('docs/addition.md', r'Eq\. 4\'s range is flagged on (\d+)% of problems',
+     [100 * sum(PER_PROBLEM['JOINT']['eq4_flagged']) / len(PER_PROBLEM['JOINT']['eq4_flagged'])]),
+]
+# docs/addition.md's three seeds of the earlier recipe (assets/seeds_addition_earlier_recipe.json): mean (SD)
+# [min, max] of exact match
+SEEDS = by(asset('seeds_addition_earlier_recipe.json')['rows'], 'model', 'method')
+
+
+def seeds(model, method, spread=False):
+    e = SEEDS[model, method]['exact']
+    return [e['mean'], e['sd']] + ([e['min'], e['max']] if spread else [])
+
+
+M_SD, M_SD_RANGE = r'([\d.]+) \(([\d.]+)\)', r'([\d.]+) \(([\d.]+)\) \[([\d.]+), ([\d.]+)\]'
+JSON_CLAIMS += [
+    ('docs/addition.md', rf'\| BASE LM greedy / majority of 64 / log-prob rerank of 64 \| {M_SD_RANGE} / '
+                         rf'{M_SD} / {M_SD} \|',
+     seeds('BASE LM', 'greedy', True) + seeds('BASE LM', 'majority vote, n = 64')
+     + seeds('BASE LM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| BASE LM, any of 64 correct \| {M_SD} \|', seeds('BASE LM', 'oracle, n = 64')),
+    ('docs/addition.md', rf'\| BALM greedy / log-prob rerank of 64 \| {M_SD_RANGE} / {M_SD} \|',
+     seeds('BALM', 'greedy', True) + seeds('BALM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| TaiLr LM greedy \| {M_SD} \|', seeds('TAILR', 'greedy')),
+    ('docs/addition.md', rf'\| EXO LM greedy \| {M_SD_RANGE} \|', seeds('EXO', 'greedy', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT Algorithm 1, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'Algorithm 1, n = 64', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT mode, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'joint mode, n = 64', True)),
+]
+# docs/addition.md's seeds of the faster recipe (assets/seeds_addition.json)
+FAST = by(asset('seeds_addition.json')['rows'], 'model', 'method')
+
+
+def fast(model, method):
+    e = FAST[model, method]['exact']
+    return [e['mean'], e['sd'], e['min'], e['max']]
+
+
+JSON_CLAIMS += [
+    ('docs/addition.md', rf'\| BASE LM greedy, faster recipe \| {M_SD_RANGE} \|', fast('BASE LM', 'greedy')),
+    ('docs/addition.md', rf'\| BALM greedy, faster recipe \| {M_SD_RANGE} \|', fast('BALM', 'greedy')),
+    ('docs/addition.md', rf'\| JOINT Algorithm 1 of 64, faster recipe \| {M_SD_RANGE} \|',
+     fast('JOINT', 'Algorithm 1, n = 64')),
+    ('docs/addition.md', rf'\| JOINT mode of beam \+ 64, faster recipe \| {M_SD_RANGE} \|',
+     fast('JOINT', 'joint mode, beam + samples, n = 64')),
+]
+SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
+OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
+EXO_SEEDS = SEED_TESTS['EXO LM greedy > LM greedy']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): .{0,300}? by seed the margins over BALM are '
+                         r'([\d.]+)-([\d.]+) points\. EXO\'s LM beats the\s+LM\'s greedy by ([\d.]+) points '
+                         r'\(([\d.]+), ([\d.]+), ([\d.]+) by seed; p ([\d.]+)e-9\)',
+     [len(SEED_TESTS), 100 * min(OVER_BALM), 100 * max(OVER_BALM), 100 * EXO_SEEDS['diff']]
+     + [100 * d for d in EXO_SEEDS['diff_per_seed']] + [1e9 * EXO_SEEDS['p']]),
+]
+# docs/addition.md's EXO on Shakespeare (assets/exo_shakespeare.json; JOINT BIT from assets/results.json)
+EXO_SH = asset('exo_shakespeare.json')
+EXO_TEST = by(EXO_SH['rows'], 'model', 'split')['EXO', 'test']
+KL_BEFORE, KL_AFTER = EXO_SH['curve'][0]['select_kl_to_joint'], EXO_SH['exo']['best']['select_kl_to_joint']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'best\.pt chosen on the\s+selection split\'s KL, at step (\d+) of (\d+)',
+     [EXO_SH['exo']['best_iter'], EXO_SH['exo']['args']['max_iters']]),
+    ('docs/addition.md', r'\| base LM \| ([\d.]+) \(selection\) \| 0 \| ([\d.]+) \| \|',
+     [KL_BEFORE, by(EXO_SH['rows'], 'model', 'split')['BASE LM', 'test']['ppl']]),
+    ('docs/addition.md', r'\| EXO LM \| ([\d.]+) \(selection\), ([\d.]+) \(test\) \| ([\d.]+) \(selection\), '
+                         r'([\d.]+) \(test\) \| ([\d.]+) \| ([\d.]+) \(([\d.]+)\) \|',
+     [KL_AFTER, EXO_SH['exo']['final']['test']['kl_to_joint'], EXO_SH['exo']['best']['select_kl_to_base'],
+      EXO_SH['exo']['final']['test']['kl_to_base'], EXO_TEST['ppl'], EXO_TEST['gain_nats_per_token'],
+      EXO_TEST['gain_se']]),
+    ('docs/addition.md', r'\| JOINT BIT \(Table 1\) \| 0 \| \| ([\d.]+) \(range ([\d.]+)-([\d.]+)\) \| '
+                         r'([\d.]+) \(([\d.]+)\) \|',
+     [MAIN['JOINT BIT', 'test'][k]
+      for k in ('ppl_low', 'ppl_low', 'ppl_high', 'gain_nats_per_token', 'gain_se')]),
+    ('docs/addition.md', r'EXO removes (\d+)% of the KL from the LM to the joint model \(selection split\), '
+                         r'and its exact test gain, ([\d.]+)\s+nats/token \(([\d.]+) SE\)',
+     [100 * (1 - KL_AFTER / KL_BEFORE), EXO_TEST['gain_nats_per_token'],
+      EXO_TEST['gain_nats_per_token'] / EXO_TEST['gain_se']]),
+]
+# docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
+BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
+MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
+JSON_CLAIMS += [
+    ('docs/reports.md', r'fp32 matmul peak,\s+(\d+) GFLOP/s on 2 cores; .{0,80}?LM training ([\d.]+) \(bf16: '
+                        r'([\d.]+)x faster, ([\d.]+) of the bf16 peak\), cached\s+sampling \(.{0,60}?\) '
+                        r'([\d.]+), energy forward ([\d.]+), NCE training ([\d.]+)\.',
+     [BENCH['matmul_gflops_fp32'], BENCH['train_mfu_fp32'], BENCH['bf16_train_speedup'],
+      BENCH['train_mfu_bf16']] + [BENCH[k] for k in MFU[1:]]),
+    ('docs/reports.md', r'fp32\): ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) of a (\d+) GFLOP/s peak',
+     [BENCH_AVX2[k] for k in MFU] + [BENCH_AVX2['matmul_gflops_fp32']]),
+]
+# docs/reports.md's Fig. 4 (assets/ordering.json) and the sizes of --ordering (DEFAULT)
+ORDER = asset('ordering.json')
+JSON_CLAIMS += [
+    ('docs/reports.md', r'At LM steps ([\d,]+) / ([\d,]+) / ([\d,]+) / ([\d,]+) \(best\) BALM gains ([\d.]+) '
+                        r'/ ([\d.]+) / ([\d.]+)\s+/ ([\d.]+) nats/token \(SE about ([\d.]+)\), JOINT BIT '
+                        r'([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) \(SE ([\d.]+) / ([\d.]+) /\s+([\d.]+) / '
+                        r'([\d.]+)\)',
+     [p['iter'] for p in ORDER['points']] + [p['balm_gain'] for p in ORDER['points']]
+     + [sum(p['balm_gain_se'] for p in ORDER['points']) / len(ORDER['points'])]
+     + [p['joint_gain'] for p in ORDER['points']] + [p['joint_gain_se'] for p in ORDER['points']]),
+    ('docs/reports.md', r'the energy\'s gain falls (\d+) times, BALM\'s (\d+);',  # whole times
+     [int(ORDER['points'][0][f'{k}_gain'] / ORDER['points'][-1][f'{k}_gain']) for k in ('joint', 'balm')]),
+]
+# docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
+H100 = asset('gpu_h100.json')['main_job']
+H100_STAGES = [H100['stage_seconds'][k]
+               for k in ('balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr')]
+JSON_CLAIMS += [
+    ('docs/using.md', r'the main job\'s stages through TaiLr took\s+([\d.]+) minutes',
+     [H100['total_s'] / 60]),
+    ('docs/reports.md', r'LM (\d+) \(([\d,]+) steps at (\d+)k tokens/s\), BALM (\d+), RALM (\d+), '
+                        r'negatives (\d+) \+ (\d+), MLM (\d+), BIT (\d+), UNIT (\d+),\s+TaiLr (\d+) s: '
+                        r'([\d.]+) min to this point',
+     [H100['stage_seconds']['lm'], H100['lm']['stopped_at'], H100['lm']['tokens_per_s'] / 1000] + H100_STAGES
+     + [H100['total_s'] / 60]),
+    ('docs/reports.md', r'the quick job passed\s+every stage there in (\d+) s',
+     [asset('gpu_h100.json')['quick_job']['wall_s']]),
+]
+# docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
+STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
+             'estimate_ppl', 'samples', 'samples_untruncated')
+
+
+def stage_times(name):
+    t = asset(name)['timings_s']
+    return [t[k] for k in STAGE_ROW] + [t['claims'] + t['figures']]
+
+
+TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| '
+             r'(\d+), (\d+) \| (\d+) \| {} min \|')
+EARLIER, AVX2 = stage_times('results_earlier_recipe.json'), stage_times('results_avx2_fp32.json')
+JSON_CLAIMS += [
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+) \+ (\d+)', 46), stage_times('results.json')),
+    ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32),
+     EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
+    ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), '
+                        r'BIT (\d+) \(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics '
+                        r'(\d+),\s+estimate_ppl (\d+), samples (\d+) \+ (\d+), claims and figures (\d+) s',
+     AVX2[:3] + [AVX2[3] + AVX2[4]] + AVX2[5:]),
+]
+# the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| ([-+\d.]+) \(([\d.]+)\)[^|]*\| ([\d.]+) \|',
+                 [CL[c]['diff'], CL[c]['se'], CL[c]['p']]) for c in CL]
+JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| [^\n]*?\| not significant \(adjusted p ([\d.]+)\) \|',
+                 [CL[c]['p_holm']])
+                for c in ('C7', 'T1', 'T2')]
+# docs/exact_logz.md's table: each n's row, its 12 numbers (assets/exact_logz.json, test)
+EXACT_COLUMNS = [('T_n', 'bias'), ('T_n', 'spread'), ('T_n', 'mean_abs'), ('upper', 'bias'),
+                 ('eq4_coverage',), ('eq4_coverage_slack',), ('estimate', 'bias'), ('estimate', 'spread'),
+                 ('estimate', 'mean_abs'), ('estimate', 'within_tol'), ('sure', 'bias'), ('ess_median',),
+                 ('sure_flag_share',)]
+
+
+def exact_row(row):
+    return [row[c[0]] if len(c) == 1 else row[c[0]][c[1]] for c in EXACT_COLUMNS]
+
+
+EXACT_ROW = (r'\| {:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \(([\d.]+)\) \| '
+             r'([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \|')
+JSON_CLAIMS += [('docs/exact_logz.md', EXACT_ROW.format(row['n']), exact_row(row))
+                for row in EXACT['test']['table']]
+
+
+def rounds_to(said, value):
+    """Whether the doc's `said` is `value` to the digits it gives ('0.0013' for 0.00125..., '6,250' for
+    6250)."""
+    said = said.replace(',', '')
+    digits = len(said.split('.')[1]) if '.' in said else 0
+    return abs(float(said) - value) <= 0.5 * 10 ** -digits * (1 + 1e-9) + 1e-12
+
+
+def json_mismatches(claims, docs):
+    return mismatches(claims, docs, close=rounds_to, table='JSON_CLAIMS', source='assets/')
+
+
+def test_doc_numbers_equal_the_committed_results():
+    """Every row of JSON_CLAIMS: the numbers docs/addition.md, reports.md and exact_logz.md state from a
+    committed run are those of assets/*.json, to the digits they give."""
+    assert len(JSON_CLAIMS) >= 40
+    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    bad = json_mismatches(JSON_CLAIMS, docs)
+    assert not bad, '\n'.join(bad)
+
+
+def test_a_planted_result_mismatch_fails():
+    """The check can fail: EXO's old PPL, a share of the gap and a claim's p each give one line."""
+    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    planted = dict(docs, **{'docs/addition.md': docs['docs/addition.md'].replace('EXO 1.035', 'EXO 1.037')
+                            .replace('EXO folds in 31%', 'EXO folds in 46%'),
+                            'docs/reports.md': docs['docs/reports.md'].replace('| 0.15 |', '| 0.05 |')})
+    bad = json_mismatches(JSON_CLAIMS, planted)
+    assert len(bad) == 3 and "'1.037'" in bad[0] and "'46'" in bad[1] and "'0.05'" in bad[2], bad
+    assert rounds_to('0.0013', 0.00125000001) and not rounds_to('0.0013', 0.00124)
+    assert rounds_to('6,250', 6250)
+
+
+def test_reports_lesson_rows_are_the_committed_runs():
+    """docs/reports.md's table of the lesson's runs: each row's time, decoders and the mode's least lead
+    over the LM's decoders (and its p) are assets/lesson.json's run of that command."""
+    text = open(os.path.join(ROOT, 'docs', 'reports.md'), encoding='utf-8').read()
+    runs = json.load(open(os.path.join(ROOT, 'assets', 'lesson.json')))['runs']
+    assert len(runs) >= 4
+    for r in runs:
+        e = list(r['exact'].values())
+        want = (f"| {r['commit']} | `{r['command']}` | {r['to_table_s']:.1f} s | "
+                f"{e[0]:.3f} / {e[1]:.3f} / {e[2]:.3f} | {e[3]:.3f} | {e[4]:.3f} | "
+                f"{r['mode_lead_over_lm']:+.3f} ({format_p(r['mode_p_over_lm_max'])}) |")
+        assert want in text, want
