@@ -136,7 +136,6 @@ def open_outputs(out_dir, settings, offsets, n_chunks, rank, world_size):
     """Create the memmaps (rank 0), or reopen them to resume when their settings match. A folder
     with no finished chunk holds nothing to lose: it is started again with these settings."""
     meta_path = os.path.join(out_dir, 'meta.json')
-    N, K, L = settings['num_prefixes'], settings['num_samples'], settings['gen_len']
     if rank == 0:
         fresh = not os.path.exists(meta_path)
         if not fresh:

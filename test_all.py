@@ -69,7 +69,6 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from data import load_meta, load_split, window_tokens, windows
 from energy import (Energy, MIN_ESS, joint_sample, kish_ess, kl_to_lm, leave_one_out_lse, load_energy,

@@ -83,7 +83,7 @@ def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', 
 
 def continuation_logprob(lm, prefix, y):
     """log pi(y_k | x) (B, K) of continuations y (B, K, L) of prefix (B, P): sequence_logprob."""
-    (B, K, L), P = y.shape, prefix.size(1)
+    (B, K, _), P = y.shape, prefix.size(1)
     x = torch.cat([prefix[:, None].expand(-1, K, -1), y], 2).flatten(0, 1)
     return lm.sequence_logprob(x, P).view(B, K)
 

@@ -215,18 +215,16 @@ def carry_lines(by):
 
 
 def by_carry_chain(accs):
-    """Exact match by the problem's longest carry chain (addition_eval's carry_chain), mean over seeds
-    and problems, of each decoder kept per problem: {model: {column: {chain: mean}}}, and the count of
-    problems at each length; None for runs from before the chains were recorded."""
-    if any('carry_chain' not in a for a in accs):
+    """Exact match by the problem's longest carry chain, mean over seeds of each seed's table
+    (addition_eval's by_carry_chain; the seeds share the problems, so it is also the mean over seeds
+    and problems): {model: {column: {chain: mean}}}, and the count of problems at each length; None
+    for runs from before the chains were recorded."""
+    if any('by_carry_chain' not in a for a in accs):
         return None
-    chains = np.array(accs[0]['carry_chain'])
-    out = {}
-    for model, cols in accs[0]['per_problem'].items():
-        for col in (c for c in cols if c.endswith('_exact')):
-            x = np.array([a['per_problem'][model][col] for a in accs], dtype=np.float64)
-            out.setdefault(model, {})[col] = {int(c): x[:, chains == c].mean() for c in np.unique(chains)}
-    return dict(count={int(c): int((chains == c).sum()) for c in np.unique(chains)}, exact=out)
+    tables = [a['by_carry_chain']['exact'] for a in accs]
+    exact = {model: {col: {int(c): statistics.fmean(t[model][col][c] for t in tables) for c in by}
+                     for col, by in cols.items()} for model, cols in tables[0].items()}
+    return dict(count={int(c): n for c, n in accs[0]['by_carry_chain']['count'].items()}, exact=exact)
 
 
 def outcomes_path(out):

@@ -161,6 +161,22 @@ NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size'
              '--eval_prefixes', '10', *CPU]
 
 
+# the flags of the bad-input tests' tiny runs (tests/test_bad_input.py, tests/test_interruptions.py):
+# the CPU always, whatever REBM_TEST_DEVICE says
+CLI_CPU = ['--device', 'cpu', '--dtype', 'float32', '--quiet']
+
+
+CLI_TRAIN = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16', '--batch_size', '4',
+             '--eval_iters', '2', '--warmup_iters', '2', '--print_samples', '0', *CLI_CPU]
+
+
+CLI_NEG = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CLI_CPU]
+
+
+CLI_NCE = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--batch_size', '4', '--warmup_iters', '1',
+           '--eval_prefixes', '8', *CLI_CPU]
+
+
 EVAL_P, EVAL_L = 8, 4  # the prefix and continuation lengths of the command-line tests
 
 
@@ -387,3 +403,34 @@ def run_ddp_and_single(script, main, flags, tmp_path):
 
 # peaked after token 0, flat after tokens 1 and 3: the top-2 mass depends on the previous token
 BIGRAM = [[3.0, 2.0, -2.0, -3.0], [0.3, 0.0, 0.2, 0.1], [-1.0, 0.5, 1.5, 0.2], [0.25, 0.2, -0.1, 0.3]]
+
+
+# the docs' numbers (tests/test_docs.py, tests/test_doc_results.py)
+
+def read(path):
+    """A doc's text with every run of whitespace one space: a number wrapped over two lines still matches."""
+    return ' '.join(open(os.path.join(ROOT, path), encoding='utf-8').read().split())
+
+
+WORDS = {'two': 2, 'three': 3, 'four': 4, 'five': 5}
+
+
+def number(text):
+    return WORDS[text.lower()] if text.lower() in WORDS else float(text.replace(',', ''))
+
+
+def mismatches(claims, docs, tolerance=1e-9, close=None, table='CLAIMS', source='the code'):
+    """Each claim of `claims` whose regex finds nothing in its doc (docs: {doc: its text}), or a value
+    other than the code's (relative tolerance; or close(said, value), e.g. rounds_to), as one line."""
+    close = close or (lambda s, w: abs(number(s) - w) <= tolerance * w)
+    bad = []
+    for doc, pattern, want in claims:
+        found = re.findall(pattern, docs[doc])
+        if not found:
+            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of {table} with the doc')
+        for said in found:
+            said = (said,) if isinstance(said, str) else said
+            if not all(close(s, w) for s, w in zip(said, want, strict=True)):
+                shown = want if source == 'the code' else [float(f'{w:.6g}') for w in want]
+                bad.append(f'{doc}: {pattern!r} says {list(said)}, {source} {shown}')
+    return bad

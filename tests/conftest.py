@@ -1,24 +1,29 @@
 """The fixtures the files under tests/ share: a tiny corpus and the tiny checkpoints, negatives, samples
-and exports made from it, each made once a session (pytest serves this file to every test under
-tests/). test_all.py, at the top level, takes none of them: it makes what it needs in its tests. The
-helpers the files share, plain functions and constants, are in tests/common.py, imported by name.
+and exports made from it, each made once a session, and the command-line tests' run, once a module
+(pytest serves this file to every test under tests/). test_all.py, at the top level, takes none of
+them: it makes what it needs in its tests. The helpers the files share, plain functions and
+constants, are in tests/common.py, imported by name.
 """
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
 
+import nce_train
 import negatives
 import sample
 import train_lm
 from data import load_meta
+from data.text import prepare as text_prepare
 from energy import build_energy, energy_state
 from model import load_checkpoint
-from plumbing import save_checkpoint
+from plumbing import save_checkpoint, write_json
 
-from tests.common import (CORPUS, NEG_FLAGS, TRAIN_FLAGS, prepare_corpus, run_script, sample_argv,
-                          write_samples)
+from tests.common import (CLI_NCE, CLI_NEG, CLI_TRAIN, CORPUS, NEG_FLAGS, TRAIN_FLAGS, prepare_corpus,
+                          run_script, sample_argv, write_samples)
 
 
 @pytest.fixture(scope='session')
@@ -106,3 +111,32 @@ def he_export(tmp_path_factory):
                       '--checks', '3', '--out_dir', str(d / 'he')])
     assert res.returncode == 0, res.stderr
     return d / 'he', samples
+
+
+@pytest.fixture(scope='module')
+def cli_run(tmp_path_factory):
+    """The tiny run the command-line tests (test_bad_input.py, test_interruptions.py) point at, on the
+    CPU, made once a module: {name: path} under A['root']: the fox corpus, a 2-step LM, its negatives
+    (train, select, val; select copied as if killed before it finished), a 2-step NCE energy."""
+    root = tmp_path_factory.mktemp('cli')
+    A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_select', 'neg_val', 'nce',
+                                    'neg_incomplete')}
+    A['root'] = str(root)
+    (root / 'raw').mkdir()
+    (root / 'raw' / 'fox.txt').write_text(CORPUS)
+    text_prepare.main([str(root / 'raw'), '--out_dir', A['data'], '--val_frac', '0.1', '--test_frac', '0.1',
+                       '--quiet'])
+    train_lm.main(['--data_dir', A['data'], '--out_dir', A['lm'], '--max_iters', '2', '--eval_interval', '2',
+                   '--final_eval', '0', *CLI_TRAIN])
+    A['ckpt'] = os.path.join(A['lm'], 'ckpt.pt')
+    for split, extra in (('train', ['--num_prefixes', '20']), ('select', []),
+                         ('val', ['--num_prefixes', '4'])):
+        negatives.main(['--lm', A['ckpt'], '--split', split, '--out_dir', A[f'neg_{split}'], '--chunk', '8',
+                        *CLI_NEG, *extra])
+    nce_train.main(['--lm', A['ckpt'], '--negatives', A['neg_train'], '--held_out_negatives', A['neg_select'],
+                    '--out_dir', A['nce'], '--max_iters', '2', '--eval_interval', '2', *CLI_NCE])
+    A['energy'] = os.path.join(A['nce'], 'best.pt')
+    shutil.copytree(A['neg_select'], A['neg_incomplete'])  # as if killed before it finished
+    meta = json.load(open(os.path.join(A['neg_select'], 'meta.json')))
+    write_json(dict(meta, complete=False), os.path.join(A['neg_incomplete'], 'meta.json'))
+    return A

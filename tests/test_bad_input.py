@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -19,15 +20,11 @@ import pytest
 import torch
 
 from job import claims, human_eval
-import nce_train
-import negatives
-import train_lm
-from data.text import prepare as text_prepare
 from model import load_checkpoint
 from plumbing import file_hash, write_json
 from data.addition import prepare as addition_prepare
-from tests.common import (DIAGNOSTIC, ROOT, SCRIPTS, UNWRITABLE, assert_clean_error, fake_main_job_json,
-                          run_script)
+from tests.common import (CLI_CPU, CLI_NCE, CLI_NEG, CLI_TRAIN, DIAGNOSTIC, ROOT, SCRIPTS, UNWRITABLE,
+                          assert_clean_error, fake_main_job_json, run_script)
 
 
 # =============================================================================
@@ -47,23 +44,6 @@ def test_rebm_debug_shows_the_traceback():
 
 # ---- table-driven bad inputs: every script, one row each ----
 
-CLI_TEXT = "the quick brown fox jumps over the lazy dog.\n" * 60
-
-
-CLI_CPU = ['--device', 'cpu', '--dtype', 'float32', '--quiet']
-
-
-CLI_TRAIN = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--block_size', '16', '--batch_size', '4',
-             '--eval_iters', '2', '--warmup_iters', '2', '--print_samples', '0', *CLI_CPU]
-
-
-CLI_NEG = ['--prefix_len', '6', '--gen_len', '4', '--num_samples', '3', *CLI_CPU]
-
-
-CLI_NCE = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--batch_size', '4', '--warmup_iters', '1',
-           '--eval_prefixes', '8', *CLI_CPU]
-
-
 class CliEvil:
     """A pickle that writes a file when loaded."""
 
@@ -75,31 +55,12 @@ class CliEvil:
 
 
 @pytest.fixture(scope='module')
-def cli_artifacts(tmp_path_factory):
-    """Everything the rows point at, built once: {name: path}, all under A['root']."""
-    root = tmp_path_factory.mktemp('cli')
-    A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_select', 'neg_val', 'nce',
-                                    'neg_incomplete',
-                                    'neg_bad',
-                                    'bad_meta', 'he', 'repro', 'new')}
-    A['root'] = str(root)
-    (root / 'raw').mkdir()
-    (root / 'raw' / 'fox.txt').write_text(CLI_TEXT)
-    text_prepare.main([str(root / 'raw'), '--out_dir', A['data'], '--val_frac', '0.1', '--test_frac', '0.1',
-                       '--quiet'])
-    train_lm.main(['--data_dir', A['data'], '--out_dir', A['lm'], '--max_iters', '2', '--eval_interval', '2',
-                   '--final_eval', '0', *CLI_TRAIN])
-    A['ckpt'] = os.path.join(A['lm'], 'ckpt.pt')
-    for split, extra in (('train', ['--num_prefixes', '20']), ('select', []),
-                         ('val', ['--num_prefixes', '4'])):
-        negatives.main(['--lm', A['ckpt'], '--split', split, '--out_dir', A[f'neg_{split}'], '--chunk', '8',
-                        *CLI_NEG, *extra])
-    nce_train.main(['--lm', A['ckpt'], '--negatives', A['neg_train'], '--held_out_negatives', A['neg_select'],
-                    '--out_dir', A['nce'], '--max_iters', '2', '--eval_interval', '2', *CLI_NCE])
-    A['energy'] = os.path.join(A['nce'], 'best.pt')
-    shutil.copytree(A['neg_select'], A['neg_incomplete'])  # as if killed before it finished
-    meta = json.load(open(os.path.join(A['neg_select'], 'meta.json')))
-    write_json(dict(meta, complete=False), os.path.join(A['neg_incomplete'], 'meta.json'))
+def cli_artifacts(cli_run):
+    """Everything the rows point at, built once: {name: path}, all under A['root'] (cli_run's tiny
+    run, then the rows' broken and odd files)."""
+    A = dict(cli_run)
+    root = pathlib.Path(A['root'])
+    A.update({k: str(root / k) for k in ('neg_bad', 'bad_meta', 'he', 'repro', 'new')})
     os.makedirs(A['neg_bad'])
     (root / 'neg_bad' / 'meta.json').write_text('{"lm_path": ')
     shutil.copytree(A['data'], A['bad_meta'])

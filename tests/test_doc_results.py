@@ -8,8 +8,7 @@ import json
 import os
 
 from job.stats import format_p
-from tests.common import ROOT
-from tests.test_docs import mismatches, read
+from tests.common import ROOT, mismatches, read
 
 def asset(name):
     return json.load(open(os.path.join(ROOT, 'assets', name), encoding='utf-8'))

@@ -17,11 +17,7 @@ import re
 
 from extensions.exact_logz import RECIPE
 from job.configs import ADDITION, DEFAULT
-from tests.common import ROOT
-
-
-def read(path):
-    return ' '.join(open(os.path.join(ROOT, path), encoding='utf-8').read().split())  # wraps vanish
+from tests.common import ROOT, mismatches, read
 
 
 def file_lines(path):
@@ -83,7 +79,6 @@ def bold_after(path, claim):
 
 
 LM, NEG, MLM, BIT, UNIT, PPL = (DEFAULT[k] for k in ('lm', 'neg', 'mlm', 'bit', 'unit', 'ppl'))
-WORDS = {'two': 2, 'three': 3, 'four': 4, 'five': 5}
 
 # (doc, a regex whose groups are the claimed values, the values in the code)
 CLAIMS = [
@@ -207,27 +202,6 @@ LINE_CLAIMS = [
      [file_lines('nce_train.py'), function_lines('nce_train.py', 'main')]),
 ] + [('docs/nanogpt.md', rf'\| {step}\. [^|]+\|[^|]+\| \d+[^|]*\| (\d+)', [lines_to_read(step)])
        for step in READING]  # the learner's path: each step's lines after (the before column is history)
-
-
-def number(text):
-    return WORDS[text.lower()] if text.lower() in WORDS else float(text.replace(',', ''))
-
-
-def mismatches(claims, docs, tolerance=1e-9, close=None, table='CLAIMS', source='the code'):
-    """Each claim of `claims` whose regex finds nothing in its doc (docs: {doc: its text}), or a value
-    other than the code's (relative tolerance; or close(said, value), e.g. rounds_to), as one line."""
-    close = close or (lambda s, w: abs(number(s) - w) <= tolerance * w)
-    bad = []
-    for doc, pattern, want in claims:
-        found = re.findall(pattern, docs[doc])
-        if not found:
-            bad.append(f'{doc}: no text matches {pattern!r}: reword the row of {table} with the doc')
-        for said in found:
-            said = (said,) if isinstance(said, str) else said
-            if not all(close(s, w) for s, w in zip(said, want, strict=True)):
-                shown = want if source == 'the code' else [float(f'{w:.6g}') for w in want]
-                bad.append(f'{doc}: {pattern!r} says {list(said)}, {source} {shown}')
-    return bad
 
 
 def docs_text():

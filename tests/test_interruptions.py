@@ -31,10 +31,9 @@ from data.text import prepare as text_prepare
 from energy import Energy, build_energy, energy_state
 from model import GPT, GPTConfig, load_checkpoint
 from plumbing import guards, save_checkpoint, write_json
-from tests.common import (DIAGNOSTIC, ROOT, SCRIPTS, assert_clean_error, dir_snapshot, neg_files, ppl_argv,
-                          run_script, run_scripts, sample_argv, without_diagnostics)
-# the bad-input table's arguments and artifacts (its fixture, built again for this module)
-from tests.test_bad_input import CLI_CPU, CLI_NCE, CLI_NEG, CLI_TEXT, CLI_TRAIN, cli_artifacts  # noqa: F401
+from tests.common import (CLI_CPU, CLI_NCE, CLI_NEG, CLI_TRAIN, CORPUS, DIAGNOSTIC, ROOT, SCRIPTS,
+                          assert_clean_error, dir_snapshot, neg_files, ppl_argv, run_script, run_scripts,
+                          sample_argv, without_diagnostics)
 
 
 def the_jobs_last_line(err):
@@ -44,11 +43,11 @@ def the_jobs_last_line(err):
     return last if all(n.startswith('[') or DIAGNOSTIC.match(n) for n in notes) else None
 
 
-def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_artifacts, tmp_path):
+def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_run, tmp_path):
     """Ctrl-C with --jobs 2 while the LM and BALM train side by side (each into its log): both
     stop with the pipeline, and the one line is the pipeline's: rerun it."""
     out = str(tmp_path / 'out')
-    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_artifacts['data'],
+    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_run['data'],
             '--out_dir', out, '--device', 'cpu', '--jobs', '2']
     env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
@@ -108,8 +107,8 @@ def test_full_disk_prepare_on_a_tmpfs(tmpfs, tmp_path, monkeypatch):
     fails for real, and the line still says the disk is full. Nothing is left (no half dataset, no
     temporary folder, not the folders the run made), and a dataset already there stays whole."""
     big, small = tmp_path / 'big.txt', tmp_path / 'small.txt'
-    big.write_text(CLI_TEXT * 700)  # 1.9 M characters: 3.8 MB of tokens
-    small.write_text(CLI_TEXT)
+    big.write_text(CORPUS * 700)  # 1.9 M characters: 3.8 MB of tokens
+    small.write_text(CORPUS)
     out, old = os.path.join(tmpfs, 'new', 'data'), os.path.join(tmpfs, 'old')
     res = run_script(['-m', 'data.text.prepare', str(big), '--out_dir', out, '--quiet'])
     assert_clean_error(res, f'--out_dir: the disk holding {out} is full: ', ' MB needed, ')
@@ -127,15 +126,15 @@ def test_full_disk_prepare_on_a_tmpfs(tmpfs, tmp_path, monkeypatch):
     assert os.listdir(tmpfs) == ['old'] and dir_snapshot(old) == before
 
 
-def test_full_disk_train_lm_and_negatives_on_a_tmpfs(tmpfs, cli_artifacts, monkeypatch):
+def test_full_disk_train_lm_and_negatives_on_a_tmpfs(tmpfs, cli_run, monkeypatch):
     """train_lm.py at its first save and negatives.py before its first chunk, on a 2 MB disk:
     refused with the sizes before a byte is written; with that check off the writes fail for real
     (torch.save's 'enforce fail ... unexpected pos', posix_fallocate) and the line still names the
     path and says the disk is full. No checkpoint, no half folder, not the folder the run made."""
     lm, neg = os.path.join(tmpfs, 'lm'), os.path.join(tmpfs, 'neg')
-    train = ['--data_dir', cli_artifacts['data'], '--out_dir', lm, '--max_iters', '2', '--eval_interval', '2',
+    train = ['--data_dir', cli_run['data'], '--out_dir', lm, '--max_iters', '2', '--eval_interval', '2',
              '--final_eval', '0', *CLI_TRAIN, '--n_embd', '128']  # checkpoints of 6.6 MB
-    sample = ['--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', neg, *CLI_NEG,
+    sample = ['--lm', cli_run['ckpt'], '--split', 'train', '--out_dir', neg, *CLI_NEG,
               '--num_samples', '2000']  # 6.5 MB of samples
     res_train, res_neg = run_scripts([['train_lm.py', *train], ['negatives.py', *sample]])
     assert_clean_error(res_train, f'error: the disk holding {lm}/ckpt.pt is full: ', ' MB needed, ')
@@ -148,18 +147,18 @@ def test_full_disk_train_lm_and_negatives_on_a_tmpfs(tmpfs, cli_artifacts, monke
     assert os.listdir(tmpfs) == []
 
 
-def test_full_disk_mocked_leaves_nothing(cli_artifacts, tmp_path, monkeypatch):
+def test_full_disk_mocked_leaves_nothing(cli_run, tmp_path, monkeypatch):
     """The same without a tmpfs: a disk reported full refuses prepare.py and train_lm.py's first
     save with the sizes (the folders they made are gone), and a dataset whose meta.json cannot be
     written leaves no split behind."""
     data, lm = str(tmp_path / 'data'), str(tmp_path / 'lm')
     raw = tmp_path / 'fox.txt'
-    raw.write_text(CLI_TEXT)
+    raw.write_text(CORPUS)
     monkeypatch.setattr(plumbing.files, 'free_space', lambda path: 1000)
     line = main_line(text_prepare.main, [str(raw), '--out_dir', data, '--quiet'], monkeypatch)
     assert line.startswith(f"error: --out_dir: the disk holding {data} is full: 0.0"), line
     assert '0.001 MB free' in line
-    line = main_line(train_lm.main, ['--data_dir', cli_artifacts['data'], '--out_dir', lm, '--max_iters', '2',
+    line = main_line(train_lm.main, ['--data_dir', cli_run['data'], '--out_dir', lm, '--max_iters', '2',
                                      '--eval_interval', '2', '--final_eval', '0', *CLI_TRAIN], monkeypatch)
     assert line.startswith(f"error: the disk holding {lm}/ckpt.pt is full: 0.") and '0.001 MB free' in line
     assert os.listdir(tmp_path) == ['fox.txt']
@@ -173,7 +172,7 @@ def test_full_disk_mocked_leaves_nothing(cli_artifacts, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ['fox.txt']
 
 
-def test_checkpoints_go_in_together_ckpt_first(cli_artifacts, tmp_path, monkeypatch):
+def test_checkpoints_go_in_together_ckpt_first(cli_run, tmp_path, monkeypatch):
     """At each evaluation ckpt.pt is replaced before best.pt (a --resume can always continue), and
     a write that fails leaves both as they were; the size the disk check uses is never below the
     file's."""
@@ -184,7 +183,7 @@ def test_checkpoints_go_in_together_ckpt_first(cli_artifacts, tmp_path, monkeypa
         real_replace(a, b)
     monkeypatch.setattr(os, 'replace', replace)
     out = tmp_path / 'lm'
-    train_lm.main(['--data_dir', cli_artifacts['data'], '--out_dir', str(out), '--max_iters', '4',
+    train_lm.main(['--data_dir', cli_run['data'], '--out_dir', str(out), '--max_iters', '4',
                    '--eval_interval', '2', '--final_eval', '0', *CLI_TRAIN])
     assert replaced[0] == 'ckpt.pt' and replaced.count('ckpt.pt') == 2
     assert all(replaced[i - 1] == 'ckpt.pt' for i, f in enumerate(replaced) if f == 'best.pt')
@@ -202,10 +201,10 @@ def test_checkpoints_go_in_together_ckpt_first(cli_artifacts, tmp_path, monkeypa
     assert dir_snapshot(out) == before
 
 
-def test_sigterm_says_rerun_like_ctrl_c(cli_artifacts, tmp_path):
+def test_sigterm_says_rerun_like_ctrl_c(cli_run, tmp_path):
     """SIGTERM (kill, a scheduler) while sampling negatives: the same one line as Ctrl-C."""
     out = str(tmp_path / 'neg')
-    argv = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', out,
+    argv = ['negatives.py', '--lm', cli_run['ckpt'], '--split', 'train', '--out_dir', out,
             '--stride', '1', '--chunk', '1', *CLI_NEG]
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
@@ -287,11 +286,11 @@ def wait_for(cond, proc, timeout=120):
         time.sleep(0.05)
 
 
-def test_ctrl_c_train_lm_says_how_to_resume(cli_artifacts, tmp_path):
+def test_ctrl_c_train_lm_says_how_to_resume(cli_run, tmp_path):
     """SIGINT mid-training: one line naming the checkpoint and the exact command that resumes; that
     command (with a nearer --max_iters) then continues from the checkpoint."""
     out = str(tmp_path / 'run')
-    argv = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', out, '--max_iters', '100000',
+    argv = ['train_lm.py', '--data_dir', cli_run['data'], '--out_dir', out, '--max_iters', '100000',
             '--eval_interval', '3', '--final_eval', '0', *CLI_TRAIN]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc, marker = paused(argv, tmp_path, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -316,11 +315,11 @@ def test_ctrl_c_train_lm_says_how_to_resume(cli_artifacts, tmp_path):
     assert results['iters'] == it + 2 and load_checkpoint(os.path.join(out, 'ckpt.pt'))['iter_num'] == it + 2
 
 
-def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
+def test_ctrl_c_negatives_says_rerun(cli_run, tmp_path):
     """SIGINT while sampling: one line saying how many chunks are saved and that the same command
     finishes them; it does."""
     out = str(tmp_path / 'neg')
-    argv = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--out_dir', out,
+    argv = ['negatives.py', '--lm', cli_run['ckpt'], '--split', 'train', '--out_dir', out,
             '--stride', '1', '--chunk', '1', *CLI_NEG]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc, marker = paused(argv, tmp_path, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -337,14 +336,14 @@ def test_ctrl_c_negatives_says_rerun(cli_artifacts, tmp_path):
                         f"rerun the same command to finish them: {shlex.join(['python', *argv])}"), lines[0]
 
 
-def test_kill_9_under_load_then_resume_is_exact(cli_artifacts, tmp_path):
+def test_kill_9_under_load_then_resume_is_exact(cli_run, tmp_path):
     """kill -9 of train_lm.py and negatives.py beside a busy process (two threads, --dtype auto,
     OpenMP's wait policy chosen for the load), then the resume: the same weights (torch.equal) and
     byte-identical negatives as uninterrupted runs on the idle machine."""
     def argvs(name):
-        train = ['train_lm.py', '--data_dir', cli_artifacts['data'], '--out_dir', str(tmp_path / name),
+        train = ['train_lm.py', '--data_dir', cli_run['data'], '--out_dir', str(tmp_path / name),
                  '--max_iters', '100', '--eval_interval', '5', '--final_eval', '0', *CLI_TRAIN]
-        neg = ['negatives.py', '--lm', cli_artifacts['ckpt'], '--split', 'train', '--num_prefixes', '40',
+        neg = ['negatives.py', '--lm', cli_run['ckpt'], '--split', 'train', '--num_prefixes', '40',
                '--chunk', '1', '--out_dir', str(tmp_path / f'{name}_neg'), *CLI_NEG]
         return [[a if a != 'float32' else 'auto' for a in argv] for argv in (train, neg)]
     env = dict(os.environ, OMP_NUM_THREADS='2')
@@ -375,11 +374,11 @@ def test_kill_9_under_load_then_resume_is_exact(cli_artifacts, tmp_path):
     assert neg_files(str(tmp_path / 'a_neg')) == neg_files(str(tmp_path / 'b_neg'))
 
 
-def test_ctrl_c_reproduce_says_rerun(cli_artifacts, tmp_path):
+def test_ctrl_c_reproduce_says_rerun(cli_run, tmp_path):
     """Ctrl-C at the terminal (SIGINT to the whole process group) during a stage: the stage is
     stopped with the pipeline, and the one line is the pipeline's: rerun it."""
     out = str(tmp_path / 'out')
-    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_artifacts['data'],
+    argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_run['data'],
             '--out_dir', out, '--device', 'cpu']
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
@@ -474,10 +473,10 @@ def test_results_json_is_strict_json(tmp_path):
     assert json.load(open(path), parse_constant=refuse) == dict(a=None, b=[1.5, None], c=dict(d=None), e='x')
 
 
-def test_sample_data_dir_from_another_working_directory(cli_artifacts, tmp_path):
+def test_sample_data_dir_from_another_working_directory(cli_run, tmp_path):
     """An LM trained with a relative --data_dir: from another folder sample.py cannot find its data
     (one line naming it, where it comes from and the flag), and --data_dir points it there."""
-    A = cli_artifacts
+    A = cli_run
     rel = os.path.relpath(A['data'], A['root'])
     ck = load_checkpoint(A['ckpt'])
     ck['meta']['data_dir'] = rel
@@ -501,11 +500,11 @@ def test_sample_data_dir_from_another_working_directory(cli_artifacts, tmp_path)
     assert json.load(open(tmp_path / 's.json'))['samples'][0]['prefix'] == 'the quick'
 
 
-def test_incomplete_negatives_name_the_command_that_finishes_them(cli_artifacts, tmp_path):
+def test_incomplete_negatives_name_the_command_that_finishes_them(cli_run, tmp_path):
     """nce_train.py on an unfinished negatives folder prints the negatives.py command that
     finishes it; run, it ends with the same files as the uninterrupted run."""
     d = str(tmp_path / 'neg')
-    shutil.copytree(cli_artifacts['neg_incomplete'], d)
+    shutil.copytree(cli_run['neg_incomplete'], d)
     with open(os.path.join(d, 'done.bin'), 'r+b') as f:
         n = len(f.read())
         f.seek(0)
@@ -516,22 +515,22 @@ def test_incomplete_negatives_name_the_command_that_finishes_them(cli_artifacts,
         neg[name].flush()
     del neg
     with pytest.raises(ValueError, match='incomplete: rerun negatives.py with the same flags') as e:
-        nce_train.main(['--lm', cli_artifacts['ckpt'], '--negatives', cli_artifacts['neg_train'],
+        nce_train.main(['--lm', cli_run['ckpt'], '--negatives', cli_run['neg_train'],
                         '--held_out_negatives', d, '--out_dir', str(tmp_path / 'e'), *CLI_NCE])
     cmd = shlex.split(str(e.value).split('to finish them: ')[1])
     assert cmd[:2] == ['python', 'negatives.py']
     negatives.main(cmd[2:] + ['--device', 'cpu', '--dtype', 'float32', '--quiet'])
     for f in ('tokens.bin', 'logp.bin', 'logq.bin', 'done.bin', 'offsets.npy'):
         assert (open(os.path.join(d, f), 'rb').read()
-                == open(os.path.join(cli_artifacts['neg_select'], f), 'rb').read()), f
+                == open(os.path.join(cli_run['neg_select'], f), 'rb').read()), f
     assert json.load(open(os.path.join(d, 'meta.json')))['complete']
 
 
-def test_negatives_folder_with_nothing_done_restarts(cli_artifacts, tmp_path):
+def test_negatives_folder_with_nothing_done_restarts(cli_run, tmp_path):
     """A negatives folder holding no finished chunk (e.g. stopped at once) has nothing to lose: a
     rerun with other settings starts it again instead of refusing, and finishes it."""
     out = str(tmp_path / 'neg')
-    flags = ['--lm', cli_artifacts['ckpt'], '--split', 'val', '--out_dir', out, *CLI_NEG]
+    flags = ['--lm', cli_run['ckpt'], '--split', 'val', '--out_dir', out, *CLI_NEG]
     negatives.main([*flags, '--chunk', '4'])
     with open(os.path.join(out, 'done.bin'), 'r+b') as f:
         n = len(f.read())
@@ -542,25 +541,27 @@ def test_negatives_folder_with_nothing_done_restarts(cli_artifacts, tmp_path):
     assert neg['complete'] and neg['chunk'] == 5 and neg['gen_len'] == 3
 
 
-def test_prepare_identical_rerun_keeps_files_and_force_replaces(cli_artifacts, tmp_path):
+def test_prepare_identical_rerun_keeps_files_and_force_replaces(cli_run, tmp_path):
     """Rerunning prepare.py with the same input rewrites nothing (models and reproduce.py's
     timestamps see the same files); other input needs --force."""
     raw = tmp_path / 'a.txt'
-    raw.write_text(CLI_TEXT)
+    raw.write_text(CORPUS)
     out = str(tmp_path / 'data')
     text_prepare.main([str(raw), '--out_dir', out, '--quiet'])
     stamps = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
     time.sleep(0.01)
     text_prepare.main([str(raw), '--out_dir', out, '--quiet'])
     assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == stamps
+    other = tmp_path / 'other.txt'
+    other.write_text("a different text with the same letters, of course.\n" * 40)
     with pytest.raises(ValueError, match='already holds other prepared data'):
-        text_prepare.main([cli_artifacts['other_text'], '--out_dir', out, '--quiet'])
-    text_prepare.main([cli_artifacts['other_text'], '--out_dir', out, '--quiet', '--force'])
-    assert load_meta(out)['num_tokens'] != load_meta(cli_artifacts['data'])['num_tokens']
+        text_prepare.main([str(other), '--out_dir', out, '--quiet'])
+    text_prepare.main([str(other), '--out_dir', out, '--quiet', '--force'])
+    assert load_meta(out)['num_tokens'] != load_meta(cli_run['data'])['num_tokens']
 
 
-def test_nce_results_are_finite_and_best_exists(cli_artifacts):
+def test_nce_results_are_finite_and_best_exists(cli_run):
     """The fixture's short NCE run: results.json parses strictly and the best.pt it names exists."""
-    res = json.load(open(os.path.join(cli_artifacts['nce'], 'results.json')),
+    res = json.load(open(os.path.join(cli_run['nce'], 'results.json')),
                     parse_constant=lambda c: pytest.fail(f'{c} in results.json'))
-    assert math.isfinite(res['best_value']) and os.path.exists(cli_artifacts['energy'])
+    assert math.isfinite(res['best_value']) and os.path.exists(cli_run['energy'])

@@ -6,7 +6,6 @@ import copy
 import json
 import math
 import os
-import re
 
 import pytest
 import torch

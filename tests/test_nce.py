@@ -18,7 +18,6 @@ from energy import load_energy
 from model import load_checkpoint, load_lm
 import nce_train
 import negatives
-from plumbing import rng
 
 from test_all import ref_bounds, ref_enumerate, softplus64, tv, unigram_lm
 from tests.common import BIGRAM, CPU, NCE_FLAGS, NEG_FLAGS, prepare_corpus, run_ddp_and_single

@@ -12,7 +12,7 @@ import torch
 
 from data import load_meta, load_split, window_tokens, windows
 from data.tokenizer import EOT, load_tokenizer
-from energy import Energy, joint_sample, load_energy, score
+from energy import Energy, joint_sample, load_energy
 from model import GPT, GPTConfig, load_lm
 from plumbing import rng
 from sample import next_token_table, topk_autoregressive, unique_ngrams

@@ -8,7 +8,9 @@ import statistics
 
 import numpy as np
 import pytest
+import torch
 
+from extensions.addition_eval import by_carry_chain
 from job import seeds, stats
 from tests.common import ROOT
 
@@ -22,9 +24,10 @@ def fake_run(folder, seed, joint, lm, data='d1', chain=None):
             dict(model='JOINT', method='Algorithm 1, n = 4', n=4, exact=float(np.mean(joint)))]
     per = {'JOINT': {'a1_4_exact': joint, 'mode_4_exact': joint},
            'BASE LM': {'greedy_exact': lm, 'majority_4_exact': lm, 'rerank_4_exact': lm}}
+    by_chain = {} if chain is None else dict(carry_chain=chain,
+                                             by_carry_chain=by_carry_chain(torch.tensor(chain), per))
     (folder / 'accuracy.json').write_text(json.dumps(dict(split='test', num_prefixes=len(lm), ns=[1, 4],
-                                                          seed=seed, rows=rows, per_problem=per,
-                                                          **({'carry_chain': chain} if chain else {}))))
+                                                          seed=seed, rows=rows, per_problem=per, **by_chain)))
     return str(folder)
 
 
