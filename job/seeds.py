@@ -16,7 +16,7 @@ With --seeds, each seed's job (python -m job.reproduce --data addition --seed S 
 share it; on a CPU, 1), each into its folder and log (<runs_dir>/seedS.log); a rerun of the same
 command skips what is done and resumes what was stopped, as job.reproduce does. Writes the JSON and,
 beside it, the same as a table (.txt), and every seed's per-problem outcomes (_outcomes.json.gz), from
-which the comparisons can be recomputed.
+which the comparisons can be recomputed; with --plot, exact match by the longest carry chain, a PNG.
 """
 
 import gzip
@@ -32,6 +32,7 @@ import numpy as np
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.seeds")
 from data import read_json
+from extensions.carry import plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
@@ -55,6 +56,9 @@ def get_args(argv=None):
                    help="with --seeds: each job's --recipe")
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
+    p.add_argument('--plot', default=None,
+                   help="a PNG of exact match by the problem's longest carry chain, mean over the seeds "
+                        "(needs matplotlib)")
     common_flags(p, 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
                                                quiet="with --seeds: each job's --quiet"))
     args = p.parse_args(argv)
@@ -65,6 +69,8 @@ def get_args(argv=None):
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
     check_writable(args.out, '--out', folder=False)
+    if args.plot is not None:
+        check_writable(args.plot, '--plot', folder=False)
     return args
 
 
@@ -255,6 +261,9 @@ def main(argv=None):
     if args.seeds is not None:
         train_seeds(args)
     accs, seeds = read_runs(args.runs)
+    if args.plot and any('by_carry_chain' not in a for a in accs):
+        raise ValueError("--plot: an accuracy.json without carry chains (made before they were recorded): "
+                         "rerun that run's job (python -m job.reproduce) to remake it")
     result = dict(runs=args.runs, seeds=seeds, split=accs[0]['split'], num_prefixes=accs[0]['num_prefixes'],
                   rows=rows_over_seeds(accs), comparisons=comparisons(accs),
                   by_carry_chain=by_carry_chain(accs))
@@ -263,6 +272,9 @@ def main(argv=None):
     write_json(result, args.out)
     write_text(table, os.path.splitext(args.out)[0] + '.txt')
     write_outcomes(accs, seeds, outcomes_path(args.out))
+    if args.plot:
+        plot_carry(dict(result, ns=accs[0]['ns'], split=f"{result['split']}, mean over {len(seeds)} seeds"),
+                   args.plot)
 
 
 if __name__ == '__main__':

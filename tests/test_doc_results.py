@@ -243,6 +243,9 @@ JSON_CLAIMS += [
      fast('JOINT', 'Algorithm 1, n = 64')),
     ('docs/addition.md', rf'\| JOINT mode of beam \+ 64, faster recipe \| {M_SD_RANGE} \|',
      fast('JOINT', 'joint mode, beam + samples, n = 64')),
+    ('docs/addition.md', rf'\| JOINT mode of beam \+ 1 sample \| {M_SD_RANGE} \|',
+     fast('JOINT', 'joint mode, beam + samples, n = 1')),
+    ('docs/addition.md', rf'\| EXO LM greedy, faster recipe \| {M_SD_RANGE} \|', fast('EXO', 'greedy')),
 ]
 SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
 OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]

@@ -101,7 +101,7 @@ CLAIMS = [
     ('README.md', r'(\d+)-digit addition', [ADDITION['data']['digits']]),
     ('README.md', r'([\d,]+) test problems, mean \(SD\) over \d+ seeds; "of (\d+)": among (\d+) LM',
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
-    ('README.md', r"mode over the LM's beam of (\d+) and (\d+) samples",
+    ('README.md', r"mode over the LM's beam of (\d+) and 1 / (\d+) samples",
      [ADDITION['accuracy']['beam'], int(ADDITION['accuracy']['ns'].split(',')[-1])]),
     ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['num_samples']]),
     # docs/using.md: the stage commands of the main job

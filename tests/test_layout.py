@@ -170,8 +170,8 @@ def check_recipes(prose):
 
 def check_readme_addition(readme):
     """README's table of decoders on addition: each cell equals assets/seeds_addition.json's mean
-    exact match over the seeds (SD over seeds) of that model and decoder, and the P(correct sum)
-    line its mean probabilities."""
+    exact match over the seeds (SD over seeds) of that model and decoder; the text's shares, p-values
+    and the P(correct sum) line its numbers."""
     seeds = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))
     acc = {(r['model'], r['method']): r for r in seeds['rows']}
     cell = lambda m, how: f"{acc[m, how]['exact']['mean']:.3f} ({acc[m, how]['exact']['sd']:.3f})"
@@ -180,32 +180,38 @@ def check_readme_addition(readme):
                 [cell('BASE LM', f'{how}, n = 64') for how in ('majority vote', 'log-prob rerank', 'oracle')],
             'joint model, of 64: Algorithm 1 / its mode':
                 [cell('JOINT', f'{how}, n = 64') for how in ('Algorithm 1', 'joint mode')],
-            "joint model: mode over the LM's beam of 32 and 64 samples":
-                [cell('JOINT', 'joint mode, beam + samples, n = 64')],
+            "joint model: mode over the LM's beam of 32 and 1 / 64 samples":
+                [cell('JOINT', f'joint mode, beam + samples, n = {n}') for n in (1, 64)],
             'BALM': [cell('BALM', 'greedy'), cell('BALM', 'log-prob rerank, n = 64')],
             'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
     section = readme.split('## Where the energy helps')[1].split('\n## ')[0]
-    rows = {line.split('|')[1].strip(): line for line in section.splitlines() if line.startswith('| ')}
+    rows = {line.split('|')[1].strip(): line.replace('*', '') for line in section.splitlines()
+            if line.startswith('| ')}
     for label, cells in want.items():
         line = next(v for k, v in rows.items() if k.startswith(label))
         assert ' / '.join(cells) in line, (label, cells, line)
     p = lambda m, how='greedy': f"{acc[m, how]['p_correct']['mean']:.3f}"
+    share = lambda m, how: f"{100 * acc[m, how]['exact']['mean']:.0f}%"
     said = ' '.join(section.split())
-    worst = max(c['p_holm'] for c in seeds['comparisons'] if c['better'][0] == 'JOINT')
-    seed_p = [c['seed_level']['t_p'] for c in seeds['comparisons'] if c['better'][0] == 'JOINT']
-    over_balm = max(c['seed_level']['t_p_holm'] for c in seeds['comparisons']
-                    if c['better'][0] == 'JOINT' and 'beam' in c['what'] and c['worse'][0] == 'BALM')
-    sign = seeds['comparisons'][0]['seed_level']
+    joint = [c for c in seeds['comparisons'] if c['better'][0] == 'JOINT']
+    t_p, t_holm = ([c['seed_level'][k] for c in joint] for k in ('t_p', 't_p_holm'))
+    sign = {(*c['seed_level']['sign'], f"{c['seed_level']['sign_p']:.2g}") for c in joint}
+    assert len(sign) == 1, f'the sign tests differ across the joint comparisons: {sign}'
+    (better, worse, sign_p), = sign
     for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
                    f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}", f"{len(seeds['seeds'])} seeds",
-                   f"Holm-adjusted p at most {worst:.2g}", f"p is {min(seed_p):.2g} to {max(seed_p):.2g}",
-                   f"the beam's mode over BALM: Holm {over_balm:.2g}",
-                   f"sign test {sign['sign'][0]}-{sign['sign'][1]}, p {sign['sign_p']:.2g}"):
+                   f"hold the right sum {share('BASE LM', 'oracle, n = 64')}",
+                   f"write it {share('BASE LM', 'greedy')}",
+                   f"Holm-adjusted p at most {max(c['p_holm'] for c in joint):.2g}",
+                   f"p is {min(t_p):.2g} to {max(t_p):.2g}",
+                   f"Holm over the {len(seeds['comparisons'])} comparisons: {min(t_holm):.2g} to "
+                   f"{max(t_holm):.2g}",
+                   f"sign test {better}-{worse}, p {sign_p}"):
         assert phrase in said, (phrase, said)
 
 
 MODULES = {'model.py', 'energy.py', 'extensions/metrics.py', 'extensions/enumeration.py',
-           'data/tokenizer.py', 'data/__init__.py',
+           'extensions/carry.py', 'data/tokenizer.py', 'data/__init__.py',
            'job/__init__.py', 'extensions/__init__.py', 'plumbing/__init__.py', 'plumbing/run.py',
            'plumbing/device.py', 'plumbing/budget.py', 'plumbing/files.py',
            'plumbing/trainer.py', 'plumbing/guards.py', 'plumbing/checkpoints.py', 'job/configs.py',

@@ -46,9 +46,10 @@ def test_seeds_against_brute_force(tmp_path):
     runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist(), chain=chain.tolist())
             for i, s in enumerate((1, 2, 3))]
     out = tmp_path / 'seeds.json'
-    seeds.main([*runs, '--out', str(out)])
+    seeds.main([*runs, '--out', str(out), '--plot', str(tmp_path / 'carry.png')])
     res = json.loads(out.read_text())
     assert res['seeds'] == [1, 2, 3] and (tmp_path / 'seeds.txt').exists()
+    assert (tmp_path / 'carry.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     exact = res['rows'][1]['exact']
     assert exact['mean'] == pytest.approx(joint.mean())
     assert exact['sd'] == pytest.approx(joint.mean(1).std(ddof=1))
@@ -107,6 +108,10 @@ def test_seeds_refuses_mixed_runs(tmp_path):
         seeds.main([a, fake_run(tmp_path / 'c', 1, [1, 1, 1], [0, 0, 1]), '--out', str(tmp_path / 'o.json')])
     with pytest.raises(ValueError, match='at least 2'):
         seeds.main([a, '--out', str(tmp_path / 'o.json')])
+    b = fake_run(tmp_path / 'd', 2, [1, 1, 1], [0, 0, 1])  # no carry chains recorded: no figure of them
+    with pytest.raises(ValueError, match='--plot: an accuracy.json without carry chains'):
+        seeds.main([a, b, '--out', str(tmp_path / 'o.json'), '--plot', str(tmp_path / 'c.png')])
+    assert not os.path.exists(tmp_path / 'o.json')
 
 
 def test_seed_level_against_closed_forms():
