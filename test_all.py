@@ -17,6 +17,7 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_sampling.py    Algorithm 1's frequencies and ESS, Table 3, top-k sampling, sample.py
     tests/test_baselines.py   RALM (Eq. 6), BALM, the paper's presets
     tests/test_bad_input.py   bad input: one clear line each (the CLI table)
+    tests/cli_files.py        the files the CLI table's rows point at (broken, odd, one defect each)
     tests/test_interruptions.py  a full disk, memory, Ctrl-C, SIGTERM and kill -9, each one line
     tests/test_script_refusals.py  each script's refusals, case by case
     tests/test_flags.py       every script's flags: one vocabulary, help and defaults, declared bounds

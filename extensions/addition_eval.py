@@ -46,8 +46,8 @@ from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics,
 from extensions.carry import by_carry_chain, carry_chains, plot_carry
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
-from plumbing import (ArgumentParser, check_new, check_writable, comma_ints, common_flags, named_paths, rng,
-                      run_main, setup, write_json)
+from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
+                      named_paths, rng, run_main, setup, write_json)
 
 
 def answer_layout(data, meta):
@@ -382,7 +382,8 @@ def plot(rows, path, split='test'):
     ax.set_ylabel(f'exact match ({split})')
     ax.legend(fontsize=6, loc='center left', bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format='png'))
+    plt.close(fig)
 
 
 def carry_plot(path):

@@ -14,8 +14,10 @@ As K grows, the gradient of L_exo tends to that of KL(pi_theta^{beta_pi} || pi*_
 talk's "unbiased gradient", pi_theta^{beta_pi} ∝ pi_sft (pi_theta / pi_sft)^{beta_pi}), and that
 of L_dpo-rw (--loss dpo, the talk's comparison) to the forward KL's; with beta_pi = beta_r = 1
 the minimiser over a free policy is the joint model itself (both tested by exact enumeration in
-test_all.py). The result samples at LM speed and has an exact perplexity: best.pt is an LM
-checkpoint that every script loads (estimate_ppl.py --extra_lm EXO=.../best.pt).
+tests/test_exo.py). --on_policy draws the K from pi_theta instead, weighted by pi_sft / pi_theta:
+the same limits, from samples that also go where pi_theta has gone. The result samples at LM speed
+and has an exact perplexity: best.pt is an LM checkpoint that every script loads (estimate_ppl.py
+--extra_lm EXO=.../best.pt).
 
 Estimates (kl_estimates), per sequence and averaged over prefixes, on the selection split and on
 val and test, with pi_theta's forward in eval mode (dropout off, as in training: at step 0 pi_theta
@@ -38,6 +40,7 @@ stopped run exactly: batches and samples are a function of (seed, iteration).
         --prefix_len 14 --gen_len 8 --out_dir out-addition/exo
 """
 
+import copy
 import dataclasses
 import math
 import os
@@ -100,16 +103,20 @@ def eval_mode(model):
 
 
 def exo_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
-    """The loss of one batch of prefixes (B, P): K untruncated samples of pi_sft each, their
-    rewards -E, then exo_loss (mean over the batch). pi_theta's forward in eval mode: with dropout
-    on, pi_theta != pi_sft at step 0 and p_f would not start uniform."""
-    with torch.no_grad():
-        y = sft.generate(prefix, gen_len, num_samples=K, generator=g)[0]  # (B, K, L)
+    """The loss of one batch of prefixes (B, P): K untruncated samples each, their rewards -E, then
+    exo_loss (mean over the batch). The samples are pi_sft's, or with --on_policy pi_theta's own
+    (no gradient through the draw), both softmaxes then weighted by pi_sft / pi_theta (exo_loss's
+    log_w, pi_theta's log-probs held fixed there): the same K -> infinity limit, but mass pi_theta
+    moves onto sequences the LM rarely writes is drawn, and charged. pi_theta's forward in eval
+    mode: with dropout on, pi_theta != pi_sft at step 0 and p_f would not start uniform."""
+    with torch.no_grad(), eval_mode(policy if args.on_policy else sft) as proposal:
+        y = proposal.generate(prefix, gen_len, num_samples=K, generator=g)[0]  # (B, K, L)
         logp_sft = continuation_logprob(sft, prefix, y)
         reward = -score_continuations(energy, prefix, y, prefix.size(1), nullcontext()).float()
     with eval_mode(policy):
         logp_theta = continuation_logprob(policy, prefix, y)
-    return exo_loss(logp_theta, logp_sft, reward, args.beta_pi, args.beta_r, args.loss).mean()
+    log_w = logp_sft - logp_theta.detach() if args.on_policy else None
+    return exo_loss(logp_theta, logp_sft, reward, args.beta_pi, args.beta_r, args.loss, log_w).mean()
 
 
 @torch.no_grad()
@@ -162,6 +169,8 @@ def get_args(argv=None):
     a('--lm', required=True, help='the base LM pi_sft = P_LM (train_lm.py best.pt); pi_theta starts as it')
     a('--energy', required=True,
       help='E, the reward r = -E (nce_train.py best.pt or metric_ebm.py energy.pt)')
+    a('--init_from', default=None,
+      help="pi_theta's start (default: --lm itself): an LM of the same data, e.g. BALM's best.pt")
     a('--data_dir', default=None, help='default: the data the LM was trained on')
     common_flags(p, 'out_dir', help=dict(out_dir='best.pt (an LM checkpoint), results.json, log'))
     a('--prefix_len', type=int, default=128, at_least=1, at_most='tokens', help='x: tokens of the prefix')
@@ -170,6 +179,7 @@ def get_args(argv=None):
       help='exo: L_exo (reverse KL); dpo: L_dpo-rw (forward KL)')
     a('--num_samples', dest='K', type=int, default=8, at_least=2, at_most='samples',
       help='K, LM samples per training prefix')
+    a('--on_policy', action='store_true', help='draw the K samples from pi_theta (importance-weighted)')
     a('--beta_pi', type=float, default=1.0, at_least=None, at_most=None,
       help="the policy's scale, positive (1: the joint model's)")
     a('--beta_r', type=float, default=1.0, at_least=None, at_most=None,
@@ -217,9 +227,9 @@ def get_args(argv=None):
 
 # what a --resume takes from ckpt.pt (a contradicting flag is refused): every flag that changes the
 # numbers; free: --max_iters (upwards), --device, --quiet
-FIXED = ('lm', 'energy', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'beta_pi', 'beta_r',
-         'batch_size', 'lr', 'eval_interval', 'patience', 'eval_prefixes', 'eval_samples', 'logz_samples',
-         'forward_samples', 'seed')
+FIXED = ('lm', 'energy', 'init_from', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'on_policy',
+         'beta_pi', 'beta_r', 'batch_size', 'lr', 'eval_interval', 'patience', 'eval_prefixes',
+         'eval_samples', 'logz_samples', 'forward_samples', 'seed')
 
 
 def resumed(args, argv):
@@ -280,19 +290,23 @@ def resume_hint(argv):
 
 
 def load_models(args, device):
-    """(pi_sft frozen, pi_theta trainable: a copy of it in eval mode, dropout off (exo_step_loss),
-    the energy, data_dir, meta)."""
-    sft, ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
+    """(pi_sft frozen, pi_theta trainable: a copy of it, or of --init_from, in eval mode, dropout off
+    (exo_step_loss), the energy, pi_theta's checkpoint, data_dir, meta)."""
+    sft, lm_ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     check_problem_windows(meta, args.prefix_len, args.gen_len)
-    if ckpt.get('residual_of'):
-        raise ValueError(f"{args.lm} is a RALM: EXO fine-tunes a plain GPT LM "
-                         "(train_lm.py without --residual_of)")
+    policy, ckpt = sft, lm_ckpt
+    if args.init_from:
+        policy, ckpt = load_lm_and_data(args.init_from, data_dir, device)[:2]
+    for flag, c in (('lm', lm_ckpt), ('init_from', ckpt)):  # the LM's own twice without --init_from
+        if c.get('residual_of'):
+            raise ValueError(f"--{flag} {getattr(args, flag)} is a RALM: EXO fine-tunes a plain GPT LM "
+                             "(train_lm.py without --residual_of)")
     energy = load_any_energy(args.energy, args.lm, device)[0]
-    policy = load_lm_and_data(args.lm, data_dir, device)[0].eval()
+    policy = copy.deepcopy(policy).eval()
     for p in list(sft.parameters()) + list(energy.parameters()):
         p.requires_grad_(False)
-    check_fits(args.prefix_len + args.gen_len, dict(LM=sft))
-    config = dataclasses.replace(sft.config, block_size=args.prefix_len + args.gen_len)
+    check_fits(args.prefix_len + args.gen_len, dict(LM=sft, policy=policy))
+    config = dataclasses.replace(policy.config, block_size=args.prefix_len + args.gen_len)
     check_training_memory(config, args.batch_size * args.K, device,
                           f"a step of --batch_size {args.batch_size} x --num_samples {args.K} samples",
                           "lower --batch_size or --num_samples")

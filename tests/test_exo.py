@@ -33,24 +33,28 @@ def flat_grad(loss, theta):
     return torch.cat([t.flatten() for t in torch.autograd.grad(loss, theta)])
 
 
-@pytest.mark.parametrize('loss', ['exo', 'dpo'])
-def test_exo_gradient_tends_to_the_kl_gradient(loss):
+@pytest.mark.parametrize('loss,on_policy', [('exo', False), ('dpo', False), ('exo', True), ('dpo', True)])
+def test_exo_gradient_tends_to_the_kl_gradient(loss, on_policy):
     """The talk's analysis of EXO (Ji et al., ICML 2024): with K samples of pi_sft per prefix, the
     gradient of L_exo tends to that of the reverse KL(pi_theta || pi*), pi* ∝ pi_sft exp(-E)
     (the joint model, beta_pi = beta_r = 1), and L_dpo-rw's to the forward KL(pi* || pi_theta)'s, as
-    K grows; exact gradients by enumeration in float64, K-sample ones averaged over 2^16 samples."""
+    K grows; so do they from pi_theta's own samples weighted by pi_sft / pi_theta (--on_policy).
+    Exact gradients by enumeration in float64, K-sample ones averaged over 2^16 samples."""
     lsft, E, theta, logpi = exo_toy()
     lt, lstar = logpi(*theta), F.log_softmax(lsft - E, -1)
     kl = (lt.exp() * (lt - lstar)).sum() if loss == 'exo' else (lstar.exp() * (lstar - lt)).sum()
     exact = flat_grad(kl, theta)
     errors = []
     for K in (4, 64, 4096):
-        idx = torch.multinomial(lsft.exp().expand(2 ** 16 // K, -1), K, replacement=True,
-                                generator=torch.Generator().manual_seed(K))
         lt = logpi(*theta)
-        est = flat_grad(exo.exo_loss(lt[idx], lsft[idx], -E[idx], loss=loss).mean(), theta)
+        proposal = (lt if on_policy else lsft).detach().exp()
+        idx = torch.multinomial(proposal.expand(2 ** 16 // K, -1), K, replacement=True,
+                                generator=torch.Generator().manual_seed(K))
+        log_w = (lsft - lt.detach())[idx] if on_policy else None
+        est = flat_grad(exo.exo_loss(lt[idx], lsft[idx], -E[idx], loss=loss, log_w=log_w).mean(), theta)
         errors.append(((est - exact).norm() / exact.norm()).item())
-    assert errors[0] > 0.3 and errors[0] > errors[1] > errors[2], errors  # biased at small K
+    # biased at small K (off-policy 1.0 at K = 4 for exo; on-policy 0.25: the proposal is pi_theta)
+    assert errors[0] > (0.1 if on_policy else 0.3) and errors[0] > errors[1] > errors[2], errors
     assert errors[2] < 0.03, errors
 
 
@@ -80,9 +84,11 @@ def test_exo_minimiser_is_the_joint_model(loss, beta_pi, beta_r):
     assert (logpi(*theta).exp() - target).abs().max().item() < 1e-6
 
 
-def test_exo_step_loss_float64_reference():
-    """exo_step_loss on a GPT: K samples of pi_sft per prefix (redrawn from the same generator),
-    their log-probs under both LMs and energies recomputed in float64, the loss by the formula."""
+@pytest.mark.parametrize('on_policy', [False, True])
+def test_exo_step_loss_float64_reference(on_policy):
+    """exo_step_loss on a GPT: K samples per prefix of pi_sft, or of pi_theta with --on_policy
+    (redrawn from the same generator), their log-probs under both LMs and energies recomputed in
+    float64, the loss by the formula (on-policy: both softmaxes weighted by pi_sft / pi_theta)."""
     sft = tiny_gpt(vocab_size=7, block_size=16, seed=2)
     policy = copy.deepcopy(sft)
     with torch.no_grad():
@@ -93,14 +99,16 @@ def test_exo_step_loss_float64_reference():
     with torch.no_grad():
         energy.head.weight.normal_(0, 1.0)
     prefix = torch.randint(7, (3, 5), generator=torch.Generator().manual_seed(4))
-    args = types.SimpleNamespace(beta_pi=1.5, beta_r=0.7, loss='exo')
+    args = types.SimpleNamespace(beta_pi=1.5, beta_r=0.7, loss='exo', on_policy=on_policy)
     got = exo.exo_step_loss(policy, sft, energy, prefix, 4, 6, args, torch.Generator().manual_seed(5))
-    y = sft.generate(prefix, 6, num_samples=4, generator=torch.Generator().manual_seed(5))[0]
+    proposal = policy if on_policy else sft
+    y = proposal.generate(prefix, 6, num_samples=4, generator=torch.Generator().manual_seed(5))[0]
     x = torch.cat([prefix[:, None].expand(-1, 4, -1), y], 2).flatten(0, 1)
     lp = lambda m: logprobs64(m, x[:, :-1])[:, 4:].gather(-1, x[:, 5:, None]).squeeze(-1).sum(1).view(3, 4)
     with torch.no_grad():
         r = -energy(x, 5).double().view(3, 4)  # E itself is float32 (Energy.project)
-    f, g = np.asarray(1.5 * (lp(policy) - lp(sft))), np.asarray(r / 0.7)
+    w = np.asarray(lp(sft) - lp(policy)) if on_policy else 0.0
+    f, g = np.asarray(1.5 * (lp(policy) - lp(sft))) + w, np.asarray(r / 0.7) + w
     pf, pr = (np.exp(v - v.max(1, keepdims=True)) for v in (f, g))
     pf, pr = pf / pf.sum(1, keepdims=True), pr / pr.sum(1, keepdims=True)
     assert abs(got.item() - (pf * np.log(pf / pr)).sum(1).mean()) < 1e-5
@@ -159,7 +167,7 @@ def test_exo_policy_forward_in_eval_mode():
     reference), and the KL to the base LM is 0; the policy's mode is restored after each."""
     sft, _, energy, prefix = exo_kl_case(dropout=0.5)
     policy = copy.deepcopy(sft).train()
-    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo')
+    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo', on_policy=False)
     got = exo.exo_step_loss(policy, sft, energy, prefix, 6, 3, args, torch.Generator().manual_seed(1))
     y = sft.generate(prefix, 3, num_samples=6, generator=torch.Generator().manual_seed(1))[0]
     with torch.no_grad():

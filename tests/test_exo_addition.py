@@ -377,6 +377,31 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
         exo.exo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), loss='kl')
 
 
+def test_exo_on_policy_from_a_bigger_lm(addition_run, tmp_path):
+    """--init_from: pi_theta starts as another LM of the data (BALM's place: here a wider one), so
+    best.pt has that LM's shape and its KL to the base LM is not 0 at step 0; --on_policy trains it
+    from its own samples; a RALM as --init_from is refused in one line, before anything is written."""
+    d, lm_path = addition_run
+    wide = list(TRAIN_FLAGS)
+    wide[wide.index('--n_embd') + 1] = '48'
+    train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(tmp_path / 'wide'), '--max_iters', '10',
+                   '--eval_interval', '10', '--final_eval', '0', '--lr', '3e-3', *wide])
+    out, wide_lm = tmp_path / 'exo', str(tmp_path / 'wide' / 'best.pt')
+    exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--init_from', wide_lm, '--on_policy',
+              '--prefix_len', '8', '--gen_len', '5', '--out_dir', str(out), '--num_samples', '4',
+              '--batch_size', '4', '--max_iters', '2', '--eval_interval', '2', '--eval_prefixes', '8',
+              '--eval_samples', '4', '--logz_samples', '16', '--forward_samples', '8', '--quiet'])
+    res = json.loads((out / 'results.json').read_text())
+    assert res['curve'][0]['select_kl_to_base'] > 0 and res['args']['on_policy']
+    assert load_lm(str(out / 'best.pt'))[0].config.n_embd == 48
+    train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(tmp_path / 'ralm'), '--max_iters', '2',
+                   '--eval_interval', '2', '--final_eval', '0', '--residual_of', lm_path, *TRAIN_FLAGS])
+    with pytest.raises(ValueError, match=r'--init_from .*ralm/best.pt is a RALM: EXO fine-tunes a plain'):
+        exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                  '--init_from', str(tmp_path / 'ralm' / 'best.pt'), '--prefix_len', '8', '--gen_len', '5'])
+    assert not (tmp_path / 'x').exists()
+
+
 def test_exo_resume_checks_what_it_resumes(addition_run, tmp_path):
     """exo.py --resume by content (issue 48, item 2): a ckpt.pt of the wrong kind (an LM's, an EXO
     best.pt), another run's ckpt.pt beside this run's best.pt, and an --energy replaced at the same

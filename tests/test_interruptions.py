@@ -1,7 +1,7 @@
-"""What one row of the bad-input table cannot hold: a full disk (a real one on a tmpfs, and mocked),
-the order checkpoints go in, SIGTERM, Ctrl-C and kill -9 at known points (each resumed or told how
-to), the memory headroom, the time said up front, NaN gradients, and correct runs that used to fail.
-The table itself and its artifacts: test_bad_input.py.
+"""What one row of the bad-input table cannot hold: a full disk (a real one on a tmpfs, and mocked;
+a figure half-written), the order checkpoints go in, SIGTERM, Ctrl-C and kill -9 at known points
+(each resumed or told how to), the memory headroom, the time said up front, NaN gradients, and
+correct runs that used to fail. The table itself and its artifacts: test_bad_input.py.
 """
 
 import collections
@@ -565,3 +565,30 @@ def test_nce_results_are_finite_and_best_exists(cli_run):
     res = json.load(open(os.path.join(cli_run['nce'], 'results.json')),
                     parse_constant=lambda c: pytest.fail(f'{c} in results.json'))
     assert math.isfinite(res['best_value']) and os.path.exists(cli_run['energy'])
+
+
+def test_addition_figures_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A figure whose write fails half-way (a full disk) leaves the figure already there intact
+    and no temp file: addition_eval's accuracy plot and the carry-chain plot."""
+    pytest.importorskip('matplotlib')
+    from matplotlib.figure import Figure
+    from extensions.addition_eval import plot
+    from extensions.carry import plot_carry
+    rows = [dict(model='BASE LM', method='greedy', n=1, exact=0.8)]
+    chains = dict(count={'0': 5}, exact={'BASE LM': {'greedy_exact': {'0': 0.8}}})
+    res = dict(split='test', ns=[1], by_carry_chain=chains)
+
+    def half_then_full(self, fname, **kw):
+        open(fname, 'wb').write(b'\x89PNG half')
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    for draw, args in ((plot, (rows,)), (plot_carry, (res,))):
+        path = tmp_path / f'{draw.__name__}.png'
+        path.write_bytes(b'the earlier figure')
+        monkeypatch.setattr(Figure, 'savefig', half_then_full)
+        with pytest.raises(OSError):
+            draw(*args, str(path))
+        monkeypatch.undo()
+        assert path.read_bytes() == b'the earlier figure' and os.listdir(tmp_path) == [path.name]
+        draw(*args, str(path))
+        assert path.read_bytes()[:4] == b'\x89PNG'
+        path.unlink()
