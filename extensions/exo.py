@@ -292,17 +292,16 @@ def resume_hint(argv):
 def load_models(args, device):
     """(pi_sft frozen, pi_theta trainable: a copy of it, or of --init_from, in eval mode, dropout off
     (exo_step_loss), the energy, pi_theta's checkpoint, data_dir, meta)."""
-    sft, lm_ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
+    sft, ckpt, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     check_problem_windows(meta, args.prefix_len, args.gen_len)
-    policy, ckpt = sft, lm_ckpt
+    check_plain_lm(ckpt, 'lm', args.lm)
     if args.init_from:
         policy, ckpt = load_lm_and_data(args.init_from, data_dir, device)[:2]
-    for flag, c in (('lm', lm_ckpt), ('init_from', ckpt)):  # the LM's own twice without --init_from
-        if c.get('residual_of'):
-            raise ValueError(f"--{flag} {getattr(args, flag)} is a RALM: EXO fine-tunes a plain GPT LM "
-                             "(train_lm.py without --residual_of)")
+        check_plain_lm(ckpt, 'init_from', args.init_from)
+    else:
+        policy = copy.deepcopy(sft)
     energy = load_any_energy(args.energy, args.lm, device)[0]
-    policy = copy.deepcopy(policy).eval()
+    policy.eval()
     for p in list(sft.parameters()) + list(energy.parameters()):
         p.requires_grad_(False)
     check_fits(args.prefix_len + args.gen_len, dict(LM=sft, policy=policy))
@@ -311,6 +310,12 @@ def load_models(args, device):
                           f"a step of --batch_size {args.batch_size} x --num_samples {args.K} samples",
                           "lower --batch_size or --num_samples")
     return sft, policy, energy, ckpt, data_dir, meta
+
+
+def check_plain_lm(ckpt, flag, path):
+    if ckpt.get('residual_of'):
+        raise ValueError(f"--{flag} {path} is a RALM: EXO fine-tunes a plain GPT LM "
+                         "(train_lm.py without --residual_of)")
 
 
 def prefixes_of(data_dir, meta, split, args, count=None, device='cpu'):

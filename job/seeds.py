@@ -261,12 +261,12 @@ def main(argv=None):
     if args.seeds is not None:
         train_seeds(args)
     accs, seeds = read_runs(args.runs)
-    if args.plot and any('by_carry_chain' not in a for a in accs):
+    chains = by_carry_chain(accs)
+    if args.plot and chains is None:
         raise ValueError("--plot: an accuracy.json without carry chains (made before they were recorded): "
                          "rerun that run's job (python -m job.reproduce) to remake it")
     result = dict(runs=args.runs, seeds=seeds, split=accs[0]['split'], num_prefixes=accs[0]['num_prefixes'],
-                  rows=rows_over_seeds(accs), comparisons=comparisons(accs),
-                  by_carry_chain=by_carry_chain(accs))
+                  rows=rows_over_seeds(accs), comparisons=comparisons(accs), by_carry_chain=chains)
     table = fmt(result)
     print(table, end='')
     write_json(result, args.out)
