@@ -3,8 +3,8 @@ Every continuation of a prompt, scored: the enumeration behind extensions/exact_
 A continuation of L tokens over a V-token vocabulary is a row of all_continuations(V, L) (V^L rows:
 N = 2 addition 28,561, N = 3 371,293); the LM's log-probability and a causal energy's E of every row
 come from walking the trie of continuations with the model's KV cache (trie_states: each prefix runs
-once), and enumerate_split does it for evenly spaced problems of a split, each chunk cached on disk
-(cached: a damaged chunk is made again).
+once; a BIT's E comes from whole sequences), and enumerate_split does it for evenly spaced problems
+of a split, each chunk cached on disk (cached: a damaged chunk is made again).
 """
 
 import os
@@ -86,12 +86,14 @@ def lm_logprobs(lm, prompts, L, V, rows=4096):
 
 @torch.no_grad()
 def energies(energy, prompts, P, L, V, ctx, rows=4096):
-    """E (B, V^L) in float64 of every continuation of each prompt (B, P), for a causal energy (UNIT):
-    the trie's states (trie_states), summed along each path, then pooled and projected as
-    Energy.forward pools them (its mean over the pooled positions)."""
+    """E (B, V^L) in float64 of every continuation of each prompt (B, P). A causal energy that sees
+    the whole prompt (UNIT): the trie's states (trie_states), summed along each path, then pooled and
+    projected as Energy.forward pools them (its mean over the pooled positions). Any other (a BIT,
+    whose prompt states depend on the continuation): whole sequences, `rows` continuations a block."""
     if not getattr(energy, 'config', None) or not energy.config.causal or energy.context_cut(P):
-        raise ValueError("--energy: enumeration walks the continuations' prefixes, which needs a causal "
-                         "energy that sees the whole prompt (a UNIT, nce_train.py --body unit)")
+        cont = all_continuations(V, L).to(prompts.device)
+        return torch.stack([torch.cat([score_continuations(energy, p[None], c[None], P, ctx)[0]
+                                       for c in cont.split(rows)]) for p in prompts])
     pooled_from = P if energy.pool == 'continuation' else 0
     out = []
     for p in prompts:

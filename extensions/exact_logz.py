@@ -3,8 +3,9 @@ Exact Z on a task small enough to enumerate: addition with N = 2 digits
 (data/addition/prepare.py --digits 2), where a continuation is the 3 sum digits and the end of
 text, L = 4 tokens over a 13-token vocabulary: all V^L = 28,561 continuations of a prompt are
 scored (N = 3, a sharp energy: 13^5 = 371,293). That is every continuation the LM can emit:
-sampling draws L untruncated tokens. The enumeration (both models walk the trie of continuations
-with their KV cache, each prefix once) is extensions/enumeration.py.
+sampling draws L untruncated tokens. The enumeration (the LM and a UNIT walk the trie of
+continuations with their KV cache, each prefix once; a BIT reads whole sequences: at N = 3, 22-24 s
+a prompt on two threads) is extensions/enumeration.py.
 
 Per prompt (evenly spaced problems of --split, and of --select_split for the threshold):
 - exact log P_LM of every continuation (the sum of its tokens' log-probs, each next-token
@@ -89,6 +90,28 @@ RECIPE_SHARP = [
     '{o}/neg1000_select --body unit --init_from {o}/lm1000/best.pt --out_dir {o}/unit1000 --batch_size 32 '
     '--max_iters 6000 --lr 5e-4 --min_lr 5e-5 --warmup_iters 50 --eval_interval 500 --eval_prefixes 500 '
     '--patience 4',
+]  # each with --seed 0 --device cpu --dtype bfloat16; then this script (docs/exact_logz.md has its flags)
+
+# Sharper (docs/exact_logz.md, "A verifier"): 4x the training problems, the LM's step-1,500 snapshot
+# (P_LM(correct) ~0.7) and a BIT (MLM-pretrained as ADDITION's) trained 3x longer than RECIPE_SHARP's UNIT;
+# a UNIT from the same LM, same negatives, levelled off at a held-out gain of 0.065 (8,000 or 24,000 steps)
+RECIPE_SHARPER = [
+    'python -m data.addition.prepare --digits 3 --train_problems 200000 --select_problems 500 '
+    '--val_problems 500 --test_problems 1000 --out_dir {o}/data',
+    RECIPE_SHARP[1],  # the LM, as above
+    'mkdir -p {o}/lm1500 && cp {o}/lm/iter_1500.pt {o}/lm1500/best.pt',
+    'python negatives.py --lm {o}/lm1500/best.pt --split train --out_dir {o}/neg1500_train --num_samples 16 '
+    '--prefix_len 8 --gen_len 5',
+    'python negatives.py --lm {o}/lm1500/best.pt --split select --out_dir {o}/neg1500_select '
+    '--num_prefixes 500 --num_samples 64 --prefix_len 8 --gen_len 5',
+    'python train_lm.py --data_dir {o}/data --out_dir {o}/mlm --objective mlm --n_layer 3 --n_head 3 '
+    '--n_embd 96 --block_size 65 --batch_size 32 --max_iters 2000 --lr_decay_iters 2000 --lr 1e-3 '
+    "--min_lr 1e-4 --warmup_iters 40 --eval_interval 500 --alibi --patience 0 --min_rel_delta 0 "
+    "--select_on window --final_eval 0 --snapshots ''",
+    'python nce_train.py --lm {o}/lm1500/best.pt --negatives {o}/neg1500_train --held_out_negatives '
+    '{o}/neg1500_select --body bit --init_from {o}/mlm/best.pt --out_dir {o}/bitlong --batch_size 32 '
+    '--max_iters 24000 --lr 3e-4 --min_lr 3e-5 --warmup_iters 50 --eval_interval 1000 --eval_prefixes 500 '
+    '--patience 6',
 ]  # each with --seed 0 --device cpu --dtype bfloat16; then this script (docs/exact_logz.md has its flags)
 
 THRESHOLDS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)

@@ -5,7 +5,9 @@ code's values (configs, constants, line counts) are tests/test_docs.py's.
 """
 
 import json
+import math
 import os
+import re
 
 from job.stats import format_p
 from tests.common import ROOT, mismatches, read
@@ -172,6 +174,47 @@ JSON_CLAIMS += [
                            r'([\d.]+) \| ([\d.]+) \| ([\d.]+) \|',
      [SHARP[f'_x{x}']['test']['exact']['p_joint_correct'], AT_64(f'_x{x}')['ess_median']]
      + BEAMS(f'_x{x}', 'test')) for x in (2, 3)
+]
+# docs/exact_logz.md's verifier: a BIT on 4x the problems (assets/exact_logz_verifier.json)
+VERIFIER = asset('exact_logz_verifier.json')
+PROMPT = {p['problem']: p for s in ('select', 'test') for p in VERIFIER[s]['per_prompt']}
+V_AT = lambda n: next(r for r in VERIFIER['test']['table'] if r['n'] == n)
+V_ERR = lambda p: p['estimate_abs_error_median']['64']  # the job's n; the estimate misses mass: log Z low
+V_WITHIN = lambda s: sum(V_ERR(p) <= 0.01 for p in VERIFIER[s]['per_prompt'])
+
+
+def estimated_vs_exact(split):
+    """The job's P(correct) (its log Z too low by the error) beside the exact one, means over prompts."""
+    pp = VERIFIER[split]['per_prompt']
+    est = sum(min(1.0, p['p_joint_correct'] * math.exp(V_ERR(p))) for p in pp) / len(pp)
+    exact = VERIFIER[split]['exact']['p_joint_correct']
+    return [est - exact, est, exact]
+
+
+JSON_CLAIMS += [
+    ('docs/exact_logz.md', r'on the 60 test prompts: P_LM\(correct sum\) \*\*([\d.]+)\*\*, the joint '
+                           r'model\'s \*\*([\d.]+)\*\*; the\s+LM\'s mode is correct on ([\d.]+) of them, '
+                           r'the joint model\'s on ([\d.]+); median Kish ESS of 64 LM samples\s+([\d.]+) '
+                           r'.{0,80}On the selection split\'s 30: ([\d.]+) and\s+([\d.]+)\.',
+     [VERIFIER['test']['exact'][k]
+      for k in ('p_lm_correct', 'p_joint_correct', 'lm_mode_exact', 'joint_mode_exact')]
+     + [V_AT(64)['ess_median']]
+     + [VERIFIER['select']['exact'][k] for k in ('p_lm_correct', 'p_joint_correct')]),
+    ('docs/exact_logz.md', r'on \*\*(\d+) of 60\*\* test prompts \(([\d.]+) of replicates\) and '
+                           r'(\d+) of 30\s+selection',
+     [V_WITHIN('test'), VERIFIER['beam_choice']['on_split']['within_tol'], V_WITHIN('select')]),
+    ('docs/exact_logz.md', r'by \+([\d.]+) on test \(estimated ~([\d.]+) against the exact ([\d.]+)\) '
+                           r'and \+([\d.]+) on\s+selection \(([\d.]+) against ([\d.]+)\)',
+     estimated_vs_exact('test') + estimated_vs_exact('select')),
+    ('docs/exact_logz.md', r'bias ([-\d.]+) nats at n = 1,024\);\s+its range holds log Z in (\d+)% of '
+                           r'replicates at n = 64',
+     [V_AT(1024)['T_n']['bias'], 100 * V_AT(64)['eq4_coverage']]),
+] + [
+    ('docs/exact_logz.md', rf'\| {re.escape(q)} \({s}\) \| ([\d.]+) \| ([\d.]+) \| [^|\n]+ \| '
+                           r'([\d.]+)(?: nats)? \|',
+     [PROMPT[q + a]['p_lm_correct'], PROMPT[q + a]['p_joint_correct'], V_ERR(PROMPT[q + a])])
+    for q, a, s in (('605+004=', '0609<eot>', 'selection'), ('365+424=', '0789<eot>', 'test'),
+                    ('652+215=', '0867<eot>', 'test'))
 ]
 # docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
 ADD_CLAIMS = asset('claims_addition.json')['claims']

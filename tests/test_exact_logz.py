@@ -44,6 +44,9 @@ def test_enumeration_matches_brute_force():
     whole = rand_energy(V, causal=True, pool='all')  # pooled over the prompt's states too
     E_whole = enumeration.energies(whole, prompts, P, L, V, NULL, rows=64)  # the last level at once
     assert (E_whole - brute(lm, whole, prompts)[2]).abs().max() < 1e-5
+    bit = rand_energy(V)  # bidirectional: whole sequences, in blocks of 7 continuations (the last one short)
+    E_bit = enumeration.energies(bit, prompts, P, L, V, NULL, rows=7)
+    assert (E_bit - brute(lm, bit, prompts)[2]).abs().max() < 1e-5 and (E_bit - E).abs().max() > 0.5
     real = torch.tensor([5, 17, 60])
     ex = exact_logz.exact_values(log_p, E, real)
     log_z = torch.logsumexp(lp_ref - E_ref, -1)  # Eq. 2's normaliser, from the brute force

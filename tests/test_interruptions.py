@@ -570,7 +570,6 @@ def test_nce_results_are_finite_and_best_exists(cli_run):
 def test_addition_figures_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """A figure whose write fails half-way (a full disk) leaves the figure already there intact
     and no temp file: addition_eval's accuracy plot and the carry-chain plot."""
-    pytest.importorskip('matplotlib')
     from matplotlib.figure import Figure
     from extensions.addition_eval import plot
     from extensions.carry import plot_carry

@@ -457,7 +457,6 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
 
 
 def test_figures_draws_the_four_pngs(tmp_path):
-    pytest.importorskip('matplotlib', reason='figures.py needs matplotlib (run.sh installs it; CI does not)')
     fake_main_job_json(tmp_path)
     res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
     assert res.returncode == 0, res.stderr
