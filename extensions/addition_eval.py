@@ -14,8 +14,9 @@ sum of a test problem, and how much probability it puts on it.
   sample.algorithm_1 and energy.joint_sample draw it), and the joint model's mode among them,
   argmax log P_LM - E; each row also holds the oracle of those samples. Its probability on the
   correct sum c, P_LM(c|x) exp(-E(x, c)) / Z(x), an estimate: log Z by energy.logz_enumerate, every
-  distinct continuation among c, the LM's --beam most likely ones and max(ns) untruncated samples
-  scored exactly, the rest estimated (unbiased in Z; never above 1, as c is in the scored set).
+  distinct continuation among c, the LM's --beam most likely ones (with --edits, every one-token edit
+  of the first ones too) and max(ns) untruncated samples scored exactly, the rest estimated
+  (unbiased in Z; never above 1, as c is in the scored set).
   Beside it Eq. 4's range (energy.logz_bounds) with its diagnostics (energy.logz_diagnostics): the
   share of problems where it is flagged (too few effective samples, or provably below log Z), and
   the range's mean only where none is; a sharp energy pushes Eq. 4 past 1, which is never printed.
@@ -44,6 +45,7 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
                     score_continuations)
 from extensions.carry import by_carry_chain, carry_chains, plot_carry
+from extensions.enumeration import one_token_edits
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
@@ -164,11 +166,12 @@ def energies(energy, pre, x, P):
 
 
 @torch.no_grad()
-def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam):
+def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam, edits=0):
     """Per-problem columns of the joint model: joint_decoders over the base LM's samples (x,
     logp) = samples, the best-of-n oracle of those samples, log P_joint(correct sum) (Eq. 2) with
     log Z by logz_enumerate (the correct sum and the LM's `beam` most likely continuations known,
-    max(ns) untruncated samples), and Eq. 4's range of it with its diagnostics."""
+    max(ns) untruncated samples; with `edits`, every one-token edit of the beam's first `edits` too),
+    and Eq. 4's range of it with its diagnostics."""
     (P, L), (x, logp) = (pre.size(1), gold.size(1)), samples
     E = energies(energy, pre, x, P)
     out = joint_decoders(x, logp, E, gold, ns, g)
@@ -181,12 +184,16 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam):
         logp = logp.double().sum(-1)
         E = energies(energy, pre, x, P)
     known = [gold[:, None]] + ([lm.beam_search(pre, L, beam)[0]] if beam else [])
+    if beam and edits:  # where an energy's favourites off the LM's samples lie (docs/exact_logz.md)
+        known.append(one_token_edits(known[1][:, :edits], lm.config.vocab_size))
     known = torch.cat(known, 1)  # (B, k, L): fixed before sampling
-    logp_known = lm.sequence_logprob(torch.cat([pre[:, None].expand(-1, known.size(1), -1), known], 2)
-                                     .flatten(0, 1), P).double().view(known.shape[:2])
+    rows = torch.cat([pre[:, None].expand(-1, known.size(1), -1), known], 2).flatten(0, 1)
+    logp_known = torch.cat([lm.sequence_logprob(r, P) for r in rows.split(4096)]).double()
+    logp_known = logp_known.view(known.shape[:2])
     e_known = energies(energy, pre, known, P)
     if beam:  # the beam (the correct sum, known[:, 0], left out) beside the samples
-        out.update(beam_mode(known[:, 1:], logp_known[:, 1:], e_known[:, 1:], *proposals, gold, ns))
+        b = slice(1, 1 + beam)
+        out.update(beam_mode(known[:, b], logp_known[:, b], e_known[:, b], *proposals, gold, ns))
     log_a = logp_known[:, 0] - e_known[:, 0]  # the correct sum's term of Z
     z = logz_enumerate(torch.cat([known, x], 1), torch.cat([logp_known, logp], 1),
                        -torch.cat([e_known, E], 1), known=known.size(1))
@@ -284,6 +291,10 @@ def get_args(argv=None):
     a('--beam', type=int, default=32, at_least=0, at_most='beam',
       help="the LM's most likely continuations (beam search) scored exactly in log Z and decoded by the "
            "joint mode beside the samples (0: none; 32: chosen by exact Z, docs/exact_logz.md)")
+    a('--edits', type=int, default=0, at_least=0, at_most='beam',
+      help="log Z also scores exactly every one-token edit of the beam's first EDITS continuations "
+           "(L x vocabulary each): where an energy's favourites off the LM's samples lie "
+           "(docs/exact_logz.md, 8 there); not decoded")
     a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it '
@@ -330,7 +341,7 @@ def main(argv=None):
             if energy and name == 'BASE LM':  # the joint model chooses among the base LM's samples
                 cols['JOINT'].append(joint_columns(lm, energy, pre, gold, samples, args.ns, args.top_k,
                                                    rng(args.seed, 'addition joint', args.split, b, device),
-                                                   args.beam))
+                                                   args.beam, args.edits))
     rows, per_problem = [], {}
     for name, parts in cols.items():
         merged = {k: torch.cat([c[k] for c in parts]).cpu() for k in parts[0]}
@@ -341,8 +352,8 @@ def main(argv=None):
                              if k in kept_columns(args.ns[-1])}
     chains = carry_chains(x[:, :P], meta)
     res = dict(split=args.split, num_prefixes=len(offsets), prefix_len=P, gen_len=L, ns=args.ns,
-               top_k=args.top_k, beam=args.beam, lm=args.lm, energy=args.energy, extra_lm=args.extra_lm,
-               seed=args.seed, rows=rows, carry_chain=chains.tolist(),
+               top_k=args.top_k, beam=args.beam, edits=args.edits, lm=args.lm, energy=args.energy,
+               extra_lm=args.extra_lm, seed=args.seed, rows=rows, carry_chain=chains.tolist(),
                by_carry_chain=by_carry_chain(chains, per_problem), per_problem=per_problem)
     write_json(res, args.out)
     table = format_table(rows)

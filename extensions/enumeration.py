@@ -38,6 +38,16 @@ def expand(cache, V):
     return [(k.repeat_interleave(V, 0), v.repeat_interleave(V, 0)) for k, v in cache]
 
 
+def one_token_edits(x, V):
+    """Every continuation one token away from a row of x (B, k, L): (B, k L V, L), row (j, t, v) is
+    x[:, j] with token t set to v (x itself among them, L times)."""
+    B, k, L = x.shape
+    out = x[:, :, None, None, :].repeat(1, 1, L, V, 1)  # (B, k, L, V, L)
+    t = torch.arange(L, device=x.device)
+    out[:, :, t, :, t] = torch.arange(V, device=x.device, dtype=x.dtype).expand(L, B, k, V)  # (t, b, j, v)
+    return out.reshape(B, k * L * V, L)
+
+
 @torch.no_grad()
 def trie_states(body, prompt, L, V, rows=4096):
     """The final hidden states of a causal GPT body on every continuation of one prompt (P,), walked

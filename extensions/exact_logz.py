@@ -45,7 +45,7 @@ import torch
 
 from data import load_lm_and_data, load_split, problem_windows
 from energy import kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate
-from extensions.enumeration import MAX_CONTINUATIONS, enumerate_split, index_of
+from extensions.enumeration import MAX_CONTINUATIONS, enumerate_split, index_of, one_token_edits
 from plumbing import (ArgumentParser, check_new, check_writable, comma_ints, common_flags, file_hash, rng,
                       run_main, setup, write_json)
 
@@ -256,17 +256,20 @@ def choose_threshold(curve, target, key='coverage_slack_unflagged'):
     return max(curve, key=worst)['min_ess'], False
 
 
-def beam_curve(lm, prompts, real, log_p, E, log_z, cont, widths, n, reps, seed, split, tol):
-    """The job's estimator (logz_enumerate: the real continuation and the LM's beam known, n samples) at
-    each beam width: the share of (prompt, replicate) within tol nats of the exact log Z, the share of
-    prompts whose median replicate is, and the biases of its estimate and of its sure part."""
+def beam_curve(lm, prompts, real, log_p, E, log_z, cont, widths, n, reps, seed, split, tol, edits=0):
+    """The job's estimator (logz_enumerate: the real continuation and the LM's beam known, with every
+    one-token edit of the beam's first `edits` (addition_eval --edits), n samples) at each beam width:
+    the share of (prompt, replicate) within tol nats of the exact log Z, the share of prompts whose
+    median replicate is, and the biases of its estimate and of its sure part."""
     L, V = cont.size(1), int(cont.max()) + 1
     rows = []
     for w in widths:
-        known = torch.cat([real[:, None], index_of(lm.beam_search(prompts, L, w)[0], V)], 1)
+        beam = lm.beam_search(prompts, L, w)[0]
+        edited = index_of(one_token_edits(beam[:, :edits], V), V)
+        known = torch.cat([real[:, None], index_of(beam, V), edited], 1)
         r = replicate_errors(log_p, E, log_z, known, cont, [n], reps, seed, split)[n]
         e = r['estimate']
-        rows.append(dict(beam=w, n=n, within_tol=(e.abs() <= tol).double().mean().item(),
+        rows.append(dict(beam=w, edits=min(edits, w), n=n, within_tol=(e.abs() <= tol).double().mean().item(),
                          prompts_within_tol_median=(e.abs().median(1).values <= tol).double().mean().item(),
                          estimate_bias=e.mean().item(), sure_bias=r['sure'].mean().item(),
                          worst_prompt_median_error=e.abs().median(1).values.max().item()))
@@ -314,6 +317,9 @@ def get_args(argv=None):
     a('--widths', type=comma_ints, default='8,32,128', at_least=1, at_most='beam',
       help="beam widths tried for the job's estimator at --job_n samples, the narrowest within --tol on "
            "--beam_target of --select_split's replicates chosen")
+    a('--edits', type=int, default=0, at_least=0, at_most='beam',
+      help="the job's known set also holds every one-token edit of the beam's first EDITS continuations "
+           "(addition_eval.py --edits)")
     a('--job_n', type=int, default=64, at_least=1, at_most='samples',
       help="the job's LM samples per log Z (extensions/addition_eval: max of its --ns)")
     a('--beam_target', type=float, default=0.95, at_least=0, at_most=1,
@@ -362,7 +368,7 @@ def run_split(args, lm, energy, data, meta, P, L, count, split, ctx, log):
                             args.slack)
     times['replicates_s'] = time.time() - t0
     beams = beam_curve(lm, x[:, :P], real, log_p, E, ex['log_z'], cont, args.widths, args.job_n, args.reps,
-                       args.seed, split, args.tol)
+                       args.seed, split, args.tol, args.edits)
     log(f"  replicates: {times['replicates_s']:.0f} s; the job's estimator (n = {args.job_n}) within "
         f"{args.tol:g} by beam width: " + ', '.join(f"{r['beam']}: {r['within_tol']:.3f}" for r in beams))
     chars = meta['chars']
@@ -422,7 +428,7 @@ def main(argv=None):
     ctx = nullcontext() if args.dtype == 'float32' else torch.autocast('cpu', dtype=torch.bfloat16)
     res = dict(lm=args.lm, energy=args.energy, data_dir=data_dir, prefix_len=P, gen_len=L, vocab_size=V,
                energy_scale=args.energy_scale, continuations_per_prompt=V ** L, ns=args.ns, reps=args.reps,
-               beam=args.beam, tol=args.tol,
+               beam=args.beam, edits=args.edits, tol=args.tol,
                dtype=args.dtype, seed=args.seed, torch=torch.__version__, thresholds=list(THRESHOLDS),
                target=args.target, slack=args.slack)
     splits = {}

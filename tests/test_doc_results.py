@@ -216,6 +216,22 @@ JSON_CLAIMS += [
     for q, a, s in (('605+004=', '0609<eot>', 'selection'), ('365+424=', '0789<eot>', 'test'),
                     ('652+215=', '0867<eot>', 'test'))
 ]
+EDITS8 = asset('exact_logz_verifier_edits8.json')
+E8_ROWS = [r for split in ('select', 'test') for r in EDITS8[split]['beam_curve']]
+JSON_CLAIMS += [
+    ('docs/exact_logz.md', r'within 0\.01 nats on ([\d.]+) of\s+replicates, every prompt of both splits, at beams '
+                           r'(\d+) and (\d+) \(the worst prompt\'s error ([\d.]+) nats\)',
+     [min(r['within_tol'] for r in E8_ROWS)] + [r['beam'] for r in EDITS8['test']['beam_curve']]
+     + [max(r['worst_prompt_median_error'] for r in E8_ROWS)]),
+]
+# docs/addition.md's --edits table (assets/p_correct_edits.json): the job's P(correct), then with the edits
+EDITS = asset('p_correct_edits.json')
+JSON_CLAIMS += [
+    ('docs/addition.md', rf"\| {r['seed']} \| (?:UNIT|BIT) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \|",
+     [r['p_correct'], r['p_correct_edits'], r['problems_down_over_0_01_nats'], r['largest_drop_nats']])
+    for r in EDITS['rows']
+] + [('docs/addition.md', r'\| mean of (\d+) \| \| ([\d.]+) \| ([\d.]+) \|',
+      [len(EDITS['rows']), EDITS['p_correct_mean'], EDITS['p_correct_edits_mean']])]
 # docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
 ADD_CLAIMS = asset('claims_addition.json')['claims']
 PER_PROBLEM = asset('accuracy_addition.json')['per_problem']

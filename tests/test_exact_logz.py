@@ -149,7 +149,7 @@ def test_min_ess_rule():
     assert exact_logz.choose_threshold(curve[:3], 0.99) == (4, False)  # none meets: the best worst n
 
 
-def test_beam_curve_and_the_job_width():
+def test_beam_curve_and_the_job_width(monkeypatch):
     """The job's estimator by beam width: a beam of every continuation (V^L = 64) leaves nothing to
     sample, so the estimate is the exact log Z; a beam of 1 leaves a sure part short of it."""
     lm, energy = tiny_gpt(vocab_size=V, block_size=8, std=0.5), rand_energy(V, causal=True)
@@ -164,6 +164,18 @@ def test_beam_curve_and_the_job_width():
     assert abs(every['estimate_bias']) < 1e-12 and abs(every['sure_bias']) < 1e-12
     assert every['within_tol'] == 1
     assert one['sure_bias'] < -0.05 and one['within_tol'] < 1  # 2 continuations known of 64
+    # with the one-token edits of the beam's first: the known set handed to the replicates, against loops
+    seen, replicate_errors = [], exact_logz.replicate_errors
+    monkeypatch.setattr(exact_logz, 'replicate_errors', lambda lp, E, lz, known, *a: seen.append(known) or
+                        replicate_errors(lp, E, lz, known, *a))
+    edited, = exact_logz.beam_curve(lm, prompts, real, log_p, E, log_z, cont, [2], 8, 20, 0, 's', 0.01,
+                                    edits=1)
+    beam = lm.beam_search(prompts, L, 2)[0].tolist()
+    for b in range(3):
+        S = {tuple(beam[b][0][:t] + [v] + beam[b][0][t + 1:]) for t in range(L) for v in range(V)}
+        S |= {tuple(r) for r in beam[b]} | {tuple(cont[real[b]].tolist())}
+        assert {tuple(cont[i].tolist()) for i in seen[0][b]} == S
+    assert edited['edits'] == 1 and edited['sure_bias'] > one['sure_bias']
     rows = [dict(beam=8, within_tol=0.9), dict(beam=32, within_tol=0.97), dict(beam=128, within_tol=0.99)]
     assert exact_logz.choose_beam(rows, 0.95) == (32, True)
     assert exact_logz.choose_beam(rows, 0.995) == (128, False)  # none: the closest

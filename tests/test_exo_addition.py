@@ -205,6 +205,45 @@ def test_addition_algorithm_1_resamples_by_energy():
         assert abs(got - p) < 4 * math.sqrt(p * (1 - p) / N), (got, p)
 
 
+def test_edits_join_the_known_set_of_log_z(addition_run, tmp_path, monkeypatch):
+    """--edits k: log Z's exactly scored set is the correct sum, the LM's beam and every one-token edit
+    of the beam's first k (built here by loops), each with its log P_LM by a float64 forward and its E;
+    the decoders (beam + samples) are unchanged, P(correct) changes and stays at most 1."""
+    d, lm_path = addition_run
+    seen, prompts = [], []
+    enumerate_real, lm_columns = addition_eval.logz_enumerate, addition_eval.lm_columns
+    monkeypatch.setattr(addition_eval, 'logz_enumerate', lambda x, lp, lw, known: seen.append(
+        (x[:, :known], lp[:, :known], -lw[:, :known])) or enumerate_real(x, lp, lw, known))
+    monkeypatch.setattr(addition_eval, 'lm_columns',
+                        lambda lm, pre, *a: prompts.append(pre) or lm_columns(lm, pre, *a))
+
+    def run(k):
+        out = tmp_path / f'edits{k}.json'
+        addition_eval.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--ns', '1,4', '--num_prefixes',
+                            '6', '--beam', '4', '--edits', str(k), '--out', str(out), '--quiet'])
+        return json.loads(out.read_text())
+
+    plain, edited = run(0), run(2)
+    (x0, _, _), (x, lp, E), pre = seen[0], seen[1], prompts[0]
+    lm, energy = load_lm(lm_path)[0], load_any_energy(str(d / 'bit.pt'), lm_path, 'cpu')[0]
+    assert x0.size(1) == 5 and torch.equal(x[:, :5], x0)  # the correct sum and the beam of 4 come first
+    V, (B, k, L) = lm.config.vocab_size, x.shape
+    for b in range(B):
+        want = {tuple(r) for r in x0[b].tolist()}
+        for j in (1, 2):
+            row = x0[b, j].tolist()
+            want |= {tuple(row[:t] + [v] + row[t + 1:]) for t in range(L) for v in range(V)}
+        assert sorted({tuple(r) for r in x[b].tolist()}) == sorted(want)
+    seq = torch.cat([pre.repeat_interleave(k, 0), x.flatten(0, 1)], 1)
+    lp_ref = logprobs64(lm, seq[:, :-1])[:, 7:].gather(-1, seq[:, 8:, None]).sum((1, 2)).view(B, k)
+    assert torch.allclose(lp, lp_ref, atol=1e-4)
+    assert torch.allclose(E, score_continuations(energy, pre, x, 8, contextlib.nullcontext()), atol=1e-5)
+    rows = lambda res: {r['method']: r['exact'] for r in res['rows'] if r['model'] == 'JOINT'}
+    assert rows(plain) == rows(edited) and edited['edits'] == 2
+    p0, p2 = (res['per_problem']['JOINT']['logp_correct'] for res in (plain, edited))
+    assert max(p2) <= 1e-12 and p0 != p2
+
+
 def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypatch):
     """The decoders' rows of addition_eval.main with a random BIT energy, recomputed from the
     samples it drew: log P_LM by a float64 forward, E of every sample (none skipped as a
