@@ -219,8 +219,8 @@ JSON_CLAIMS += [
 EDITS8 = asset('exact_logz_verifier_edits8.json')
 E8_ROWS = [r for split in ('select', 'test') for r in EDITS8[split]['beam_curve']]
 JSON_CLAIMS += [
-    ('docs/exact_logz.md', r'within 0\.01 nats on ([\d.]+) of\s+replicates, every prompt of both splits, at beams '
-                           r'(\d+) and (\d+) \(the worst prompt\'s error ([\d.]+) nats\)',
+    ('docs/exact_logz.md', r'within 0\.01 nats on ([\d.]+) of\s+replicates, every prompt of both splits, at '
+                           r'beams (\d+) and (\d+) \(the worst prompt\'s error ([\d.]+) nats\)',
      [min(r['within_tol'] for r in E8_ROWS)] + [r['beam'] for r in EDITS8['test']['beam_curve']]
      + [max(r['worst_prompt_median_error'] for r in E8_ROWS)]),
 ]
@@ -231,7 +231,9 @@ JSON_CLAIMS += [
      [r['p_correct'], r['p_correct_edits'], r['problems_down_over_0_01_nats'], r['largest_drop_nats']])
     for r in EDITS['rows']
 ] + [('docs/addition.md', r'\| mean of (\d+) \| \| ([\d.]+) \| ([\d.]+) \|',
-      [len(EDITS['rows']), EDITS['p_correct_mean'], EDITS['p_correct_edits_mean']])]
+      [len(EDITS['rows']), EDITS['p_correct_mean'], EDITS['p_correct_edits_mean']]),
+      ('README.md', r'one-token edits scored too, ([\d.]+) where it says ([\d.]+)\s+at (\d+) seeds',
+       [EDITS['p_correct_edits_mean'], EDITS['p_correct_mean'], len(EDITS['rows'])])]
 # docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
 ADD_CLAIMS = asset('claims_addition.json')['claims']
 PER_PROBLEM = asset('accuracy_addition.json')['per_problem']
