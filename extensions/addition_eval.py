@@ -183,9 +183,10 @@ def joint_columns(lm, energy, pre, gold, samples, ns, top_k, g, beam, edits=0):
         x, logp = lm.generate(pre, L, num_samples=max(ns), generator=g)
         logp = logp.double().sum(-1)
         E = energies(energy, pre, x, P)
-    known = [gold[:, None]] + ([lm.beam_search(pre, L, beam)[0]] if beam else [])
-    if beam and edits:  # where an energy's favourites off the LM's samples lie (docs/exact_logz.md)
-        known.append(one_token_edits(known[1][:, :edits], lm.config.vocab_size))
+    known = [gold[:, None]]
+    if beam:  # the edits: where an energy's favourites off the LM's samples lie (docs/exact_logz.md)
+        bx = lm.beam_search(pre, L, beam)[0]
+        known += [bx, one_token_edits(bx[:, :edits], lm.config.vocab_size)]
     known = torch.cat(known, 1)  # (B, k, L): fixed before sampling
     rows = torch.cat([pre[:, None].expand(-1, known.size(1), -1), known], 2).flatten(0, 1)
     logp_known = torch.cat([lm.sequence_logprob(r, P) for r in rows.split(4096)]).double()
