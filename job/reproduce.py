@@ -102,6 +102,10 @@ def get_args(argv=None):
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
                         "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
+    p.add_argument('--lm_max_iters', type=int, default=None, at_least=1000, at_most=10**6,
+                   help="with --data addition: the base LM's budget of steps, its cosine ending 500 before "
+                        "(default: job/configs.py's, 4,500; 7,000 at five seeds: docs/addition.md, The LM's "
+                        "budget over seeds)")
     p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
                         "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
@@ -124,15 +128,28 @@ def get_args(argv=None):
         raise ValueError("--data addition is char-level, without --ordering: drop --tokenizer / --ordering")
     if args.recipe == 'gpu' and not add:
         raise ValueError("--recipe gpu is the addition job's (measured there): add --data addition")
-    args.cfg = ((ADDITION_QUICK if add else QUICK_GPT2 if gpt2 else QUICK) if args.quick
-                else ADDITION if add else DEFAULT)
-    if args.recipe == 'gpu':
-        args.cfg = large_batch(args.cfg)
+    args.cfg = recipe(args, add, gpt2)
     args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
-                                    + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else ''))
+                                    + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else '')
+                                    + (f'-lm{args.lm_max_iters}' if args.lm_max_iters else ''))
     args.data_dir = args.data_dir or ('data/addition' if add else
                                       'data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
     return args
+
+
+def recipe(args, add, gpt2):
+    """The stages' settings (job/configs.py) that the flags choose: --quick's, --recipe gpu's, and the
+    addition job's LM budget (--lm_max_iters, the cosine ending 500 steps before, as the default's)."""
+    cfg = ((ADDITION_QUICK if add else QUICK_GPT2 if gpt2 else QUICK) if args.quick
+           else ADDITION if add else DEFAULT)
+    if args.recipe == 'gpu':
+        cfg = large_batch(cfg)
+    if args.lm_max_iters is not None:
+        if not add:
+            raise ValueError("--lm_max_iters is the addition job's (measured there): add --data addition")
+        n = args.lm_max_iters
+        cfg = dict(cfg, lm=dict(cfg['lm'], max_iters=n, lr_decay_iters=n - 500))
+    return cfg
 
 
 def check_data_dir(args):

@@ -54,6 +54,8 @@ def get_args(argv=None):
                    help="with --seeds: seeds trained at a time (more than 1: sharing a GPU)")
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="with --seeds: each job's --recipe")
+    p.add_argument('--lm_max_iters', type=int, default=None, at_least=1000, at_most=10**6,
+                   help="with --seeds: each job's --lm_max_iters (the base LM's steps; default: the job's)")
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
     p.add_argument('--plot', default=None,
@@ -78,7 +80,8 @@ def seed_command(args, seed, run):
     """One seed's addition job: the models' --seed, the data's default --data_seed (shared)."""
     return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed),
              '--out_dir', run, '--jobs', str(args.jobs), '--recipe', args.recipe]
-            + ['--quick'] * args.quick + ['--quiet'] * args.quiet)
+            + ['--quick'] * args.quick + ['--quiet'] * args.quiet
+            + (['--lm_max_iters', str(args.lm_max_iters)] if args.lm_max_iters else []))
 
 
 def train_seeds(args):

@@ -308,6 +308,75 @@ JSON_CLAIMS += [
      fast('JOINT', 'joint mode, beam + samples, n = 1')),
     ('docs/addition.md', rf'\| EXO LM greedy, faster recipe \| {M_SD_RANGE} \|', fast('EXO', 'greedy')),
 ]
+# docs/addition.md's LM of 7,000 steps (assets/seeds_addition_lm7000.json) beside the job's table at its seeds
+LM7000 = asset('seeds_addition_lm7000.json')
+L7 = by(LM7000['rows'], 'model', 'method')
+AT_SEEDS = [asset('seeds_addition.json')['seeds'].index(s) for s in LM7000['seeds']]
+
+
+def spread_at(values):
+    """mean, SD, min, max of a list (the job's per-seed values at LM7000's seeds)"""
+    m = sum(values) / len(values)
+    return [m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)), min(values), max(values)]
+
+
+def lm7000(label, model, method):
+    e, old = L7[model, method]['exact'], FAST[model, method]['exact']['per_seed']
+    return ('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \| {M_SD_RANGE} \|',
+            [e['mean'], e['sd'], e['min'], e['max']] + spread_at([old[i] for i in AT_SEEDS]))
+
+
+def five(label):  # a row of the table by seed: exactly five values (the seeds' tables above have ten)
+    return rf'\| {re.escape(label)} \|' + r' ([\d.]+) \|' * len(LM7000['seeds']) + r'(?! [\d.])'
+
+
+L7_JOINT = [c for c in LM7000['comparisons'] if c['better'][0] == 'JOINT']
+L7_BEAM = [c['seed_level'] for c in L7_JOINT if 'beam' in c['what']]
+BEAM_64, A1_64 = L7['JOINT', 'joint mode, beam + samples, n = 64'], L7['JOINT', 'Algorithm 1, n = 64']
+JSON_CLAIMS += [lm7000(*row) for row in (
+    ('LM greedy', 'BASE LM', 'greedy'), ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
+    ('LM, any of 64 correct', 'BASE LM', 'oracle, n = 64'), ('BALM greedy', 'BALM', 'greedy'),
+    ('BALM, log-prob rerank of 64', 'BALM', 'log-prob rerank, n = 64'),
+    ('joint: Algorithm 1 of 64', 'JOINT', 'Algorithm 1, n = 64'),
+    ('joint: mode of 64', 'JOINT', 'joint mode, n = 64'),
+    ('joint: mode of beam + 1 sample', 'JOINT', 'joint mode, beam + samples, n = 1'),
+    ('joint: mode of beam + 64', 'JOINT', 'joint mode, beam + samples, n = 64'))] + [
+    ('docs/addition.md', five('LM greedy'), L7['BASE LM', 'greedy']['exact']['per_seed']),
+    ('docs/addition.md', five('joint: mode of beam + 64'), BEAM_64['exact']['per_seed']),
+    ('docs/addition.md', five('P(correct), joint model'), A1_64['p_correct']['per_seed']),
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): every joint decoder beats every LM decoder and '
+                         r'BALM on average over the seeds, t p ([\d.]+) to ([\d.]+) \(Holm ([\d.]+) to '
+                         r'([\d.]+)\); the mode over the beam and the samples at p ([\d.]+) to ([\d.]+) '
+                         r'\(Holm ([\d.]+) to ([\d.]+)\), sign test (\d)-(\d)',
+     [len(LM7000['comparisons'])] + [f(c['seed_level'][k] for c in L7_JOINT) for k in ('t_p', 't_p_holm')
+                                     for f in (min, max)]
+     + [f(s[k] for s in L7_BEAM) for k in ('t_p', 't_p_holm') for f in (min, max)]
+     + L7_BEAM[0]['sign']),
+    ('README.md', r'A 7,000-step LM \(`--lm_max_iters 7000`, (\d) seeds\) lifts LM greedy to ([\d.]+),\s+'
+                  r'not the beam\'s mode \(([\d.]+)\)',
+     [len(LM7000['seeds']), L7['BASE LM', 'greedy']['exact']['mean'], BEAM_64['exact']['mean']]),
+]
+# the same five seeds on the test split's 5,000 problems (assets/seeds_addition_lm7000_test5000.json)
+T5000 = asset('seeds_addition_lm7000_test5000.json')
+T5 = by(T5000['rows'], 'model', 'method')
+T5_BEAM = [c for c in T5000['comparisons'] if 'beam' in c['what']]
+T5_MODE = T5['JOINT', 'joint mode, beam + samples, n = 64']['exact']
+t5 = lambda model, method: T5[model, method]['exact']['mean']
+JSON_CLAIMS += [
+    ('docs/addition.md', r'the mode over the beam and the samples ([\d.]+) \(SD ([\d.]+); by seed ([\d.]+), '
+                         r'([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+)\), the mode of 64 ([\d.]+), LM greedy '
+                         r'([\d.]+), the samples\' ceiling ([\d.]+), BALM greedy ([\d.]+)\.',
+     [T5_MODE['mean'], T5_MODE['sd']] + T5_MODE['per_seed']
+     + [t5('JOINT', 'joint mode, n = 64'), t5('BASE LM', 'greedy'), t5('BASE LM', 'oracle, n = 64'),
+        t5('BALM', 'greedy')]),
+    ('docs/addition.md', r'the seed as the unit: t p ([\d.]+) to ([\d.]+) \(Holm ([\d.]+)\); with the '
+                         r'problem as the unit, Holm-adjusted p at most ([\d.]+)e-104',
+     [min(c['seed_level']['t_p'] for c in T5_BEAM), max(c['seed_level']['t_p'] for c in T5_BEAM),
+      max(c['seed_level']['t_p_holm'] for c in T5_BEAM),
+      1e104 * max(c['p_holm'] for c in T5000['comparisons'])]),
+    ('docs/addition.md', r'0\.993 on 1,000 problems, ([\d.]+) on (\d),000 with the 7,000-step LM',
+     [T5_MODE['mean'], T5000['num_prefixes'] / 1000]),
+]
 SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
 OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
 EXO_SEEDS = SEED_TESTS['EXO LM greedy > LM greedy']

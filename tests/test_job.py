@@ -360,6 +360,26 @@ def test_gpu_recipe_larger_batches_fewer_steps():
         reproduce.get_args(['--recipe', 'gpu'])
 
 
+def test_lm_max_iters_sets_the_base_lms_budget():
+    """--lm_max_iters N (--data addition): the base LM's max_iters N, its cosine to N - 500 (the
+    recipe's 4,500 / 4,000), every other flag and model as the recipe's, its own default folder; the
+    seeds' command passes it to each job. Refused without --data addition."""
+    from job import reproduce, seeds
+    from job.configs import ADDITION
+    args = reproduce.get_args(['--data', 'addition', '--lm_max_iters', '7000'])
+    assert args.cfg['lm'] == dict(ADDITION['lm'], max_iters=7000, lr_decay_iters=6500)
+    rest = lambda cfg: {k: v for k, v in cfg.items() if k != 'lm'}
+    assert rest(args.cfg) == rest(ADDITION)
+    assert ADDITION['lm']['max_iters'] - ADDITION['lm']['lr_decay_iters'] == 500  # the default's gap
+    assert args.out_dir == 'out-addition-lm7000'
+    cmd = seeds.seed_command(seeds.get_args(['--seeds', '1,2', '--lm_max_iters', '7000']), 2, 'r/seed2')
+    assert cmd[cmd.index('--lm_max_iters') + 1] == '7000'
+    assert reproduce.get_args(cmd[3:]).cfg == args.cfg
+    assert '--lm_max_iters' not in seeds.seed_command(seeds.get_args(['--seeds', '1,2']), 2, 'r/seed2')
+    with pytest.raises(ValueError, match=r"--lm_max_iters is the addition job's .*: add --data addition"):
+        reproduce.get_args(['--lm_max_iters', '7000'])
+
+
 def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):
     """The seed decides the numbers, not the schedule: a tiny train_lm stage run alone (--jobs 1,
     OMP_NUM_THREADS=1) and beside another (--jobs 2, one thread each) gives the same results.json

@@ -127,11 +127,14 @@ def test_seed_level_against_closed_forms():
     assert a['t_p_holm'] == pytest.approx(2 * a['t_p']) and a['sign_p_holm'] == pytest.approx(0.5)
 
 
-def test_committed_seed_level_is_the_stored_differences():
-    """assets/seeds_addition.json's comparisons are those of the per-problem outcomes stored beside it
-    (every seed's), and its seed-level tests those of its own per-seed differences."""
-    stored = json.load(open(os.path.join(ROOT, 'assets', 'seeds_addition.json')))['comparisons']
-    outcomes = seeds.read_outcomes(os.path.join(ROOT, 'assets', 'seeds_addition_outcomes.json.gz'))
+@pytest.mark.parametrize('name', ['seeds_addition', 'seeds_addition_lm7000',
+                                  'seeds_addition_lm7000_test5000'])
+def test_committed_seed_level_is_the_stored_differences(name):
+    """The committed tables over seeds (the job's; its LM at 7,000 steps, on 1,000 and 5,000 test
+    problems): their comparisons are those of the per-problem outcomes stored beside them (every
+    seed's), and their seed-level tests those of their own per-seed differences."""
+    stored = json.load(open(os.path.join(ROOT, 'assets', f'{name}.json')))['comparisons']
+    outcomes = seeds.read_outcomes(os.path.join(ROOT, 'assets', f'{name}_outcomes.json.gz'))
     assert len(outcomes) >= 3 and seeds.comparisons(outcomes) == stored
     again = seeds.seed_level([dict(diff_per_seed=c['diff_per_seed']) for c in stored])
     assert len(again) == len(stored)
