@@ -9,6 +9,7 @@ import math
 import os
 import re
 
+from job.seeds import spread
 from job.stats import format_p
 from tests.common import ROOT, mismatches, read
 
@@ -314,16 +315,12 @@ L7 = by(LM7000['rows'], 'model', 'method')
 AT_SEEDS = [asset('seeds_addition.json')['seeds'].index(s) for s in LM7000['seeds']]
 
 
-def spread_at(values):
-    """mean, SD, min, max of a list (the job's per-seed values at LM7000's seeds)"""
-    m = sum(values) / len(values)
-    return [m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)), min(values), max(values)]
-
-
 def lm7000(label, model, method):
-    e, old = L7[model, method]['exact'], FAST[model, method]['exact']['per_seed']
+    """A table row: LM7000's mean (SD) [min, max], then the job's at the same seeds (seeds.spread)."""
+    new, old = L7[model, method]['exact'], FAST[model, method]['exact']['per_seed']
+    at_seeds = spread([old[i] for i in AT_SEEDS])
     return ('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \| {M_SD_RANGE} \|',
-            [e['mean'], e['sd'], e['min'], e['max']] + spread_at([old[i] for i in AT_SEEDS]))
+            [d[k] for d in (new, at_seeds) for k in ('mean', 'sd', 'min', 'max')])
 
 
 def five(label):  # a row of the table by seed: exactly five values (the seeds' tables above have ten)
@@ -332,6 +329,7 @@ def five(label):  # a row of the table by seed: exactly five values (the seeds' 
 
 L7_JOINT = [c for c in LM7000['comparisons'] if c['better'][0] == 'JOINT']
 L7_BEAM = [c['seed_level'] for c in L7_JOINT if 'beam' in c['what']]
+(L7_BEAM_SIGN,) = {tuple(s['sign']) for s in L7_BEAM}  # the doc gives one sign test for all of them
 BEAM_64, A1_64 = L7['JOINT', 'joint mode, beam + samples, n = 64'], L7['JOINT', 'Algorithm 1, n = 64']
 JSON_CLAIMS += [lm7000(*row) for row in (
     ('LM greedy', 'BASE LM', 'greedy'), ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
@@ -351,7 +349,7 @@ JSON_CLAIMS += [lm7000(*row) for row in (
      [len(LM7000['comparisons'])] + [f(c['seed_level'][k] for c in L7_JOINT) for k in ('t_p', 't_p_holm')
                                      for f in (min, max)]
      + [f(s[k] for s in L7_BEAM) for k in ('t_p', 't_p_holm') for f in (min, max)]
-     + L7_BEAM[0]['sign']),
+     + list(L7_BEAM_SIGN)),
     ('README.md', r'A 7,000-step LM \(`--lm_max_iters 7000`, (\d) seeds\) lifts LM greedy to ([\d.]+),\s+'
                   r'not the beam\'s mode \(([\d.]+)\)',
      [len(LM7000['seeds']), L7['BASE LM', 'greedy']['exact']['mean'], BEAM_64['exact']['mean']]),
