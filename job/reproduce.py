@@ -53,7 +53,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
                       rerun_command, run_main, write_json)
 
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME, STAGE_SECONDS,
-                         large_batch)
+                         budget_flags, large_batch)
 from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
 from job.stages import check_made_with, flags, negatives, nce, prepare_command
 
@@ -102,10 +102,7 @@ def get_args(argv=None):
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
                         "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
-    p.add_argument('--lm_max_iters', type=int, default=None, at_least=1000, at_most=10**6,
-                   help="with --data addition: the base LM's budget of steps, its cosine ending 500 before "
-                        "(default: job/configs.py's, 4,500; 7,000 at five seeds: docs/addition.md, The LM's "
-                        "budget over seeds)")
+    budget_flags(p, 'with --data addition')
     p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
                         "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
@@ -131,7 +128,8 @@ def get_args(argv=None):
     args.cfg = recipe(args, add, gpt2)
     args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
                                     + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else '')
-                                    + (f'-lm{args.lm_max_iters}' if args.lm_max_iters else ''))
+                                    + (f'-lm{args.lm_max_iters}' if args.lm_max_iters else '')
+                                    + (f'-e{args.energy_max_iters}' if args.energy_max_iters else ''))
     args.data_dir = args.data_dir or ('data/addition' if add else
                                       'data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
     return args
@@ -139,16 +137,20 @@ def get_args(argv=None):
 
 def recipe(args, add, gpt2):
     """The stages' settings (job/configs.py) that the flags choose: --quick's, --recipe gpu's, and the
-    addition job's LM budget (--lm_max_iters, the cosine ending 500 steps before, as the default's)."""
+    addition job's budgets: the LM's (--lm_max_iters, the cosine ending 500 steps before, as the
+    default's) and the energies' (--energy_max_iters, the cosine to the end, as the default's)."""
     cfg = ((ADDITION_QUICK if add else QUICK_GPT2 if gpt2 else QUICK) if args.quick
            else ADDITION if add else DEFAULT)
     if args.recipe == 'gpu':
         cfg = large_batch(cfg)
+    for flag in ('lm_max_iters', 'energy_max_iters'):
+        if getattr(args, flag) is not None and not add:
+            raise ValueError(f"--{flag} is the addition job's (measured there): add --data addition")
     if args.lm_max_iters is not None:
-        if not add:
-            raise ValueError("--lm_max_iters is the addition job's (measured there): add --data addition")
         n = args.lm_max_iters
         cfg = dict(cfg, lm=dict(cfg['lm'], max_iters=n, lr_decay_iters=n - 500))
+    if args.energy_max_iters is not None:
+        cfg = dict(cfg, **{e: dict(cfg[e], max_iters=args.energy_max_iters) for e in ('unit', 'bit')})
     return cfg
 
 

@@ -350,9 +350,6 @@ JSON_CLAIMS += [lm7000(*row) for row in (
                                      for f in (min, max)]
      + [f(s[k] for s in L7_BEAM) for k in ('t_p', 't_p_holm') for f in (min, max)]
      + list(L7_BEAM_SIGN)),
-    ('README.md', r'A 7,000-step LM \(`--lm_max_iters 7000`, (\d) seeds\) lifts LM greedy to ([\d.]+),\s+'
-                  r'not the beam\'s mode \(([\d.]+)\)',
-     [len(LM7000['seeds']), L7['BASE LM', 'greedy']['exact']['mean'], BEAM_64['exact']['mean']]),
 ]
 # the same five seeds on the test split's 5,000 problems (assets/seeds_addition_lm7000_test5000.json)
 T5000 = asset('seeds_addition_lm7000_test5000.json')
@@ -374,6 +371,46 @@ JSON_CLAIMS += [
       1e104 * max(c['p_holm'] for c in T5000['comparisons'])]),
     ('docs/addition.md', r'0\.993 on 1,000 problems, ([\d.]+) on (\d),000 with the 7,000-step LM',
      [T5_MODE['mean'], T5000['num_prefixes'] / 1000]),
+]
+# docs/addition.md's energies of 16,000 steps on the same LMs (assets/seeds_addition_lm7000_e16000.json)
+E16 = asset('seeds_addition_lm7000_e16000.json')
+L7E = by(E16['rows'], 'model', 'method')
+E16_BEAM = [c for c in E16['comparisons'] if 'beam' in c['what']]
+(E16_SIGN,) = {tuple(c['seed_level']['sign']) for c in E16_BEAM}
+assert E16['seeds'] == LM7000['seeds']  # the table sets each seed's row beside LM7000's
+
+
+def e16(label, method):
+    """A row of the joint decoders: E16's mean (SD) [min, max], then LM7000's (the job's energies)."""
+    return ('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \| {M_SD_RANGE} \|',
+            [d['JOINT', method]['exact'][k] for d in (L7E, L7) for k in ('mean', 'sd', 'min', 'max')])
+
+
+def e16_by_seed(label, model, method, key):
+    return [(label + f', energies of {steps} steps', d[model, method][key]['per_seed'])
+            for steps, d in (('16,000', L7E), ('8,000', L7))]
+
+
+E16_SEED_ROWS = (e16_by_seed('joint: mode of beam + 64', 'JOINT', BEAM_64['method'], 'exact')
+                 + e16_by_seed('P(correct), joint model', 'JOINT', 'Algorithm 1, n = 64', 'p_correct'))
+JSON_CLAIMS += [e16(label, method) for label, method in (
+    ('Algorithm 1 of 64', 'Algorithm 1, n = 64'), ('mode of 64', 'joint mode, n = 64'),
+    ('mode of beam + 1 sample', 'joint mode, beam + samples, n = 1'),
+    ('mode of beam + 64', 'joint mode, beam + samples, n = 64'))] + [
+    ('docs/addition.md', five(label), values) for label, values in E16_SEED_ROWS] + [
+    ('docs/addition.md', r'table above \(LM greedy ([\d.]+), any of 64 correct ([\d.]+), BALM greedy '
+                         r'([\d.]+)\)',
+     [L7E[m, how]['exact']['mean'] for m, how in (('BASE LM', 'greedy'), ('BASE LM', 'oracle, n = 64'),
+                                                  ('BALM', 'greedy'))]),
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): it beats every LM decoder and BALM\'s at t p\s+'
+                         r'([\d.e-]+) to ([\d.]+) \(Holm ([\d.]+) to ([\d.]+)\), sign test (\d)-(\d) .{0,60}?'
+                         r'Holm-adjusted p at most ([\d.]+)e-36',
+     [len(E16['comparisons'])] + [f(c['seed_level'][k] for c in E16_BEAM) for k in ('t_p', 't_p_holm')
+                                  for f in (min, max)]
+     + list(E16_SIGN) + [1e36 * max(c['p_holm'] for c in E16['comparisons'])]),
+    ('README.md', r'Longer budgets \(`--lm_max_iters 7000 --energy_max_iters 16000`, (\d) seeds\)\s+lift the '
+                  r'beam\'s mode to \*\*([\d.]+)\*\*',
+     [len(E16['seeds']), L7E['JOINT', BEAM_64['method']]['exact']['mean']]),
 ]
 SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
 OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]

@@ -43,6 +43,21 @@ def test_addition_problems_are_sums_in_disjoint_splits():
         addition_prepare.make_problems(dict(train=30, select=1, val=1, test=1), 1, 0.3, seed=0)
 
 
+def test_extra_test_problems_leave_every_split_as_it_was():
+    """--extra_test_problems M: the same train, select and val problems and the same first test
+    problems as without it (so trained models still apply), then M more test problems, new to every
+    split (mirrors too); as the flag of prepare, recorded in meta.json's made_with."""
+    sizes = dict(train=3000, select=100, val=100, test=100)
+    base = addition_prepare.make_problems(sizes, 3, 0.3, seed=0)
+    more = addition_prepare.make_problems(sizes, 3, 0.3, seed=0, extra_test=400)
+    assert all(more[s] == base[s] for s in ('train', 'select', 'val'))
+    assert more['test'][:100] == base['test'] and len(more['test']) == 500
+    key = lambda line: tuple(sorted(line[:-5].split('+')))
+    assert len({key(d) for docs in more.values() for d in docs}) == 3700
+    with pytest.raises(ValueError, match='too many'):
+        addition_prepare.make_problems(dict(train=20, select=1, val=1, test=1), 1, 0.3, seed=0, extra_test=10)
+
+
 @pytest.fixture(scope='module')
 def addition_run(tmp_path_factory):
     """A 3-digit addition corpus, an LM of 30 steps on it and a random BIT energy for that LM."""

@@ -72,7 +72,8 @@ MEMORY_BOUNDED = {'num_samples', 'logz_samples', 'ns', 'beam', 'fit_samples', 'c
                   'eval_samples', 'forward_samples', 'num_neg', 'calib_samples', 'step_samples',
                   'last_step_samples', 'n_embd', 'n_layer', 'n_head', 'block_size', 'prefix_len', 'gen_len',
                   'chunk', 'max_rows', 'grad_accum', 'batch_size', 'context', 'energy_embd', 'matmul_size',
-                  'dpi', 'digits', 'train_problems', 'select_problems', 'val_problems', 'test_problems'}
+                  'dpi', 'digits', 'train_problems', 'select_problems', 'val_problems', 'test_problems',
+                  'extra_test_problems'}
 TIME_BOUNDED = {('sample.py', 'num_samples')}
 
 

@@ -380,6 +380,27 @@ def test_lm_max_iters_sets_the_base_lms_budget():
         reproduce.get_args(['--lm_max_iters', '7000'])
 
 
+def test_energy_max_iters_sets_the_energies_budget():
+    """--energy_max_iters N (--data addition): the UNIT's and the BIT's max_iters N (their cosine to the
+    end, as the recipe's), nothing else changed, its own default folder (with --lm_max_iters too); the
+    seeds' command passes both budgets to each job. Refused without --data addition."""
+    from job import reproduce, seeds
+    from job.configs import ADDITION
+    args = reproduce.get_args(['--data', 'addition', '--energy_max_iters', '16000'])
+    for e in ('unit', 'bit'):
+        assert args.cfg[e] == dict(ADDITION[e], max_iters=16000) and 'lr_decay_iters' not in ADDITION[e]
+    rest = lambda cfg: {k: v for k, v in cfg.items() if k not in ('unit', 'bit')}
+    assert rest(args.cfg) == rest(ADDITION) and args.out_dir == 'out-addition-e16000'
+    both = ['--lm_max_iters', '7000', '--energy_max_iters', '16000']
+    cmd = seeds.seed_command(seeds.get_args(['--seeds', '1,2'] + both), 2, 'r/seed2')
+    assert cmd[-4:] == both
+    args = reproduce.get_args(cmd[3:])
+    assert args.cfg['lm']['max_iters'] == 7000 and args.cfg['bit']['max_iters'] == 16000
+    assert reproduce.get_args(['--data', 'addition'] + both).out_dir == 'out-addition-lm7000-e16000'
+    with pytest.raises(ValueError, match=r"--energy_max_iters is the addition job's .*: add --data addition"):
+        reproduce.get_args(['--energy_max_iters', '16000'])
+
+
 def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):
     """The seed decides the numbers, not the schedule: a tiny train_lm stage run alone (--jobs 1,
     OMP_NUM_THREADS=1) and beside another (--jobs 2, one thread each) gives the same results.json

@@ -128,7 +128,7 @@ def test_seed_level_against_closed_forms():
 
 
 @pytest.mark.parametrize('name', ['seeds_addition', 'seeds_addition_lm7000',
-                                  'seeds_addition_lm7000_test5000'])
+                                  'seeds_addition_lm7000_test5000', 'seeds_addition_lm7000_e16000'])
 def test_committed_seed_level_is_the_stored_differences(name):
     """The committed tables over seeds (the job's; its LM at 7,000 steps, on 1,000 and 5,000 test
     problems): their comparisons are those of the per-problem outcomes stored beside them (every

@@ -57,25 +57,38 @@ def problems_memory(total, digits):
     return total * (33 * digits + 350 + 8 * (3 * digits + 4))
 
 
-def make_problems(sizes, digits, chain, seed):
-    """{split: [document, ...]} with sizes {split: count}: distinct problems, a problem and its
-    mirror b+a never in two splits (nor twice in one)."""
-    rs = np.random.default_rng(rng_seed(seed, 'addition'))
-    total = sum(sizes.values())
-    if total > 10 ** (2 * digits) // 4:
-        raise ValueError(f"{total:,} distinct problems of {digits} digits are too many to draw: "
-                         f"use more --digits or fewer problems")
-    seen, pairs = set(), []
-    while len(pairs) < total:
-        for a, b in zip(*draw_operands(rs, total, digits, chain)):
+def distinct_pairs(rs, count, digits, chain, seen):
+    """`count` operand pairs drawn by draw_operands, each new to `seen` (a problem and its mirror b+a
+    are one key), which they join."""
+    pairs = []
+    while len(pairs) < count:
+        for a, b in zip(*draw_operands(rs, count, digits, chain)):
             key = (min(a, b), max(a, b))
             if key not in seen:
                 seen.add(key)
                 pairs.append((int(a), int(b)))
-                if len(pairs) == total:
+                if len(pairs) == count:
                     break
+    return pairs
+
+
+def make_problems(sizes, digits, chain, seed, extra_test=0):
+    """{split: [document, ...]} with sizes {split: count}: distinct problems, a problem and its
+    mirror b+a never in two splits (nor twice in one). extra_test more test problems come from a
+    random stream of their own, after all the others: every split, and the test split's first
+    sizes['test'], are the same with or without them (the models trained on them still apply)."""
+    total = sum(sizes.values()) + extra_test
+    if total > 10 ** (2 * digits) // 4:
+        raise ValueError(f"{total:,} distinct problems of {digits} digits are too many to draw: "
+                         f"use more --digits or fewer problems")
+    seen = set()
+    pairs = distinct_pairs(np.random.default_rng(rng_seed(seed, 'addition')), total - extra_test, digits,
+                           chain, seen)
+    if extra_test:
+        pairs += distinct_pairs(np.random.default_rng(rng_seed(seed, 'addition extra test')), extra_test,
+                                digits, chain, seen)
     docs, start = {}, 0
-    for split, count in sizes.items():
+    for split, count in dict(sizes, test=sizes['test'] + extra_test).items():
         docs[split] = [line(a, b, digits) for a, b in pairs[start:start + count]]
         start += count
     return docs
@@ -92,14 +105,17 @@ def main(argv=None):
     for split, n in dict(train=200000, select=5000, val=5000, test=5000).items():  # memory: check_memory
         a(f'--{split}_problems', dest=split, type=int, default=n, at_least=1, at_most='count',
           help=f'problems of the {split} split')
+    a('--extra_test_problems', dest='extra_test', type=int, default=0, at_least=0, at_most='count',
+      help='more test problems, drawn after all the others from a stream of their own: the other splits '
+           'and the first --test_problems stay as without them (a larger test split for trained models)')
     args = parser.parse_args(argv)
     sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
     check_writable(args.out_dir, '--out_dir')
-    check_memory(problems_memory(sum(sizes.values()), args.digits),
+    check_memory(problems_memory(sum(sizes.values()) + args.extra_test, args.digits),
                  f"drawing {sum(sizes.values()):,} problems (--train_problems, --select_problems, ...)",
                  "lower them")
-    meta = prepare(make_problems(sizes, args.digits, args.chain, args.seed), args.out_dir, 'char',
-                   args.quiet, args.force, made_with('addition', parser, args))
+    docs = make_problems(sizes, args.digits, args.chain, args.seed, args.extra_test)
+    meta = prepare(docs, args.out_dir, 'char', args.quiet, args.force, made_with('addition', parser, args))
     if not args.quiet:
         P = 2 * args.digits + 2
         print(f"windows: --prefix_len {P} --gen_len {args.digits + 2} (vocab {meta['vocab_size']})")
