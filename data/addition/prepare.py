@@ -111,9 +111,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     sizes = dict(train=args.train, select=args.select, val=args.val, test=args.test)
     check_writable(args.out_dir, '--out_dir')
-    check_memory(problems_memory(sum(sizes.values()) + args.extra_test, args.digits),
-                 f"drawing {sum(sizes.values()):,} problems (--train_problems, --select_problems, ...)",
-                 "lower them")
+    total = sum(sizes.values()) + args.extra_test
+    check_memory(problems_memory(total, args.digits),
+                 f"drawing {total:,} problems (--train_problems, --select_problems, ...)", "lower them")
     docs = make_problems(sizes, args.digits, args.chain, args.seed, args.extra_test)
     meta = prepare(docs, args.out_dir, 'char', args.quiet, args.force, made_with('addition', parser, args))
     if not args.quiet:
