@@ -176,15 +176,18 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
 )
 
 
+BUDGET_FLAGS = ('lm_max_iters', 'energy_max_iters')  # budget_flags' (their dests)
+
+
 def budget_flags(parser, scope):
     """The addition job's budgets of steps as flags (job/reproduce.py's recipe() applies them, job.seeds
     passes them on): --lm_max_iters, the base LM's, its cosine ending 500 steps before (as ADDITION's);
     --energy_max_iters, the UNIT's and the BIT's, each cosine to its end. `scope` begins their help."""
-    for flag, whose, default, study in (
-            ('lm_max_iters', 'the base LM (its cosine ending 500 before)', ADDITION['lm']['max_iters'],
+    for flag, (whose, default, study) in zip(BUDGET_FLAGS, (
+            ('the base LM (its cosine ending 500 before)', ADDITION['lm']['max_iters'],
              "The LM's budget over seeds"),
-            ('energy_max_iters', 'the UNIT and the BIT (each cosine to its end)',
-             ADDITION['bit']['max_iters'], "The energies' budget over seeds")):
+            ('the UNIT and the BIT (each cosine to its end)', ADDITION['bit']['max_iters'],
+             "The energies' budget over seeds"))):
         parser.add_argument(f'--{flag}', type=int, default=None, at_least=1000, at_most=10**6,
                             help=f"{scope}: the steps of {whose}; default {default:,} (docs/addition.md, "
                                  f"{study})")

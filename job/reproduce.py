@@ -53,7 +53,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
                       rerun_command, run_main, write_json)
 
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME, STAGE_SECONDS,
-                         budget_flags, large_batch)
+                         BUDGET_FLAGS, budget_flags, large_batch)
 from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
 from job.stages import check_made_with, flags, negatives, nce, prepare_command
 
@@ -143,7 +143,7 @@ def recipe(args, add, gpt2):
            else ADDITION if add else DEFAULT)
     if args.recipe == 'gpu':
         cfg = large_batch(cfg)
-    for flag in ('lm_max_iters', 'energy_max_iters'):
+    for flag in BUDGET_FLAGS:
         if getattr(args, flag) is not None and not add:
             raise ValueError(f"--{flag} is the addition job's (measured there): add --data addition")
     if args.lm_max_iters is not None:

@@ -34,7 +34,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from extensions.carry import plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
-from job.configs import budget_flags
+from job.configs import BUDGET_FLAGS, budget_flags
 from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
                       write_json, write_text)
@@ -81,7 +81,7 @@ def seed_command(args, seed, run):
     return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed),
              '--out_dir', run, '--jobs', str(args.jobs), '--recipe', args.recipe]
             + ['--quick'] * args.quick + ['--quiet'] * args.quiet
-            + [x for f in ('lm_max_iters', 'energy_max_iters') if getattr(args, f)
+            + [x for f in BUDGET_FLAGS if getattr(args, f)
                for x in (f'--{f}', str(getattr(args, f)))])
 
 

@@ -327,9 +327,14 @@ def five(label):  # a row of the table by seed: exactly five values (the seeds' 
     return rf'\| {re.escape(label)} \|' + r' ([\d.]+) \|' * len(LM7000['seeds']) + r'(?! [\d.])'
 
 
+def t_range(comparisons):
+    """The seed-level t p's min and max over `comparisons`, then those of its Holm-adjusted value."""
+    return [f(c['seed_level'][k] for c in comparisons) for k in ('t_p', 't_p_holm') for f in (min, max)]
+
+
 L7_JOINT = [c for c in LM7000['comparisons'] if c['better'][0] == 'JOINT']
-L7_BEAM = [c['seed_level'] for c in L7_JOINT if 'beam' in c['what']]
-(L7_BEAM_SIGN,) = {tuple(s['sign']) for s in L7_BEAM}  # the doc gives one sign test for all of them
+L7_BEAM = [c for c in L7_JOINT if 'beam' in c['what']]
+(L7_BEAM_SIGN,) = {tuple(c['seed_level']['sign']) for c in L7_BEAM}  # the doc gives one sign test for all
 BEAM_64, A1_64 = L7['JOINT', 'joint mode, beam + samples, n = 64'], L7['JOINT', 'Algorithm 1, n = 64']
 JSON_CLAIMS += [lm7000(*row) for row in (
     ('LM greedy', 'BASE LM', 'greedy'), ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
@@ -346,10 +351,7 @@ JSON_CLAIMS += [lm7000(*row) for row in (
                          r'BALM on average over the seeds, t p ([\d.]+) to ([\d.]+) \(Holm ([\d.]+) to '
                          r'([\d.]+)\); the mode over the beam and the samples at p ([\d.]+) to ([\d.]+) '
                          r'\(Holm ([\d.]+) to ([\d.]+)\), sign test (\d)-(\d)',
-     [len(LM7000['comparisons'])] + [f(c['seed_level'][k] for c in L7_JOINT) for k in ('t_p', 't_p_holm')
-                                     for f in (min, max)]
-     + [f(s[k] for s in L7_BEAM) for k in ('t_p', 't_p_holm') for f in (min, max)]
-     + list(L7_BEAM_SIGN)),
+     [len(LM7000['comparisons'])] + t_range(L7_JOINT) + t_range(L7_BEAM) + list(L7_BEAM_SIGN)),
 ]
 # the same five seeds on the test split's 5,000 problems (assets/seeds_addition_lm7000_test5000.json)
 T5000 = asset('seeds_addition_lm7000_test5000.json')
@@ -405,9 +407,8 @@ JSON_CLAIMS += [e16(label, method) for label, method in (
     ('docs/addition.md', r'Holm over the (\d+) comparisons\): it beats every LM decoder and BALM\'s at t p\s+'
                          r'([\d.e-]+) to ([\d.]+) \(Holm ([\d.]+) to ([\d.]+)\), sign test (\d)-(\d) .{0,60}?'
                          r'Holm-adjusted p at most ([\d.]+)e-36',
-     [len(E16['comparisons'])] + [f(c['seed_level'][k] for c in E16_BEAM) for k in ('t_p', 't_p_holm')
-                                  for f in (min, max)]
-     + list(E16_SIGN) + [1e36 * max(c['p_holm'] for c in E16['comparisons'])]),
+     [len(E16['comparisons'])] + t_range(E16_BEAM) + list(E16_SIGN)
+     + [1e36 * max(c['p_holm'] for c in E16['comparisons'])]),
     ('README.md', r'Longer budgets \(`--lm_max_iters 7000 --energy_max_iters 16000`, (\d) seeds\)\s+lift the '
                   r'beam\'s mode to \*\*([\d.]+)\*\*',
      [len(E16['seeds']), L7E['JOINT', BEAM_64['method']]['exact']['mean']]),
