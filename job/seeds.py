@@ -35,7 +35,7 @@ from data import read_json
 from extensions.carry import plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.configs import BUDGET_FLAGS, budget_flags
-from job.stats import ALPHA, holm, mcnemar, paired, sign_test_log_p
+from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
                       write_json, write_text)
 
@@ -152,18 +152,22 @@ def rows_over_seeds(accs):
 
 def comparisons(accs):
     """decoder_pairs over all seeds: the per-problem difference averaged over seeds, t-tested over
-    problems, Holm over the family; each seed's McNemar p and difference beside it."""
+    problems, Holm over the family; each seed's McNemar p and difference beside it. Each p-value is
+    kept as its log (log_p ...) and as p where a double holds it (p_of: None below 2.2e-308, which
+    10,000 problems reach)."""
     out = []
     for what, (m1, c1), (m2, c2) in decoder_pairs(accs[0]):
         a = np.array([acc['per_problem'][m1][c1] for acc in accs], dtype=np.float64)
         b = np.array([acc['per_problem'][m2][c2] for acc in accs], dtype=np.float64)
         per_seed = [mcnemar(x, y) for x, y in zip(a, b)]
-        out.append(dict(paired((a - b).mean(axis=0)), what=what, better=[m1, c1], worse=[m2, c2],
+        row = paired((a - b).mean(axis=0))
+        out.append(dict(row, p=p_of(row['log_p']), what=what, better=[m1, c1], worse=[m2, c2],
                         diff_per_seed=[r['diff'] for r in per_seed],
-                        mcnemar_p_per_seed=[r['p'] for r in per_seed]))
-    for row, p_holm in zip(out, holm([r['p'] for r in out])):
-        row['p_holm'] = p_holm
-        row['holds_holm'] = bool(row['diff'] > 0) if p_holm < ALPHA else None
+                        mcnemar_p_per_seed=[p_of(r['log_p']) for r in per_seed],
+                        mcnemar_log_p_per_seed=[r['log_p'] for r in per_seed]))
+    for row, log_p_holm in zip(out, holm_log([r['log_p'] for r in out])):
+        row.update(p_holm=p_of(log_p_holm), log_p_holm=log_p_holm,
+                   holds_holm=bool(row['diff'] > 0) if log_p_holm < math.log(ALPHA) else None)
     return seed_level(out)
 
 
@@ -197,8 +201,8 @@ def fmt(result):
                  "problems, Holm")
     for c in result['comparisons']:
         per_seed = ' '.join(f'{d:+.3f}' for d in c['diff_per_seed'])
-        lines.append(f"  {c['what']:48s} {c['diff']:+.3f} ({c['se']:.3f})  p {c['p']:.1e}  "
-                     f"p_holm {c['p_holm']:.1e}  per seed {per_seed}")
+        lines.append(f"  {c['what']:48s} {c['diff']:+.3f} ({c['se']:.3f})  p {format_log_p(c['log_p'])}  "
+                     f"p_holm {format_log_p(c['log_p_holm'])}  per seed {per_seed}")
     lines.append("the seed as the unit: paired t over the per-seed differences, Holm; exact sign test, Holm")
     for c in result['comparisons']:
         s = c['seed_level']

@@ -13,6 +13,7 @@ import numpy as np
 Z_SIG = 2.0  # |difference| / SE beyond which a claim is decided with many prefixes
 P_SIG = math.erfc(Z_SIG / math.sqrt(2))  # 0.0455: the two-sided p-value of |z| = 2
 ALPHA = P_SIG  # every claim's level, alone (holds) and family-wise (holds_holm)
+LOG_TINY = math.log(2.2250738585072014e-308)  # the smallest normal double's log: p_of
 
 
 def t_log_pvalue(t, df=None):
@@ -84,6 +85,22 @@ def format_p(p):
     return f'{p:.4f}' if p >= 1e-4 else f'{p:.1e}'
 
 
+def format_log_p(log_p):
+    """format_p of exp(log_p), also below the smallest double (10,000 problems give p of 1e-600):
+    the mantissa and the exponent from log10 p."""
+    if log_p >= LOG_TINY:
+        return format_p(math.exp(log_p))
+    exponent = math.floor(log_p / math.log(10))
+    mantissa = round(10 ** (log_p / math.log(10) - exponent), 1)
+    return f'{mantissa / 10:.1f}e{exponent + 1}' if mantissa >= 10 else f'{mantissa:.1f}e{exponent}'
+
+
+def p_of(log_p):
+    """exp(log_p) where a double holds it to full precision (from 2.2e-308 up), else None: a p-value
+    stored in JSON beside its log_p, which alone holds it below that."""
+    return None if log_p is None or log_p < LOG_TINY else math.exp(log_p)
+
+
 def t_critical(df=None, alpha=ALPHA):
     """|t| whose two-sided p-value is alpha (bisection on t_pvalue, to 1e-12)."""
     lo, hi = 0.0, 1e3
@@ -117,8 +134,10 @@ def paired(d):
     (len(d) - 1 degrees of freedom: 8 prefixes decide at |t| > 2.43, not 2) and the verdict."""
     res = mean_se(d)
     mean, se, df = res['diff'], res['se'], len(d) - 1
-    p = t_pvalue(mean / se, df) if se > 0 else None
-    return dict(res, z=mean / se if se > 0 else None, df=df, p=p, holds=decide(mean, p), prefixes=len(d))
+    log_p = t_log_pvalue(mean / se, df) if se > 0 else None
+    p = None if log_p is None else math.exp(log_p)
+    return dict(res, z=mean / se if se > 0 else None, df=df, p=p, log_p=log_p, holds=decide(mean, p),
+                prefixes=len(d))
 
 
 def mcnemar(a, b):
@@ -129,9 +148,9 @@ def mcnemar(a, b):
     if a.shape != b.shape or a.ndim != 1 or not np.isin(np.concatenate([a, b]), (0.0, 1.0)).all():
         raise ValueError("McNemar's test needs two equally long vectors of 0/1 outcomes")
     k, m = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-    p = math.exp(sign_test_log_p(k, m))
-    res = mean_se(a - b)
-    return dict(res, p=p, holds=decide(res['diff'], p), pairs=len(a), discordant=[k, m])
+    log_p = sign_test_log_p(k, m)
+    p, res = math.exp(log_p), mean_se(a - b)
+    return dict(res, p=p, log_p=log_p, holds=decide(res['diff'], p), pairs=len(a), discordant=[k, m])
 
 
 def sign_test_log_p(k, m):
@@ -151,12 +170,18 @@ def sign_test_log_p(k, m):
 def holm(pvalues):
     """Holm's (1979) step-down adjusted p-values, in the order given: sorted ascending, the j-th
     smallest (j = 0, 1, ...) is max over i <= j of min(1, (m - i) p_(i)); a hypothesis is rejected
-    at family-wise level alpha where its adjusted p-value is below alpha."""
-    m = len(pvalues)
-    order = sorted(range(m), key=lambda i: pvalues[i])
-    adjusted, running = [None] * m, 0.0
+    at family-wise level alpha where its adjusted p-value is below alpha. holm_log in logs."""
+    return [math.exp(a) for a in holm_log([math.log(p) if p > 0 else -math.inf for p in pvalues])]
+
+
+def holm_log(log_ps):
+    """holm of exp(log_ps), in logs: max over i <= j of min(0, log(m - i) + log p_(i)), for p-values
+    below the smallest double (10,000 problems' paired t)."""
+    m = len(log_ps)
+    order = sorted(range(m), key=lambda i: log_ps[i])
+    adjusted, running = [None] * m, -math.inf
     for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        running = max(running, min(0.0, math.log(m - rank) + log_ps[i]))
         adjusted[i] = running
     return adjusted
 

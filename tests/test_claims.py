@@ -388,30 +388,38 @@ def stored_p_values(obj):
 
 def test_stored_p_values_are_the_tails_of_their_statistics():
     """No p-value in assets/*.json is 0.0, and each stored beside its statistic (t and df, McNemar's
-    discordant counts) is stats' p of it within 1%; the seeds' p_holm is Holm's of their p."""
+    discordant counts) is stats' p of it within 1%, its log (log_p, where stored) within 0.01; a p
+    left out (None) has a log below the smallest double; the seeds' p_holm is Holm's of their p, in
+    logs, and each seed's McNemar p is its log's."""
     checked = 0
     for name in sorted(f for f in os.listdir(os.path.join(ROOT, 'assets')) if f.endswith('.json')):
         data = json.load(open(os.path.join(ROOT, 'assets', name)))
         for d in stored_p_values(data):
             ps = [d['p'], d.get('p_holm'), *d.get('mcnemar_p_per_seed', [])]
             assert all(p is None or p > 0 for p in ps), (name, d)
-            if d['p'] is not None and d.get('df') is not None and 'margin' not in d:  # T3's is two tests'
-                want = stats.t_pvalue(d['z'], d['df'])
-            elif d['p'] is not None and 'discordant' in d:
-                want = math.exp(stats.sign_test_log_p(*d['discordant']))
+            if d['p'] is None and d.get('log_p') is None:
+                continue
+            if d.get('df') is not None and 'margin' not in d:  # T3's is two tests'
+                want = stats.t_log_pvalue(d['z'], d['df'])
+            elif 'discordant' in d:
+                want = stats.sign_test_log_p(*d['discordant'])
             else:
                 continue
-            assert abs(d['p'] - want) < 0.01 * want, (name, d['p'], want)
+            log_p = d.get('log_p', math.log(d['p']) if d['p'] else None)
+            assert abs(log_p - want) < 0.01, (name, log_p, want)
+            assert (d['p'] is None) == (want < stats.LOG_TINY - 0.01), (name, d['p'], want)
             checked += 1
     assert checked >= 60, checked
     for name, count in (('seeds_addition_earlier_recipe.json', 11), ('seeds_addition.json', 16),
                         ('seeds_addition_lm7000.json', 15), ('seeds_addition_lm7000_test5000.json', 15),
                         ('seeds_addition_lm7000_e16000.json', 15)):
         comparisons = json.load(open(os.path.join(ROOT, 'assets', name)))['comparisons']
-        holm = stats.holm([c['p'] for c in comparisons])
+        holm = stats.holm_log([c['log_p'] for c in comparisons])
         assert len(holm) == len(comparisons) == count
-        for c, p_holm in zip(comparisons, holm):
-            assert abs(c['p_holm'] - p_holm) < 0.01 * p_holm, c['what']
+        for c, log_p_holm in zip(comparisons, holm):
+            assert abs(c['log_p_holm'] - log_p_holm) < 0.01 and c['p_holm'] == stats.p_of(c['log_p_holm'])
+            assert c['p'] == stats.p_of(c['log_p']), c['what']
+            assert c['mcnemar_p_per_seed'] == [stats.p_of(x) for x in c['mcnemar_log_p_per_seed']]
 
 
 def test_holm_matches_the_closure_principle():
@@ -430,15 +438,15 @@ def test_holm_matches_the_closure_principle():
               D=dict(p=0.02, holds=True, same_as='C'), E=dict(p=None, holds=None))
     fam = stats.correct(cs)
     assert fam['family'] == ['A', 'B', 'C'] and fam['method'].startswith('Holm')
-    assert cs['A']['p_holm'] == 0.003 and cs['A']['holds_holm'] is True
-    assert cs['C']['p_holm'] == 0.04 and cs['C']['holds_holm'] is True  # 2 x 0.02 < 0.0455
-    assert cs['B']['p_holm'] == 0.04 and cs['B']['holds_holm'] is False
-    assert cs['D']['p_holm'] == 0.04 and cs['D']['holds_holm'] is True
+    assert cs['A']['p_holm'] == pytest.approx(0.003) and cs['A']['holds_holm'] is True
+    assert cs['C']['p_holm'] == pytest.approx(0.04) and cs['C']['holds_holm'] is True  # 2 x 0.02 < 0.0455
+    assert cs['B']['p_holm'] == pytest.approx(0.04) and cs['B']['holds_holm'] is False
+    assert cs['D']['p_holm'] == pytest.approx(0.04) and cs['D']['holds_holm'] is True
     assert cs['E']['p_holm'] is None and cs['E']['holds_holm'] is None
     cs = dict(A=dict(p=0.025, holds=True), B=dict(p=0.03, holds=True))
     stats.correct(cs)
     assert cs['A']['holds'] is True and cs['A']['holds_holm'] is None  # 2 x 0.025 > 0.0455
-    assert cs['B']['p_holm'] == 0.05 and cs['B']['holds_holm'] is None
+    assert cs['B']['p_holm'] == pytest.approx(0.05) and cs['B']['holds_holm'] is None
 
 
 def exact_bound_means(log_vals, p, n):

@@ -114,6 +114,38 @@ def test_seeds_refuses_mixed_runs(tmp_path):
     assert not os.path.exists(tmp_path / 'o.json')
 
 
+def t_log_tail(t, df):
+    """log P(|T| >= t), T ~ Student's t(df), where it is below the smallest double: the log density
+    summed over a grid by log-sum-exp (a reference apart from stats)."""
+    x = np.linspace(t, t + 50, 500_001)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    log_f = log_c - (df + 1) / 2 * np.log1p(x ** 2 / df)
+    w = np.full_like(x, x[1] - x[0])
+    w[[0, -1]] /= 2  # the trapezoid rule
+    return math.log(2) + float(np.logaddexp.reduce(log_f + np.log(w)))
+
+
+def test_seeds_keep_p_values_below_the_smallest_double(tmp_path):
+    """On 10,000 problems the joint decoder's lead gives a paired t near 40 and p near 1e-340: stored as
+    its log (log_p, log_p_holm, McNemar's per seed) and p None, never 0.0, and printed from the log."""
+    rng = np.random.default_rng(1)
+    joint = (rng.random((2, 10_000)) < 0.999).astype(int)
+    lm = (rng.random((2, 10_000)) < 0.88).astype(int)
+    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist()) for i, s in enumerate((1, 2))]
+    out = tmp_path / 'seeds.json'
+    seeds.main([*runs, '--out', str(out)])
+    first = json.loads(out.read_text())['comparisons'][0]
+    d = (joint - lm).mean(0)
+    want = t_log_tail(abs(d.mean() / (d.std(ddof=1) / 100)), len(d) - 1)
+    assert want < stats.LOG_TINY - 10 and first['log_p'] == pytest.approx(want, abs=1e-3)
+    assert first['p'] is None and first['p_holm'] is None and first['holds'] and first['holds_holm']
+    assert first['mcnemar_p_per_seed'] == [None, None]
+    assert first['mcnemar_log_p_per_seed'][0] == stats.mcnemar(joint[0], lm[0])['log_p'] < stats.LOG_TINY
+    assert first['log_p_holm'] == pytest.approx(math.log(6) + first['log_p'])  # 6 tied comparisons: 6 p
+    exponent = math.floor(first['log_p'] / math.log(10))
+    assert f"e{exponent} " in (tmp_path / 'seeds.txt').read_text().splitlines()[4]
+
+
 def test_seed_level_against_closed_forms():
     """The seed as the unit: per-seed differences 0.1, 0.2, 0.3 give t = 0.2 / (0.1 / sqrt 3) on 2
     degrees of freedom, whose two-sided p is 1 - t / sqrt(2 + t^2) in closed form; the sign test of
