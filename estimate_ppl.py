@@ -190,15 +190,17 @@ def summarize(cols, num_tokens, n, num_chars=None, enumerated=True):
     """Table 1's rows from the per-prefix columns: the PPL of the base LM, of the extra LMs and of
     each joint model, log P_LM - E - log Z (Eq. 2), a range from log Z's bounds at n samples (Eq. 4);
     for every model but the base, its gain over it (a joint model's at its high-PPL end); and
-    beside_joint's. A sure lower bound of log Z (logz_enumerate's) caps the range: no P above 1."""
+    beside_joint's. With logz_enumerate's columns, log Z's low end is the lower of T_n and the
+    enumerated estimate, and neither end is below its sure lower bound: no P above 1. (max(T_n, sure)
+    alone is biased up where the sure part holds nearly all of Z: it lifts T_n's low draws only.)"""
     lp, L = cols['lm_logp'], num_tokens / len(cols['lm_logp'])
     rows = [dict(model='BASE LM', ppl=ppl(lp, num_tokens))]
     for name, logp in cols['extra_logp'].items():
         rows.append(dict(model=name, ppl=ppl(logp, num_tokens), **gain_over(logp, lp, L)))
     for name, e in cols['energy'].items():
         logz, enum = cols['logz'][name][n], cols.get('enum', {}).get(name)
-        sure = -np.inf if enum is None else enum['sure']
-        joint_high = lp - e - np.maximum(logz['low'], sure)  # the low log Z gives the high log P
+        sure, estimate = (-np.inf, np.inf) if enum is None else (enum['sure'], enum['estimate'])
+        joint_high = lp - e - np.maximum(np.minimum(logz['low'], estimate), sure)  # low log Z: high log P
         joint_low = lp - e - np.maximum(logz['high'], sure)
         rows.append(dict(model=f'JOINT {name}', energy=name, ppl_low=ppl(joint_high, num_tokens),
                          ppl_high=ppl(joint_low, num_tokens), **gain_over(joint_low, lp, L),
