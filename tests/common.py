@@ -10,6 +10,7 @@ import copy
 import csv
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -97,6 +98,13 @@ def tiny_gpt(vocab_size=11, block_size=32, std=0.3, seed=0, n_layer=2, n_head=2,
             if p.dim() >= 2:
                 p.normal_(0.0, std)
     return model.eval()
+
+
+def t_log_density(x, df):
+    """log of Student's t density with df degrees of freedom at x (an array), in float64: the tests'
+    reference for job/stats.py's t tails, integrated by them apart from it."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return log_c - (df + 1) / 2 * np.log1p(np.asarray(x, dtype=np.float64) ** 2 / df)
 
 
 def logprobs64(model, seqs):

@@ -12,7 +12,7 @@ import torch
 
 from extensions.addition_eval import by_carry_chain
 from job import seeds, stats
-from tests.common import ROOT
+from tests.common import ROOT, t_log_density
 
 
 def fake_run(folder, seed, joint, lm, data='d1', chain=None):
@@ -31,11 +31,13 @@ def fake_run(folder, seed, joint, lm, data='d1', chain=None):
     return str(folder)
 
 
-def t_tail(t, df):
-    """P(|T| >= t), T ~ Student's t(df): its density integrated numerically (a reference apart from stats)."""
+def t_log_tail(t, df):
+    """log P(|T| >= t), T ~ Student's t(df), also where it is below the smallest double: the log density
+    on [t, t + 200] by the trapezoid rule, summed by log-sum-exp (a reference apart from stats)."""
     x = np.linspace(t, t + 200, 2_000_001)
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return 2 * np.trapezoid(np.exp(log_c - (df + 1) / 2 * np.log1p(x ** 2 / df)), x)
+    w = np.full_like(x, x[1] - x[0])
+    w[[0, -1]] /= 2
+    return math.log(2) + float(np.logaddexp.reduce(t_log_density(x, df) + np.log(w)))
 
 
 def test_seeds_against_brute_force(tmp_path):
@@ -59,7 +61,7 @@ def test_seeds_against_brute_force(tmp_path):
     d = (joint - lm).mean(0)  # per problem, averaged over seeds
     se = d.std(ddof=1) / math.sqrt(len(d))
     assert first['diff'] == pytest.approx(d.mean()) and first['se'] == pytest.approx(se)
-    assert first['p'] == pytest.approx(t_tail(abs(d.mean() / se), len(d) - 1), rel=1e-4)
+    assert first['p'] == pytest.approx(math.exp(t_log_tail(abs(d.mean() / se), len(d) - 1)), rel=1e-4)
     assert first['diff_per_seed'] == pytest.approx((joint - lm).mean(1).tolist())
     assert first['mcnemar_p_per_seed'][0] == stats.mcnemar(joint[0], lm[0])['p']
     p = [c['p'] for c in res['comparisons']]
@@ -114,17 +116,6 @@ def test_seeds_refuses_mixed_runs(tmp_path):
     assert not os.path.exists(tmp_path / 'o.json')
 
 
-def t_log_tail(t, df):
-    """log P(|T| >= t), T ~ Student's t(df), where it is below the smallest double: the log density
-    summed over a grid by log-sum-exp (a reference apart from stats)."""
-    x = np.linspace(t, t + 50, 500_001)
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    log_f = log_c - (df + 1) / 2 * np.log1p(x ** 2 / df)
-    w = np.full_like(x, x[1] - x[0])
-    w[[0, -1]] /= 2  # the trapezoid rule
-    return math.log(2) + float(np.logaddexp.reduce(log_f + np.log(w)))
-
-
 def test_seeds_keep_p_values_below_the_smallest_double(tmp_path):
     """On 10,000 problems the joint decoder's lead gives a paired t near 40 and p near 1e-340: stored as
     its log (log_p, log_p_holm, McNemar's per seed) and p None, never 0.0, and printed from the log."""
@@ -136,7 +127,7 @@ def test_seeds_keep_p_values_below_the_smallest_double(tmp_path):
     seeds.main([*runs, '--out', str(out)])
     first = json.loads(out.read_text())['comparisons'][0]
     d = (joint - lm).mean(0)
-    want = t_log_tail(abs(d.mean() / (d.std(ddof=1) / 100)), len(d) - 1)
+    want = t_log_tail(abs(d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))), len(d) - 1)
     assert want < stats.LOG_TINY - 10 and first['log_p'] == pytest.approx(want, abs=1e-3)
     assert first['p'] is None and first['p_holm'] is None and first['holds'] and first['holds_holm']
     assert first['mcnemar_p_per_seed'] == [None, None]
