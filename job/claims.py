@@ -50,8 +50,8 @@ if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.claims")
 from job import (ACCURACY, ACCURACY_FIX, NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model,
                  check_shape, decoder_pairs, input_hashes, read_report)
-from job.stats import (ALPHA, correct, decide, equivalence_p, format_p, jackknife_se, mcnemar, mean_se,
-                       paired, studentised_permutation)
+from job.stats import (ALPHA, correct, decide, equivalence_p, format_log_p, format_p, jackknife_se, mcnemar,
+                       mean_se, paired, studentised_permutation)
 from plumbing import ArgumentParser, common_flags, run_main, write_json, write_text
 
 T3_MARGIN = 0.5  # T3's equivalence margin, a fraction of the predicted gain
@@ -502,7 +502,8 @@ def format_claims(result):
         if k == 'T3':
             v, vh = (x if h is not None else 'inconclusive'
                      for x, h in ((v, c['holds']), (vh, c.get('holds_holm'))))
-        p = 'n/a' if c.get('p') is None else format_p(c['p'])
+        p = (format_log_p(c['log_p']) if c.get('log_p') is not None  # below 2.2e-308 p is None
+             else 'n/a' if c.get('p') is None else format_p(c['p']))
         diff = '(see below)' if c.get('not_measurable') else f"{c['diff']:>+12.5f} ({c['se']:.5f})"
         lines.append(f"{k:<5} {what:<44} {diff:>24} {unit:<13} {p:>7} "
                      f"{v:<16} {vh}" + (f" (= {c['same_as']})" if c.get('same_as') else ''))

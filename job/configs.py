@@ -176,14 +176,15 @@ ADDITION_QUICK = dict(  # QUICK's tiny models on the same data
 )
 
 
-BUDGET_FLAGS = ('lm_max_iters', 'energy_max_iters')  # budget_flags' (their dests)
+SIZE_FLAGS = ('lm_max_iters', 'energy_max_iters', 'test_problems')  # size_flags' (their dests)
 
 
-def budget_flags(parser, scope):
-    """The addition job's budgets of steps as flags (job/reproduce.py's recipe() applies them, job.seeds
-    passes them on): --lm_max_iters, the base LM's, its cosine ending 500 steps before (as ADDITION's);
-    --energy_max_iters, the UNIT's and the BIT's, each cosine to its end. `scope` begins their help."""
-    for flag, (whose, default, study) in zip(BUDGET_FLAGS, (
+def size_flags(parser, scope):
+    """The addition job's sizes as flags (job/reproduce.py's recipe() applies them, job.seeds passes them
+    on): --lm_max_iters, the base LM's steps, its cosine ending 500 steps before (as ADDITION's);
+    --energy_max_iters, the UNIT's and the BIT's, each cosine to its end; --test_problems, the accuracy
+    table's problems. `scope` begins their help."""
+    for flag, (whose, default, study) in zip(SIZE_FLAGS[:2], (
             ('the base LM (its cosine ending 500 before)', ADDITION['lm']['max_iters'],
              "The LM's budget over seeds"),
             ('the UNIT and the BIT (each cosine to its end)', ADDITION['bit']['max_iters'],
@@ -191,6 +192,12 @@ def budget_flags(parser, scope):
         parser.add_argument(f'--{flag}', type=int, default=None, at_least=1000, at_most=10**6,
                             help=f"{scope}: the steps of {whose}; default {default:,} (docs/addition.md, "
                                  f"{study})")
+    parser.add_argument('--test_problems', type=int, default=None, at_least=1, at_most=10**6,
+                        help=f"{scope}: the accuracy table's test problems; default "
+                             f"{ADDITION['accuracy']['num_prefixes']:,}, evenly spaced over the prepared "
+                             f"test split; above its size the split is prepared larger for the table "
+                             f"alone, into <data_dir>_test<N> (data.addition.prepare --extra_test_problems: "
+                             f"the other splits unchanged)")
 
 
 # job/lesson.py, the first thing `bash run.sh` shows: 4-digit addition (50,000 training problems), small

@@ -53,7 +53,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
                       rerun_command, run_main, write_json)
 
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME, STAGE_SECONDS,
-                         BUDGET_FLAGS, budget_flags, large_batch)
+                         SIZE_FLAGS, large_batch, size_flags)
 from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
 from job.stages import check_made_with, flags, negatives, nce, prepare_command
 
@@ -102,7 +102,7 @@ def get_args(argv=None):
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="gpu (with --data addition): the energies' batches 4x for half the steps, as a "
                         "GPU wants (job/configs.py large_batch; docs/addition.md): a recipe of its own")
-    budget_flags(p, 'with --data addition')
+    size_flags(p, 'with --data addition')
     p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
                         "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
@@ -129,7 +129,8 @@ def get_args(argv=None):
     args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
                                     + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else '')
                                     + (f'-lm{args.lm_max_iters}' if args.lm_max_iters else '')
-                                    + (f'-e{args.energy_max_iters}' if args.energy_max_iters else ''))
+                                    + (f'-e{args.energy_max_iters}' if args.energy_max_iters else '')
+                                    + (f'-test{args.test_problems}' if args.test_problems else ''))
     args.data_dir = args.data_dir or ('data/addition' if add else
                                       'data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
     return args
@@ -137,13 +138,14 @@ def get_args(argv=None):
 
 def recipe(args, add, gpt2):
     """The stages' settings (job/configs.py) that the flags choose: --quick's, --recipe gpu's, and the
-    addition job's budgets: the LM's (--lm_max_iters, the cosine ending 500 steps before, as the
-    default's) and the energies' (--energy_max_iters, the cosine to the end, as the default's)."""
+    addition job's sizes: the LM's budget (--lm_max_iters, the cosine ending 500 steps before, as the
+    default's), the energies' (--energy_max_iters, the cosine to the end, as the default's) and the
+    accuracy table's problems (--test_problems)."""
     cfg = ((ADDITION_QUICK if add else QUICK_GPT2 if gpt2 else QUICK) if args.quick
            else ADDITION if add else DEFAULT)
     if args.recipe == 'gpu':
         cfg = large_batch(cfg)
-    for flag in BUDGET_FLAGS:
+    for flag in SIZE_FLAGS:
         if getattr(args, flag) is not None and not add:
             raise ValueError(f"--{flag} is the addition job's (measured there): add --data addition")
     if args.lm_max_iters is not None:
@@ -151,6 +153,8 @@ def recipe(args, add, gpt2):
         cfg = dict(cfg, lm=dict(cfg['lm'], max_iters=n, lr_decay_iters=n - 500))
     if args.energy_max_iters is not None:
         cfg = dict(cfg, **{e: dict(cfg[e], max_iters=args.energy_max_iters) for e in ('unit', 'bit')})
+    if args.test_problems is not None:
+        cfg = dict(cfg, accuracy=dict(cfg['accuracy'], num_prefixes=args.test_problems))
     return cfg
 
 
@@ -275,7 +279,7 @@ def stages(args, pipe):
     metric = metric_energies(stage, path, lm_ckpt, neg, cfg['metrics']) if 'metrics' in cfg else []
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
-        accuracy(script, path, lm_ckpt, cfg)
+        accuracy(script, path, lm_ckpt, cfg, test_data(pipe, args))
     pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'] + ['addition_eval'] * ('accuracy' in cfg))
     if args.ordering:
@@ -341,17 +345,33 @@ def exo(script, path, lm_ckpt, neg, cfg):
            path('exo', 'results.json'), ['lm', 'bit', 'unit'])
 
 
-def accuracy(script, path, lm_ckpt, cfg):
+def test_data(pipe, args):
+    """The accuracy table's data: the job's, or with --test_problems above its test split, the same
+    preparation with the extra test problems (data.addition.prepare --extra_test_problems: every other
+    split, and the first test problems, as the job's) into <data_dir>_test<N>: (addition_eval's flags,
+    the stages it needs)."""
+    n = args.cfg['accuracy']['num_prefixes']
+    have = load_meta(os.path.join(ROOT, args.data_dir))['num_docs']['test']
+    if n <= have:
+        return [], []
+    out = f'{args.data_dir.rstrip("/")}_test{n}'
+    pipe.run('prepare_test', prepare_command(args, out_dir=out) + ['--extra_test_problems', str(n - have)],
+             os.path.join(out, 'meta.json'))
+    return ['--data_dir', out], ['prepare_test']
+
+
+def accuracy(script, path, lm_ckpt, cfg, data):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
     model, and of the joint model LM + the stronger energy (chosen once both have ended) by each
-    decoder among n LM samples (extensions/addition_eval.py), and its figure."""
+    decoder among n LM samples (extensions/addition_eval.py), and its figure, on data: (test_data)."""
+    data_flags, deps = data
     script('addition_eval', lambda: ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
                                      '--energy', path(stronger_energy(path), 'best.pt'),
                                      '--extra_lm', f"BALM={path('balm', 'best.pt')}",
                                      f"EXO={path('exo', 'best.pt')}", f"TAILR={path('tailr', 'best.pt')}",
-                                     '--out', path('accuracy.json'), '--plot', path('fig_accuracy.png'),
-                                     '--force'] + flags(cfg['accuracy']),
-           path('accuracy.json'), ['lm', 'bit', 'unit', 'balm', 'exo', 'tailr'])
+                                     *data_flags, '--out', path('accuracy.json'),
+                                     '--plot', path('fig_accuracy.png'), '--force'] + flags(cfg['accuracy']),
+           path('accuracy.json'), ['lm', 'bit', 'unit', 'balm', 'exo', 'tailr'] + deps)
 
 
 def metric_energies(stage, path, lm_ckpt, neg, mc):

@@ -34,7 +34,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from extensions.carry import plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
-from job.configs import BUDGET_FLAGS, budget_flags
+from job.configs import SIZE_FLAGS, size_flags
 from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
                       write_json, write_text)
@@ -55,7 +55,7 @@ def get_args(argv=None):
                    help="with --seeds: seeds trained at a time (more than 1: sharing a GPU)")
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="with --seeds: each job's --recipe")
-    budget_flags(p, "with --seeds, each job's flag")
+    size_flags(p, "with --seeds, each job's flag")
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
     p.add_argument('--plot', default=None,
@@ -81,7 +81,7 @@ def seed_command(args, seed, run):
     return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed),
              '--out_dir', run, '--jobs', str(args.jobs), '--recipe', args.recipe]
             + ['--quick'] * args.quick + ['--quiet'] * args.quiet
-            + [x for f in BUDGET_FLAGS if getattr(args, f)
+            + [x for f in SIZE_FLAGS if getattr(args, f)
                for x in (f'--{f}', str(getattr(args, f)))])
 
 

@@ -15,9 +15,10 @@ def flags(d):
             for f in ((f'--{k}',) if v is True else (f'--{k}', str(v)))]
 
 
-def prepare_command(args, data_seed=None):
-    """The preparation this job asks for: the prepare.py command (its --seed: --data_seed)."""
-    return (['-m', f'data.{args.data}.prepare', '--out_dir', args.data_dir]
+def prepare_command(args, data_seed=None, out_dir=None):
+    """The preparation this job asks for: the prepare.py command (its --seed: --data_seed), into out_dir
+    (default: --data_dir)."""
+    return (['-m', f'data.{args.data}.prepare', '--out_dir', out_dir or args.data_dir]
             + (flags(args.cfg['data']) if 'data' in args.cfg else ['--tokenizer', args.tokenizer])
             + ['--seed', str(args.data_seed if data_seed is None else data_seed)]
             + (['--quiet'] if args.quiet else []))

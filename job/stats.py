@@ -188,17 +188,34 @@ def holm_log(log_ps):
 
 def correct(claims):
     """Each claim's Holm-adjusted p (p_holm) and verdict (holds_holm) over the family of claims with a
-    p-value, a claim that repeats another's test (same_as) counted once and given its result."""
-    family = [k for k, c in claims.items() if c.get('p') is not None and not c.get('same_as')]
-    for k, p in zip(family, holm([claims[k]['p'] for k in family])):
-        claims[k].update(p_holm=p, holds_holm=claims[k]['holds'] if p < ALPHA else None)
+    p-value, a claim that repeats another's test (same_as) counted once and given its result. Holm in
+    logs (holm_log): each claim's log_p is its p's log, or where p underflowed to 0.0 (McNemar on
+    10,000 problems) the log its test computed; below 2.2e-308 p and p_holm are stored as None (p_of),
+    never 0.0, their logs beside them."""
+    for c in claims.values():
+        c['log_p'] = claim_log_p(c)
+        if c['log_p'] is not None and c['log_p'] < LOG_TINY:
+            c['p'] = None
+    family = [k for k, c in claims.items() if c['log_p'] is not None and not c.get('same_as')]
+    for k, log_p_holm in zip(family, holm_log([claims[k]['log_p'] for k in family])):
+        claims[k].update(p_holm=p_of(log_p_holm), log_p_holm=log_p_holm,
+                         holds_holm=claims[k]['holds'] if log_p_holm < math.log(ALPHA) else None)
     for c in claims.values():
         if c.get('same_as'):
             first = claims[c['same_as']]
-            c.update(p_holm=first.get('p_holm'), holds_holm=first.get('holds_holm'))
-        c.setdefault('p_holm', None)
-        c.setdefault('holds_holm', None)
+            c.update({k: first.get(k) for k in ('p_holm', 'log_p_holm', 'holds_holm')})
+        for k in ('p_holm', 'log_p_holm', 'holds_holm'):
+            c.setdefault(k, None)
     return dict(method='Holm (1979) step-down', alpha=ALPHA, family=family)
+
+
+def claim_log_p(claim):
+    """The log of a claim's p (None: no p, as where its verdict is withheld); a p of 0.0 is only ever
+    exp of a log below the double's range, which the claim's test kept (log_p)."""
+    p = claim.get('p')
+    if p is None:
+        return None
+    return math.log(p) if p > 0 else claim['log_p']
 
 
 def jackknife(stat, num_prefixes):

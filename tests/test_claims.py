@@ -374,6 +374,30 @@ def test_sign_test_in_logs_against_exact_integers():
     assert stats.mcnemar([1] * 131, [0] * 131)['p'] == pytest.approx(2.0 ** -130, rel=1e-12)
 
 
+def test_claims_keep_p_values_below_the_smallest_double():
+    """A decoder claim on 10,000 problems (McNemar, 1,100 discordant pairs one way: p = 2^-1099, below
+    2.2e-308) keeps its p as its log: stats.correct stores p None beside log_p (never 0.0), Holm in logs
+    over the family (log 2 + log p with one other claim), the verdict and Holm's from the log; a p a
+    double holds is stored as it was; a withheld claim (p None) keeps no log. claims.txt prints the
+    exponent."""
+    a = np.r_[np.ones(1100), np.zeros(8900)]
+    cs = dict(D1=stats.mcnemar(a, np.zeros(10000)),
+              D2=stats.mcnemar(a[:20], np.r_[np.zeros(10), np.ones(10)]),
+              C1=dict(diff=0.1, se=0.01, p=None, log_p=-50.0, holds=None))  # withheld: its t's log is stale
+    d2_p = cs['D2']['p']
+    assert cs['D1']['p'] == 0.0  # in memory, before correct
+    assert stats.correct(cs)['family'] == ['D1', 'D2']
+    want = math.log(2) - 1100 * math.log(2)
+    assert cs['D1']['p'] is None and cs['D1']['log_p'] == pytest.approx(want, rel=1e-12)
+    assert cs['D1']['p_holm'] is None
+    assert cs['D1']['log_p_holm'] == pytest.approx(math.log(2) + want, rel=1e-12)
+    assert cs['D1']['holds'] is True and cs['D1']['holds_holm'] is True
+    assert cs['D2']['p'] == d2_p and cs['D2']['p_holm'] == pytest.approx(min(1.0, d2_p))
+    assert cs['C1']['log_p'] is None and cs['C1']['p_holm'] is None
+    line = next(x for x in claims.format_claims(dict(claims=cs, lms={})).splitlines() if x.startswith('D1'))
+    assert '1.5e-331' in line  # 2^-1099 = 10^-330.83
+
+
 def stored_p_values(obj):
     """Every dict in obj (a parsed JSON) that holds a p-value."""
     if isinstance(obj, dict):

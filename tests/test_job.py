@@ -409,6 +409,47 @@ def test_energy_max_iters_sets_the_energies_budget():
         reproduce.get_args(['--energy_max_iters', '16000'])
 
 
+def test_test_problems_sets_the_accuracy_tables_problems(tmp_path):
+    """--test_problems N (--data addition): the accuracy table's num_prefixes N, nothing else changed, its
+    own default folder; the seeds' command passes it on. Above the prepared test split, a stage prepares
+    the data again with the extra test problems (--extra_test_problems) into <data_dir>_test<N>, which
+    only the accuracy table reads: every other split byte for byte the job's, the first test problems
+    too. At or below it, no stage and no flag. Refused without --data addition."""
+    from data.addition import prepare
+    from job import reproduce, seeds, stages
+    from job.configs import ADDITION
+    args = reproduce.get_args(['--data', 'addition', '--test_problems', '10000'])
+    assert args.cfg['accuracy'] == dict(ADDITION['accuracy'], num_prefixes=10000)
+    rest = lambda cfg: {k: v for k, v in cfg.items() if k != 'accuracy'}
+    assert rest(args.cfg) == rest(ADDITION) and args.out_dir == 'out-addition-test10000'
+    cmd = seeds.seed_command(seeds.get_args(['--seeds', '1,2', '--test_problems', '10000']), 2, 'r/seed2')
+    assert cmd[-2:] == ['--test_problems', '10000'] and reproduce.get_args(cmd[3:]).cfg == args.cfg
+    with pytest.raises(ValueError, match=r"--test_problems is the addition job's .*: add --data addition"):
+        reproduce.get_args(['--test_problems', '10000'])
+    data = tmp_path / 'addition'
+    sizes = dict(digits=3, train_problems=40, select_problems=10, val_problems=10, test_problems=10)
+    prepare.main(['--out_dir', str(data), '--seed', '1337', '--quiet', *stages.flags(sizes)])
+
+    class Pipe:  # records the stages declared
+        runs = []
+
+        def run(self, name, cmd, done, deps=()):
+            self.runs.append((name, cmd, done))
+    for n, want in ((10, ([], [])), (25, (['--data_dir', f'{data}_test25'], ['prepare_test']))):
+        args = reproduce.get_args(['--data', 'addition', '--data_dir', str(data), '--test_problems', str(n)])
+        args.cfg = dict(args.cfg, data=sizes)
+        assert reproduce.test_data(Pipe(), args) == want
+    (name, cmd, done), = Pipe.runs
+    assert name == 'prepare_test' and done == os.path.join(f'{data}_test25', 'meta.json')
+    assert cmd[:2] == ['-m', 'data.addition.prepare'] and cmd[-2:] == ['--extra_test_problems', '15']
+    prepare.main(cmd[2:])
+    more = tmp_path / 'addition_test25'
+    for split in ('train', 'select', 'val'):
+        assert (more / f'{split}.bin').read_bytes() == (data / f'{split}.bin').read_bytes()
+    assert (more / 'test.bin').read_bytes().startswith((data / 'test.bin').read_bytes())
+    assert json.load(open(more / 'meta.json'))['num_docs']['test'] == 25
+
+
 def test_pipeline_jobs_same_numbers_as_one_at_a_time(lm_corpus, tmp_path, monkeypatch):
     """The seed decides the numbers, not the schedule: a tiny train_lm stage run alone (--jobs 1,
     OMP_NUM_THREADS=1) and beside another (--jobs 2, one thread each) gives the same results.json
