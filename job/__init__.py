@@ -154,12 +154,15 @@ DECODER_NAMES = {('JOINT', 'a1'): 'Alg. 1', ('JOINT', 'mode'): 'joint mode',
 
 def decoder_pairs(acc):
     """[(what, better, worse)]: the decoders compared on addition, each joint decoder at the largest n
-    against each LM decoder, and the EXO LM's greedy against the base LM's; better and worse name
-    accuracy.json's per-problem columns as (model, column)."""
+    against each LM decoder, and the EXO LM's greedy against the base LM's, and BALM's where it has
+    BALM's size (distilled from it: the job's EXO); better and worse name accuracy.json's per-problem
+    columns as (model, column)."""
     per, n = acc['per_problem'], max(acc['ns'])
     col = lambda model, how: (model, f'{how}_exact' if how == 'greedy' else f'{how}_{n}_exact')
     pairs = [((j, 'JOINT'), (how, model)) for j in DECODERS['JOINT'] if col('JOINT', j)[1] in per['JOINT']
              for model in ('BASE LM', 'BALM') if model in per for how in DECODERS[model]]
-    pairs += [(('greedy', 'EXO'), ('greedy', 'BASE LM'))] if 'EXO' in per else []
+    size = {r['model']: r.get('params') for r in acc.get('rows', [])}
+    exo_vs = ['BASE LM'] + ['BALM'] * (size.get('EXO') is not None and size.get('EXO') == size.get('BALM'))
+    pairs += [(('greedy', 'EXO'), ('greedy', worse)) for worse in exo_vs if 'EXO' in per and worse in per]
     return [(f"{DECODER_NAMES[m1, h1]} > {DECODER_NAMES[m2, h2]}" + (f" (n = {n})" if m1 == 'JOINT' else ''),
              col(m1, h1), col(m2, h2)) for (h1, m1), (h2, m2) in pairs]

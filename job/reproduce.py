@@ -335,14 +335,15 @@ def stronger_energy(path):
 
 
 def exo(script, path, lm_ckpt, neg, cfg):
-    """EXO (Ji et al., ICML 2024, from the talk): a copy of the LM fine-tuned towards the joint model
-    LM + the stronger energy (chosen once both have ended) by the reverse KL over K LM samples per
-    prefix, best.pt chosen on the selection split."""
+    """EXO (Ji et al., ICML 2024, from the talk): BALM fine-tuned towards the joint model LM + the
+    stronger energy (chosen once both have ended) by the reverse KL over K samples per prefix (its
+    own, with --on_policy), best.pt chosen on the selection split: compared with BALM at its size."""
     script('exo', lambda: ['-m', 'extensions.exo', '--lm', lm_ckpt,
                            '--energy', path(stronger_energy(path), 'best.pt'),
+                           '--init_from', path('balm', 'best.pt'),
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                            '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stop: starts over
-           path('exo', 'results.json'), ['lm', 'bit', 'unit'])
+           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'])
 
 
 def test_data(pipe, args):

@@ -247,8 +247,9 @@ def outcomes_path(out):
 
 def write_outcomes(accs, seeds, path):
     """Every seed's per-problem outcomes (accuracy.json's per_problem, and the problems' carry chains),
-    gzipped JSON: what the comparisons are recomputed from (read_outcomes)."""
+    and each model's parameters, gzipped JSON: what the comparisons are recomputed from (read_outcomes)."""
     data = dict(seeds=seeds, split=accs[0]['split'], ns=accs[0]['ns'], carry_chain=accs[0].get('carry_chain'),
+                params={r['model']: r.get('params') for r in accs[0]['rows']},
                 per_problem={str(s): a['per_problem'] for s, a in zip(seeds, accs)})
 
     def write(tmp):
@@ -258,10 +259,12 @@ def write_outcomes(accs, seeds, path):
 
 
 def read_outcomes(path):
-    """write_outcomes' file as the accs comparisons() takes: [{'ns', 'per_problem'}] in seed order."""
+    """write_outcomes' file as the accs comparisons() takes: [{'ns', 'per_problem', 'rows'}] in seed
+    order, rows holding each model's parameters (decoder_pairs: EXO against BALM at BALM's size)."""
     with gzip.open(path, 'rt') as f:
         data = json.load(f)
-    return [dict(ns=data['ns'], per_problem=data['per_problem'][str(s)]) for s in data['seeds']]
+    rows = [dict(model=m, params=n) for m, n in data.get('params', {}).items()]
+    return [dict(ns=data['ns'], per_problem=data['per_problem'][str(s)], rows=rows) for s in data['seeds']]
 
 
 def main(argv=None):

@@ -75,6 +75,24 @@ def test_seeds_against_brute_force(tmp_path):
     assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
 
 
+def test_exo_is_compared_with_balm_where_it_has_balms_size(tmp_path):
+    """The EXO LM's greedy is compared with the base LM's, and with BALM's only where EXO has BALM's
+    parameters (distilled from BALM: the job's EXO), in the table over seeds and in the comparisons
+    recomputed from the outcomes file (which keeps each model's parameters)."""
+    from job import decoder_pairs
+    ones = [1, 0, 1, 1]
+    per = {'JOINT': {'a1_4_exact': ones}, 'BASE LM': {'greedy_exact': ones},
+           'BALM': {'greedy_exact': ones}, 'EXO': {'greedy_exact': ones}}
+    rows = lambda exo: [dict(model='BALM', params=760), dict(model='EXO', params=exo)]
+    whats = lambda acc: [w for w, *_ in decoder_pairs(acc) if w.startswith('EXO')]
+    assert whats(dict(ns=[1, 4], per_problem=per, rows=rows(760))) == ['EXO LM greedy > LM greedy',
+                                                                       'EXO LM greedy > BALM greedy']
+    assert whats(dict(ns=[1, 4], per_problem=per, rows=rows(340))) == ['EXO LM greedy > LM greedy']
+    accs = [dict(split='test', ns=[1, 4], per_problem=per, rows=rows(760))] * 2
+    seeds.write_outcomes(accs, [1, 2], tmp_path / 'o.json.gz')
+    assert [whats(a) for a in seeds.read_outcomes(tmp_path / 'o.json.gz')] == [whats(accs[0])] * 2
+
+
 def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
     """--seeds: each seed's job (job.reproduce's command, here a stand-in that writes a run) into
     <runs_dir>/seedS with its log, --at_once of them at a time, then the table of those runs; a job
