@@ -13,7 +13,8 @@ the exact sign test, each with Holm over the family: what holds whatever the tra
 
 With --seeds, each seed's job (python -m job.reproduce --data addition --seed S --out_dir
 <runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time (on one GPU they
-share it; on a CPU, 1), each into its folder and log (<runs_dir>/seedS.log); a rerun of the same
+share it; on a CPU, 1 with --jobs 2, or a core each: OMP_NUM_THREADS=1, --jobs 1, --at_once 2 on two
+cores, the same numbers), each into its folder and log (<runs_dir>/seedS.log); a rerun of the same
 command skips what is done and resumes what was stopped, as job.reproduce does. Writes the JSON and,
 beside it, the same as a table (.txt), and every seed's per-problem outcomes (_outcomes.json.gz), from
 which the comparisons can be recomputed; with --plot, exact match by the longest carry chain, a PNG.
@@ -52,7 +53,8 @@ def get_args(argv=None):
     p.add_argument('--jobs', type=int, default=2, at_least=1, at_most=1024,
                    help="with --seeds: each job's --jobs")
     p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
-                   help="with --seeds: seeds trained at a time (more than 1: sharing a GPU)")
+                   help="with --seeds: seeds trained at a time (sharing a GPU; or on a CPU with "
+                        "OMP_NUM_THREADS=1 and --jobs 1, a core each)")
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="with --seeds: each job's --recipe")
     size_flags(p, "with --seeds, each job's flag")
