@@ -51,7 +51,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 from job import (ACCURACY, ACCURACY_FIX, NUMBER, NUMBER_OR_NULL, NUMBERS, check_same_lm, check_same_model,
                  check_shape, decoder_pairs, input_hashes, read_report)
 from job.stats import (ALPHA, correct, decide, equivalence_p, format_log_p, format_p, jackknife_se, mcnemar,
-                       mean_se, paired, studentised_permutation)
+                       mean_se, p_of, paired, studentised_permutation)
 from plumbing import ArgumentParser, common_flags, run_main, write_json, write_text
 
 T3_MARGIN = 0.5  # T3's equivalence margin, a fraction of the predicted gain
@@ -86,11 +86,11 @@ def withhold_if_flagged(claim, split, lp, L):
                if m.startswith('JOINT ') and m[6:] in enum}
     if not any(flagged.values()):
         return claim
-    est = enumerated_log_probs(split)
+    est = compare(dict(lp, **enumerated_log_probs(split)), *claim['models'], L)
     claim.update(holds=None, p=None, eq4_flagged=flagged,
                  not_measurable="Eq. 4's range is flagged (energy.logz_diagnostics) on " + ', '.join(
                      f"{100 * v:.1f}% of {m}'s prefixes" for m, v in flagged.items() if v),
-                 enumerated=compare(dict(lp, **est), *claim['models'], L))
+                 enumerated=dict(est, p=p_of(est['log_p'])))  # out of Holm's family: stored as it prints
     return claim
 
 
@@ -511,7 +511,8 @@ def format_claims(result):
         if c.get('not_measurable'):
             e = c['enumerated']
             lines.append(f"{k}: not measurable from Eq. 4: {c['not_measurable']}; with log Z enumerated (an "
-                         f"estimate) {e['diff']:+.5f} ({e['se']:.5f}) {UNITS[k]}, p {format_p(e['p'])}")
+                         f"estimate) {e['diff']:+.5f} ({e['se']:.5f}) {UNITS[k]}, p "
+                         + (format_log_p(e['log_p']) if e.get('log_p') is not None else format_p(e['p'])))
     m = result.get('multiplicity')
     if m:
         lines.append(f"Holm: {len(m['family'])} claims at family-wise level {m['alpha']:.4f} "

@@ -131,6 +131,10 @@ def test_claims_on_flagged_ranges_give_no_verdict():
     assert c1['enumerated']['diff'] == pytest.approx(np.mean(-e - logz - 0.5) / 10)
     result = dict(claims=dict(C1=c1), multiplicity=stats.correct(dict(C1=c1)), lms={})
     assert result['multiplicity']['family'] == [] and 'not measurable' in claims.format_claims(result)
+    lp['BALM'] = lm + 1 - e - logz + rng.normal(0, 1e-6, n)  # the estimate's t near 1e4: p below a double
+    c1 = claims.withhold_if_flagged(claims.compare(lp, 'JOINT BIT', 'BALM', 10), split, lp, 10)
+    assert c1['enumerated']['p'] is None and c1['enumerated']['log_p'] < stats.LOG_TINY
+    assert 'e-' in claims.format_claims(dict(claims=dict(C1=c1), lms={})).splitlines()[-1]
 
 
 def test_mcnemar_brute_force_and_decoder_claims():
