@@ -103,7 +103,8 @@ QUICK_GPT2 = dict(
 # energy that gains more on the selection split (BIT or UNIT: reproduce.stronger_energy) into an LM
 # (extensions/exo.py) and addition_eval.py scores every model against the known answer. Chosen on
 # the selection split: the energies' recipe, BALM's lr and patience, EXO's K, lr and steps; the rest
-# not tuned. Its time: 30.6 min idle with --jobs 2 on a 2-core AMD EPYC with bf16 (docs/addition.md).
+# not tuned. Its time: 30.6 min idle with --jobs 2 on a 2-core AMD EPYC with bf16, with the EXO of 200
+# steps from the LM (docs/addition.md); EXO's 600 on-policy steps from BALM cost more.
 # Every LM here (BASE, BALM, RALM, TaiLr) is stopped and selected on the loss of the answer alone
 # (train_lm.py --select_on continuation): the operands' digits are ~87% of the window's loss and
 # irreducible, so 0.1% of the window's loss was ~10% of the answer's. The rule: less than 1% better
