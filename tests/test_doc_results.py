@@ -82,7 +82,8 @@ JSON_CLAIMS = [
     ('docs/addition.md', r'TaiLr LM: greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
      [acc('TAILR', 'greedy'), acc('TAILR', 'sampled'), acc('TAILR', 'greedy', 'p_correct'),
       acc('TAILR', 'greedy', 'p_correct_se')]),
-    ('docs/addition.md', r'200 steps off-policy from the LM\): greedy / one sample \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \(([\d.]+)\)',
+    ('docs/addition.md', r'200 steps off-policy from the LM\): greedy / one sample \| ([\d.]+) / ([\d.]+) '
+                         r'\| ([\d.]+) \(([\d.]+)\)',
      [acc('EXO', 'greedy'), acc('EXO', 'sampled'), acc('EXO', 'greedy', 'p_correct'),
       acc('EXO', 'greedy', 'p_correct_se')]),
     ('docs/addition.md', r'Algorithm 1\*\* \| ([\d.]+) / ([\d.]+) / ([\d.]+) / \*\*([\d.]+)\*\* \(([\d.]+)\) '
