@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -39,6 +40,8 @@ from job.configs import SIZE_FLAGS, size_flags
 from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
                       write_json, write_text)
+
+POLL_S = 1.0  # how often train_seeds looks for a seed's job that has ended
 
 
 def get_args(argv=None):
@@ -88,8 +91,8 @@ def seed_command(args, seed, run):
 
 
 def train_seeds(args):
-    """Each seed's addition job, --at_once at a time, each into its folder and log; one line naming
-    the log of a job that failed (a rerun resumes it)."""
+    """Each seed's addition job, --at_once at a time (the next starts as soon as any ends), each into its
+    folder and log; one line naming the log of a job that failed (a rerun resumes it)."""
     os.makedirs(args.runs_dir, exist_ok=True)
     todo, running = list(zip(args.seeds, args.runs)), []
     while todo or running:
@@ -99,13 +102,17 @@ def train_seeds(args):
             print(f"[seed {seed}] $ python {' '.join(cmd[1:])}  > {run}.log", file=sys.stderr, flush=True)
             with open(f'{run}.log', 'w') as log:
                 running.append((seed, run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
-        seed, run, proc = running.pop(0)
-        if proc.wait() != 0:
-            for *_, other in running:
-                other.kill()
-            raise ValueError(f"seed {seed}'s job failed (its log: {run}.log); rerun this command: what is "
-                             f"done is kept, a stopped stage resumes")
-        print(f"[seed {seed}] done: {run}", file=sys.stderr, flush=True)
+        ended = [r for r in running if r[2].poll() is not None]
+        if not ended:
+            time.sleep(POLL_S)
+        for seed, run, proc in ended:
+            running.remove((seed, run, proc))
+            if proc.returncode != 0:
+                for *_, other in running:
+                    other.kill()
+                raise ValueError(f"seed {seed}'s job failed (its log: {run}.log); rerun this command: what "
+                                 f"is done is kept, a stopped stage resumes")
+            print(f"[seed {seed}] done: {run}", file=sys.stderr, flush=True)
 
 
 def data_hash(run):
