@@ -122,15 +122,17 @@ def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
 def test_seeds_start_the_next_as_soon_as_any_ends(tmp_path, monkeypatch):
     """--at_once 2 with the first seed's job the longest: the third starts when the second ends, not
     after the first (a core idle no longer than a poll)."""
-    stand_in = ("import json, sys, time; sys.path.insert(0, {root!r}); from tests.test_seeds import fake_run; "
-                "import pathlib; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
-                "json.dump(time.time(), open(str(run) + '.start', 'w')); time.sleep(3 if seed == 1 else 0.2); "
-                "json.dump(time.time(), open(str(run) + '.end', 'w')); fake_run(run, seed, [1, 1, 0], [1, 0, 0])")
+    stand_in = ("import json, pathlib, sys, time; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
+                "json.dump(time.time(), open(str(run) + '.start', 'w')); "
+                "time.sleep(6 if seed == 1 else 0.2); "
+                "json.dump(time.time(), open(str(run) + '.end', 'w')); sys.path.insert(0, {root!r}); "
+                "from tests.test_seeds import fake_run; fake_run(run, seed, [1, 1, 0], [1, 0, 0])")
     monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [
         seeds.sys.executable, '-c', stand_in.format(root=ROOT), str(seed), run])
     monkeypatch.setattr(seeds, 'POLL_S', 0.05)
     runs = tmp_path / 'runs'
-    seeds.main(['--seeds', '1,2,3', '--runs_dir', str(runs), '--at_once', '2', '--out', str(tmp_path / 't.json')])
+    seeds.main(['--seeds', '1,2,3', '--runs_dir', str(runs), '--at_once', '2',
+                '--out', str(tmp_path / 't.json')])
     when = lambda s, what: json.load(open(runs / f'seed{s}.{what}'))
     assert when(2, 'end') <= when(3, 'start') < when(1, 'end')
 
