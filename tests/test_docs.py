@@ -103,7 +103,7 @@ CLAIMS = [
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
     ('README.md', r"mode over the LM's beam of (\d+) and 1 / (\d+) samples",
      [ADDITION['accuracy']['beam'], int(ADDITION['accuracy']['ns'].split(',')[-1])]),
-    ('README.md', r'EXO-distilled LM \(K = (\d+), from the LM', [ADDITION['exo']['num_samples']]),
+    ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['num_samples']]),
     # docs/using.md: the stage commands of the main job
     ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '
                       r'([\de.-]+)',
