@@ -23,7 +23,11 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_flags.py       every script's flags: one vocabulary, help and defaults, declared bounds
     tests/test_resume.py      resume, locks, DDP and torchrun, fp16, finite checkpoints
     tests/test_hardware.py    precision and threads from the hardware, the wait policy
-    tests/test_job.py         the main job end to end (job/reproduce.py), figures, bench
+    tests/test_job.py         the main job end to end (job/reproduce.py --quick), the lesson, figures,
+                              bench
+    tests/test_pipeline.py    the job's scheduler (job/pipeline.py): --jobs, failures, its lock
+    tests/test_recipe.py      the settings the job's flags choose (--recipe gpu, the addition job's
+                              sizes) and the prepared data it reuses
     tests/test_claims.py      the claims and their statistics (job/claims.py, job/stats.py)
     tests/test_seeds.py       the addition table over seeds (job/seeds.py)
     tests/test_human_eval.py  Table 2's protocol (job/human_eval.py)

@@ -279,7 +279,7 @@ def stages(args, pipe):
     metric = metric_energies(stage, path, lm_ckpt, neg, cfg['metrics']) if 'metrics' in cfg else []
     evaluate(stage, path, lm_ckpt, neg, cfg, metric, [f"EXO={path('exo', 'best.pt')}"] * ('exo' in cfg))
     if 'accuracy' in cfg:  # before the claims: its decoders' paired tests are claims (D1, ...)
-        accuracy(script, path, lm_ckpt, cfg, test_data(pipe, args))
+        accuracy(script, path, lm_ckpt, cfg, accuracy_data(pipe, args))
     pipe.run('claims', ['-m', 'job.claims', '--out_dir', out, '--seed', str(args.seed)], path('claims.json'),
              ['estimate_ppl', 'samples', 'samples_untruncated'] + ['addition_eval'] * ('accuracy' in cfg))
     if args.ordering:
@@ -346,7 +346,7 @@ def exo(script, path, lm_ckpt, neg, cfg):
            path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'])
 
 
-def test_data(pipe, args):
+def accuracy_data(pipe, args):
     """The accuracy table's data: the job's, or with --test_problems above its test split, the same
     preparation with the extra test problems (data.addition.prepare --extra_test_problems: every other
     split, and the first test problems, as the job's) into <data_dir>_test<N>: (addition_eval's flags,
@@ -364,7 +364,7 @@ def test_data(pipe, args):
 def accuracy(script, path, lm_ckpt, cfg, data):
     """The known answer (addition): exact-match and per-digit accuracy and P(correct sum) of every
     model, and of the joint model LM + the stronger energy (chosen once both have ended) by each
-    decoder among n LM samples (extensions/addition_eval.py), and its figure, on data: (test_data)."""
+    decoder among n LM samples (extensions/addition_eval.py), and its figure, on data: (accuracy_data)."""
     data_flags, deps = data
     script('addition_eval', lambda: ['-m', 'extensions.addition_eval', '--lm', lm_ckpt,
                                      '--energy', path(stronger_energy(path), 'best.pt'),

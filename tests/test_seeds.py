@@ -93,18 +93,23 @@ def test_exo_is_compared_with_balm_where_it_has_balms_size(tmp_path):
     assert [whats(a) for a in seeds.read_outcomes(tmp_path / 'o.json.gz')] == [whats(accs[0])] * 2
 
 
+def stand_in_jobs(monkeypatch, body):
+    """seeds.seed_command replaced by a Python stand-in for a seed's job: it writes its start time to
+    <run>.start first (before any slow import), then runs `body` with seed, run (a Path), json, sys,
+    time and the repo on the path."""
+    code = ("import json, pathlib, sys, time; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
+            f"json.dump(time.time(), open(str(run) + '.start', 'w')); sys.path.insert(0, {ROOT!r}); " + body)
+    monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [seeds.sys.executable, '-c', code,
+                                                                         str(seed), run])
+
+
 def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
     """--seeds: each seed's job (job.reproduce's command, here a stand-in that writes a run) into
     <runs_dir>/seedS with its log, --at_once of them at a time, then the table of those runs; a job
     that fails stops the command with one line naming its log (a rerun: a done run is kept)."""
-    stand_in = ("import json, os, sys, time; sys.path.insert(0, {root!r}); "
-                "from tests.test_seeds import fake_run; "
-                "import pathlib; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
-                "json.dump(time.time(), open(str(run) + '.start', 'w')); time.sleep(0.5); "
-                "sys.exit('error: boom') if seed == 9 else "
-                "run.exists() or fake_run(run, seed, [1, 1, seed % 2], [1, 0, 0])")
-    monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [
-        seeds.sys.executable, '-c', stand_in.format(root=ROOT), str(seed), run])
+    stand_in_jobs(monkeypatch, "time.sleep(0.5); from tests.test_seeds import fake_run; "
+                               "sys.exit('error: boom') if seed == 9 else "
+                               "run.exists() or fake_run(run, seed, [1, 1, seed % 2], [1, 0, 0])")
     runs, out = tmp_path / 'runs', tmp_path / 'table.json'
     seeds.main(['--seeds', '3,1,2', '--runs_dir', str(runs), '--at_once', '3', '--out', str(out)])
     res = json.loads(out.read_text())
@@ -122,13 +127,10 @@ def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
 def test_seeds_start_the_next_as_soon_as_any_ends(tmp_path, monkeypatch):
     """--at_once 2 with the first seed's job the longest: the third starts when the second ends, not
     after the first (a core idle no longer than a poll)."""
-    stand_in = ("import json, pathlib, sys, time; seed, run = int(sys.argv[1]), pathlib.Path(sys.argv[2]); "
-                "json.dump(time.time(), open(str(run) + '.start', 'w')); "
-                "time.sleep(6 if seed == 1 else 0.2); "
-                "json.dump(time.time(), open(str(run) + '.end', 'w')); sys.path.insert(0, {root!r}); "
-                "from tests.test_seeds import fake_run; fake_run(run, seed, [1, 1, 0], [1, 0, 0])")
-    monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [
-        seeds.sys.executable, '-c', stand_in.format(root=ROOT), str(seed), run])
+    stand_in_jobs(monkeypatch, "time.sleep(6 if seed == 1 else 0.2); "
+                               "json.dump(time.time(), open(str(run) + '.end', 'w')); "
+                               "from tests.test_seeds import fake_run; "
+                               "fake_run(run, seed, [1, 1, 0], [1, 0, 0])")
     monkeypatch.setattr(seeds, 'POLL_S', 0.05)
     runs = tmp_path / 'runs'
     seeds.main(['--seeds', '1,2,3', '--runs_dir', str(runs), '--at_once', '2',
