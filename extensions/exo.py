@@ -343,7 +343,8 @@ def main(argv=None):
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     state = dict(ckpt, objective=f'exo ({args.loss})',
                  exo=dict(vars(args), lm_hash=file_hash(args.lm), energy_hash=file_hash(args.energy)))
-    state = {k: v for k, v in state.items() if k not in ('optimizer', 'scaler', 'rng_state')}
+    # an LM checkpoint of EXO's own: the start LM's training record (its args, best) left out
+    state = {k: v for k, v in state.items() if k not in ('optimizer', 'scaler', 'rng_state', 'args', 'best')}
     curve, best, start, t0 = [], None, 0, time.time()
     if saved:  # the run as it stood after its evaluation at saved['iter_num'], before that step
         policy.load_state_dict(saved['model'])

@@ -252,9 +252,8 @@ def stages(args, pipe):
     lm_ckpt = path('lm', 'best.pt')  # every later stage uses the LMs' best weights on the selection split
 
     def train(name, extra, deps, objective='lm', **changes):  # changes: to the LM's flags
-        resume = ['--resume'] if os.path.exists(path(name, 'ckpt.pt')) else []
         stage(name, ['train_lm.py', '--data_dir', args.data_dir, '--out_dir', path(name),
-                     '--objective', objective] + flags(dict(lm, **changes)) + extra + resume,
+                     '--objective', objective] + flags(dict(lm, **changes)) + extra + resumed(path(name)),
               path(name, 'results.json'), deps, path(name))
 
     train('lm', [], ['prepare'])
@@ -268,8 +267,8 @@ def stages(args, pipe):
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
 
-    def script(name, cmd, done, deps):  # a script without --dtype (fp32): the run's seed and device
-        pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps)
+    def script(name, cmd, done, deps, folder=None):  # a script without --dtype (fp32): seed and device
+        pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps, folder)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg)
@@ -342,8 +341,14 @@ def exo(script, path, lm_ckpt, neg, cfg):
                            '--energy', path(stronger_energy(path), 'best.pt'),
                            '--init_from', path('balm', 'best.pt'),
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
-                           '--out_dir', path('exo'), '--force'] + flags(cfg['exo']),  # a stop: starts over
-           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'])
+                           '--out_dir', path('exo')] + flags(cfg['exo']) + resumed(path('exo'), ['--force']),
+           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'], path('exo'))
+
+
+def resumed(folder, otherwise=()):
+    """--resume where a stopped run left its ckpt.pt (the scheduler drops it, and keeps the folder aside,
+    when the stage is made from something else), else `otherwise`."""
+    return ['--resume'] if os.path.exists(os.path.join(folder, 'ckpt.pt')) else list(otherwise)
 
 
 def accuracy_data(pipe, args):

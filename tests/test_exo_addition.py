@@ -446,6 +446,8 @@ def test_exo_on_policy_from_a_bigger_lm(addition_run, tmp_path):
     res = json.loads((out / 'results.json').read_text())
     assert res['curve'][0]['select_kl_to_base'] > 0 and res['args']['on_policy']
     assert load_lm(str(out / 'best.pt'))[0].config.n_embd == 48
+    best = torch.load(out / 'best.pt', weights_only=True)  # EXO's record, not the wide LM's training's
+    assert best['exo']['init_from'] == wide_lm and not {'args', 'best'} & set(best)
     train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(tmp_path / 'ralm'), '--max_iters', '2',
                    '--eval_interval', '2', '--final_eval', '0', '--residual_of', lm_path, *TRAIN_FLAGS])
     with pytest.raises(ValueError, match=r'--init_from .*ralm/best.pt is a RALM: EXO fine-tunes a plain'):

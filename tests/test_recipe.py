@@ -149,3 +149,22 @@ def test_data_of_other_flags_is_not_reused(tmp_path):
     check()
     with pytest.raises(ValueError, match=r"was prepared with --seed 1337 .*not the --data_seed 5"):
         check('--data_seed', '5')
+
+
+def test_a_stopped_exo_stage_resumes(tmp_path, monkeypatch):
+    """The job's EXO stage continues a stopped run's ckpt.pt with --resume (exo.py resumes exactly:
+    test_exo_addition) and starts a new one with --force; its folder is the stage's, so that one made
+    from something else is kept aside by the scheduler, which drops the --resume."""
+    from job import reproduce
+    monkeypatch.setattr(reproduce, 'stronger_energy', lambda path: 'bit')
+    declared = {}
+
+    def script(name, cmd, done, deps, folder=None):
+        declared.update(name=name, cmd=cmd, folder=folder)
+    path = lambda *a: str(tmp_path.joinpath(*a))
+    reproduce.exo(script, path, 'lm.pt', dict(prefix_len=14, gen_len=8), dict(exo=dict(max_iters=600)))
+    assert declared['name'] == 'exo' and declared['folder'] == path('exo')
+    assert declared['cmd']()[-3:] == ['--max_iters', '600', '--force']
+    os.makedirs(path('exo'))
+    open(path('exo', 'ckpt.pt'), 'wb').close()
+    assert declared['cmd']()[-3:] == ['--max_iters', '600', '--resume']
