@@ -414,6 +414,63 @@ JSON_CLAIMS += [e16(label, method) for label, method in (
                   r'beam\'s mode to \*\*([\d.]+)\*\*',
      [len(E16['seeds']), L7E['JOINT', BEAM_64['method']]['exact']['mean']]),
 ]
+# docs/addition.md's five seeds on 10,000 test problems (assets/seeds_addition_lm7000_e16000_test10000.json)
+T10K = asset('seeds_addition_lm7000_e16000_test10000.json')
+T10 = by(T10K['rows'], 'model', 'method')
+T10_BEAM = [c for c in T10K['comparisons'] if 'beam' in c['what']]
+T10_EXO = next(c for c in T10K['comparisons'] if c['what'] == 'EXO LM greedy > BALM greedy')
+T10_MODE, T10_CEIL = (T10[m]['exact'] for m in (('JOINT', BEAM_64['method']), ('BASE LM', 'oracle, n = 64')))
+
+
+def sci(log_p):
+    """p as the doc writes it from its log, 7.1e-248: [7.1, 248]."""
+    e = math.floor(log_p / math.log(10))
+    return [10 ** (log_p / math.log(10) - e), -e]
+
+
+def t10(label, model, method):
+    """A row: mean (SD) [min, max] over the seeds, then each seed's exact match."""
+    e = T10[model, method]['exact']
+    pattern = rf'\| {re.escape(label)} \| {M_SD_RANGE} \|' + r' ([\d.]+) \|' * len(T10K['seeds'])
+    return 'docs/addition.md', pattern, [e[k] for k in ('mean', 'sd', 'min', 'max')] + e['per_seed']
+
+
+T10_LONGEST = max(T10K['by_carry_chain']['count'], key=int)  # greedy exact match by longest carry chain:
+T10_BY = {m: T10K['by_carry_chain']['exact'][m]['greedy_exact'] for m in ('BALM', 'EXO')}
+T10_ABOVE = sum(a > b for a, b in zip(T10_MODE['per_seed'], T10_CEIL['per_seed']))
+T10_EXO_SEEDS = [T10_EXO['seed_level'][k] for k in ('sign', 't_p', 't_p_holm')]
+JSON_CLAIMS += [t10(*row) for row in (
+    ('LM greedy', 'BASE LM', 'greedy'), ('LM, majority vote of 64', 'BASE LM', 'majority vote, n = 64'),
+    ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
+    ('LM, any of 64 correct', 'BASE LM', 'oracle, n = 64'), ('BALM greedy', 'BALM', 'greedy'),
+    ('BALM, log-prob rerank of 64', 'BALM', 'log-prob rerank, n = 64'),
+    ('EXO LM greedy (from BALM)', 'EXO', 'greedy'),
+    ('joint: Algorithm 1 of 64', 'JOINT', 'Algorithm 1, n = 64'),
+    ('joint: mode of 64', 'JOINT', 'joint mode, n = 64'),
+    ('joint: mode of beam + 1 sample', 'JOINT', 'joint mode, beam + samples, n = 1'),
+    ('joint: mode of beam + 64', 'JOINT', BEAM_64['method']))] + [
+    ('docs/addition.md', r'samples is at\s+([\d.]+) on average, above the samples\' ceiling \(([\d.]+): '
+                         r'higher at (\d) of the (\d) seeds\)',
+     [T10_MODE['mean'], T10_CEIL['mean'], T10_ABOVE, len(T10K['seeds'])]),
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): it beats\s+every LM decoder and BALM\'s at '
+                         r't p\s+([\d.e-]+) to ([\d.]+)\s+\(Holm ([\d.e-]+) to ([\d.]+)\); the sign test',
+     [len(T10K['comparisons'])] + t_range(T10_BEAM)),
+    ('docs/addition.md', r'problem as the unit, Holm-adjusted p at most ([\d.]+)e-(\d+)\.\s+Its\s+cost per '
+                         r'problem is that of 1,000', sci(max(c['log_p_holm'] for c in T10_BEAM))),
+    ('docs/addition.md', r'The EXO LM\'s greedy is ([\d.]+) against BALM\'s ([\d.]+), above\s+it at (\d) of '
+                         r'the 5 seeds [\s\S]{0,80}?the seed as the unit, t p ([\d.e-]+)\s+\(Holm '
+                         r'([\d.e-]+)\); the problem as the unit, p ([\d.]+)e-(\d+)',
+     [T10['EXO', 'greedy']['exact']['mean'], T10['BALM', 'greedy']['exact']['mean'], T10_EXO_SEEDS[0][0]]
+     + T10_EXO_SEEDS[1:] + sci(T10_EXO['log_p'])),
+    ('docs/addition.md', r'BALM\'s greedy falls from ([\d.]+) with no carry chain to\s+([\d.]+) with a chain '
+                         r'of (\d), EXO\'s from ([\d.]+) to ([\d.]+)',
+     [T10_BY['BALM']['0'], T10_BY['BALM'][T10_LONGEST], int(T10_LONGEST), T10_BY['EXO']['0'],
+      T10_BY['EXO'][T10_LONGEST]]),
+    ('README.md', r'on 10,000 test problems \(`--test_problems 10000`\) to \*\*([\d.]+)\*\*, above\s+the '
+                  r'samples\' ceiling \(([\d.]+)\), and every LM decoder and BALM at seed-level t p at most '
+                  r'([\d.]+) \(Holm ([\d.]+)\)',
+     [T10_MODE['mean'], T10_CEIL['mean']] + t_range(T10_BEAM)[1::2]),
+]
 SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
 OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
 EXO_SEEDS = SEED_TESTS['EXO LM greedy > LM greedy']

@@ -188,13 +188,13 @@ def test_seed_level_against_closed_forms():
     assert a['t_p_holm'] == pytest.approx(2 * a['t_p']) and a['sign_p_holm'] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize('name', ['seeds_addition', 'seeds_addition_lm7000',
-                                  'seeds_addition_lm7000_test5000', 'seeds_addition_lm7000_e16000'])
+@pytest.mark.parametrize('name', ['seeds_addition', 'seeds_addition_lm7000', 'seeds_addition_lm7000_test5000',
+                                  'seeds_addition_lm7000_e16000', 'seeds_addition_lm7000_e16000_test10000'])
 def test_committed_seed_level_is_the_stored_differences(name):
     """The committed tables over seeds (the job's; its LM at 7,000 steps, on 1,000 and 5,000 test
-    problems; that LM with energies of 16,000 steps): their comparisons are those of the per-problem
-    outcomes stored beside them (every seed's), and their seed-level tests those of their own per-seed
-    differences."""
+    problems; that LM with energies of 16,000 steps, on 1,000 and 10,000): their comparisons are those
+    of the per-problem outcomes stored beside them (every seed's), and their seed-level tests those of
+    their own per-seed differences."""
     stored = json.load(open(os.path.join(ROOT, 'assets', f'{name}.json')))['comparisons']
     outcomes = seeds.read_outcomes(os.path.join(ROOT, 'assets', f'{name}_outcomes.json.gz'))
     assert len(outcomes) >= 3 and seeds.comparisons(outcomes) == stored
