@@ -442,3 +442,25 @@ def mismatches(claims, docs, tolerance=1e-9, close=None, table='CLAIMS', source=
                 shown = want if source == 'the code' else [float(f'{w:.6g}') for w in want]
                 bad.append(f'{doc}: {pattern!r} says {list(said)}, {source} {shown}')
     return bad
+
+
+# committed results (assets/*.json) and the docs that state them
+
+def asset(name):
+    return json.load(open(os.path.join(ROOT, 'assets', name), encoding='utf-8'))
+
+
+def by(rows, *keys):
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+def rounds_to(said, value):
+    """Whether the doc's `said` is `value` to the digits it gives ('0.0013' for 0.00125..., '6,250' for
+    6250)."""
+    said = said.replace(',', '')
+    digits = len(said.split('.')[1]) if '.' in said else 0
+    return abs(float(said) - value) <= 0.5 * 10 ** -digits * (1 + 1e-9) + 1e-12
+
+
+def json_mismatches(claims, docs):
+    return mismatches(claims, docs, close=rounds_to, table='JSON_CLAIMS', source='assets/')

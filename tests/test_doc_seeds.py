@@ -1,0 +1,238 @@
+"""docs/addition.md's tables over seeds cannot drift from the committed tables (assets/seeds_addition*.json):
+each number they state equals the table's to the digits given (SEED_CLAIMS), as tests/test_doc_results.py
+does for the other committed runs.
+"""
+
+import math
+import re
+
+from job.seeds import spread
+from tests.common import asset, by, json_mismatches, read
+
+SEED_CLAIMS = []
+
+# docs/addition.md's three seeds of the earlier recipe (assets/seeds_addition_earlier_recipe.json): mean (SD)
+# [min, max] of exact match
+SEEDS = by(asset('seeds_addition_earlier_recipe.json')['rows'], 'model', 'method')
+
+
+def seeds(model, method, spread=False):
+    e = SEEDS[model, method]['exact']
+    return [e['mean'], e['sd']] + ([e['min'], e['max']] if spread else [])
+
+
+M_SD, M_SD_RANGE = r'([\d.]+) \(([\d.]+)\)', r'([\d.]+) \(([\d.]+)\) \[([\d.]+), ([\d.]+)\]'
+SEED_CLAIMS += [
+    ('docs/addition.md', rf'\| BASE LM greedy / majority of 64 / log-prob rerank of 64 \| {M_SD_RANGE} / '
+                         rf'{M_SD} / {M_SD} \|',
+     seeds('BASE LM', 'greedy', True) + seeds('BASE LM', 'majority vote, n = 64')
+     + seeds('BASE LM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| BASE LM, any of 64 correct \| {M_SD} \|', seeds('BASE LM', 'oracle, n = 64')),
+    ('docs/addition.md', rf'\| BALM greedy / log-prob rerank of 64 \| {M_SD_RANGE} / {M_SD} \|',
+     seeds('BALM', 'greedy', True) + seeds('BALM', 'log-prob rerank, n = 64')),
+    ('docs/addition.md', rf'\| TaiLr LM greedy \| {M_SD} \|', seeds('TAILR', 'greedy')),
+    ('docs/addition.md', rf'\| EXO LM greedy \| {M_SD_RANGE} \|', seeds('EXO', 'greedy', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT Algorithm 1, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'Algorithm 1, n = 64', True)),
+    ('docs/addition.md', rf'\| \*\*JOINT mode, n = 64\*\* \| \*\*{M_SD}\*\* \[([\d.]+), ([\d.]+)\] \|',
+     seeds('JOINT', 'joint mode, n = 64', True)),
+]
+# docs/addition.md's seeds of the faster recipe (assets/seeds_addition.json)
+FAST = by(asset('seeds_addition.json')['rows'], 'model', 'method')
+
+
+def fast(model, method):
+    e = FAST[model, method]['exact']
+    return [e['mean'], e['sd'], e['min'], e['max']]
+
+
+SEED_CLAIMS += [
+    ('docs/addition.md', rf'\| BASE LM greedy, faster recipe \| {M_SD_RANGE} \|', fast('BASE LM', 'greedy')),
+    ('docs/addition.md', rf'\| BALM greedy, faster recipe \| {M_SD_RANGE} \|', fast('BALM', 'greedy')),
+    ('docs/addition.md', rf'\| JOINT Algorithm 1 of 64, faster recipe \| {M_SD_RANGE} \|',
+     fast('JOINT', 'Algorithm 1, n = 64')),
+    ('docs/addition.md', rf'\| JOINT mode of beam \+ 64, faster recipe \| {M_SD_RANGE} \|',
+     fast('JOINT', 'joint mode, beam + samples, n = 64')),
+    ('docs/addition.md', rf'\| JOINT mode of beam \+ 1 sample \| {M_SD_RANGE} \|',
+     fast('JOINT', 'joint mode, beam + samples, n = 1')),
+    ('docs/addition.md', rf'\| EXO LM greedy, faster recipe \| {M_SD_RANGE} \|', fast('EXO', 'greedy')),
+]
+# docs/addition.md's LM of 7,000 steps (assets/seeds_addition_lm7000.json) beside the job's table at its seeds
+LM7000 = asset('seeds_addition_lm7000.json')
+L7 = by(LM7000['rows'], 'model', 'method')
+AT_SEEDS = [asset('seeds_addition.json')['seeds'].index(s) for s in LM7000['seeds']]
+
+
+def lm7000(label, model, method):
+    """A table row: LM7000's mean (SD) [min, max], then the job's at the same seeds (seeds.spread)."""
+    new, old = L7[model, method]['exact'], FAST[model, method]['exact']['per_seed']
+    at_seeds = spread([old[i] for i in AT_SEEDS])
+    return ('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \| {M_SD_RANGE} \|',
+            [d[k] for d in (new, at_seeds) for k in ('mean', 'sd', 'min', 'max')])
+
+
+def five(label):  # a row of the table by seed: exactly five values (the seeds' tables above have ten)
+    return rf'\| {re.escape(label)} \|' + r' ([\d.]+) \|' * len(LM7000['seeds']) + r'(?! [\d.])'
+
+
+def t_range(comparisons):
+    """The seed-level t p's min and max over `comparisons`, then those of its Holm-adjusted value."""
+    return [f(c['seed_level'][k] for c in comparisons) for k in ('t_p', 't_p_holm') for f in (min, max)]
+
+
+L7_JOINT = [c for c in LM7000['comparisons'] if c['better'][0] == 'JOINT']
+L7_BEAM = [c for c in L7_JOINT if 'beam' in c['what']]
+(L7_BEAM_SIGN,) = {tuple(c['seed_level']['sign']) for c in L7_BEAM}  # the doc gives one sign test for all
+BEAM_64, A1_64 = L7['JOINT', 'joint mode, beam + samples, n = 64'], L7['JOINT', 'Algorithm 1, n = 64']
+SEED_CLAIMS += [lm7000(*row) for row in (
+    ('LM greedy', 'BASE LM', 'greedy'), ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
+    ('LM, any of 64 correct', 'BASE LM', 'oracle, n = 64'), ('BALM greedy', 'BALM', 'greedy'),
+    ('BALM, log-prob rerank of 64', 'BALM', 'log-prob rerank, n = 64'),
+    ('joint: Algorithm 1 of 64', 'JOINT', 'Algorithm 1, n = 64'),
+    ('joint: mode of 64', 'JOINT', 'joint mode, n = 64'),
+    ('joint: mode of beam + 1 sample', 'JOINT', 'joint mode, beam + samples, n = 1'),
+    ('joint: mode of beam + 64', 'JOINT', 'joint mode, beam + samples, n = 64'))] + [
+    ('docs/addition.md', five('LM greedy'), L7['BASE LM', 'greedy']['exact']['per_seed']),
+    ('docs/addition.md', five('joint: mode of beam + 64'), BEAM_64['exact']['per_seed']),
+    ('docs/addition.md', five('P(correct), joint model'), A1_64['p_correct']['per_seed']),
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): every joint decoder beats every LM decoder and '
+                         r'BALM on average over the seeds, t p ([\d.]+) to ([\d.]+) \(Holm ([\d.]+) to '
+                         r'([\d.]+)\); the mode over the beam and the samples at p ([\d.]+) to ([\d.]+) '
+                         r'\(Holm ([\d.]+) to ([\d.]+)\), sign test (\d)-(\d)',
+     [len(LM7000['comparisons'])] + t_range(L7_JOINT) + t_range(L7_BEAM) + list(L7_BEAM_SIGN)),
+]
+# the same five seeds on the test split's 5,000 problems (assets/seeds_addition_lm7000_test5000.json)
+T5000 = asset('seeds_addition_lm7000_test5000.json')
+T5 = by(T5000['rows'], 'model', 'method')
+T5_BEAM = [c for c in T5000['comparisons'] if 'beam' in c['what']]
+T5_MODE = T5['JOINT', 'joint mode, beam + samples, n = 64']['exact']
+t5 = lambda model, method: T5[model, method]['exact']['mean']
+SEED_CLAIMS += [
+    ('docs/addition.md', r'the mode over the beam and the samples ([\d.]+) \(SD ([\d.]+); by seed ([\d.]+), '
+                         r'([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+)\), the mode of 64 ([\d.]+), LM greedy '
+                         r'([\d.]+), the samples\' ceiling ([\d.]+), BALM greedy ([\d.]+)\.',
+     [T5_MODE['mean'], T5_MODE['sd']] + T5_MODE['per_seed']
+     + [t5('JOINT', 'joint mode, n = 64'), t5('BASE LM', 'greedy'), t5('BASE LM', 'oracle, n = 64'),
+        t5('BALM', 'greedy')]),
+    ('docs/addition.md', r'the seed as the unit: t p ([\d.]+) to ([\d.]+) \(Holm ([\d.]+)\); with the '
+                         r'problem as the unit, Holm-adjusted p at most ([\d.]+)e-104',
+     [min(c['seed_level']['t_p'] for c in T5_BEAM), max(c['seed_level']['t_p'] for c in T5_BEAM),
+      max(c['seed_level']['t_p_holm'] for c in T5_BEAM),
+      1e104 * max(c['p_holm'] for c in T5000['comparisons'])]),
+    ('docs/addition.md', r'0\.993 on 1,000 problems, ([\d.]+) on (\d),000 with the 7,000-step LM',
+     [T5_MODE['mean'], T5000['num_prefixes'] / 1000]),
+]
+# docs/addition.md's energies of 16,000 steps on the same LMs (assets/seeds_addition_lm7000_e16000.json)
+E16 = asset('seeds_addition_lm7000_e16000.json')
+L7E = by(E16['rows'], 'model', 'method')
+E16_BEAM = [c for c in E16['comparisons'] if 'beam' in c['what']]
+(E16_SIGN,) = {tuple(c['seed_level']['sign']) for c in E16_BEAM}
+assert E16['seeds'] == LM7000['seeds']  # the table sets each seed's row beside LM7000's
+
+
+def e16(label, method):
+    """A row of the joint decoders: E16's mean (SD) [min, max], then LM7000's (the job's energies)."""
+    return ('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \| {M_SD_RANGE} \|',
+            [d['JOINT', method]['exact'][k] for d in (L7E, L7) for k in ('mean', 'sd', 'min', 'max')])
+
+
+def e16_by_seed(label, model, method, key):
+    return [(label + f', energies of {steps} steps', d[model, method][key]['per_seed'])
+            for steps, d in (('16,000', L7E), ('8,000', L7))]
+
+
+E16_SEED_ROWS = (e16_by_seed('joint: mode of beam + 64', 'JOINT', BEAM_64['method'], 'exact')
+                 + e16_by_seed('P(correct), joint model', 'JOINT', 'Algorithm 1, n = 64', 'p_correct'))
+SEED_CLAIMS += [e16(label, method) for label, method in (
+    ('Algorithm 1 of 64', 'Algorithm 1, n = 64'), ('mode of 64', 'joint mode, n = 64'),
+    ('mode of beam + 1 sample', 'joint mode, beam + samples, n = 1'),
+    ('mode of beam + 64', 'joint mode, beam + samples, n = 64'))] + [
+    ('docs/addition.md', five(label), values) for label, values in E16_SEED_ROWS] + [
+    ('docs/addition.md', r'table above \(LM greedy ([\d.]+), any of 64 correct ([\d.]+), BALM greedy '
+                         r'([\d.]+)\)',
+     [L7E[m, how]['exact']['mean'] for m, how in (('BASE LM', 'greedy'), ('BASE LM', 'oracle, n = 64'),
+                                                  ('BALM', 'greedy'))]),
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): it beats every LM decoder and BALM\'s at t p\s+'
+                         r'([\d.e-]+) to ([\d.]+) \(Holm ([\d.]+) to ([\d.]+)\), sign test (\d)-(\d) .{0,60}?'
+                         r'Holm-adjusted p at most ([\d.]+)e-36',
+     [len(E16['comparisons'])] + t_range(E16_BEAM) + list(E16_SIGN)
+     + [1e36 * max(c['p_holm'] for c in E16['comparisons'])]),
+    ('README.md', r'Longer budgets \(`--lm_max_iters 7000 --energy_max_iters 16000`, (\d) seeds\)\s+lift the '
+                  r'beam\'s mode to \*\*([\d.]+)\*\*',
+     [len(E16['seeds']), L7E['JOINT', BEAM_64['method']]['exact']['mean']]),
+]
+# docs/addition.md's five seeds on 10,000 test problems (assets/seeds_addition_lm7000_e16000_test10000.json)
+T10K = asset('seeds_addition_lm7000_e16000_test10000.json')
+T10 = by(T10K['rows'], 'model', 'method')
+T10_BEAM = [c for c in T10K['comparisons'] if 'beam' in c['what']]
+T10_EXO = next(c for c in T10K['comparisons'] if c['what'] == 'EXO LM greedy > BALM greedy')
+T10_MODE, T10_CEIL = (T10[m]['exact'] for m in (('JOINT', BEAM_64['method']), ('BASE LM', 'oracle, n = 64')))
+
+
+def sci(log_p):
+    """p as the doc writes it from its log, 7.1e-248: [7.1, 248]."""
+    e = math.floor(log_p / math.log(10))
+    return [10 ** (log_p / math.log(10) - e), -e]
+
+
+def t10(label, model, method):
+    """A row: mean (SD) [min, max] over the seeds, then each seed's exact match."""
+    e = T10[model, method]['exact']
+    pattern = rf'\| {re.escape(label)} \| {M_SD_RANGE} \|' + r' ([\d.]+) \|' * len(T10K['seeds'])
+    return 'docs/addition.md', pattern, [e[k] for k in ('mean', 'sd', 'min', 'max')] + e['per_seed']
+
+
+T10_LONGEST = max(T10K['by_carry_chain']['count'], key=int)  # greedy exact match by longest carry chain:
+T10_BY = {m: T10K['by_carry_chain']['exact'][m]['greedy_exact'] for m in ('BALM', 'EXO')}
+T10_ABOVE = sum(a > b for a, b in zip(T10_MODE['per_seed'], T10_CEIL['per_seed']))
+T10_EXO_SEEDS = [T10_EXO['seed_level'][k] for k in ('sign', 't_p', 't_p_holm')]
+SEED_CLAIMS += [t10(*row) for row in (
+    ('LM greedy', 'BASE LM', 'greedy'), ('LM, majority vote of 64', 'BASE LM', 'majority vote, n = 64'),
+    ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
+    ('LM, any of 64 correct', 'BASE LM', 'oracle, n = 64'), ('BALM greedy', 'BALM', 'greedy'),
+    ('BALM, log-prob rerank of 64', 'BALM', 'log-prob rerank, n = 64'),
+    ('EXO LM greedy (from BALM)', 'EXO', 'greedy'),
+    ('joint: Algorithm 1 of 64', 'JOINT', 'Algorithm 1, n = 64'),
+    ('joint: mode of 64', 'JOINT', 'joint mode, n = 64'),
+    ('joint: mode of beam + 1 sample', 'JOINT', 'joint mode, beam + samples, n = 1'),
+    ('joint: mode of beam + 64', 'JOINT', BEAM_64['method']))] + [
+    ('docs/addition.md', r'samples is at\s+([\d.]+) on average, above the samples\' ceiling \(([\d.]+): '
+                         r'higher at (\d) of the (\d) seeds\)',
+     [T10_MODE['mean'], T10_CEIL['mean'], T10_ABOVE, len(T10K['seeds'])]),
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): it beats\s+every LM decoder and BALM\'s at '
+                         r't p\s+([\d.e-]+) to ([\d.]+)\s+\(Holm ([\d.e-]+) to ([\d.]+)\); the sign test',
+     [len(T10K['comparisons'])] + t_range(T10_BEAM)),
+    ('docs/addition.md', r'problem as the unit, Holm-adjusted p at most ([\d.]+)e-(\d+)\.\s+Its\s+cost per '
+                         r'problem is that of 1,000', sci(max(c['log_p_holm'] for c in T10_BEAM))),
+    ('docs/addition.md', r'The EXO LM\'s greedy is ([\d.]+) against BALM\'s ([\d.]+), above\s+it at (\d) of '
+                         r'the 5 seeds [\s\S]{0,80}?the seed as the unit, t p ([\d.e-]+)\s+\(Holm '
+                         r'([\d.e-]+)\); the problem as the unit, p ([\d.]+)e-(\d+)',
+     [T10['EXO', 'greedy']['exact']['mean'], T10['BALM', 'greedy']['exact']['mean'], T10_EXO_SEEDS[0][0]]
+     + T10_EXO_SEEDS[1:] + sci(T10_EXO['log_p'])),
+    ('docs/addition.md', r'BALM\'s greedy falls from ([\d.]+) with no carry chain to\s+([\d.]+) with a chain '
+                         r'of (\d), EXO\'s from ([\d.]+) to ([\d.]+)',
+     [T10_BY['BALM']['0'], T10_BY['BALM'][T10_LONGEST], int(T10_LONGEST), T10_BY['EXO']['0'],
+      T10_BY['EXO'][T10_LONGEST]]),
+    ('README.md', r'on 10,000 test problems \(`--test_problems 10000`\) to \*\*([\d.]+)\*\*, above\s+the '
+                  r'samples\' ceiling \(([\d.]+)\), and every LM decoder and BALM at seed-level t p at most '
+                  r'([\d.]+) \(Holm ([\d.]+)\)',
+     [T10_MODE['mean'], T10_CEIL['mean']] + t_range(T10_BEAM)[1::2]),
+]
+SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
+OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
+EXO_SEEDS = SEED_TESTS['EXO LM greedy > LM greedy']
+SEED_CLAIMS += [
+    ('docs/addition.md', r'Holm over the (\d+) comparisons\): .{0,300}? by seed the margins over BALM are '
+                         r'([\d.]+)-([\d.]+) points\. EXO\'s LM beats the\s+LM\'s greedy by ([\d.]+) points '
+                         r'\(([\d.]+), ([\d.]+), ([\d.]+) by seed; p ([\d.]+)e-9\)',
+     [len(SEED_TESTS), 100 * min(OVER_BALM), 100 * max(OVER_BALM), 100 * EXO_SEEDS['diff']]
+     + [100 * d for d in EXO_SEEDS['diff_per_seed']] + [1e9 * EXO_SEEDS['p']]),
+]
+
+
+def test_seed_table_numbers_equal_the_committed_tables():
+    """Every row of SEED_CLAIMS: the number docs/addition.md states is the committed table's."""
+    assert len(SEED_CLAIMS) >= 40
+    docs = {d: read(d) for d in {c[0] for c in SEED_CLAIMS}}
+    bad = json_mismatches(SEED_CLAIMS, docs)
+    assert not bad, '\n'.join(bad)
