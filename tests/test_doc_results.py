@@ -279,6 +279,25 @@ JSON_CLAIMS += [
      [100 * (1 - KL_AFTER / KL_BEFORE), EXO_TEST['gain_nats_per_token'],
       EXO_TEST['gain_nats_per_token'] / EXO_TEST['gain_se']]),
 ]
+# docs/addition.md's EXO budget: the job's EXO continued (assets/exo_budget_addition.json)
+EXO_BUDGET = asset('exo_budget_addition.json')['seeds']
+CELL = r'([\d.]+) \(([\d.]+)\)'
+
+
+def budget_row(seed, r):
+    """One budget's row: best step, reverse KL, greedy (SE), P(correct) (SE), and its lead over 600 steps."""
+    lead = 'vs_600' in r
+    pattern = (rf'\| {seed}: EXO, {r["max_iters"]:,} steps[^|]*\| ([\d,]+) \| ([\d.]+) \| {CELL} \| '
+               rf'{CELL} \| ' + (r'([-+][\d.]+) \(([\d.]+)\) \|' if lead else r'\|'))
+    values = [r[k] for k in ('best_iter', 'kl_reverse_high', 'greedy_exact', 'greedy_exact_se', 'p_correct',
+                             'p_correct_se')]
+    return 'docs/addition.md', pattern, values + ([r['vs_600']['diff'], r['vs_600']['p']] if lead else [])
+
+
+JSON_CLAIMS += [('docs/addition.md', rf'\| {s["seed"]}: BALM \| \| \| {CELL} \| {CELL} \|',
+                 [s['balm'][k] for k in ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')])
+                for s in EXO_BUDGET]
+JSON_CLAIMS += [budget_row(s['seed'], r) for s in EXO_BUDGET for r in s['budgets']]
 # docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
 BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
 MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
