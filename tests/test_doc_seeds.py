@@ -161,7 +161,7 @@ SEED_CLAIMS += [e16(label, method) for label, method in (
                   r'beam\'s mode to \*\*([\d.]+)\*\*',
      [len(E16['seeds']), L7E['JOINT', BEAM_64['method']]['exact']['mean']]),
 ]
-# docs/addition.md's five seeds on 10,000 test problems (assets/seeds_addition_lm7000_e16000_test10000.json)
+# docs/addition.md's seeds on 10,000 test problems (assets/seeds_addition_lm7000_e16000_test10000.json)
 T10K = asset('seeds_addition_lm7000_e16000_test10000.json')
 T10 = by(T10K['rows'], 'model', 'method')
 T10_BEAM = [c for c in T10K['comparisons'] if 'beam' in c['what']]
@@ -205,18 +205,18 @@ SEED_CLAIMS += [t10(*row) for row in (
     ('docs/addition.md', r'problem as the unit, Holm-adjusted p at most ([\d.]+)e-(\d+)\.\s+Its\s+cost per '
                          r'problem is that of 1,000', sci(max(c['log_p_holm'] for c in T10_BEAM))),
     ('docs/addition.md', r'The EXO LM\'s greedy is ([\d.]+) against BALM\'s ([\d.]+), above\s+it at (\d) of '
-                         r'the 5 seeds [\s\S]{0,80}?the seed as the unit, t p ([\d.e-]+)\s+\(Holm '
+                         r'the (\d) seeds [\s\S]{0,80}?the seed as the unit, t p ([\d.e-]+)\s+\(Holm '
                          r'([\d.e-]+)\); the problem as the unit, p ([\d.]+)e-(\d+)',
-     [T10['EXO', 'greedy']['exact']['mean'], T10['BALM', 'greedy']['exact']['mean'], T10_EXO_SEEDS[0][0]]
-     + T10_EXO_SEEDS[1:] + sci(T10_EXO['log_p'])),
+     [T10['EXO', 'greedy']['exact']['mean'], T10['BALM', 'greedy']['exact']['mean'], T10_EXO_SEEDS[0][0],
+      len(T10K['seeds'])] + T10_EXO_SEEDS[1:] + sci(T10_EXO['log_p'])),
     ('docs/addition.md', r'BALM\'s greedy falls from ([\d.]+) with no carry chain to\s+([\d.]+) with a chain '
                          r'of (\d), EXO\'s from ([\d.]+) to ([\d.]+)',
      [T10_BY['BALM']['0'], T10_BY['BALM'][T10_LONGEST], int(T10_LONGEST), T10_BY['EXO']['0'],
       T10_BY['EXO'][T10_LONGEST]]),
-    ('README.md', r'on 10,000 test problems \(`--test_problems 10000`\) to \*\*([\d.]+)\*\*, above\s+the '
-                  r'samples\' ceiling \(([\d.]+)\), and every LM decoder and BALM at seed-level t p at most '
-                  r'([\d.]+) \(Holm ([\d.]+)\)',
-     [T10_MODE['mean'], T10_CEIL['mean']] + t_range(T10_BEAM)[1::2]),
+    ('README.md', r'on 10,000 test problems \(`--test_problems 10000`, (\d) seeds\) to \*\*([\d.]+)\*\*,'
+                  r'\s+above the samples\' ceiling \(([\d.]+)\), and every LM decoder and BALM at seed-level '
+                  r't p at most ([\d.]+) \(Holm ([\d.]+)\)',
+     [len(T10K['seeds']), T10_MODE['mean'], T10_CEIL['mean']] + t_range(T10_BEAM)[1::2]),
 ]
 SEED_TESTS = {c['what']: c for c in asset('seeds_addition_earlier_recipe.json')['comparisons']}
 OVER_BALM = [d for w, c in SEED_TESTS.items() if '> BALM' in w for d in c['diff_per_seed']]
