@@ -70,7 +70,7 @@ def get_args(argv=None):
       help="BIT from scratch: heads (default: the LM's)")
     a('--n_embd', type=int, default=None, at_least=1, at_most='tokens',
       help="BIT from scratch: width (default: the LM's)")
-    a('--dropout', type=float, default=None, at_least=0, at_most=None,
+    a('--dropout', type=float, default=None, at_least=0, below=1,
       help="the body's dropout (default: that of --init_from's model; 0 from scratch)")
     a('--loss', default='ranking', choices=['binary', 'ranking'],
       help='ranking: cross-entropy over [x+, all M negatives] (no gradient from a negative equal to x+); '

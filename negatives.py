@@ -77,7 +77,7 @@ def get_args(argv=None):
       help='K continuations per prefix (the paper stores 16 or 128)')
     a('--top_k', type=int, default=0, at_least=0, at_most=None,
       help='truncate sampling to the top k tokens (0: untruncated, as NCE needs P_LM)')
-    a('--top_p', type=float, default=None, at_least=None, at_most=1,
+    a('--top_p', type=float, default=None, above=0, at_most=1,
       help='truncate sampling to this nucleus, in (0, 1] (default: untruncated)')
     a('--temperature', type=float, default=1.0, at_least=0, at_most=None, help='of sampling (0: greedy)')
     a('--chunk', type=int, default=None, at_least=1, at_most='count',

@@ -78,7 +78,7 @@ def get_args(argv=None):
       help='attention heads (they divide n_embd)')
     a('--n_embd', type=int, default=256, at_least=1, at_most='tokens', help='width')
     a('--block_size', type=int, default=256, at_least=1, at_most='tokens', help='context length in tokens')
-    a('--dropout', type=float, default=0.0, at_least=0, at_most=None, help='dropout probability, in [0, 1)')
+    a('--dropout', type=float, default=0.0, at_least=0, below=1, help='dropout probability, in [0, 1)')
     a('--bias', action='store_true', help='biases in linear layers and LayerNorms')
     a('--alibi', action='store_true',
       help="ALiBi distance penalty in attention (the BIT's MLM pretraining: no plateau)")

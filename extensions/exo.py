@@ -60,7 +60,7 @@ from energy import load_any_energy, logz_bounds, logz_diagnostics, score_continu
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from model import load_checkpoint
-from plumbing import (ArgumentParser, check, check_new, check_resumed_flags, check_resumed_iters,
+from plumbing import (ArgumentParser, check_new, check_resumed_flags, check_resumed_iters,
                       check_training_memory, check_writable, common_flags, file_hash, given_flags,
                       lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,
                       save_checkpoint, setup, write_json)
@@ -180,12 +180,12 @@ def get_args(argv=None):
     a('--num_samples', dest='K', type=int, default=8, at_least=2, at_most='samples',
       help='K, LM samples per training prefix')
     a('--on_policy', action='store_true', help='draw the K samples from pi_theta (importance-weighted)')
-    a('--beta_pi', type=float, default=1.0, at_least=None, at_most=None,
+    a('--beta_pi', type=float, default=1.0, above=0, at_most=None,
       help="the policy's scale, positive (1: the joint model's)")
-    a('--beta_r', type=float, default=1.0, at_least=None, at_most=None,
+    a('--beta_r', type=float, default=1.0, above=0, at_most=None,
       help="the reward's temperature, positive (1: the joint model's)")
     a('--batch_size', type=int, default=16, at_least=1, at_most='count', help='prefixes per step')
-    a('--lr', type=float, default=1e-4, at_least=None, at_most=None, help='learning rate (positive)')
+    a('--lr', type=float, default=1e-4, above=0, at_most=None, help='learning rate')
     a('--max_iters', type=int, default=300, at_least=1, at_most='count', help='iterations of the run')
     a('--eval_interval', type=int, default=50, at_least=1, at_most='count',
       help='evaluate on the selection split, and checkpoint, every this many iterations')
@@ -207,8 +207,6 @@ def get_args(argv=None):
     if args.forward_samples > args.logz_samples:
         raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
                          f"{args.logz_samples}: the forward KL reuses log Z's LM samples")
-    for name in ('beta_pi', 'beta_r', 'lr'):  # beyond the declared bounds (finite)
-        check(args, name, lambda v: v > 0, 'positive')
     check_writable(args.out_dir, '--out_dir')
     ckpt = os.path.join(args.out_dir, 'ckpt.pt')
     if args.resume and args.force:

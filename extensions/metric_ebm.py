@@ -34,7 +34,7 @@ from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens
 from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm
-from plumbing import (ArgumentParser, Precision, check, check_memory, check_new, check_writable, common_flags,
+from plumbing import (ArgumentParser, Precision, check_memory, check_new, check_writable, common_flags,
                       file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
                       write_json, write_text)
 
@@ -69,7 +69,7 @@ def get_args(argv=None):
     a('--top_k', type=int, default=10, at_least=1, at_most=None, help="top-k decoding (the table's row)")
     a('--joint_top_k', type=int, default=0, at_least=0, at_most=None,
       help="the table's joint samples: Algorithm 1 from n top-k LM samples (0: untruncated: the joint model)")
-    a('--top_p', type=float, default=0.9, at_least=None, at_most=1,
+    a('--top_p', type=float, default=0.9, above=0, at_most=1,
       help='top-p (nucleus) decoding, in (0, 1]')
     a('--chunk', type=int, default=16, at_least=1, at_most='count', help='prefixes per batch')
     common_flags(p, 'out_dir', 'force', 'device', 'dtype', 'seed', 'quiet',
@@ -77,7 +77,6 @@ def get_args(argv=None):
                  help=dict(force='replace the results of an earlier fit in --out_dir',
                            dtype='autocast dtype of sampling, scoring (auto: from the hardware)'))
     args = p.parse_args(argv)
-    check(args, 'top_p', lambda v: v > 0, 'in (0, 1]')  # beyond the declared bounds
     for flag in ('energy_metric', 'compare', 'extra_lm'):
         named_paths(getattr(args, flag), f'--{flag}')
     args.check_splits = [s for s in args.check_splits.split(',') if s]

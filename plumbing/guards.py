@@ -223,7 +223,6 @@ def check_negatives_flags(args, chunk_tokens):
     args.max_prefixes, args.top_k = args.max_prefixes or None, args.top_k or None
     if args.chunk is None:  # small models decode ~8x faster in 4,096 rows than in 512 (addition)
         args.chunk = max(1, chunk_tokens // (args.num_samples * (args.prefix_len + args.gen_len)))
-    check(args, 'top_p', lambda v: v > 0, 'in (0, 1]')  # the declared bounds (negatives.get_args): the rest
     # a chunk's samples come back at once: int64 tokens, float32 log P_LM and log q per token
     check_memory(args.chunk * args.num_samples * 16 * args.gen_len,
                  f"--num_samples {args.num_samples} x --chunk {args.chunk}", "lower them")

@@ -6,6 +6,7 @@ with its help, kind and bounds, checked as it is parsed), the flags every script
 """
 
 import argparse
+import collections
 import errno
 import fcntl
 import functools
@@ -100,9 +101,10 @@ class ArgumentParser(argparse.ArgumentParser):
     names the command as typed (script_command), and --help every default.
 
     Every flag is declared with help and, where it has them, its kind and bounds, which parse_args
-    checks (one line naming the flag, before any work): a number (type int or float) declares
-    at_least= and at_most= (None: unbounded that way; a size bounded by memory: at_most='samples',
-    'beam', 'tokens' or 'count', SIZES),
+    checks (one line naming the flag, before any work): a number (type int or float) declares a
+    lower bound, at_least= (None: unbounded) or above= (strict: a rate above 0), and an upper one,
+    at_most= (None: unbounded; a size bounded by memory: at_most='samples', 'beam', 'tokens' or
+    'count', SIZES) or below= (strict: a probability below 1),
     and a float is refused as nan or inf unless finite=False; a comma-separated list of ints
     (type=comma_ints) has each value bounded; path=True (or a name PATH_FLAG knows): '' is refused.
     A declaration without them is refused when the parser is built (a flag cannot be added unguarded)."""
@@ -113,25 +115,27 @@ class ArgumentParser(argparse.ArgumentParser):
         kw.setdefault('prog', ' '.join(script_command() + PROG_SUFFIX))  # the usage line as it is typed
         kw.setdefault('formatter_class', HelpFormatter)
         kw.setdefault('allow_abbrev', False)  # a retired name (--m) is not a prefix of another (--max_rows)
-        self.bounds = {}  # dest -> (flag, at_least, at_most, finite)
+        self.bounds = {}  # dest -> Bounds
         self.paths = set()  # dests of path flags
         self.flag_of = {}  # dest -> flag, where they differ (FLAG_OF)
         super().__init__(epilog=DEBUG_HELP, **kw)
 
-    def add_argument(self, *args, at_least=UNSET, at_most=UNSET, finite=True, path=None, **kw):
+    def add_argument(self, *args, at_least=UNSET, at_most=UNSET, above=UNSET, below=UNSET, finite=True,
+                     path=None, **kw):
         if 'dest' in kw and args and args[0].startswith('--') and kw.get('action') is None:
             kw.setdefault('metavar', args[0][2:].upper())  # the flag's name in --help, not the dest's
         flag, numeric = args[0] if args else kw.get('dest'), kw.get('type') in (int, float, comma_ints)
         if not kw.get('help'):  # checked before argparse registers the flag
             raise TypeError(f"{flag}: declare its help (what it is, its unit)")
-        if numeric and (at_least is UNSET or at_most is UNSET):
-            raise TypeError(f"{flag}: a number declares its bounds, at_least= and at_most= (None: unbounded)")
-        if not numeric and (at_least is not UNSET or at_most is not UNSET):
+        if not numeric and any(b is not UNSET for b in (at_least, at_most, above, below)):
             raise TypeError(f"{flag}: bounds declared on a flag that is not a number (type=int or float)")
-        action = super().add_argument(*args, **kw)
-        at_most = SIZES[at_most] if isinstance(at_most, str) else at_most
         if numeric:
-            self.bounds[action.dest] = (flag, at_least, at_most, finite and action.type is float)
+            lo, strict_lo = one_bound(flag, at_least, above, 'at_least', 'above')
+            hi, strict_hi = one_bound(flag, at_most, below, 'at_most', 'below')
+        action = super().add_argument(*args, **kw)
+        if numeric:
+            hi = SIZES[hi] if isinstance(hi, str) else hi
+            self.bounds[action.dest] = Bounds(flag, lo, hi, finite and action.type is float, strict_lo, strict_hi)
         if path or (path is None and action.option_strings and PATH_FLAG.search(flag[2:])):
             self.paths.add(action.dest)
         if action.option_strings and action.dest != flag[2:]:
@@ -149,10 +153,10 @@ class ArgumentParser(argparse.ArgumentParser):
     def check_declared(self, parsed):
         """The declared bounds and paths of parsed's values (a subcommand's too)."""
         FLAG_OF.update(self.flag_of)
-        for dest, (flag, lo, hi, finite) in self.bounds.items():
+        for dest, bounds in self.bounds.items():
             value = getattr(parsed, dest, None)
             for v in value if isinstance(value, list) else [value]:
-                check_bounds(flag, v, lo, hi, finite)
+                check_bounds(v, bounds)
         for action in self._actions:
             if action.dest in self.paths:
                 check_not_empty(action, getattr(parsed, action.dest, None))
@@ -192,17 +196,35 @@ def parser_of(build, *args):
 PROG_SUFFIX = []
 
 
-def check_bounds(flag, v, lo, hi, finite):
-    """A declared number's value: finite (nan and inf refused), within [lo, hi] (None: open)."""
+# a number's declared bounds: lo, hi (None: open that way), each strict (above=, below=) or not
+Bounds = collections.namedtuple('Bounds', 'flag lo hi finite strict_lo strict_hi')
+
+
+def one_bound(flag, inclusive, strict, name, strict_name):
+    """(the bound, whether strict) of one side of a number: exactly one of its two keywords declared."""
+    if inclusive is UNSET and strict is UNSET:
+        raise TypeError(f"{flag}: a number declares its bounds, at_least= or above= and at_most= or below= "
+                        f"(None: unbounded)")
+    if inclusive is not UNSET and strict is not UNSET:
+        raise TypeError(f"{flag}: {name}= or {strict_name}=, not both")
+    if strict is UNSET:
+        return inclusive, False
+    if not isinstance(strict, (int, float)):
+        raise TypeError(f"{flag}: {strict_name}= is a number (at_least=None or at_most=None: unbounded)")
+    return strict, True
+
+
+def check_bounds(v, b):
+    """A declared number's value: finite (nan and inf refused), within its Bounds b (None: open)."""
     if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
         return
-    if finite and not math.isfinite(v):
-        raise ValueError(f"{flag} {v}: must be a finite number")
-    if lo is not None and not v >= lo:
-        raise ValueError(f"{flag} {v}: must be at least {lo}")
-    if hi is not None and not v <= hi:
-        raise ValueError(f"{flag} {v}: must be at most {hi:,}" + (' (a size bounded by what a machine can '
-                                                                   'hold)' if hi >= 1024 else ''))
+    if b.finite and not math.isfinite(v):
+        raise ValueError(f"{b.flag} {v}: must be a finite number")
+    if b.lo is not None and not (v > b.lo if b.strict_lo else v >= b.lo):
+        raise ValueError(f"{b.flag} {v}: must be {'above' if b.strict_lo else 'at least'} {b.lo}")
+    if b.hi is not None and not (v < b.hi if b.strict_hi else v <= b.hi):
+        raise ValueError(f"{b.flag} {v}: must be {'below' if b.strict_hi else 'at most'} {b.hi:,}"
+                         + (' (a size bounded by what a machine can hold)' if b.hi >= 1024 else ''))
 
 
 # a flag that names a file or folder (a NAME=PATH list too): '' is refused, never read as "the default"

@@ -10,7 +10,7 @@ import sys
 import time
 
 from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json, write_text
-from plumbing.run import (FLAG_OF, ArgumentParser, check, check_heads, check_writable, common_flags,
+from plumbing.run import (FLAG_OF, ArgumentParser, check_heads, check_writable, common_flags,
                           lock_folder, new_folder, progress, rerun_command, run_main)
 
 
@@ -29,14 +29,14 @@ def training_parser(description, out_dir, **defaults):
       help='micro-batches per iteration, summed over processes (default: one per process)')
     a('--max_iters', type=int, at_least=1, at_most='count',
       help='iterations of the run (a cap where it stops early)')
-    a('--lr', type=float, at_least=None, at_most=None, help='peak learning rate (positive)')
+    a('--lr', type=float, above=0, at_most=None, help='peak learning rate')
     a('--min_lr', type=float, at_least=0, at_most=None, help='learning rate at the end of the cosine decay')
     a('--warmup_iters', type=int, at_least=0, at_most='count', help='iterations of linear warm-up')
     a('--lr_decay_iters', type=int, default=None, at_least=1, at_most='count',
       help='end of the cosine decay (default: max_iters)')
     a('--weight_decay', type=float, default=0.1, at_least=0, at_most=None, help='AdamW weight decay')
-    a('--beta1', type=float, default=0.9, at_least=0, at_most=None, help="AdamW's beta1, in [0, 1)")
-    a('--beta2', type=float, default=0.99, at_least=0, at_most=None, help="AdamW's beta2, in [0, 1)")
+    a('--beta1', type=float, default=0.9, at_least=0, below=1, help="AdamW's beta1, in [0, 1)")
+    a('--beta2', type=float, default=0.99, at_least=0, below=1, help="AdamW's beta2, in [0, 1)")
     a('--grad_clip', type=float, default=1.0, at_least=0, at_most=None,
       help='clip gradients at this norm (0: off)')
     a('--eval_interval', type=int, at_least=1, at_most='count',
@@ -63,7 +63,7 @@ MAX_GRAD_ACCUM = 2**16
 
 
 def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=None):
-    """The flags of training_parser in range (beyond the bounds the parser declares), heads that divide the
+    """Beyond the bounds training_parser declares (each flag's own): heads that divide the
     width, a --patience that can fire within --max_iters, and --out_dir writable (and removed if
     the run creates it and then fails before saving anything); --lr_decay_iters defaults to
     --max_iters, --grad_accum to one micro-batch per process. With --resume, those given (argv)
@@ -71,9 +71,6 @@ def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sour
     args.sources = sources(args), the hashes of its inputs, those it recorded."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
-    check(args, 'lr', lambda v: v > 0, 'a positive number')  # the declared bounds (training_parser): the rest
-    for name in ('dropout', 'beta1', 'beta2'):
-        check(args, name, lambda v: 0 <= v < 1, 'in [0, 1)')
     check_patience(args.patience, args.max_iters, args.eval_interval)
     check_writable(args.out_dir, '--out_dir')
     new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt'))  # a run that fails before saving leaves none

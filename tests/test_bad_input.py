@@ -31,7 +31,7 @@ def test_rebm_debug_shows_the_traceback():
     assert_clean_error(run_script(argv), '--lr -1')
     res = run_script(argv, env=dict(REBM_DEBUG='1'))
     assert res.returncode != 0 and 'Traceback (most recent call last)' in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == 'ValueError: --lr -1.0: must be a positive number'
+    assert res.stderr.strip().splitlines()[-1] == 'ValueError: --lr -1.0: must be above 0'
     assert 'REBM_DEBUG=1' in run_script(['nce_train.py', '--help']).stdout
 
 

@@ -163,7 +163,7 @@ def test_one_vocabulary():
     assert set(used['pool']) == {'nce_train.py'} and used['pool']['nce_train.py'].choices
     assert used['body']['nce_train.py'].choices == ['bit', 'unit']
     for script, a in used['top_k'].items():  # 0 untruncated, or refused: never a default of None
-        lo = PARSERS[script].bounds[a.dest][1]
+        lo = PARSERS[script].bounds[a.dest].lo
         assert a.default is not None and lo in (0, 1), (script, a.default, lo)
 
 
@@ -179,17 +179,17 @@ def test_help_and_default(script, argv, parser, action):
 @pytest.mark.parametrize('script,argv,parser,action', FLAGS, ids=IDS)
 def test_numbers_within_their_declared_bounds(script, argv, parser, action):
     """nan, inf, -1, 0 and 10^12 for every number: accepted only within its declared bounds
-    (finite, at_least, at_most), else refused by the parse with one ValueError that starts with
-    the flag's name (run_main's `error:` line)."""
+    (finite, at_least or above, at_most or below), else refused by the parse with one ValueError that
+    starts with the flag's name (run_main's `error:` line)."""
     if action.type not in HUGE:
         assert action.dest not in parser.bounds or action.type is None
         return
     flag = action.option_strings[0]
     assert action.dest in parser.bounds, f'{script}: {flag} is a number without declared bounds'
-    _, lo, hi, finite = parser.bounds[action.dest]
-    assert action.type is float or lo is not None, f'{script}: {flag}, a count, declares no at_least (0 or 1)'
+    b = parser.bounds[action.dest]
+    assert action.type is float or b.lo is not None, f'{script}: {flag}, a count, declares no at_least (0 or 1)'
     if flag[2:] in MEMORY_BOUNDED and (script, flag[2:]) not in TIME_BOUNDED:
-        assert hi is not None, f'{script}: {flag} allocates in proportion but declares no at_most'
+        assert b.hi is not None, f'{script}: {flag} allocates in proportion but declares no at_most'
     for text in ('nan', 'inf', '-1', '0', HUGE[action.type]):
         try:
             args = parse(script, argv, parser, action, flag, text)
@@ -198,8 +198,10 @@ def test_numbers_within_their_declared_bounds(script, argv, parser, action):
             continue
         values = getattr(args, action.dest)
         for v in values if isinstance(values, list) else [values]:
-            assert not finite or math.isfinite(v), f'{script}: {flag} {text} accepted'
-            assert (lo is None or v >= lo) and (hi is None or v <= hi), f'{script}: {flag} {text} accepted'
+            assert not b.finite or math.isfinite(v), f'{script}: {flag} {text} accepted'
+            above_lo = b.lo is None or (v > b.lo if b.strict_lo else v >= b.lo)
+            assert above_lo and (b.hi is None or (v < b.hi if b.strict_hi else v <= b.hi)), \
+                f'{script}: {flag} {text} accepted'
 
 
 @pytest.mark.parametrize('script,argv,parser,action', FLAGS, ids=IDS)
@@ -220,7 +222,8 @@ def test_paths_are_never_empty(script, argv, parser, action):
 
 def test_declarations_are_enforced():
     """A number without bounds, or a flag without help, is refused when the parser is built: no
-    flag can be added unguarded. And the checks bite: nan, a value past at_most, ''."""
+    flag can be added unguarded. And the checks bite: nan, a value past at_most, a strict bound's own
+    value (above=, below=), ''."""
     p = ArgumentParser(prog='probe')
     with pytest.raises(TypeError, match='--k: a number declares its bounds'):
         p.add_argument('--k', type=int, default=1, help='a count')
@@ -232,11 +235,21 @@ def test_declarations_are_enforced():
         p.add_argument('--w', default='x')
     with pytest.raises(TypeError, match='not a number'):
         p.add_argument('--s', default='x', at_least=0, help='a name')
+    with pytest.raises(TypeError, match='not a number'):
+        p.add_argument('--s', default='x', below=1, help='a name')
+    with pytest.raises(TypeError, match='at_least= or above=, not both'):
+        p.add_argument('--k', type=float, default=1, at_least=0, above=0, at_most=None, help='a rate')
+    with pytest.raises(TypeError, match='below= is a number'):
+        p.add_argument('--k', type=float, default=1, at_least=0, below=None, help='a rate')
     p.add_argument('--t', type=float, default=1.0, at_least=0, at_most=2, help='a rate')
+    p.add_argument('--r', type=float, default=0.5, above=0, below=1, help='a probability, in (0, 1)')
     p.add_argument('--out', default='o.json', help='a file')
+    assert p.parse_args(['--r', '1e-300']).r == 1e-300 and p.parse_args(['--r', '0.999']).r == 0.999
     for argv, line in ((['--t', 'nan'], '--t nan: must be a finite number'),
                        (['--t', '3'], '--t 3.0: must be at most 2'),
                        (['--t', '-1'], '--t -1.0: must be at least 0'),
+                       (['--r', '0'], '--r 0.0: must be above 0'),
+                       (['--r', '1'], '--r 1.0: must be below 1'),
                        (['--out', ''], "--out '': an empty path"),
                        (['--t', 'x'], "--t: invalid float value: 'x'")):
         with pytest.raises(ValueError) as e:

@@ -162,7 +162,7 @@ def test_torchrun_as_documented(script, lm_corpus, lm_ckpt, fox_negatives, tmp_p
     assert load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['args']['grad_accum'] == 2
     res = run_script([*torchrun, '--out_dir', str(tmp_path / 'bad'), '--lr', '-1'])
     errors = [line for line in res.stderr.splitlines() if line.startswith('error:')]
-    assert res.returncode != 0 and errors == ['error: --lr -1.0: must be a positive number'], res.stderr
+    assert res.returncode != 0 and errors == ['error: --lr -1.0: must be above 0'], res.stderr
     assert f'{script}", line' not in res.stderr and not (tmp_path / 'bad').exists()
 
 

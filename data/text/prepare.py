@@ -18,7 +18,7 @@ import sys
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m data.text.prepare")
 from data import made_with, prepare, prepare_flags  # noqa: E402
-from plumbing import ArgumentParser, check, check_writable, not_a_file, run_main  # noqa: E402
+from plumbing import ArgumentParser, check_writable, not_a_file, run_main  # noqa: E402
 
 
 def read_documents(paths):
@@ -75,17 +75,15 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     parser.add_argument('inputs', nargs='+', help='text files and/or folders of .txt files')
     prepare_flags(parser, None, 'shuffles documents before choosing val/test ones', tokenizer='char')
-    parser.add_argument('--val_frac', type=float, default=0.05, at_least=None, at_most=None,
+    parser.add_argument('--val_frac', type=float, default=0.05, above=0, below=1,
                         help='fraction of documents (or text) for val, in (0, 1)')
-    parser.add_argument('--test_frac', type=float, default=0.05, at_least=None, at_most=None,
+    parser.add_argument('--test_frac', type=float, default=0.05, above=0, below=1,
                         help='fraction of documents (or text) for test, in (0, 1)')
-    parser.add_argument('--select_frac', type=float, default=0.05, at_least=None, at_most=None,
+    parser.add_argument('--select_frac', type=float, default=0.05, above=0, below=1,
                         help='fraction of documents (or text) carved from training for the selection set, '
                              'which chooses what is tuned (early stopping, recipes) '
                              'so that val and test are only reported')
     args = parser.parse_args(argv)
-    for name in ('val_frac', 'test_frac', 'select_frac'):
-        check(args, name, lambda v: 0 < v < 1, 'in (0, 1)')
     if args.val_frac + args.test_frac + args.select_frac >= 1:
         raise ValueError(f"--val_frac {args.val_frac} + --test_frac {args.test_frac} "
                          f"+ --select_frac {args.select_frac} "
