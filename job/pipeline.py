@@ -129,11 +129,15 @@ class Pipeline:
     the calls. jobs > 1 (make -j): `run` declares the stage and returns; a stage starts in the
     background once the stages it depends on have ended and a slot is free, the one with the
     longest critical path first (`costs`: seconds per stage, e.g. a measured run's), and writes
-    <dir of timings>/<stage>.log on `threads` threads. Code that reads a stage's outputs calls
-    wait() first (wait() is also what runs the queue)."""
+    <dir of timings>/<stage>.log on `threads` threads; a `wide` stage (one that would otherwise run
+    alone on one thread at the end of the critical path) takes every slot: it starts once nothing
+    runs, on jobs x threads, and nothing starts beside it. Its thread count is the stage's, never
+    the schedule's. Code that reads a stage's outputs calls wait() first (wait() is also what runs
+    the queue)."""
 
     def __init__(self, timings_path, jobs=1, threads=None, costs=None):
         self.timings_path, self.done, self.folders, self.jobs = timings_path, {}, {}, jobs
+        self.threads, self.wide = threads, set()
         self.deps, self.queue, self.costs = {}, {}, costs or {}  # queue: declared, not started
         self.out_dir = os.path.dirname(timings_path) or '.'
         self.timings = read_json(timings_path, 'delete it (it only records stage times) and rerun') \
@@ -154,13 +158,15 @@ class Pipeline:
         # a stage's threads follow --jobs alone, never the load (threads change float rounding)
         self.env = None if jobs == 1 else dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
 
-    def run(self, name, cmd, done, deps=(), folder=None):
+    def run(self, name, cmd, done, deps=(), folder=None, wide=False):
         """Declare a stage (cmd: its command, or a function returning it, called once `deps` have
         ended: a command that reads what they wrote). It starts as soon as its deps have ended (a dep
-        never declared counts as ended) and a slot is free (jobs = 1: at once, in the terminal, to
-        its end); skipped if done, resumed if half-done and made from the same, started over
-        otherwise (its folder kept as .old)."""
+        never declared counts as ended) and a slot is free (wide: every slot; jobs = 1: at once, in
+        the terminal, to its end); skipped if done, resumed if half-done and made from the same,
+        started over otherwise (its folder kept as .old)."""
         self.done[name], self.folders[name], self.deps[name] = done, folder, tuple(deps)
+        if wide:
+            self.wide.add(name)
         self.queue[name] = cmd
         self.dispatch()
 
@@ -172,13 +178,16 @@ class Pipeline:
 
     def dispatch(self):
         """Starts ready stages (their deps ended) while fewer than `jobs` run: the longest critical
-        path first, then the order of declaration (make -j's order, by the path instead of the file)."""
-        while len(self.running) < self.jobs:
+        path first, then the order of declaration (make -j's order, by the path instead of the file);
+        a wide stage first waits for the running ones to end, and none starts beside it."""
+        while len(self.running) < self.jobs and not self.wide & self.running.keys():
             pending = self.queue.keys() | self.running.keys()
             ready = [n for n in self.queue if not set(self.deps[n]) & pending]
             if not ready:
                 return
             name = max(ready, key=lambda n: (self.priority(n), -list(self.queue).index(n)))
+            if name in self.wide and self.running:
+                return
             self.launch(name, self.queue.pop(name))
 
     def launch(self, name, cmd):
@@ -256,8 +265,11 @@ class Pipeline:
         # the stage holds the job's --out_dir lock too (one open file, one flock): while any process
         # of the job lives, a rerun is refused at the door, even one whose stage outlived a kill -9
         job = os.getpid()
+        env = self.env
+        if env and name in self.wide:  # every slot's threads
+            env = dict(env, OMP_NUM_THREADS=str(self.threads * self.jobs))
         with open(log, 'w') if log else contextlib.nullcontext() as f:
-            proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=self.env, stdout=f,
+            proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=env, stdout=f,
                                     stderr=subprocess.STDOUT if log else None, pass_fds=tuple(LOCKS),
                                     preexec_fn=lambda: stage_setup(job))
         self.running[name] = (proc, time.time(), log)

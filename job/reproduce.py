@@ -23,8 +23,8 @@ training with its own negatives and BIT, beside BALM at the same step.
 --jobs N (like make -j; on a GPU the stages share it; default 1, 2 with --quick): a stage starts as
 soon as those it depends on have ended and fewer than N run, the one heading the longest chain of
 measured stage times first (job.configs.STAGE_SECONDS: the critical path LM -> negatives -> energies
--> EXO before the baselines), each on cores // N threads (OMP_NUM_THREADS), its output in
-<out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1:
+-> EXO before the baselines), each on cores // N threads (OMP_NUM_THREADS; the addition job's EXO,
+the chain's last long stage, runs alone on every core), its output in <out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1:
 each stage in the terminal, on every core). A failed stage stops the others and names its log;
 Ctrl-C stops them all. Threads change float rounding, so a stage's thread count follows --jobs and
 the cores, never timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of
@@ -267,8 +267,8 @@ def stages(args, pipe):
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
 
-    def script(name, cmd, done, deps, folder=None):  # a script without --dtype (fp32): seed and device
-        pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps, folder)
+    def script(name, cmd, done, deps, folder=None, wide=False):  # a script without --dtype (fp32): seed, device
+        pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps, folder, wide)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg)
@@ -336,13 +336,15 @@ def stronger_energy(path):
 def exo(script, path, lm_ckpt, neg, cfg):
     """EXO (Ji et al., ICML 2024, from the talk): BALM fine-tuned towards the joint model LM + the
     stronger energy (chosen once both have ended) by the reverse KL over K samples per prefix (its
-    own, with --on_policy), best.pt chosen on the selection split: compared with BALM at its size."""
+    own, with --on_policy), best.pt chosen on the selection split: compared with BALM at its size.
+    The last long stage of the critical path (only the evaluations need it), so with --jobs N it
+    runs wide: alone, on every core."""
     script('exo', lambda: ['-m', 'extensions.exo', '--lm', lm_ckpt,
                            '--energy', path(stronger_energy(path), 'best.pt'),
                            '--init_from', path('balm', 'best.pt'),
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                            '--out_dir', path('exo')] + flags(cfg['exo']) + resumed(path('exo'), ['--force']),
-           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'], path('exo'))
+           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'], path('exo'), wide=True)
 
 
 def resumed(folder, otherwise=()):

@@ -71,6 +71,35 @@ def test_pipeline_jobs_starts_the_longest_chain_first(tmp_path, costs, first):
     assert min(start, key=start.get) == first, start
 
 
+def test_pipeline_wide_stage_runs_alone_on_every_slot(tmp_path):
+    """--jobs 2: a wide stage (the addition job's EXO) waits until the stage running beside it has
+    ended, runs on both slots' threads, and a stage ready meanwhile (lower on the critical path)
+    starts only after it: no two overlap, and its thread count is the same whatever ran before."""
+    from job import reproduce
+    pipe = reproduce.Pipeline(str(tmp_path / 'timings.json'), jobs=2, threads=1, costs=dict(wide=5))
+    pipe.run('gate', *fake_stage(tmp_path, 'gate', 0.3))
+    pipe.run('other', *fake_stage(tmp_path, 'other', 1.5))
+    pipe.run('wide', *fake_stage(tmp_path, 'wide', 0.5), ['gate'], wide=True)
+    pipe.run('after', *fake_stage(tmp_path, 'after', 0), ['gate'])
+    pipe.wait()
+    ran = {n: json.load(open(tmp_path / f'{n}.json')) for n in ('other', 'wide', 'after')}
+    assert ran['wide']['start'] >= ran['other']['end'] and ran['after']['start'] >= ran['wide']['end'], ran
+    assert ran['wide']['threads'] == '2' and ran['other']['threads'] == ran['after']['threads'] == '1'
+
+
+def test_the_addition_jobs_exo_is_wide():
+    """The addition job declares its EXO wide (job.reproduce.exo): the last long stage of its critical
+    path, which with --jobs 2 ran alone on one thread while the other core idled."""
+    from job import reproduce
+    declared = {}
+
+    def script(name, cmd, done, deps, folder=None, wide=False):
+        declared[name] = wide
+    args = reproduce.get_args(['--data', 'addition'])
+    reproduce.exo(script, lambda *a: os.path.join('out', *a), 'out/lm/best.pt', args.cfg['neg'], args.cfg)
+    assert declared == {'exo': True}
+
+
 def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
     """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
     stage resumes), and the job ends with one line naming the stage, its log and its last line."""
