@@ -257,11 +257,11 @@ RELATIVE_TIME = dict(lm=1.0, balm=0.91, ralm=0.19, neg_train=0.14, neg_select=0.
 
 # What --jobs N schedules by (job/pipeline.py: among the stages ready to start, the longest chain of
 # these first): each stage's seconds in a measured run of the job (the relative times for Shakespeare;
-# addition's: seed 2 of the faster recipe, idle, bf16, one thread a stage: docs/addition.md). Only their
-# order matters.
+# addition's: seed 1337, idle, bf16, one thread a stage but the wide EXO's two, the Intel Xeon of
+# docs/addition.md's "The job's EXO on both cores"). Only their order matters.
 STAGE_SECONDS = dict(
     shakespeare=RELATIVE_TIME,
-    addition=dict(prepare=3, lm=295, balm=810, mlm=114, neg_train=521, neg_select=11, bit=381, unit=378,
-                  exo=445, ralm=132, tailr=49, estimate_ppl=81, samples=8, samples_untruncated=8,
-                  addition_eval=74, claims=2, figures=3),
+    addition=dict(prepare=4, lm=307, balm=770, mlm=136, neg_train=540, neg_select=11, bit=504, unit=502,
+                  exo=724, ralm=144, tailr=112, estimate_ppl=99, samples=7, samples_untruncated=7,
+                  addition_eval=128, claims=2, figures=3),
 )

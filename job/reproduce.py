@@ -24,11 +24,12 @@ training with its own negatives and BIT, beside BALM at the same step.
 soon as those it depends on have ended and fewer than N run, the one heading the longest chain of
 measured stage times first (job.configs.STAGE_SECONDS: the critical path LM -> negatives -> energies
 -> EXO before the baselines), each on cores // N threads (OMP_NUM_THREADS; the addition job's EXO,
-the chain's last long stage, runs alone on every core), its output in <out_dir>/<stage>.log; the terminal gets each command and one line as it ends (--jobs 1:
-each stage in the terminal, on every core). A failed stage stops the others and names its log;
+the chain's last long stage, runs alone on every core), its output in <out_dir>/<stage>.log; the
+terminal gets each command and one line as it ends (--jobs 1: each stage in the terminal, on every
+core). A failed stage stops the others and names its log;
 Ctrl-C stops them all. Threads change float rounding, so a stage's thread count follows --jobs and
 the cores, never timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of
-OMP_NUM_THREADS=1 --jobs 1), never on the schedule.
+OMP_NUM_THREADS=1 --jobs 1 but for the wide EXO's and what reads it), never on the schedule.
 
     python -m job.reproduce                      # 46 min on an idle 2-core AMD EPYC with bf16 (README)
     python -m job.reproduce --quick              # 91 s there, tiny models: the CI smoke test
@@ -267,7 +268,7 @@ def stages(args, pipe):
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
 
-    def script(name, cmd, done, deps, folder=None, wide=False):  # a script without --dtype (fp32): seed, device
+    def script(name, cmd, done, deps, folder=None, wide=False):  # without --dtype (fp32): seed, device
         pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps, folder, wide)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1

@@ -14,10 +14,11 @@ the exact sign test, each with Holm over the family: what holds whatever the tra
 With --seeds, each seed's job (python -m job.reproduce --data addition --seed S --out_dir
 <runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time (on one GPU they
 share it; on a CPU, 1 with --jobs 2, or a core each: OMP_NUM_THREADS=1, --jobs 1, --at_once 2 on two
-cores, the same numbers), each into its folder and log (<runs_dir>/seedS.log); a rerun of the same
-command skips what is done and resumes what was stopped, as job.reproduce does. Writes the JSON and,
-beside it, the same as a table (.txt), and every seed's per-problem outcomes (_outcomes.json.gz), from
-which the comparisons can be recomputed; with --plot, exact match by the longest carry chain, a PNG.
+cores, the same numbers but EXO's, which --jobs 2 runs on both cores), each into its folder and log
+(<runs_dir>/seedS.log); a rerun of the same command skips what is done and resumes what was stopped,
+as job.reproduce does. Writes the JSON and, beside it, the same as a table (.txt), and every seed's
+per-problem outcomes (_outcomes.json.gz), from which the comparisons can be recomputed; with --plot,
+exact match by the longest carry chain, a PNG.
 """
 
 import gzip

@@ -298,6 +298,31 @@ JSON_CLAIMS += [('docs/addition.md', rf'\| {s["seed"]}: BALM \| \| \| {CELL} \| 
                  [s['balm'][k] for k in ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')])
                 for s in EXO_BUDGET]
 JSON_CLAIMS += [budget_row(s['seed'], r) for s in EXO_BUDGET for r in s['budgets']]
+# docs/addition.md, "The job's EXO on both cores": its table of stage times and the threads' probe
+# (assets/time_addition_wide.json)
+WIDE = asset('time_addition_wide.json')
+STAGE = r' \| ([\d,]+)'
+
+
+def wide_row(run):
+    """One run's row: LM, BALM, negatives (train + select), MLM, UNIT, BIT, RALM, TaiLr, EXO, estimate_ppl,
+    addition_eval (s), then its wall time (min)."""
+    pattern = (rf'\| [^|\n]*\({run["commit"]}\){STAGE * 2} \| ([\d,]+) \+ (\d+){STAGE} \| '
+               rf'([\d,]+), ([\d,]+) \| ([\d,]+), ([\d,]+){STAGE} \| (\d+), (\d+) \| ([\d.]+) min \|')
+    keys = ('lm', 'balm', 'neg_train', 'neg_select', 'mlm', 'unit', 'bit', 'ralm', 'tailr', 'exo',
+            'estimate_ppl', 'addition_eval')
+    return 'docs/addition.md', pattern, [run['timings_s'][k] for k in keys] + [run['wall_s'] / 60]
+
+
+STEP, EVAL = WIDE['exo_threads']['step_s'], WIDE['exo_threads']['evaluation_s']
+JSON_CLAIMS += [wide_row(r) for r in WIDE['runs']]
+JSON_CLAIMS += [
+    ('docs/addition.md',
+     r'a step ([\d.]+) / ([\d.]+) s on one thread, ([\d.]+) / ([\d.]+) s on two \(\*\*([\d.]+)x',
+     STEP['1'] + STEP['2'] + [sum(STEP['1']) / sum(STEP['2'])]),
+    ('docs/addition.md', r'an\s+evaluation ([\d.]+) / ([\d.]+) s against ([\d.]+) / ([\d.]+) s \(([\d.]+)x\)',
+     EVAL['1'] + EVAL['2'] + [sum(EVAL['1']) / sum(EVAL['2'])]),
+]
 # docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
 BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
 MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')

@@ -187,7 +187,7 @@ def test_numbers_within_their_declared_bounds(script, argv, parser, action):
     flag = action.option_strings[0]
     assert action.dest in parser.bounds, f'{script}: {flag} is a number without declared bounds'
     b = parser.bounds[action.dest]
-    assert action.type is float or b.lo is not None, f'{script}: {flag}, a count, declares no at_least (0 or 1)'
+    assert action.type is float or b.lo is not None, f'{script}: {flag}, a count, declares no at_least'
     if flag[2:] in MEMORY_BOUNDED and (script, flag[2:]) not in TIME_BOUNDED:
         assert b.hi is not None, f'{script}: {flag} allocates in proportion but declares no at_most'
     for text in ('nan', 'inf', '-1', '0', HUGE[action.type]):
@@ -238,7 +238,7 @@ def test_declarations_are_enforced():
     with pytest.raises(TypeError, match='not a number'):
         p.add_argument('--s', default='x', below=1, help='a name')
     with pytest.raises(TypeError, match='at_least= or above=, not both'):
-        p.add_argument('--k', type=float, default=1, at_least=0, above=0, at_most=None, help='a rate')
+        p.add_argument('--k', type=float, default=1, at_least=0, above=0, at_most=None, help='a step')
     with pytest.raises(TypeError, match='below= is a number'):
         p.add_argument('--k', type=float, default=1, at_least=0, below=None, help='a rate')
     p.add_argument('--t', type=float, default=1.0, at_least=0, at_most=2, help='a rate')

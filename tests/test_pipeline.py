@@ -87,19 +87,6 @@ def test_pipeline_wide_stage_runs_alone_on_every_slot(tmp_path):
     assert ran['wide']['threads'] == '2' and ran['other']['threads'] == ran['after']['threads'] == '1'
 
 
-def test_the_addition_jobs_exo_is_wide():
-    """The addition job declares its EXO wide (job.reproduce.exo): the last long stage of its critical
-    path, which with --jobs 2 ran alone on one thread while the other core idled."""
-    from job import reproduce
-    declared = {}
-
-    def script(name, cmd, done, deps, folder=None, wide=False):
-        declared[name] = wide
-    args = reproduce.get_args(['--data', 'addition'])
-    reproduce.exo(script, lambda *a: os.path.join('out', *a), 'out/lm/best.pt', args.cfg['neg'], args.cfg)
-    assert declared == {'exo': True}
-
-
 def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
     """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
     stage resumes), and the job ends with one line naming the stage, its log and its last line."""
