@@ -135,7 +135,8 @@ class ArgumentParser(argparse.ArgumentParser):
         action = super().add_argument(*args, **kw)
         if numeric:
             hi = SIZES[hi] if isinstance(hi, str) else hi
-            self.bounds[action.dest] = Bounds(flag, lo, hi, finite and action.type is float, strict_lo, strict_hi)
+            finite = finite and action.type is float
+            self.bounds[action.dest] = Bounds(flag, lo, hi, finite, strict_lo, strict_hi)
         if path or (path is None and action.option_strings and PATH_FLAG.search(flag[2:])):
             self.paths.add(action.dest)
         if action.option_strings and action.dest != flag[2:]:
