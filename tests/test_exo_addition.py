@@ -351,7 +351,7 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--num_samples', '1'], '--num_samples 1'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
-                         '--beta_r', '0'], 'positive'),
+                         '--beta_r', '0'], '--beta_r 0.0: must be above 0'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
