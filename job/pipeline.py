@@ -155,8 +155,6 @@ class Pipeline:
         self.records_path = os.path.join(self.out_dir, PROVENANCE)
         self.records = read_records(self.records_path)
         self.running = {}  # stage -> (process, start time, its log or None: the terminal)
-        # a stage's threads follow --jobs alone, never the load (threads change float rounding)
-        self.env = None if jobs == 1 else dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
 
     def run(self, name, cmd, done, deps=(), folder=None, wide=False):
         """Declare a stage (cmd: its command, or a function returning it, called once `deps` have
@@ -265,14 +263,19 @@ class Pipeline:
         # the stage holds the job's --out_dir lock too (one open file, one flock): while any process
         # of the job lives, a rerun is refused at the door, even one whose stage outlived a kill -9
         job = os.getpid()
-        env = self.env
-        if env and name in self.wide:  # every slot's threads
-            env = dict(env, OMP_NUM_THREADS=str(self.threads * self.jobs))
         with open(log, 'w') if log else contextlib.nullcontext() as f:
-            proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=env, stdout=f,
+            proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=self.stage_env(name), stdout=f,
                                     stderr=subprocess.STDOUT if log else None, pass_fds=tuple(LOCKS),
                                     preexec_fn=lambda: stage_setup(job))
         self.running[name] = (proc, time.time(), log)
+
+    def stage_env(self, name):
+        """jobs > 1: the stage's threads, `threads` (a wide stage: every slot's), from --jobs and the
+        declaration alone, never the load (threads change float rounding). jobs = 1: the job's own."""
+        if self.jobs == 1:
+            return None
+        threads = self.threads * (self.jobs if name in self.wide else 1)
+        return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1')
 
     def wait(self, *names):
         """Until the stages among `names` (none named: all declared) have ended."""
