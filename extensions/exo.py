@@ -15,7 +15,11 @@ talk's "unbiased gradient", pi_theta^{beta_pi} ∝ pi_sft (pi_theta / pi_sft)^{b
 of L_dpo-rw (--loss dpo, the talk's comparison) to the forward KL's; with beta_pi = beta_r = 1
 the minimiser over a free policy is the joint model itself (both tested by exact enumeration in
 tests/test_exo.py). --on_policy draws the K from pi_theta instead, weighted by pi_sft / pi_theta:
-the same limits, from samples that also go where pi_theta has gone. The result samples at LM speed
+the same limits, from samples that also go where pi_theta has gone. --beam W takes the limit on a
+set instead (set_step_loss): the distinct continuations among P_LM's beam of W and the K samples,
+each once, weighted by pi_sft, so that L_exo is exactly the reverse KL renormalised on that set; the
+beam offers the continuations pi* favours where the policy's own samples all repeat one mistake, and
+a peaked policy's repeats cost nothing. The result samples at LM speed
 and has an exact perplexity: best.pt is an LM checkpoint that every script loads (estimate_ppl.py
 --extra_lm EXO=.../best.pt).
 
@@ -56,9 +60,9 @@ import torch
 import torch.nn.functional as F
 
 from data import check_fits, check_problem_windows, load_lm_and_data, load_split, window_tokens, windows
-from energy import load_any_energy, logz_bounds, logz_diagnostics, score_continuations
+from energy import distinct_ids, load_any_energy, logz_bounds, logz_diagnostics, score, score_continuations
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
-from model import load_lm
+from model import get_lr, load_lm
 from model import load_checkpoint
 from plumbing import (ArgumentParser, check_new, check_resumed_flags, check_resumed_iters,
                       check_training_memory, check_writable, common_flags, file_hash, given_flags,
@@ -117,6 +121,34 @@ def exo_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
         logp_theta = continuation_logprob(policy, prefix, y)
     log_w = logp_sft - logp_theta.detach() if args.on_policy else None
     return exo_loss(logp_theta, logp_sft, reward, args.beta_pi, args.beta_r, args.loss, log_w).mean()
+
+
+NOT_IN_SET = -1e4  # a log-weight whose exp is exactly 0 in float32: a repeat of a continuation, left out
+
+
+def set_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
+    """--beam W: the loss over the set S of distinct continuations among P_LM's beam of W (the known
+    set of log Z, energy.logz_enumerate) and the K samples, each once, weighted by pi_sft (exo_loss's
+    log_w): L_exo is then exactly KL(pi_theta^{beta_pi} || pi*_{beta_r}) with both renormalised on S,
+    the K -> infinity limit taken on the set, with no importance weights. The beam holds where pi*
+    puts its mass, the samples (pi_theta's with --on_policy) where the policy has put it; where the
+    policy is sure of a wrong continuation, all K samples may repeat it, and the beam still offers the
+    others. Each distinct continuation goes through the models once: a peaked LM's samples repeat."""
+    P = prefix.size(1)
+    with torch.no_grad(), eval_mode(policy if args.on_policy else sft) as proposal:
+        y = torch.cat([sft.beam_search(prefix, gen_len, args.beam)[0],
+                       proposal.generate(prefix, gen_len, num_samples=K, generator=g)[0]], 1)  # (B, m, L)
+        (B, m, _), ids = y.shape, distinct_ids(y).flatten()
+        first = torch.full((int(ids.max()) + 1,), B * m, device=y.device).scatter_reduce(
+            0, ids, torch.arange(B * m, device=y.device), 'amin')  # each distinct one's first occurrence
+        x = torch.cat([prefix.repeat_interleave(m, 0)[first], y.flatten(0, 1)[first]], 1)
+        logp_sft = sft.sequence_logprob(x, P)
+        reward = -score(energy, x, P, nullcontext()).float()
+    with eval_mode(policy):
+        logp_theta = policy.sequence_logprob(x, P)
+    on_set = lambda v, fill: torch.full((B * m,), fill, device=v.device).index_copy(0, first, v).view(B, m)
+    return exo_loss(on_set(logp_theta, 0.0), on_set(logp_sft, 0.0), on_set(reward, 0.0), args.beta_pi,
+                    args.beta_r, args.loss, on_set(logp_sft, NOT_IN_SET)).mean()
 
 
 @torch.no_grad()
@@ -180,12 +212,19 @@ def get_args(argv=None):
     a('--num_samples', dest='K', type=int, default=8, at_least=2, at_most='samples',
       help='K, LM samples per training prefix')
     a('--on_policy', action='store_true', help='draw the K samples from pi_theta (importance-weighted)')
+    a('--beam', type=int, default=0, at_least=0, at_most='beam',
+      help="W: the loss over the distinct continuations among P_LM's beam of W and the K samples, each "
+           "once (the KL restricted to that set, exactly: set_step_loss); 0: L_exo over the K samples")
     a('--beta_pi', type=float, default=1.0, above=0, at_most=None,
       help="the policy's scale, positive (1: the joint model's)")
     a('--beta_r', type=float, default=1.0, above=0, at_most=None,
       help="the reward's temperature, positive (1: the joint model's)")
     a('--batch_size', type=int, default=16, at_least=1, at_most='count', help='prefixes per step')
     a('--lr', type=float, default=1e-4, above=0, at_most=None, help='learning rate')
+    a('--min_lr', type=float, default=None, above=0, at_most=None,
+      help='the cosine decay of --lr ends here, at --lr_decay_iters (default: --lr, a constant rate)')
+    a('--lr_decay_iters', type=int, default=None, at_least=1, at_most='count',
+      help="where --lr's cosine decay reaches --min_lr (default: --max_iters of the run's start)")
     a('--max_iters', type=int, default=300, at_least=1, at_most='count', help='iterations of the run')
     a('--eval_interval', type=int, default=50, at_least=1, at_most='count',
       help='evaluate on the selection split, and checkpoint, every this many iterations')
@@ -207,6 +246,12 @@ def get_args(argv=None):
     if args.forward_samples > args.logz_samples:
         raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
                          f"{args.logz_samples}: the forward KL reuses log Z's LM samples")
+    check_out_dir(args)
+    return args
+
+
+def check_out_dir(args):
+    """--out_dir writable, and --resume / --force consistent with what it holds."""
     check_writable(args.out_dir, '--out_dir')
     ckpt = os.path.join(args.out_dir, 'ckpt.pt')
     if args.resume and args.force:
@@ -220,14 +265,22 @@ def get_args(argv=None):
     if not args.resume:
         check_new(os.path.join(args.out_dir, 'results.json'), '--out_dir', args.force,
                   also=(os.path.join(args.out_dir, 'best.pt'),))
-    return args
 
 
 # what a --resume takes from ckpt.pt (a contradicting flag is refused): every flag that changes the
 # numbers; free: --max_iters (upwards), --device, --quiet
-FIXED = ('lm', 'energy', 'init_from', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'on_policy',
-         'beta_pi', 'beta_r', 'batch_size', 'lr', 'eval_interval', 'patience', 'eval_prefixes',
-         'eval_samples', 'logz_samples', 'forward_samples', 'seed')
+FIXED = ('lm', 'energy', 'init_from', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'on_policy', 'beam',
+         'beta_pi', 'beta_r', 'batch_size', 'lr', 'min_lr', 'lr_decay_iters', 'eval_interval', 'patience',
+         'eval_prefixes', 'eval_samples', 'logz_samples', 'forward_samples', 'seed')
+
+
+def fix_schedule(args, saved):
+    """--min_lr and --lr_decay_iters left out: a constant --lr (a run saved before them had one), the
+    decay ending at the first run's --max_iters, so that a --resume that raises it keeps the schedule."""
+    if args.min_lr is None:
+        args.min_lr = args.lr
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = saved['exo']['max_iters'] if saved else args.max_iters
 
 
 def resumed(args, argv):
@@ -304,9 +357,10 @@ def load_models(args, device):
         p.requires_grad_(False)
     check_fits(args.prefix_len + args.gen_len, dict(LM=sft, policy=policy))
     config = dataclasses.replace(policy.config, block_size=args.prefix_len + args.gen_len)
-    check_training_memory(config, args.batch_size * args.K, device,
-                          f"a step of --batch_size {args.batch_size} x --num_samples {args.K} samples",
-                          "lower --batch_size or --num_samples")
+    beam = f" + --beam {args.beam}" if args.beam else ""
+    check_training_memory(config, args.batch_size * (args.K + args.beam), device,
+                          f"a step of --batch_size {args.batch_size} x --num_samples {args.K} samples{beam}",
+                          f"lower --batch_size or --num_samples{beam and ' or --beam'}")
     return sft, policy, energy, ckpt, data_dir, meta
 
 
@@ -331,6 +385,7 @@ def main(argv=None):
     args = get_args(argv)
     device = setup(args.device)[2]
     saved = resumed(args, argv)
+    fix_schedule(args, saved)
     torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
     # sizes checked: nothing written yet
     sft, policy, energy, ckpt, data_dir, meta = load_models(args, device)
@@ -360,12 +415,15 @@ def main(argv=None):
         pick = torch.randint(len(train_offsets), (args.batch_size,), generator=g, device=g.device)
         pick = pick.cpu().numpy()  # drawn on g's device (a CUDA generator refuses a CPU tensor)
         prefix = window_tokens(train, train_offsets[np.sort(pick)], args.prefix_len).to(device)
-        loss = exo_step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
+        step_loss = set_step_loss if args.beam else exo_step_loss
+        loss = step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         check_finite(loss.item() + norm.item(), it,
                      f'its loss {loss.item():.4g}, gradient norm {norm.item():.4g}', best, args)
+        for group in opt.param_groups:
+            group['lr'] = get_lr(it, args.lr, args.min_lr, 0, args.lr_decay_iters)
         opt.step()
     report(args, sft, energy, data_dir, meta, curve, best, time.time() - t0, device)
 

@@ -114,6 +114,73 @@ def test_exo_step_loss_float64_reference(on_policy):
     assert abs(got.item() - (pf * np.log(pf / pr)).sum(1).mean()) < 1e-5
 
 
+def set_case():
+    """A GPT pi_sft over 5 tokens, a perturbed copy as pi_theta, a random bidirectional energy and 2
+    prefixes; continuations of 2 tokens: 25 of them, every one enumerable."""
+    sft = tiny_gpt(vocab_size=5, block_size=8, seed=2)
+    policy = copy.deepcopy(sft)
+    with torch.no_grad():
+        policy.lm_head.weight.add_(0.3 * torch.randn_like(policy.lm_head.weight))
+    torch.manual_seed(3)
+    config = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=2, n_embd=16, causal=False)
+    energy = Energy(config).eval()
+    with torch.no_grad():
+        energy.head.weight.normal_(0, 1.0)
+    return sft, policy, energy, torch.randint(5, (2, 4), generator=torch.Generator().manual_seed(4))
+
+
+def every_pair(prefix, V=5):
+    """(B, V^2, P + 2): each prefix followed by every continuation of 2 tokens."""
+    y = torch.tensor(list(itertools.product(range(V), repeat=2)))
+    return torch.cat([prefix[:, None].expand(-1, len(y), -1), y.expand(len(prefix), -1, -1)], 2)
+
+
+@pytest.mark.parametrize('on_policy', [False, True])
+def test_set_step_loss_float64_reference(on_policy):
+    """--beam W: the loss over the distinct continuations among P_LM's beam and the K samples
+    (redrawn from the same generator), each once, against the restricted KL written out in float64:
+    p_f ∝ pi_sft (pi_theta / pi_sft)^beta_pi and p_r ∝ pi_sft exp(-E / beta_r) on that set."""
+    sft, policy, energy, prefix = set_case()
+    args = types.SimpleNamespace(beta_pi=1.5, beta_r=0.7, loss='exo', on_policy=on_policy, beam=3)
+    got = exo.set_step_loss(policy, sft, energy, prefix, 4, 2, args, torch.Generator().manual_seed(5))
+    beam = sft.beam_search(prefix, 2, 3)[0]
+    proposal = policy if on_policy else sft
+    y = proposal.generate(prefix, 2, num_samples=4, generator=torch.Generator().manual_seed(5))[0]
+    kls = []
+    for b in range(2):
+        S = sorted({tuple(t) for t in torch.cat([beam[b], y[b]]).tolist()})
+        x = torch.tensor([prefix[b].tolist() + list(t) for t in S])
+        lp = lambda m: logprobs64(m, x[:, :-1])[:, 3:].gather(-1, x[:, 4:, None]).squeeze(-1).sum(1).numpy()
+        with torch.no_grad():
+            e = energy(x, 4).double().numpy()
+        f, g = 1.5 * (lp(policy) - lp(sft)) + lp(sft), -e / 0.7 + lp(sft)
+        pf, pr = (np.exp(v - v.max()) / np.exp(v - v.max()).sum() for v in (f, g))
+        kls.append((pf * np.log(pf / pr)).sum())
+    assert len(S) < 7  # repeats were dropped: a set, not the 7 draws
+    assert abs(got.item() - np.mean(kls)) < 1e-5
+
+
+def test_set_step_loss_on_every_continuation_is_the_reverse_kl():
+    """With a beam wide enough to hold every continuation (25), the set loss is the exact reverse
+    KL(pi_theta || pi*), pi* ∝ pi_sft exp(-E), by enumeration in float64, and its gradient is the
+    KL's (the K -> infinity limit reached on the set, whatever the K samples)."""
+    sft, policy, energy, prefix = set_case()
+    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo', on_policy=True, beam=25)
+    got = exo.set_step_loss(policy, sft, energy, prefix, 2, 2, args, torch.Generator().manual_seed(6))
+    grad = torch.autograd.grad(got, policy.lm_head.weight)[0]
+    x = every_pair(prefix).flatten(0, 1)
+    p64 = copy.deepcopy(policy).double()
+    lt = F.log_softmax(p64(x[:, :-1])[0], -1)[:, 3:].gather(-1, x[:, 4:, None]).squeeze(-1)
+    lt = lt.sum(1).view(2, 25)
+    with torch.no_grad():
+        ls = logprobs64(sft, x[:, :-1])[:, 3:].gather(-1, x[:, 4:, None]).squeeze(-1).sum(1).view(2, 25)
+        lstar = F.log_softmax(ls - energy(x, 4).double().view(2, 25), -1)
+    kl = (lt.exp() * (lt - lstar)).sum(1).mean()
+    ref = torch.autograd.grad(kl, p64.lm_head.weight)[0]
+    assert abs(got.item() - kl.item()) < 1e-5
+    assert (grad.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item() + 1e-7
+
+
 def exo_kl_case(dropout=0.0):
     """A tiny LM (3 tokens), a perturbed copy as pi_theta and a random energy; continuations of 3
     tokens after 2 prefixes of 2, so every one of the 27 can be enumerated."""

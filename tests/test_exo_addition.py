@@ -486,14 +486,15 @@ def test_exo_resume_checks_what_it_resumes(addition_run, tmp_path):
 
 def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
     """exo.py --resume (issue 40, item 1): 2 iterations, then resumed to 4, gives the weights, the
-    curve and the results of 4 in one go; a flag that would change the run is refused, --max_iters
+    curve and the results of 4 in one go, on --lr's cosine decay to --min_lr at --lr_decay_iters (the
+    last step's rate is the formula's); a flag that would change the run is refused, --max_iters
     left out is the checkpoint's; the Ctrl-C hint gives the command. --lr 1e30 stops with one line
     at the first non-finite loss, best.pt (iteration 0: the LM itself) intact."""
     d, lm_path = addition_run
     flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
              '--num_samples', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
              '--eval_samples', '4', '--logz_samples', '32', '--forward_samples', '8', '--lr', '1e-2',
-             '--quiet']
+             '--min_lr', '1e-3', '--lr_decay_iters', '4', '--quiet']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     exo.main([*flags, '--out_dir', one, '--max_iters', '4'])
     exo.main([*flags, '--out_dir', two, '--max_iters', '2'])
@@ -506,6 +507,8 @@ def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
     exo.main([*flags, '--out_dir', two, '--max_iters', '4', '--resume'])
     a, b = (load_checkpoint(os.path.join(p, 'ckpt.pt')) for p in (one, two))
     assert a['iter_num'] == b['iter_num'] == 4
+    last_lr = 1e-3 + 0.5 * (1 + math.cos(math.pi * 3 / 4)) * (1e-2 - 1e-3)  # the step at iteration 3
+    assert abs(b['optimizer']['param_groups'][0]['lr'] - last_lr) < 1e-12
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
     ra, rb = (json.loads(open(os.path.join(p, 'results.json')).read()) for p in (one, two))
     assert ra['curve'] == rb['curve'] and ra['final'] == rb['final'] and ra['best'] == rb['best']
