@@ -323,6 +323,41 @@ JSON_CLAIMS += [
     ('docs/addition.md', r'an\s+evaluation ([\d.]+) / ([\d.]+) s against ([\d.]+) / ([\d.]+) s \(([\d.]+)x\)',
      EVAL['1'] + EVAL['2'] + [sum(EVAL['1']) / sum(EVAL['2'])]),
 ]
+# docs/addition.md, "EXO over a set": seed 1337's selection table and the test table of three seeds
+# (assets/exo_set_addition.json)
+EXO_SET = asset('exo_set_addition.json')
+SEL, SET_TEST = EXO_SET['selection'], EXO_SET['test']
+
+
+def set_row(r, label):
+    """A selection row: steps, best step, reverse KL, greedy (SE), P(correct) (SE)."""
+    values = [r['max_iters'], r['best_iter'], r['kl_reverse_high']] if 'best_iter' in r else []
+    head = r' \| (\d+) \| (\d+) \| ([\d.]+)' if values else r' \| \| \|'
+    return ('docs/addition.md', rf'\| {re.escape(label)}{head} \| {CELL} \| {CELL} \|',
+            values + [r[k] for k in ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')])
+
+
+SET_NAMES = dict(BALM='BALM greedy', EXO="the job's EXO greedy", EXO_SET='EXO over a set greedy')
+JSON_CLAIMS += [set_row(SEL['balm'], "BALM (EXO's start)"),
+                set_row(SEL['job_exo'], "the job's EXO: 16 prefixes x K = 64, lr 1e-5")]
+JSON_CLAIMS += [set_row(r, r['name']) for r in SEL['runs'] if 'greedy_exact' in r]
+SET_ROW = r' \| ([\d.]+) \(([\d.]+)\)' + r' \| ([\d.]+)' * 4 + r' \|'
+JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + SET_ROW,
+                 [SET_TEST['table'][m][k] for k in ('greedy_mean', 'greedy_sd')]
+                 + SET_TEST['table'][m]['greedy'] + [SET_TEST['table'][m]['p_correct_mean']])
+                for m, name in SET_NAMES.items()]
+VS_EXO, VS_BALM = SET_TEST['comparisons'][1], SET_TEST['comparisons'][0]
+JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(the job's EXO ([\d.]+), BALM ([\d.]+)\)",
+                 [SET_TEST['table']['EXO_SET']['greedy_mean'], len(SET_TEST['seeds']),
+                  SET_TEST['table']['EXO']['greedy_mean'], SET_TEST['table']['BALM']['greedy_mean']])]
+P_E = r'([\d.e-]+)'
+JSON_CLAIMS += [
+    ('docs/addition.md',
+     rf'McNemar p {P_E}, {P_E}, {P_E} against\s+the job\'s EXO; {P_E}, {P_E}, {P_E} against BALM',
+     VS_EXO['per_seed_mcnemar_p'] + VS_BALM['per_seed_mcnemar_p']),
+    ('docs/addition.md', r't p ([\d.]+) against the job\'s EXO, ([\d.]+) against BALM; Holm ([\d.]+)',
+     [VS_EXO['seed_t_p'], VS_BALM['seed_t_p'], VS_EXO['seed_t_p_holm']]),
+]
 # docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
 BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
 MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
