@@ -401,6 +401,14 @@ def distinct_ids(x):
     return torch.unique(torch.cat([rows, x.reshape(B * m, L)], 1), dim=0, return_inverse=True)[1].view(B, m)
 
 
+def first_occurrences(ids):
+    """ids (B, m) of distinct_ids -> (U,): for each id, the flat index (into B * m) of its first
+    continuation, so that a set of distinct continuations goes through a model once."""
+    flat = ids.flatten()
+    return torch.full((int(flat.max()) + 1,), flat.numel(), device=flat.device).scatter_reduce(
+        0, flat, torch.arange(flat.numel(), device=flat.device), 'amin')
+
+
 def logz_enumerate(x, log_p, log_w, known=0):
     """log Z = log sum_x P_LM(x) exp(-E(x)) from a set S of distinct continuations scored exactly and
     the LM's samples beyond S. x (B, k + n, L): first `known` continuations fixed before sampling

@@ -42,8 +42,8 @@ if not __package__:  # run as a file: the repo root is not on the path
 import torch
 
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
-from energy import (gumbel_keys, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate,
-                    score_continuations)
+from energy import (distinct_ids, first_occurrences, gumbel_keys, load_any_energy, logz_bounds,
+                    logz_diagnostics, logz_enumerate, score_continuations)
 from extensions.carry import by_carry_chain, carry_chains, plot_carry
 from extensions.enumeration import one_token_edits
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
@@ -81,12 +81,8 @@ def distinct(x):
     """Samples x (B, m, L) -> ids (B, m), equal exactly where two samples of one problem are the
     same continuation (ids are unique across problems), and first (U,): for each id, the
     flat index (into B * m) of its first sample."""
-    B, m, L = x.shape
-    problem = torch.arange(B, device=x.device).repeat_interleave(m)[:, None]
-    uniq, ids = torch.unique(torch.cat([problem, x.reshape(B * m, L)], 1), dim=0, return_inverse=True)
-    first = torch.full((len(uniq),), B * m, device=x.device).scatter_reduce(
-        0, ids, torch.arange(B * m, device=x.device), 'amin')
-    return ids.view(B, m), first
+    ids = distinct_ids(x)
+    return ids, first_occurrences(ids)
 
 
 def majority_vote(ids):

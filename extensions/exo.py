@@ -60,7 +60,8 @@ import torch
 import torch.nn.functional as F
 
 from data import check_fits, check_problem_windows, load_lm_and_data, load_split, window_tokens, windows
-from energy import distinct_ids, load_any_energy, logz_bounds, logz_diagnostics, score, score_continuations
+from energy import (distinct_ids, first_occurrences, load_any_energy, logz_bounds, logz_diagnostics, score,
+                    score_continuations)
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import get_lr, load_lm
 from model import load_checkpoint
@@ -138,9 +139,7 @@ def set_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
     with torch.no_grad(), eval_mode(policy if args.on_policy else sft) as proposal:
         y = torch.cat([sft.beam_search(prefix, gen_len, args.beam)[0],
                        proposal.generate(prefix, gen_len, num_samples=K, generator=g)[0]], 1)  # (B, m, L)
-        (B, m, _), ids = y.shape, distinct_ids(y).flatten()
-        first = torch.full((int(ids.max()) + 1,), B * m, device=y.device).scatter_reduce(
-            0, ids, torch.arange(B * m, device=y.device), 'amin')  # each distinct one's first occurrence
+        (B, m, _), first = y.shape, first_occurrences(distinct_ids(y))
         x = torch.cat([prefix.repeat_interleave(m, 0)[first], y.flatten(0, 1)[first]], 1)
         logp_sft = sft.sequence_logprob(x, P)
         reward = -score(energy, x, P, nullcontext()).float()
