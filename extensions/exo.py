@@ -134,7 +134,10 @@ def set_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
     the K -> infinity limit taken on the set, with no importance weights. The beam holds where pi*
     puts its mass, the samples (pi_theta's with --on_policy) where the policy has put it; where the
     policy is sure of a wrong continuation, all K samples may repeat it, and the beam still offers the
-    others. Each distinct continuation goes through the models once: a peaked LM's samples repeat."""
+    others. Each distinct continuation goes through the models once: a peaked LM's samples repeat.
+    The KL renormalised on S is blind to pi_theta(S): --beam_mass lambda adds lambda (-log pi_theta(B))
+    for the beam B, the term the full reverse KL charges for mass outside B, lambda (1 - pi_theta(B))
+    with lambda = log 1 / pi*(outside B), when pi* keeps nearly all of its mass on the beam."""
     P = prefix.size(1)
     with torch.no_grad(), eval_mode(policy if args.on_policy else sft) as proposal:
         y = torch.cat([sft.beam_search(prefix, gen_len, args.beam)[0],
@@ -146,8 +149,10 @@ def set_step_loss(policy, sft, energy, prefix, K, gen_len, args, g):
     with eval_mode(policy):
         logp_theta = policy.sequence_logprob(x, P)
     on_set = lambda v, fill: torch.full((B * m,), fill, device=v.device).index_copy(0, first, v).view(B, m)
-    return exo_loss(on_set(logp_theta, 0.0), on_set(logp_sft, 0.0), on_set(reward, 0.0), args.beta_pi,
-                    args.beta_r, args.loss, on_set(logp_sft, NOT_IN_SET)).mean()
+    loss = exo_loss(on_set(logp_theta, 0.0), on_set(logp_sft, 0.0), on_set(reward, 0.0), args.beta_pi,
+                    args.beta_r, args.loss, on_set(logp_sft, NOT_IN_SET))
+    log_pi_beam = on_set(logp_theta, NOT_IN_SET)[:, :args.beam].logsumexp(1)  # log pi_theta(B), repeats once
+    return (loss - args.beam_mass * log_pi_beam).mean()
 
 
 @torch.no_grad()
@@ -214,6 +219,8 @@ def get_args(argv=None):
     a('--beam', type=int, default=0, at_least=0, at_most='beam',
       help="W: the loss over the distinct continuations among P_LM's beam of W and the K samples, each "
            "once (the KL restricted to that set, exactly: set_step_loss); 0: L_exo over the K samples")
+    a('--beam_mass', type=float, default=0.0, at_least=0, at_most=None,
+      help="lambda: with --beam, add lambda (-log pi_theta(beam)), the mass the set's KL does not see")
     a('--beta_pi', type=float, default=1.0, above=0, at_most=None,
       help="the policy's scale, positive (1: the joint model's)")
     a('--beta_r', type=float, default=1.0, above=0, at_most=None,
@@ -245,6 +252,8 @@ def get_args(argv=None):
     if args.forward_samples > args.logz_samples:
         raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
                          f"{args.logz_samples}: the forward KL reuses log Z's LM samples")
+    if args.beam_mass and not args.beam:
+        raise ValueError(f"--beam_mass {args.beam_mass} needs a beam: give --beam W too (e.g. --beam 4)")
     check_out_dir(args)
     return args
 
@@ -269,8 +278,8 @@ def check_out_dir(args):
 # what a --resume takes from ckpt.pt (a contradicting flag is refused): every flag that changes the
 # numbers; free: --max_iters (upwards), --device, --quiet
 FIXED = ('lm', 'energy', 'init_from', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'on_policy', 'beam',
-         'beta_pi', 'beta_r', 'batch_size', 'lr', 'min_lr', 'lr_decay_iters', 'eval_interval', 'patience',
-         'eval_prefixes', 'eval_samples', 'logz_samples', 'forward_samples', 'seed')
+         'beam_mass', 'beta_pi', 'beta_r', 'batch_size', 'lr', 'min_lr', 'lr_decay_iters', 'eval_interval',
+         'patience', 'eval_prefixes', 'eval_samples', 'logz_samples', 'forward_samples', 'seed')
 
 
 def fix_schedule(args, saved):

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 from job.stats import format_p
 from tests.common import ROOT, asset, by, json_mismatches, read, rounds_to
@@ -347,9 +348,6 @@ JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + SET_ROW,
                  + SET_TEST['table'][m]['greedy'] + [SET_TEST['table'][m]['p_correct_mean']])
                 for m, name in SET_NAMES.items()]
 VS_EXO, VS_BALM = SET_TEST['comparisons'][1], SET_TEST['comparisons'][0]
-JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(the job's EXO ([\d.]+), BALM ([\d.]+)\)",
-                 [SET_TEST['table']['EXO_SET']['greedy_mean'], len(SET_TEST['seeds']),
-                  SET_TEST['table']['EXO']['greedy_mean'], SET_TEST['table']['BALM']['greedy_mean']])]
 P_E = r'([\d.e-]+)'
 JSON_CLAIMS += [
     ('docs/addition.md',
@@ -357,6 +355,56 @@ JSON_CLAIMS += [
      VS_EXO['per_seed_mcnemar_p'] + VS_BALM['per_seed_mcnemar_p']),
     ('docs/addition.md', r't p ([\d.]+) against the job\'s EXO, ([\d.]+) against BALM; Holm ([\d.]+)',
      [VS_EXO['seed_t_p'], VS_BALM['seed_t_p'], VS_EXO['seed_t_p_holm']]),
+]
+# docs/addition.md, "The mass the set does not see": seed 2's choice of lambda, the selection and test
+# tables at seven seeds and their comparisons (assets/exo_set_addition.json, beam_mass)
+MASS = EXO_SET['beam_mass']
+MASS_SEL, MASS_TEST, DRIFT = MASS['selection']['by_seed'], MASS['test'], MASS['drift_seed2']
+SEL_CELLS = ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')
+LAMBDA_ROW = r'\| set, λ = {} \| (\d+) \| ([\d.]+) \| ' + CELL + r' \| ' + CELL + r' \|'
+JSON_CLAIMS += [('docs/addition.md', LAMBDA_ROW.format(lam),
+                 [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
+                for lam, r in MASS['seed2_lambda'].items()]
+JSON_CLAIMS += [('docs/addition.md', rf'\| {name} \| {CELL} \| {CELL} \|',
+                 [MASS_SEL['2'][m][k] for k in SEL_CELLS])
+                for m, name in (('BALM', r"BALM \(EXO's start\) \| \|"), ('EXO', r"the job's EXO \| 600 \|"))]
+SEEDS7 = r' \| ([\d.]+)' * 7
+MASS_NAMES = dict(BALM='BALM', EXO="the job's EXO", EXO_SET_MASS='set, λ = 5')
+JSON_CLAIMS += [('docs/addition.md', rf'\| {name} \| ([\d.]+) \(([\d.]+)\)' + SEEDS7 + r' \|(?! [\d.]+ \|)',
+                 [statistics.mean(g), statistics.stdev(g)] + g)
+                for m, name in MASS_NAMES.items()
+                for g in [[MASS_SEL[str(s)][m]['greedy_exact'] for s in MASS_TEST['seeds']]]]
+JSON_CLAIMS += [('docs/addition.md', r'\| its best step \| \|' + r' (\d+) \|' * 7,
+                 [MASS_SEL[str(s)]['EXO_SET_MASS']['best_iter'] for s in MASS_TEST['seeds']])]
+MASS_NAMES = {'BASE LM': 'LM', **MASS_NAMES, 'EXO_SET_MASS': r'\*\*set, λ = 5\*\*'}
+TEST_ROW = r' \| \**([\d.]+)\** \(([\d.]+)\)' + SEEDS7 + r' \| ([\d.]+) \|'
+JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + TEST_ROW,
+                 [row['greedy_mean'], row['greedy_sd']] + row['greedy'] + [row['p_correct_mean']])
+                for m, name in MASS_NAMES.items() for row in [MASS_TEST['table'][m]]]
+M_BALM, M_EXO, M_LM, M_SET = MASS_TEST['comparisons']
+JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(the job's EXO ([\d.]+), BALM ([\d.]+)\)",
+                 [MASS_TEST['table']['EXO_SET_MASS']['greedy_mean'], len(MASS_TEST['seeds']),
+                  MASS_TEST['table']['EXO']['greedy_mean'], MASS_TEST['table']['BALM']['greedy_mean']])]
+DRIFT_0, DRIFT_5 = [DRIFT[f'lambda 0: {c}.pt'] for c in ('best', 'ckpt')], DRIFT['lambda 5: best.pt']
+JSON_CLAIMS += [
+    ('docs/addition.md', rf'the seed as the unit,\s+t p {P_E} against BALM and {P_E} against the job\'s '
+                         rf'EXO \(Holm over the four comparisons {P_E}\s+and ([\d.]+)\); each seed\'s '
+                         rf'McNemar p at most {P_E} against',
+     [M_BALM['seed_t_p'], M_EXO['seed_t_p'], M_BALM['seed_t_p_holm'], M_EXO['seed_t_p_holm'],
+      max(M_EXO['per_seed_mcnemar_p'])]),
+    ('docs/addition.md', r'7-0 but t p ([\d.]+) \(Holm ([\d.]+)\)',
+     [M_LM['seed_t_p'], M_LM['seed_t_p_holm']]),
+    ('docs/addition.md', r'both ran: ([-\d.]+), \+([\d.]+), \+([\d.]+) \(t p ([\d.]+)\)',
+     M_SET['per_seed_diff'] + [M_SET['seed_t_p']]),
+    ('docs/addition.md', r'samples outside it ([\d.]+)%, mass on it ([\d.]+), samples correct ([\d.]+) '
+                         r'\(λ = 0\'s best: ([\d.]+)\)',
+     [100 * DRIFT_5['wrong_outside_beam'], DRIFT_5['mass_on_beam_mean'], DRIFT_5['sample_correct'],
+      DRIFT_0[0]['sample_correct']]),
+    ('docs/addition.md', r'outside the LM\'s beam of 4 went from ([\d.]+)% to ([\d.]+)%, all wrong; their '
+                         r'median\s+log P_LM from ([-\d.]+) to ([-\d.]+) .{0,60}?mean mass on the beam\s+'
+                         r'from ([\d.]+) to ([\d.]+)\.',
+     [100 * d['wrong_outside_beam'] for d in DRIFT_0]
+     + [d[k] for k in ('wrong_outside_beam_median_log_p_lm', 'mass_on_beam_mean') for d in DRIFT_0]),
 ]
 # docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
 BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')

@@ -141,7 +141,8 @@ def test_set_step_loss_float64_reference(on_policy):
     (redrawn from the same generator), each once, against the restricted KL written out in float64:
     p_f ∝ pi_sft (pi_theta / pi_sft)^beta_pi and p_r ∝ pi_sft exp(-E / beta_r) on that set."""
     sft, policy, energy, prefix = set_case()
-    args = types.SimpleNamespace(beta_pi=1.5, beta_r=0.7, loss='exo', on_policy=on_policy, beam=3)
+    args = types.SimpleNamespace(beta_pi=1.5, beta_r=0.7, loss='exo', on_policy=on_policy, beam=3,
+                                 beam_mass=0.0)
     got = exo.set_step_loss(policy, sft, energy, prefix, 4, 2, args, torch.Generator().manual_seed(5))
     beam = sft.beam_search(prefix, 2, 3)[0]
     proposal = policy if on_policy else sft
@@ -165,7 +166,7 @@ def test_set_step_loss_on_every_continuation_is_the_reverse_kl():
     KL(pi_theta || pi*), pi* ∝ pi_sft exp(-E), by enumeration in float64, and its gradient is the
     KL's (the K -> infinity limit reached on the set, whatever the K samples)."""
     sft, policy, energy, prefix = set_case()
-    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo', on_policy=True, beam=25)
+    args = types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo', on_policy=True, beam=25, beam_mass=0.0)
     got = exo.set_step_loss(policy, sft, energy, prefix, 2, 2, args, torch.Generator().manual_seed(6))
     grad = torch.autograd.grad(got, policy.lm_head.weight)[0]
     x = every_pair(prefix).flatten(0, 1)
@@ -179,6 +180,30 @@ def test_set_step_loss_on_every_continuation_is_the_reverse_kl():
     ref = torch.autograd.grad(kl, p64.lm_head.weight)[0]
     assert abs(got.item() - kl.item()) < 1e-5
     assert (grad.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item() + 1e-7
+
+
+def test_beam_mass_adds_minus_log_pi_theta_of_the_beam():
+    """--beam_mass lambda adds lambda (-log pi_theta(B)), B the LM's beam of W counted once, by
+    enumeration of every continuation in float64; its gradient raises pi_theta(B)."""
+    sft, policy, energy, prefix = set_case()
+    flags = lambda lam: types.SimpleNamespace(beta_pi=1.0, beta_r=1.0, loss='exo', on_policy=True, beam=3,
+                                              beam_mass=lam)
+    loss = lambda lam: exo.set_step_loss(policy, sft, energy, prefix, 4, 2, flags(lam),
+                                         torch.Generator().manual_seed(7))
+    beam = sft.beam_search(prefix, 2, 3)[0]
+    x = every_pair(prefix)
+    with torch.no_grad():
+        lp = logprobs64(policy, x.flatten(0, 1)[:, :-1])[:, 3:].gather(-1, x.flatten(0, 1)[:, 4:, None])
+    p = lp.squeeze(-1).sum(1).exp().view(2, 25)
+    in_beam = (x[:, :, None, 4:] == beam[:, None]).all(-1).any(-1)
+    assert in_beam.sum(1).tolist() == [3, 3]
+    want = -torch.log((p * in_beam).sum(1)).mean().item()
+    assert abs((loss(2.5) - loss(0.0)).item() - 2.5 * want) < 1e-5
+    (g,) = torch.autograd.grad(loss(1.0) - loss(0.0), policy.lm_head.weight)
+    with torch.no_grad():
+        policy.lm_head.weight.sub_(0.1 * g)
+        lp = logprobs64(policy, x.flatten(0, 1)[:, :-1])[:, 3:].gather(-1, x.flatten(0, 1)[:, 4:, None])
+    assert -torch.log((lp.squeeze(-1).sum(1).exp().view(2, 25) * in_beam).sum(1)).mean().item() < want
 
 
 def exo_kl_case(dropout=0.0):

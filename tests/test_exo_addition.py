@@ -355,6 +355,8 @@ def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--logz_samples', '8', '--forward_samples', '9'], 'at most --logz_samples 8'),
              (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
+                         '--beam_mass', '5'], '--beam_mass 5.0 needs a beam: give --beam W too'),
+             (exo.main, ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--out_dir', str(tmp_path / 'x'),
                          '--num_samples', '1000000'], 'at most 65,536'),
              # issue 40, items 1 and 7: sizes without a bound, --plot checked before --out is written
              (addition_prepare.main, ['--train_problems', '1000000000', '--out_dir', str(tmp_path / 'a')],
@@ -487,20 +489,22 @@ def test_exo_resume_checks_what_it_resumes(addition_run, tmp_path):
 def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
     """exo.py --resume (issue 40, item 1): 2 iterations, then resumed to 4, gives the weights, the
     curve and the results of 4 in one go, on --lr's cosine decay to --min_lr at --lr_decay_iters (the
-    last step's rate is the formula's); a flag that would change the run is refused, --max_iters
-    left out is the checkpoint's; the Ctrl-C hint gives the command. --lr 1e30 stops with one line
-    at the first non-finite loss, best.pt (iteration 0: the LM itself) intact."""
+    last step's rate is the formula's), over a set with --beam_mass; a flag that would change the run
+    is refused (--lr, --beam_mass), --max_iters left out is the checkpoint's; the Ctrl-C hint gives
+    the command. --lr 1e30 stops with one line at the first non-finite loss, best.pt (iteration 0:
+    the LM itself) intact."""
     d, lm_path = addition_run
     flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
              '--num_samples', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
              '--eval_samples', '4', '--logz_samples', '32', '--forward_samples', '8', '--lr', '1e-2',
-             '--min_lr', '1e-3', '--lr_decay_iters', '4', '--quiet']
+             '--min_lr', '1e-3', '--lr_decay_iters', '4', '--beam', '2', '--beam_mass', '1', '--quiet']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     exo.main([*flags, '--out_dir', one, '--max_iters', '4'])
     exo.main([*flags, '--out_dir', two, '--max_iters', '2'])
     hint = exo.resume_hint([*flags, '--out_dir', two, '--max_iters', '4'])
     assert f'{two}/ckpt.pt holds iteration 2 of 4' in hint and hint.endswith('--resume')
     for bad, match in ((['--lr', '0.5'], '--lr 0.5 contradicts .*ckpt.pt'),
+                       (['--beam_mass', '2'], '--beam_mass 2.0 contradicts .*ckpt.pt'),
                        (['--max_iters', '1'], '--max_iters 1 is below the 2 iterations')):
         with pytest.raises(ValueError, match=match):
             exo.main([*flags, '--out_dir', two, '--resume', *bad])

@@ -204,3 +204,34 @@ def test_committed_seed_level_is_the_stored_differences(name):
         s, want = c['seed_level'], d['seed_level']
         assert s['sign'] == want['sign'] and s.keys() == want.keys(), c['what']
         assert all(s[k] == pytest.approx(want[k], rel=1e-9) for k in s if k != 'sign'), c['what']
+
+
+def test_exo_set_tables_are_their_outcomes():
+    """assets/exo_set_addition.json's test tables (EXO over a set, without and with --beam_mass) are
+    their per-problem outcomes: each seed's greedy exact match and P(correct), and every comparison's
+    per-seed McNemar p, seed-level t and sign tests, from the outcomes stored beside it and the
+    10,000-problem table's (BALM, the job's EXO and the LM: the same models on the same problems)."""
+    import gzip
+    read = lambda name: json.load(gzip.open(os.path.join(ROOT, 'assets', name), 'rt'))['per_problem']
+    per = read('exo_set_addition_outcomes.json.gz')
+    for s, models in read('seeds_addition_lm7000_e16000_test10000_outcomes.json.gz').items():
+        if s in per:
+            per[s].update({m: models[m] for m in ('BASE LM', 'BALM', 'EXO')})
+    asset = json.load(open(os.path.join(ROOT, 'assets', 'exo_set_addition.json')))
+    greedy = lambda s, m: per[str(s)][m]['greedy_exact']
+    for test in (asset['test'], asset['beam_mass']['test']):
+        for m, row in test['table'].items():
+            seeds_of = row.get('seeds', test['seeds'])
+            assert row['greedy'] == pytest.approx([np.mean(greedy(s, m)) for s in seeds_of], abs=1e-12), m
+            assert row['p_correct'] == pytest.approx(
+                [np.exp(per[str(s)][m]['logp_correct']).mean() for s in seeds_of], rel=1e-9), m
+        for c in test['comparisons']:
+            a, b = c['name'].replace(' greedy', '').split(' > ')
+            mc = [stats.mcnemar(greedy(s, a), greedy(s, b)) for s in c.get('seeds', test['seeds'])]
+            assert c['per_seed_diff'] == pytest.approx([x['diff'] for x in mc], abs=1e-12), c['name']
+            log_p = c['per_seed_mcnemar_log_p']
+            assert log_p == pytest.approx([x['log_p'] for x in mc], rel=1e-9), c['name']
+            assert c['per_seed_mcnemar_p'] == [stats.p_of(x) for x in log_p] and 0.0 not in log_p, c['name']
+            assert c['seed_t_p'] == pytest.approx(stats.paired(c['per_seed_diff'])['p'], rel=1e-9), c['name']
+            d = c['per_seed_diff']
+            assert c['sign'] == [sum(x > 0 for x in d), sum(x < 0 for x in d)], c['name']
