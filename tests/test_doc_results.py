@@ -385,6 +385,14 @@ M_BALM, M_EXO, M_LM, M_SET = MASS_TEST['comparisons']
 JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(the job's EXO ([\d.]+), BALM ([\d.]+)\)",
                  [MASS_TEST['table']['EXO_SET_MASS']['greedy_mean'], len(MASS_TEST['seeds']),
                   MASS_TEST['table']['EXO']['greedy_mean'], MASS_TEST['table']['BALM']['greedy_mean']])]
+MORE_ROWS = {'seed 2, lambda 5, 1,200 steps, cosine over 1,200':
+                 'seed 2: λ = 5, 1,200 steps, cosine over 1,200',
+             'seed 2, lambda 5, 600 steps then 600 more at 3e-6 (--resume)':
+                 'seed 2: λ = 5, 600 steps, then 600 more at 3e-6',
+             'seed 2, lambda 10, 600 steps': 'seed 2: λ = 10'}
+JSON_CLAIMS += [('docs/addition.md', rf'\| {label} \| (\d+) \| ([\d.]+) \| {CELL} \| {CELL} \|',
+                 [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
+                for key, label in MORE_ROWS.items() for r in [MASS['more_runs'][key]]]
 DRIFT_0, DRIFT_5 = [DRIFT[f'lambda 0: {c}.pt'] for c in ('best', 'ckpt')], DRIFT['lambda 5: best.pt']
 JSON_CLAIMS += [
     ('docs/addition.md', rf'the seed as the unit,\s+t p {P_E} against BALM and {P_E} against the job\'s '
