@@ -389,7 +389,7 @@ MORE_ROWS = {'seed 2, lambda 5, 1,200 steps, cosine over 1,200':
                  'seed 2: λ = 5, 1,200 steps, cosine over 1,200',
              'seed 2, lambda 5, 600 steps then 600 more at 3e-6 (--resume)':
                  'seed 2: λ = 5, 600 steps, then 600 more at 3e-6',
-             'seed 2, lambda 10, 600 steps': 'seed 2: λ = 10'}
+             **{f'seed {s}, lambda 10, 600 steps': f'seed {s}: λ = 10' for s in (2, 1337, 3)}}
 JSON_CLAIMS += [('docs/addition.md', rf'\| {label} \| (\d+) \| ([\d.]+) \| {CELL} \| {CELL} \|',
                  [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
                 for key, label in MORE_ROWS.items() for r in [MASS['more_runs'][key]]]
