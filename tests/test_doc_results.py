@@ -330,12 +330,21 @@ EXO_SET = asset('exo_set_addition.json')
 SEL, SET_TEST = EXO_SET['selection'], EXO_SET['test']
 
 
+SEL_CELLS = ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')
+
+
 def set_row(r, label):
     """A selection row: steps, best step, reverse KL, greedy (SE), P(correct) (SE)."""
     values = [r['max_iters'], r['best_iter'], r['kl_reverse_high']] if 'best_iter' in r else []
     head = r' \| (\d+) \| (\d+) \| ([\d.]+)' if values else r' \| \| \|'
     return ('docs/addition.md', rf'\| {re.escape(label)}{head} \| {CELL} \| {CELL} \|',
-            values + [r[k] for k in ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')])
+            values + [r[k] for k in SEL_CELLS])
+
+
+def curve_row(r, label):
+    """A row of a run with a KL curve: best step, lowest reverse KL, greedy (SE), P(correct) (SE)."""
+    return ('docs/addition.md', rf'\| {label} \| (\d+) \| ([\d.]+) \| {CELL} \| {CELL} \|',
+            [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
 
 
 SET_NAMES = dict(BALM='BALM greedy', EXO="the job's EXO greedy", EXO_SET='EXO over a set greedy')
@@ -360,11 +369,7 @@ JSON_CLAIMS += [
 # tables at seven seeds and their comparisons (assets/exo_set_addition.json, beam_mass)
 MASS = EXO_SET['beam_mass']
 MASS_SEL, MASS_TEST, DRIFT = MASS['selection']['by_seed'], MASS['test'], MASS['drift_seed2']
-SEL_CELLS = ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')
-LAMBDA_ROW = r'\| set, λ = {} \| (\d+) \| ([\d.]+) \| ' + CELL + r' \| ' + CELL + r' \|'
-JSON_CLAIMS += [('docs/addition.md', LAMBDA_ROW.format(lam),
-                 [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
-                for lam, r in MASS['seed2_lambda'].items()]
+JSON_CLAIMS += [curve_row(r, f'set, λ = {lam}') for lam, r in MASS['seed2_lambda'].items()]
 JSON_CLAIMS += [('docs/addition.md', rf'\| {name} \| {CELL} \| {CELL} \|',
                  [MASS_SEL['2'][m][k] for k in SEL_CELLS])
                 for m, name in (('BALM', r"BALM \(EXO's start\) \| \|"), ('EXO', r"the job's EXO \| 600 \|"))]
@@ -376,11 +381,11 @@ JSON_CLAIMS += [('docs/addition.md', rf'\| {name} \| ([\d.]+) \(([\d.]+)\)' + SE
                 for g in [[MASS_SEL[str(s)][m]['greedy_exact'] for s in MASS_TEST['seeds']]]]
 JSON_CLAIMS += [('docs/addition.md', r'\| its best step \| \|' + r' (\d+) \|' * 7,
                  [MASS_SEL[str(s)]['EXO_SET_MASS']['best_iter'] for s in MASS_TEST['seeds']])]
-MASS_NAMES = {'BASE LM': 'LM', **MASS_NAMES, 'EXO_SET_MASS': r'\*\*set, λ = 5\*\*'}
+TEST_NAMES = {'BASE LM': 'LM', **MASS_NAMES, 'EXO_SET_MASS': r'\*\*set, λ = 5\*\*'}
 TEST_ROW = r' \| \**([\d.]+)\** \(([\d.]+)\)' + SEEDS7 + r' \| ([\d.]+) \|'
 JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + TEST_ROW,
                  [row['greedy_mean'], row['greedy_sd']] + row['greedy'] + [row['p_correct_mean']])
-                for m, name in MASS_NAMES.items() for row in [MASS_TEST['table'][m]]]
+                for m, name in TEST_NAMES.items() for row in [MASS_TEST['table'][m]]]
 M_BALM, M_EXO, M_LM, M_SET = MASS_TEST['comparisons']
 JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(the job's EXO ([\d.]+), BALM ([\d.]+)\)",
                  [MASS_TEST['table']['EXO_SET_MASS']['greedy_mean'], len(MASS_TEST['seeds']),
@@ -390,9 +395,7 @@ MORE_ROWS = {'seed 2, lambda 5, 1,200 steps, cosine over 1,200':
              'seed 2, lambda 5, 600 steps then 600 more at 3e-6 (--resume)':
                  'seed 2: λ = 5, 600 steps, then 600 more at 3e-6',
              **{f'seed {s}, lambda 10, 600 steps': f'seed {s}: λ = 10' for s in (2, 1337, 3)}}
-JSON_CLAIMS += [('docs/addition.md', rf'\| {label} \| (\d+) \| ([\d.]+) \| {CELL} \| {CELL} \|',
-                 [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
-                for key, label in MORE_ROWS.items() for r in [MASS['more_runs'][key]]]
+JSON_CLAIMS += [curve_row(MASS['more_runs'][key], label) for key, label in MORE_ROWS.items()]
 DRIFT_0, DRIFT_5 = [DRIFT[f'lambda 0: {c}.pt'] for c in ('best', 'ckpt')], DRIFT['lambda 5: best.pt']
 JSON_CLAIMS += [
     ('docs/addition.md', rf'the seed as the unit,\s+t p {P_E} against BALM and {P_E} against the job\'s '

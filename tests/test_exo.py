@@ -192,18 +192,20 @@ def test_beam_mass_adds_minus_log_pi_theta_of_the_beam():
                                          torch.Generator().manual_seed(7))
     beam = sft.beam_search(prefix, 2, 3)[0]
     x = every_pair(prefix)
-    with torch.no_grad():
-        lp = logprobs64(policy, x.flatten(0, 1)[:, :-1])[:, 3:].gather(-1, x.flatten(0, 1)[:, 4:, None])
-    p = lp.squeeze(-1).sum(1).exp().view(2, 25)
     in_beam = (x[:, :, None, 4:] == beam[:, None]).all(-1).any(-1)
     assert in_beam.sum(1).tolist() == [3, 3]
-    want = -torch.log((p * in_beam).sum(1)).mean().item()
+
+    @torch.no_grad()
+    def minus_log_pi_beam():  # -log pi_theta(B), mean over the prefixes, every continuation in float64
+        x_ = x.flatten(0, 1)
+        p = logprobs64(policy, x_[:, :-1])[:, 3:].gather(-1, x_[:, 4:, None]).squeeze(-1).sum(1).exp()
+        return -torch.log((p.view(2, 25) * in_beam).sum(1)).mean().item()
+    want = minus_log_pi_beam()
     assert abs((loss(2.5) - loss(0.0)).item() - 2.5 * want) < 1e-5
     (g,) = torch.autograd.grad(loss(1.0) - loss(0.0), policy.lm_head.weight)
     with torch.no_grad():
         policy.lm_head.weight.sub_(0.1 * g)
-        lp = logprobs64(policy, x.flatten(0, 1)[:, :-1])[:, 3:].gather(-1, x.flatten(0, 1)[:, 4:, None])
-    assert -torch.log((lp.squeeze(-1).sum(1).exp().view(2, 25) * in_beam).sum(1)).mean().item() < want
+    assert minus_log_pi_beam() < want
 
 
 def exo_kl_case(dropout=0.0):
