@@ -347,9 +347,9 @@ def curve_row(r, label):
             [r['best_iter'], min(kl for _, kl in r['kl_curve'])] + [r[k] for k in SEL_CELLS])
 
 
-SET_NAMES = dict(BALM='BALM greedy', EXO="the job's EXO greedy", EXO_SET='EXO over a set greedy')
+SET_NAMES = dict(BALM='BALM greedy', EXO='EXO, K = 64, greedy', EXO_SET='EXO over a set greedy')
 JSON_CLAIMS += [set_row(SEL['balm'], "BALM (EXO's start)"),
-                set_row(SEL['job_exo'], "the job's EXO: 16 prefixes x K = 64, lr 1e-5")]
+                set_row(SEL['job_exo'], 'EXO, K = 64: 16 prefixes, lr 1e-5')]
 JSON_CLAIMS += [set_row(r, r['name']) for r in SEL['runs'] if 'greedy_exact' in r]
 SET_ROW = r' \| ([\d.]+) \(([\d.]+)\)' + r' \| ([\d.]+)' * 4 + r' \|'
 JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + SET_ROW,
@@ -360,9 +360,9 @@ VS_EXO, VS_BALM = SET_TEST['comparisons'][1], SET_TEST['comparisons'][0]
 P_E = r'([\d.e-]+)'
 JSON_CLAIMS += [
     ('docs/addition.md',
-     rf'McNemar p {P_E}, {P_E}, {P_E} against\s+the job\'s EXO; {P_E}, {P_E}, {P_E} against BALM',
+     rf'McNemar p {P_E}, {P_E}, {P_E} against\s+EXO with K = 64; {P_E}, {P_E}, {P_E} against BALM',
      VS_EXO['per_seed_mcnemar_p'] + VS_BALM['per_seed_mcnemar_p']),
-    ('docs/addition.md', r't p ([\d.]+) against the job\'s EXO, ([\d.]+) against BALM; Holm ([\d.]+)',
+    ('docs/addition.md', r't p ([\d.]+) against EXO with K = 64, ([\d.]+) against BALM; Holm ([\d.]+)',
      [VS_EXO['seed_t_p'], VS_BALM['seed_t_p'], VS_EXO['seed_t_p_holm']]),
 ]
 # docs/addition.md, "The mass the set does not see": seed 2's choice of lambda, the selection and test
@@ -372,9 +372,9 @@ MASS_SEL, MASS_TEST, DRIFT = MASS['selection']['by_seed'], MASS['test'], MASS['d
 JSON_CLAIMS += [curve_row(r, f'set, λ = {lam}') for lam, r in MASS['seed2_lambda'].items()]
 JSON_CLAIMS += [('docs/addition.md', rf'\| {name} \| {CELL} \| {CELL} \|',
                  [MASS_SEL['2'][m][k] for k in SEL_CELLS])
-                for m, name in (('BALM', r"BALM \(EXO's start\) \| \|"), ('EXO', r"the job's EXO \| 600 \|"))]
+                for m, name in (('BALM', r"BALM \(EXO's start\) \| \|"), ('EXO', r"EXO, K = 64 \| 600 \|"))]
 SEEDS7 = r' \| ([\d.]+)' * 7
-MASS_NAMES = dict(BALM='BALM', EXO="the job's EXO", EXO_SET_MASS='set, λ = 5')
+MASS_NAMES = dict(BALM='BALM', EXO='EXO, K = 64', EXO_SET_MASS='set, λ = 5')
 JSON_CLAIMS += [('docs/addition.md', rf'\| {name} \| ([\d.]+) \(([\d.]+)\)' + SEEDS7 + r' \|(?! [\d.]+ \|)',
                  [statistics.mean(g), statistics.stdev(g)] + g)
                 for m, name in MASS_NAMES.items()
@@ -387,7 +387,7 @@ JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + TEST_ROW,
                  [row['greedy_mean'], row['greedy_sd']] + row['greedy'] + [row['p_correct_mean']])
                 for m, name in TEST_NAMES.items() for row in [MASS_TEST['table'][m]]]
 M_BALM, M_EXO, M_LM, M_SET = MASS_TEST['comparisons']
-JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(the job's EXO ([\d.]+), BALM ([\d.]+)\)",
+JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(K = 64's ([\d.]+),\s+BALM ([\d.]+)\)",
                  [MASS_TEST['table']['EXO_SET_MASS']['greedy_mean'], len(MASS_TEST['seeds']),
                   MASS_TEST['table']['EXO']['greedy_mean'], MASS_TEST['table']['BALM']['greedy_mean']])]
 MORE_ROWS = {'seed 2, lambda 5, 1,200 steps, cosine over 1,200':
@@ -398,8 +398,8 @@ MORE_ROWS = {'seed 2, lambda 5, 1,200 steps, cosine over 1,200':
 JSON_CLAIMS += [curve_row(MASS['more_runs'][key], label) for key, label in MORE_ROWS.items()]
 DRIFT_0, DRIFT_5 = [DRIFT[f'lambda 0: {c}.pt'] for c in ('best', 'ckpt')], DRIFT['lambda 5: best.pt']
 JSON_CLAIMS += [
-    ('docs/addition.md', rf'the seed as the unit,\s+t p {P_E} against BALM and {P_E} against the job\'s '
-                         rf'EXO \(Holm over the four comparisons {P_E}\s+and ([\d.]+)\); each seed\'s '
+    ('docs/addition.md', rf'the seed as the unit,\s+t p {P_E} against BALM and {P_E} against EXO with K '
+                         rf'= 64 \(Holm over the four comparisons {P_E}\s+and ([\d.]+)\); each seed\'s '
                          rf'McNemar p at most {P_E} against',
      [M_BALM['seed_t_p'], M_EXO['seed_t_p'], M_BALM['seed_t_p_holm'], M_EXO['seed_t_p_holm'],
       max(M_EXO['per_seed_mcnemar_p'])]),

@@ -103,7 +103,6 @@ CLAIMS = [
      [ADDITION['accuracy']['num_prefixes'], *[int(ADDITION['accuracy']['ns'].split(',')[-1])] * 2]),
     ('README.md', r"mode over the LM's beam of (\d+) and 1 / (\d+) samples",
      [ADDITION['accuracy']['beam'], int(ADDITION['accuracy']['ns'].split(',')[-1])]),
-    ('README.md', r'EXO-distilled LM \(K = (\d+)\)', [ADDITION['exo']['num_samples']]),
     # docs/using.md: the stage commands of the main job
     ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '
                       r'([\de.-]+)',
@@ -142,9 +141,6 @@ CLAIMS += [
      [ADDITION['lm']['max_iters'], ADDITION['balm']['max_iters']]),
     ('docs/addition.md', r"EXO's three log Z tables from (\d+) LM samples",
      [ADDITION['exo']['logz_samples']]),
-    ('docs/addition.md', r'The job now uses K = (\d+)', [ADDITION['exo']['num_samples']]),
-    ('docs/addition.md', r'EXO LM \(from the UNIT, K = (\d+), 200 steps off-policy',
-     [ADDITION['exo']['num_samples']]),
     ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples',
      [ADDITION['neg']['select_samples']]),
 ]

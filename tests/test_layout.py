@@ -183,7 +183,7 @@ def check_readme_addition(readme):
             "joint model: mode over the LM's beam of 32 and 1 / 64 samples":
                 [cell('JOINT', f'joint mode, beam + samples, n = {n}') for n in (1, 64)],
             'BALM': [cell('BALM', 'greedy'), cell('BALM', 'log-prob rerank, n = 64')],
-            'EXO-distilled LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
+            'EXO from the LM': [cell('EXO', 'greedy'), cell('EXO', 'sampled')]}
     section = readme.split('## Where the energy helps')[1].split('\n## ')[0]
     rows = {line.split('|')[1].strip(): line.replace('*', '') for line in section.splitlines()
             if line.startswith('| ')}
@@ -199,7 +199,7 @@ def check_readme_addition(readme):
     assert len(sign) == 1, f'the sign tests differ across the joint comparisons: {sign}'
     (better, worse, sign_p), = sign
     for phrase in (f"LM {p('BASE LM')}", f"joint model {p('JOINT', 'Algorithm 1, n = 64')}",
-                   f"BALM {p('BALM')}", f"EXO-distilled LM {p('EXO')}", f"{len(seeds['seeds'])} seeds",
+                   f"BALM {p('BALM')}", f"EXO from the LM {p('EXO')}", f"{len(seeds['seeds'])} seeds",
                    f"hold the right sum {share('BASE LM', 'oracle, n = 64')}",
                    f"write it {share('BASE LM', 'greedy')}",
                    f"Holm-adjusted p at most {max(c['p_holm'] for c in joint):.2g}",
