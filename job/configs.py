@@ -162,8 +162,8 @@ ADDITION = dict(
     # turn up by 400 (docs/experiments.md, 2026-11-29 evening).
     # Over a set (since 2026-12-01): the KL on the LM's beam of 4 and K = 16 samples of each of 128 prefixes
     # a step, --beam_mass 5 (chosen of 0, 1, 5 at seed 2), lr 3e-5 cosine to 3e-6: selection greedy above
-    # the K = 64 recipe's at seven seeds (0.946 against 0.921), in less time on one thread of the Xeon
-    # (docs/addition.md, The mass the set does not see; The job's EXO over a set)
+    # the K = 64 recipe's at seven seeds (0.946 against 0.921); its time against K = 64's is not measured on
+    # one machine (docs/addition.md, The mass the set does not see; The job's EXO over a set)
     exo=dict(num_samples=16, batch_size=128, beam=4, beam_mass=5, max_iters=600, lr=3e-5, min_lr=3e-6,
              eval_interval=50, eval_prefixes=256, eval_samples=16, logz_samples=128, forward_samples=64,
              on_policy=True),

@@ -139,6 +139,11 @@ CLAIMS += [
      [ADDITION['exo']['max_iters']]),
     ('docs/addition.md', r'the base LM and BALM train for fixed budgets\s+\(([\d,]+) and ([\d,]+) steps',
      [ADDITION['lm']['max_iters'], ADDITION['balm']['max_iters']]),
+    ('docs/addition.md', r"ADDITION\['exo'\]: `--beam (\d+)\s+--beam_mass (\d+) --num_samples (\d+) "
+                         r"--batch_size (\d+) --lr ([\de.-]+) --min_lr ([\de.-]+)`, on-policy from\s+BALM, "
+                         r"(\d+) steps",
+     [ADDITION['exo'][k] for k in ('beam', 'beam_mass', 'num_samples', 'batch_size', 'lr', 'min_lr',
+                                   'max_iters')]),
     ('docs/addition.md', r"EXO's three log Z tables from (\d+) LM samples",
      [ADDITION['exo']['logz_samples']]),
     ('docs/addition.md', r'The selection negatives now\s+hold (\d+) samples',
