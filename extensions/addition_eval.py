@@ -44,7 +44,7 @@ import torch
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
 from energy import (distinct_ids, first_occurrences, gumbel_keys, load_any_energy, logz_bounds,
                     logz_diagnostics, logz_enumerate, score_continuations)
-from extensions.carry import by_carry_chain, carry_chains, plot_carry
+from extensions.carry import carry_chains, exact_by, lookahead, plot_carry
 from extensions.enumeration import one_token_edits
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
@@ -295,8 +295,8 @@ def get_args(argv=None):
     a('--chunk', dest='batch', type=int, default=64, at_least=1, at_most='count', help='problems per batch')
     a('--out', required=True, help='JSON results (and a .txt table beside it)')
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it '
-                                   '(<name>_carry.png) exact match by the longest carry chain (needs '
-                                   'matplotlib)')
+                                   '(<name>_carry.png) exact match by the longest carry chain and by the '
+                                   'lookahead (needs matplotlib)')
     common_flags(p, 'force', 'device', 'seed', 'quiet',
                  help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)
@@ -347,11 +347,12 @@ def main(argv=None):
         rows += rows_of(name, merged, args.ns, params, args.beam)
         per_problem[name] = {k: [round(v, 6) for v in c.tolist()] for k, c in merged.items()
                              if k in kept_columns(args.ns[-1])}
-    chains = carry_chains(x[:, :P], meta)
+    chains, ahead = carry_chains(x[:, :P], meta), lookahead(x[:, :P], meta)
     res = dict(split=args.split, num_prefixes=len(offsets), prefix_len=P, gen_len=L, ns=args.ns,
                top_k=args.top_k, beam=args.beam, edits=args.edits, lm=args.lm, energy=args.energy,
                extra_lm=args.extra_lm, seed=args.seed, rows=rows, carry_chain=chains.tolist(),
-               by_carry_chain=by_carry_chain(chains, per_problem), per_problem=per_problem)
+               by_carry_chain=exact_by(chains, per_problem), lookahead=ahead.tolist(),
+               by_lookahead=exact_by(ahead, per_problem), per_problem=per_problem)
     write_json(res, args.out)
     table = format_table(rows)
     with open(os.path.splitext(args.out)[0] + '.txt', 'w') as f:

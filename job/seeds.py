@@ -18,7 +18,7 @@ cores, the same numbers but EXO's, which --jobs 2 runs on both cores), each into
 (<runs_dir>/seedS.log); a rerun of the same command skips what is done and resumes what was stopped,
 as job.reproduce does. Writes the JSON and, beside it, the same as a table (.txt), and every seed's
 per-problem outcomes (_outcomes.json.gz), from which the comparisons can be recomputed; with --plot,
-exact match by the longest carry chain, a PNG.
+exact match by the longest carry chain and by the lookahead (extensions/carry.py), a PNG.
 """
 
 import gzip
@@ -65,8 +65,8 @@ def get_args(argv=None):
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
     p.add_argument('--plot', default=None,
-                   help="a PNG of exact match by the problem's longest carry chain, mean over the seeds "
-                        "(needs matplotlib)")
+                   help="a PNG of exact match by the problem's longest carry chain and by its lookahead, "
+                        "mean over the seeds (needs matplotlib)")
     common_flags(p, 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
                                                quiet="with --seeds: each job's --quiet"))
     args = p.parse_args(argv)
@@ -220,35 +220,36 @@ def fmt(result):
              else 't: no spread')
         lines.append(f"  {c['what']:48s} {t}; sign {s['sign'][0]}-{s['sign'][1]} p {s['sign_p']:.2g}, "
                      f"Holm {s['sign_p_holm']:.2g}")
-    return '\n'.join(lines + carry_lines(result.get('by_carry_chain'))) + '\n'
+    return '\n'.join(lines + carry_lines(result.get('by_carry_chain'))
+                     + carry_lines(result.get('by_lookahead'), 'lookahead')) + '\n'
 
 
-def carry_lines(by):
-    """fmt's table of exact match by the longest carry chain (columns: chain lengths), greedy and
-    the decoders at the largest n."""
+def carry_lines(by, name='longest carry chain'):
+    """fmt's table of exact match by the longest carry chain or the lookahead (columns: its values),
+    greedy and the decoders at the largest n."""
     if not by:
         return []
-    chains = sorted(by['count'], key=int)
-    lines = ["exact match by the longest carry chain, mean over seeds (problems: "
-             + ', '.join(f"{c}: {by['count'][c]}" for c in chains) + ")"]
+    values = sorted(by['count'], key=int)
+    lines = [f"exact match by the {name}, mean over seeds (problems: "
+             + ', '.join(f"{c}: {by['count'][c]}" for c in values) + ")"]
     for model, cols in by['exact'].items():
         for col, v in cols.items():
             if col.startswith(('greedy', 'a1', 'mode', 'beam', 'oracle')):
-                lines.append(f"  {model:8s} {col:18s} " + ' '.join(f"{v[c]:.3f}" for c in chains))
+                lines.append(f"  {model:8s} {col:18s} " + ' '.join(f"{v[c]:.3f}" for c in values))
     return lines
 
 
-def by_carry_chain(accs):
-    """Exact match by the problem's longest carry chain, mean over seeds of each seed's table
-    (addition_eval's by_carry_chain; the seeds share the problems, so it is also the mean over seeds
-    and problems): {model: {column: {chain: mean}}}, and the count of problems at each length; None
-    for runs from before the chains were recorded."""
-    if any('by_carry_chain' not in a for a in accs):
+def mean_by(accs, key):
+    """Exact match by the problem's longest carry chain (key 'by_carry_chain') or lookahead
+    ('by_lookahead'), mean over seeds of each seed's table (addition_eval's; the seeds share the problems,
+    so it is also the mean over seeds and problems): {model: {column: {value: mean}}}, and the count of
+    problems at each value; None for runs from before it was recorded."""
+    if any(key not in a for a in accs):
         return None
-    tables = [a['by_carry_chain']['exact'] for a in accs]
+    tables = [a[key]['exact'] for a in accs]
     exact = {model: {col: {int(c): statistics.fmean(t[model][col][c] for t in tables) for c in by}
                      for col, by in cols.items()} for model, cols in tables[0].items()}
-    return dict(count={int(c): n for c, n in accs[0]['by_carry_chain']['count'].items()}, exact=exact)
+    return dict(count={int(c): n for c, n in accs[0][key]['count'].items()}, exact=exact)
 
 
 def outcomes_path(out):
@@ -256,9 +257,11 @@ def outcomes_path(out):
 
 
 def write_outcomes(accs, seeds, path):
-    """Every seed's per-problem outcomes (accuracy.json's per_problem, and the problems' carry chains),
-    and each model's parameters, gzipped JSON: what the comparisons are recomputed from (read_outcomes)."""
+    """Every seed's per-problem outcomes (accuracy.json's per_problem, the problems' carry chains and
+    lookahead), and each model's parameters, gzipped JSON: what the comparisons are recomputed from
+    (read_outcomes)."""
     data = dict(seeds=seeds, split=accs[0]['split'], ns=accs[0]['ns'], carry_chain=accs[0].get('carry_chain'),
+                lookahead=accs[0].get('lookahead'),
                 params={r['model']: r.get('params') for r in accs[0]['rows']},
                 per_problem={str(s): a['per_problem'] for s, a in zip(seeds, accs)})
 
@@ -282,12 +285,13 @@ def main(argv=None):
     if args.seeds is not None:
         train_seeds(args)
     accs, seeds = read_runs(args.runs)
-    chains = by_carry_chain(accs)
+    chains = mean_by(accs, 'by_carry_chain')
     if args.plot and chains is None:
         raise ValueError("--plot: an accuracy.json without carry chains (made before they were recorded): "
                          "rerun that run's job (python -m job.reproduce) to remake it")
     result = dict(runs=args.runs, seeds=seeds, split=accs[0]['split'], num_prefixes=accs[0]['num_prefixes'],
-                  rows=rows_over_seeds(accs), comparisons=comparisons(accs), by_carry_chain=chains)
+                  rows=rows_over_seeds(accs), comparisons=comparisons(accs), by_carry_chain=chains,
+                  by_lookahead=mean_by(accs, 'by_lookahead'))
     table = fmt(result)
     print(table, end='')
     write_json(result, args.out)

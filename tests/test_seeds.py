@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from extensions.addition_eval import by_carry_chain
+from extensions.carry import exact_by
 from job import seeds, stats
 from tests.common import ROOT, t_log_density
 
@@ -25,8 +25,10 @@ def fake_run(folder, seed, joint, lm, data='d1', chain=None):
             dict(model='JOINT', method='Algorithm 1, n = 4', n=4, exact=float(np.mean(joint)))]
     per = {'JOINT': {'a1_4_exact': joint, 'mode_4_exact': joint},
            'BASE LM': {'greedy_exact': lm, 'majority_4_exact': lm, 'rerank_4_exact': lm}}
-    by_chain = {} if chain is None else dict(carry_chain=chain,
-                                             by_carry_chain=by_carry_chain(torch.tensor(chain), per))
+    ahead = None if chain is None else [3 - c for c in chain]  # another grouping of the same problems
+    by_chain = {} if chain is None else dict(
+        carry_chain=chain, by_carry_chain=exact_by(torch.tensor(chain), per),
+        lookahead=ahead, by_lookahead=exact_by(torch.tensor(ahead), per))
     (folder / 'accuracy.json').write_text(json.dumps(dict(split='test', num_prefixes=len(lm), ns=[1, 4],
                                                           seed=seed, rows=rows, per_problem=per, **by_chain)))
     return str(folder)
@@ -71,6 +73,13 @@ def test_seeds_against_brute_force(tmp_path):
     for c in range(4):
         assert by['exact']['JOINT']['a1_4_exact'][str(c)] == pytest.approx(joint[:, chain == c].mean())
         assert by['count'][str(c)] == (chain == c).sum()
+        ahead = res['by_lookahead']
+        want = lm[:, chain == c].mean()
+        assert ahead['exact']['BASE LM']['greedy_exact'][str(3 - c)] == pytest.approx(want)
+        assert ahead['count'][str(3 - c)] == (chain == c).sum()
+    assert 'exact match by the lookahead' in (tmp_path / 'seeds.txt').read_text()
+    with gzip.open(tmp_path / 'seeds_outcomes.json.gz', 'rt') as f:
+        assert json.load(f)['lookahead'] == (3 - chain).tolist()
     again = seeds.comparisons(seeds.read_outcomes(tmp_path / 'seeds_outcomes.json.gz'))
     assert again == res['comparisons']  # every seed's outcomes kept: the tests recomputed from them
     assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
