@@ -44,24 +44,12 @@ import torch
 from data import SPLITS, check_fits, load_lm_and_data, load_split, window_tokens, windows
 from energy import (distinct_ids, first_occurrences, gumbel_keys, load_any_energy, logz_bounds,
                     logz_diagnostics, logz_enumerate, score_continuations)
-from extensions.carry import carry_chains, exact_by, lookahead, plot_carry
+from extensions.carry import answer_layout, carry_chains, exact_by, lookahead, plot_carry
 from extensions.enumeration import one_token_edits
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
                       named_paths, rng, run_main, setup, write_json)
-
-
-def answer_layout(data, meta):
-    """(prefix_len, gen_len) of a split of fixed-length problems (data/addition/prepare.py): the
-    first document up to and including '=' (the problem), and the rest with the end of text."""
-    ends = (data[:4096] == meta['eot_id']).nonzero()[0]
-    doc = [meta['chars'][t - 1] for t in data[:ends[0]]] if meta.get('chars') and len(ends) > 1 else []
-    if '=' not in doc or ends[1] - ends[0] != ends[0] + 1:
-        raise ValueError("this split does not hold fixed-length problems `a+b=c` "
-                         "(data/addition/prepare.py): give the LM of an addition corpus")
-    P = doc.index('=') + 1
-    return P, int(ends[0]) + 1 - P
 
 
 def scores(pred, gold):

@@ -2,8 +2,8 @@
 counts the carries it makes; its lookahead, how far to the right a left-to-right LM must read to
 decide a digit of the sum (a run of columns summing to 9 passes a carry on, so the decision waits for
 the first column past it): the runs of 9 are what data/addition/prepare.py's --chain makes frequent.
-Exact match grouped by either, and its figure; extensions/addition_eval.py groups one run's decoders
-by them, job/seeds.py takes the mean over seeds.
+Exact match grouped by either, its table and its figure; extensions/addition_eval.py groups one run's
+decoders by them, job/seeds.py takes the mean over seeds, job/lookahead.py regroups committed outcomes.
 """
 
 import torch
@@ -15,6 +15,18 @@ def operands(pre, meta):
     """The digit strings (a, b) of each prompt `a+b=` (token ids, (B, P))."""
     text = [''.join(meta['chars'][i - 1] for i in p.tolist() if i) for p in pre.cpu()]
     return [t.rstrip('=').split('+') for t in text]
+
+
+def answer_layout(data, meta):
+    """(prefix_len, gen_len) of a split of fixed-length problems (data/addition/prepare.py): the
+    first document up to and including '=' (the problem), and the rest with the end of text."""
+    ends = (data[:4096] == meta['eot_id']).nonzero()[0]
+    doc = [meta['chars'][t - 1] for t in data[:ends[0]]] if meta.get('chars') and len(ends) > 1 else []
+    if '=' not in doc or ends[1] - ends[0] != ends[0] + 1:
+        raise ValueError("this split does not hold fixed-length problems `a+b=c` "
+                         "(data/addition/prepare.py): give the LM of an addition corpus")
+    P = doc.index('=') + 1
+    return P, int(ends[0]) + 1 - P
 
 
 def carry_chains(pre, meta):
@@ -59,6 +71,21 @@ def exact_by(groups, per_problem):
     out = {name: {k: {c: mean(v, c) for c in values} for k, v in cols.items() if k.endswith('_exact')}
            for name, cols in per_problem.items()}
     return dict(count={c: (groups == c).sum().item() for c in values}, exact=out)
+
+
+def carry_lines(by, name='longest carry chain'):
+    """fmt's table of exact match by the longest carry chain or the lookahead (columns: its values),
+    greedy and the decoders at the largest n."""
+    if not by:
+        return []
+    values = sorted(by['count'], key=int)
+    lines = [f"exact match by the {name}, mean over seeds (problems: "
+             + ', '.join(f"{c}: {by['count'][c]}" for c in values) + ")"]
+    for model, cols in by['exact'].items():
+        for col, v in cols.items():
+            if col.startswith(('greedy', 'a1', 'mode', 'beam', 'oracle')):
+                lines.append(f"  {model:8s} {col:18s} " + ' '.join(f"{v[c]:.3f}" for c in values))
+    return lines
 
 
 CARRY_CURVES = (('BASE LM', 'greedy', 'LM greedy'), ('BASE LM', 'rerank', 'LM log-prob rerank of n'),

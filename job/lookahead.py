@@ -18,14 +18,11 @@ import os
 import statistics
 import sys
 
-import torch
-
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.lookahead")
 from data import load_meta, load_split, window_tokens, windows  # noqa: E402
-from extensions.addition_eval import answer_layout  # noqa: E402
-from extensions.carry import GROUPINGS, carry_chains, exact_by, lookahead, plot_carry  # noqa: E402
-from job.seeds import carry_lines  # noqa: E402
+from extensions.carry import (GROUPINGS, answer_layout, carry_chains, carry_lines, exact_by,  # noqa: E402
+                              lookahead, plot_carry)
 from plumbing import (ArgumentParser, check_new, check_writable, common_flags, run_main,  # noqa: E402
                       write_json, write_text)
 

@@ -35,7 +35,7 @@ import numpy as np
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.seeds")
 from data import read_json
-from extensions.carry import plot_carry
+from extensions.carry import carry_lines, plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.configs import SIZE_FLAGS, size_flags
 from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
@@ -222,21 +222,6 @@ def fmt(result):
                      f"Holm {s['sign_p_holm']:.2g}")
     return '\n'.join(lines + carry_lines(result.get('by_carry_chain'))
                      + carry_lines(result.get('by_lookahead'), 'lookahead')) + '\n'
-
-
-def carry_lines(by, name='longest carry chain'):
-    """fmt's table of exact match by the longest carry chain or the lookahead (columns: its values),
-    greedy and the decoders at the largest n."""
-    if not by:
-        return []
-    values = sorted(by['count'], key=int)
-    lines = [f"exact match by the {name}, mean over seeds (problems: "
-             + ', '.join(f"{c}: {by['count'][c]}" for c in values) + ")"]
-    for model, cols in by['exact'].items():
-        for col, v in cols.items():
-            if col.startswith(('greedy', 'a1', 'mode', 'beam', 'oracle')):
-                lines.append(f"  {model:8s} {col:18s} " + ' '.join(f"{v[c]:.3f}" for c in values))
-    return lines
 
 
 def mean_by(accs, key):

@@ -417,6 +417,34 @@ JSON_CLAIMS += [
      [100 * d['wrong_outside_beam'] for d in DRIFT_0]
      + [d[k] for k in ('wrong_outside_beam_median_log_p_lm', 'mass_on_beam_mean') for d in DRIFT_0]),
 ]
+# docs/addition.md, "Where the LMs fail: the lookahead": the seven seeds' 10,000 test problems by lookahead
+# (assets/lookahead_addition_test10000.json)
+LOOK = asset('lookahead_addition_test10000.json')['by_lookahead']
+LOOK_VALUES = sorted(LOOK['count'], key=int)
+LOOK_ROWS = {'LM greedy': ('BASE LM', 'greedy_exact'), 'BALM greedy': ('BALM', 'greedy_exact'),
+             'EXO, K = 64, greedy': ('EXO', 'greedy_exact'),
+             'EXO over a set (λ = 5) greedy': ('EXO_SET_MASS', 'greedy_exact'),
+             'LM, any of 64 correct': ('BASE LM', 'oracle_64_exact'),
+             'joint: mode of beam + 64': ('JOINT', 'beam_64_exact')}
+LOOK_CELLS = r' \| ([\d.,]+)' * len(LOOK_VALUES) + r' \|(?! [\d.,]+ \|)'  # that many cells, not more
+JSON_CLAIMS += [('docs/addition.md', r'\| lookahead' + LOOK_CELLS.replace(r'([\d.,]+)', r'(\d)'),
+                 [int(v) for v in LOOK_VALUES]),
+                ('docs/addition.md', r'\| problems' + LOOK_CELLS,
+                 [LOOK['count'][v] for v in LOOK_VALUES])]
+JSON_CLAIMS += [('docs/addition.md', rf'\| {re.escape(label)}' + LOOK_CELLS,
+                 [LOOK['exact'][m][c][v] for v in LOOK_VALUES]) for label, (m, c) in LOOK_ROWS.items()]
+SET_ERRORS = {v: LOOK['count'][v] * (1 - LOOK['exact']['EXO_SET_MASS']['greedy_exact'][v])
+              for v in LOOK_VALUES}
+FAR = [v for v in LOOK_VALUES if int(v) >= 3]
+GAIN = [LOOK['exact']['EXO_SET_MASS']['greedy_exact'][v] - LOOK['exact']['BALM']['greedy_exact'][v]
+        for v in ('3', '4', '5')]
+JSON_CLAIMS += [
+    ('docs/addition.md', r'\(\+([\d.]+) to\s+\+([\d.]+) over BALM\)', [min(GAIN), max(GAIN)]),
+    ('docs/addition.md', r'errors \((\d+) of the 10,000 problems, mean over the seeds\) are (\d+)% on the\s+'
+                         r'(\d+)% of problems with a lookahead of at least 3',
+     [sum(SET_ERRORS.values()), 100 * sum(SET_ERRORS[v] for v in FAR) / sum(SET_ERRORS.values()),
+      100 * sum(LOOK['count'][v] for v in FAR) / sum(LOOK['count'].values())]),
+]
 # docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
 BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
 MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
