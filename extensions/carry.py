@@ -74,8 +74,8 @@ def exact_by(groups, per_problem):
 
 
 def carry_lines(by, name='longest carry chain'):
-    """fmt's table of exact match by the longest carry chain or the lookahead (columns: its values),
-    greedy and the decoders at the largest n."""
+    """The lines of a table of exact match by the longest carry chain or the lookahead (columns: its
+    values; by: exact_by's form), greedy and the decoders at the largest n (job.seeds, job.lookahead)."""
     if not by:
         return []
     values = sorted(by['count'], key=int)
@@ -90,7 +90,7 @@ def carry_lines(by, name='longest carry chain'):
 
 CARRY_CURVES = (('BASE LM', 'greedy', 'LM greedy'), ('BASE LM', 'rerank', 'LM log-prob rerank of n'),
                 ('BALM', 'greedy', 'BALM greedy'), ('EXO', 'greedy', 'EXO LM greedy'),
-                ('EXO_SET_MASS', 'greedy', 'EXO over a set greedy'),  # assets/exo_set_addition.json's
+                ('EXO_SET_MASS', 'greedy', 'EXO over a set greedy'),  # exo_set_addition.json
                 ('BASE LM', 'oracle', 'LM: any of n correct'), ('JOINT', 'a1', 'joint: Algorithm 1 of n'),
                 ('JOINT', 'mode', 'joint: mode of n'), ('JOINT', 'beam', 'joint: mode of beam + n'))
 
