@@ -13,7 +13,8 @@ digits, followed by the end-of-text id (data/__init__.py), e.g. for N = 5:
 so the pipeline's non-overlapping windows (data.windows, stride prefix_len + gen_len = 3N + 4)
 start exactly at the problems: run every stage with --prefix_len 2N+2 --gen_len N+2.
 Carries are made frequent: at each digit position, with probability --chain the two digits sum
-to 9 (a carry coming in then passes through: the long carry chains an LM must compute ahead),
+to 9 (a carry coming in then passes through, so a digit before a run of them waits on the first
+column past it: the lookahead an LM must compute, extensions/carry.py),
 else both are uniform. Problems are distinct, also as b+a (a problem and its mirror sit in one
 split only); the selection split (`select`) chooses what is tuned; val and test are reported.
 
