@@ -482,12 +482,15 @@ PROBE_ROWS = {'BALM: 3 x 144, MLE': 'BALM', '6 x 144, MLE (BALM\'s recipe)': 'LM
               'EXO, K = 64, from BALM': 'EXO_K64', "the job's EXO over a set, from BALM": 'EXO_SET',
               'EXO over a set, from the 6 x 144': 'EXO_6x144',
               'EXO over a set, from BALM, lr 1e-4 cosine to 1e-5': 'EXO_LR1E4',
-              'the same, 1,200 steps (cosine over 1,200)': 'EXO_LR1E4_1200'}
+              'the same, 1,200 steps (cosine over 1,200)': 'EXO_LR1E4_1200',
+              "the same, its last step (1,200; ckpt.pt, not the KL's choice)": 'EXO_LR1E4_1200_LAST'}
 JSON_CLAIMS += [probe_row(label, m) for label, m in PROBE_ROWS.items()]
 EXOS = ('EXO_K64', 'EXO_SET', 'EXO_6x144', 'EXO_LR1E4', 'EXO_LR1E4_1200')
 BANDS = [[by_ahead(m, keep) for m in EXOS] for keep in (lambda a: a <= 2, lambda a: a == 3, lambda a: a >= 4)]
 K64, SET = STAGE['k64'], STAGE['set']
 DEEP, FAST = probe_mcnemar('LM6x144', 'BALM'), probe_mcnemar('EXO_LR1E4', 'EXO_SET')
+LAST_VS_BEST = probe_mcnemar('EXO_LR1E4_1200_LAST', 'EXO_LR1E4_1200')
+LAST_VS_SET = probe_mcnemar('EXO_LR1E4_1200_LAST', 'EXO_SET')
 DEEP_EXO, LONG = probe_mcnemar('EXO_6x144', 'EXO_SET'), probe_mcnemar('EXO_LR1E4_1200', 'EXO_LR1E4')
 JSON_CLAIMS += [
     ('docs/addition.md', r'\*\*(\d+) s\*\* \(training ([\d.]+) s,\s+best.pt at step (\d+)\), against the '
@@ -511,6 +514,12 @@ JSON_CLAIMS += [
                          r'\(([-\d.]+) against 600 steps\', p ([\d.]+)\)',
      [PM['EXO_LR1E4_1200'][k] for k in ('kl_reverse_high', 'best_iter', 'greedy_exact')]
      + [LONG['diff'], LONG['p']]),
+    ('docs/addition.md', r'last step is: \*\*([\d.]+)\*\* \(P\(correct\) ([\d.]+)\), \+([\d.]+) over\s+the '
+                         r'step the KL chose \(McNemar p ([\d.e-]+)\) and \+([\d.]+) over the job\'s EXO '
+                         r'\(p ([\d.]+)\), and ([\d.]+) of the\s+(\d+) problems with a lookahead of 4',
+     [PM['EXO_LR1E4_1200_LAST'][k] for k in ('greedy_exact', 'p_correct')]
+     + [LAST_VS_BEST['diff'], LAST_VS_BEST['p'], LAST_VS_SET['diff'], LAST_VS_SET['p']]
+     + list(by_ahead('EXO_LR1E4_1200_LAST', lambda a: a >= 4))),
     ('docs/addition.md', r'write ([\d.]+)-([\d.]+) of the (\d+) selection\s+problems with a lookahead of 1 '
                          r'or 2, ([\d.]+)-([\d.]+) of the (\d+) with 3 and ([\d.]+)-([\d.]+) of the (\d+) '
                          r'with 4 or\s+more',
