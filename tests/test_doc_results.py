@@ -491,6 +491,7 @@ K64, SET = STAGE['k64'], STAGE['set']
 DEEP, FAST = probe_mcnemar('LM6x144', 'BALM'), probe_mcnemar('EXO_LR1E4', 'EXO_SET')
 LAST_VS_BEST = probe_mcnemar('EXO_LR1E4_1200_LAST', 'EXO_LR1E4_1200')
 LAST_VS_SET = probe_mcnemar('EXO_LR1E4_1200_LAST', 'EXO_SET')
+RERUN = probe_mcnemar('EXO_LR1E4_1200_S2_LAST', 'EXO_SET')
 DEEP_EXO, LONG = probe_mcnemar('EXO_6x144', 'EXO_SET'), probe_mcnemar('EXO_LR1E4_1200', 'EXO_LR1E4')
 JSON_CLAIMS += [
     ('docs/addition.md', r'\*\*(\d+) s\*\* \(training ([\d.]+) s,\s+best.pt at step (\d+)\), against the '
@@ -520,6 +521,10 @@ JSON_CLAIMS += [
      [PM['EXO_LR1E4_1200_LAST'][k] for k in ('greedy_exact', 'p_correct')]
      + [LAST_VS_BEST['diff'], LAST_VS_BEST['p'], LAST_VS_SET['diff'], LAST_VS_SET['p']]
      + list(by_ahead('EXO_LR1E4_1200_LAST', lambda a: a >= 4))),
+    ('docs/addition.md', r'writes ([\d.]+) at its best.pt by the KL \(step ([\d,]+)\) and ([\d.]+) at its '
+                         r'last step\s+\(\+([\d.]+) over the job\'s EXO, McNemar p ([\d.]+)\)',
+     [PM['EXO_LR1E4_1200_S2']['greedy_exact'], PM['EXO_LR1E4_1200_S2']['best_iter'],
+      PM['EXO_LR1E4_1200_S2_LAST']['greedy_exact'], RERUN['diff'], RERUN['p']]),
     ('docs/addition.md', r'write ([\d.]+)-([\d.]+) of the (\d+) selection\s+problems with a lookahead of 1 '
                          r'or 2, ([\d.]+)-([\d.]+) of the (\d+) with 3 and ([\d.]+)-([\d.]+) of the (\d+) '
                          r'with 4 or\s+more',
