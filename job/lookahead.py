@@ -89,7 +89,7 @@ def main(argv=None):
     mean = {m: {c: [statistics.fmean(v) for v in zip(*by_seed.values())] for c, by_seed in cols.items()}
             for m, cols in outcomes.items()}
     seeds = {m: {c: sorted(by_seed, key=int) for c, by_seed in cols.items()} for m, cols in outcomes.items()}
-    res = dict(outcomes=args.outcomes, data_dir=args.data_dir, split=split, num_problems=n, ns=ns,
+    res = dict(outcomes=args.outcomes, data_dir=args.data_dir, split=split, num_prefixes=n, ns=ns,
                seeds=seeds, **{key: exact_by(g, mean) for key, g in groups.items()})
     table = '\n'.join(line for key, name in GROUPINGS for line in carry_lines(res[key], name)) + '\n'
     write_json(res, args.out)

@@ -388,7 +388,7 @@ JSON_CLAIMS += [('docs/addition.md', rf'\| {name}' + TEST_ROW,
                  [row['greedy_mean'], row['greedy_sd']] + row['greedy'] + [row['p_correct_mean']])
                 for m, name in TEST_NAMES.items() for row in [MASS_TEST['table'][m]]]
 M_BALM, M_EXO, M_LM, M_SET = MASS_TEST['comparisons']
-JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at (\d) seeds \(K = 64's ([\d.]+),\s+BALM ([\d.]+)\)",
+JSON_CLAIMS += [('README.md', r"greedy ([\d.]+) at\s+(\d) seeds \(K = 64's ([\d.]+),\s+BALM ([\d.]+)\)",
                  [MASS_TEST['table']['EXO_SET_MASS']['greedy_mean'], len(MASS_TEST['seeds']),
                   MASS_TEST['table']['EXO']['greedy_mean'], MASS_TEST['table']['BALM']['greedy_mean']])]
 MORE_ROWS = {'seed 2, lambda 5, 1,200 steps, cosine over 1,200':
@@ -435,9 +435,8 @@ JSON_CLAIMS += [('docs/addition.md', r'\| lookahead' + LOOK_CELLS.replace(r'([\d
 JSON_CLAIMS += [('docs/addition.md', rf'\| {re.escape(label)}' + LOOK_CELLS,
                  [LOOK['exact'][m][c][v] for v in LOOK_VALUES]) for label, (m, c) in LOOK_ROWS.items()]
 BEAM_LOOK = [LOOK['exact']['JOINT']['beam_64_exact'][v] for v in LOOK_VALUES]
-JSON_CLAIMS += [('README.md', r'There LM greedy falls from ([\d.]+) to ([\d.]+) as the columns a digit of '
-                              r'the sum must look\s+ahead through grow from (\d) to (\d), and the mode stays '
-                              r'at ([\d.]+)',
+JSON_CLAIMS += [('README.md', r'There LM greedy falls from ([\d.]+) to ([\d.]+) as the columns a digit waits '
+                              r'on\s+grow from (\d) to (\d); the mode stays at (\d\.\d+)',
                  [LOOK['exact']['BASE LM']['greedy_exact'][v] for v in (LOOK_VALUES[0], LOOK_VALUES[-1])]
                  + [int(LOOK_VALUES[0]), int(LOOK_VALUES[-1])] + [min(BEAM_LOOK)])]
 SET_ERRORS = {v: LOOK['count'][v] * (1 - LOOK['exact']['EXO_SET_MASS']['greedy_exact'][v])
