@@ -22,7 +22,8 @@ from plumbing import save_checkpoint
 from data.tokenizer import EOT, load_tokenizer
 from extensions import addition_eval, exo
 from data.addition import prepare as addition_prepare
-from tests.common import TRAIN_FLAGS, UNWRITABLE, assert_clean_error, logprobs64, run_script
+from tests.common import TRAIN_FLAGS, UNWRITABLE, logprobs64
+from tests.test_carry import lookahead_by_enumeration
 
 
 
@@ -346,57 +347,6 @@ def test_addition_decoders_against_brute_force(addition_run, tmp_path, monkeypat
         assert len(hits) == n and by['exact']['BASE LM']['greedy_exact'][v] == pytest.approx(sum(hits) / n)
 
 
-def carry_in(a, b, i):
-    """The carry into column i (0: the leading digit's, the carry out of the first column) of a + b,
-    by integer arithmetic on the columns right of it."""
-    n = len(a) - i
-    return int(int(a[i:] or 0) + int(b[i:] or 0) >= 10 ** n) if n else 0
-
-
-def lookahead_by_enumeration(a, b):
-    """extensions.carry.lookahead from its definition: for each digit of the sum, the fewest columns
-    to its right that fix its carry whatever the columns past them hold (each column tried as 0+0,
-    4+5 and 9+9: a column's carry depends on whether it sums to at most 8, 9 or at least 10)."""
-    import itertools
-    N, best = len(a), 0
-    for i in range(N + 1):  # the carry into column i, which the digit of column i - 1 depends on
-        for k in range(N - i + 1):
-            rest = N - i - k
-            fills = itertools.product((('0', '0'), ('4', '5'), ('9', '9')), repeat=rest)
-            outcomes = {carry_in(a[:i + k] + ''.join(x for x, _ in f), b[:i + k] + ''.join(y for _, y in f),
-                                 i) for f in fills}
-            if len(outcomes) == 1:
-                best = max(best, k)
-                break
-    return best
-
-
-def test_lookahead_against_enumeration():
-    """extensions.carry.lookahead against lookahead_by_enumeration on hand cases and 300 random 4-digit
-    problems with frequent 9-columns (as data/addition/prepare.py's --chain makes them)."""
-    from extensions.carry import lookahead
-    chars = '+0123456789='
-    meta = dict(chars=chars)
-    encode = lambda t: [chars.index(c) + 1 for c in t]
-    hand = {('4999', '5000'): 4, ('0045', '0054'): 2, ('0012', '0034'): 1, ('8765', '1236'): 4,
-            ('8765', '1233'): 4, ('0000', '0000'): 1, ('5000', '4000'): 2, ('0500', '0400'): 2}
-    rng = torch.Generator().manual_seed(0)
-    cases = list(hand)
-    for _ in range(300):
-        a, b = [], []
-        for _ in range(4):
-            x = int(torch.randint(10, (1,), generator=rng))
-            y = 9 - x if torch.rand(1, generator=rng) < 0.5 else int(torch.randint(10, (1,), generator=rng))
-            a.append(str(x))
-            b.append(str(y))
-        cases.append((''.join(a), ''.join(b)))
-    got = lookahead(torch.tensor([encode(f'{a}+{b}=') for a, b in cases]), meta).tolist()
-    want = [lookahead_by_enumeration(a, b) for a, b in cases]
-    assert got == want
-    assert [lookahead_by_enumeration(*c) for c in hand] == list(hand.values())
-    assert set(want) == {1, 2, 3, 4}  # the leading digit reads at least the first column
-
-
 def test_addition_and_exo_bad_input(addition_run, lm_ckpt, tmp_path):
     """Bad flags and a corpus that holds no problems stop the new scripts with one clear message."""
     d, lm_path = addition_run
@@ -583,45 +533,3 @@ def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
         exo.main([*flags, '--out_dir', far, '--max_iters', '4', '--lr', '1e30'])
     best, lm = load_checkpoint(os.path.join(far, 'best.pt')), load_checkpoint(lm_path)
     assert best['iter_num'] == 0 and all(torch.equal(best['model'][k], lm['model'][k]) for k in lm['model'])
-
-
-def test_lookahead_regroups_committed_outcomes(addition_run, tmp_path):
-    """job.lookahead: two outcomes files of one split's problems, regrouped by each problem's lookahead
-    (lookahead_by_enumeration) and carry chain, mean over the seeds that hold a column; data whose
-    problems are not the outcomes' stops it with one line."""
-    import gzip
-    from job import lookahead as regroup
-    d, _ = addition_run
-    meta = load_meta(str(d / 'data'))
-    data = load_split(str(d / 'data'), 'test', meta)
-    pre = window_tokens(data, windows(data, 8, 5), 13)[:, :8]
-    chars = meta['chars']
-    problems = [''.join(chars[i - 1] for i in p).rstrip('=').split('+') for p in pre.tolist()]
-    ahead = torch.tensor([lookahead_by_enumeration(a, b) for a, b in problems])
-    chain = addition_eval.carry_chains(pre, meta).tolist()
-    g = torch.Generator().manual_seed(0)
-    draw = lambda: (torch.rand(len(pre), generator=g) < 0.7).double().tolist()
-    files = [dict(seeds=[1, 2], split='test', ns=[1, 4], carry_chain=chain,
-                  per_problem={s: {'LM': {'greedy_exact': draw(), 'logp_correct': draw()}} for s in '12'}),
-             dict(seeds=[3], split='test', per_problem={'3': {'LM': {'greedy_exact': draw()}}})]
-    paths = []
-    for i, f in enumerate(files):
-        paths.append(str(tmp_path / f'o{i}.json.gz'))
-        with gzip.open(paths[-1], 'wt') as fh:
-            json.dump(f, fh)
-    out = tmp_path / 'look.json'
-    regroup.main([*paths, '--data_dir', str(d / 'data'), '--out', str(out), '--quiet'])
-    res = json.loads(out.read_text())
-    hits = torch.tensor([f['per_problem'][s]['LM']['greedy_exact'] for f in files for s in f['per_problem']])
-    assert len(set(ahead.tolist())) > 1 and res['seeds']['LM']['greedy_exact'] == ['1', '2', '3']
-    for v in set(ahead.tolist()):
-        got = res['by_lookahead']['exact']['LM']['greedy_exact'][str(v)]
-        assert got == pytest.approx(hits[:, ahead == v].mean().item()), v
-        assert res['by_lookahead']['count'][str(v)] == (ahead == v).sum().item()
-    assert 'logp_correct' not in res['by_lookahead']['exact']['LM']
-    files[0]['carry_chain'] = [c + 1 for c in chain]
-    with gzip.open(paths[0], 'wt') as fh:
-        json.dump(files[0], fh)
-    res = run_script(['-m', 'job.lookahead', *paths, '--data_dir', str(d / 'data'),
-                      '--out', str(tmp_path / 'again.json')])
-    assert_clean_error(res, "carry chains are not the outcomes'")
