@@ -35,7 +35,9 @@ log Z(x) once per prefix, before training, from --logz_samples (1,024) LM sample
 pi_theta (logz_table): Eq. 4's T_n (biased low) and its upper end, so each KL is a range (`_low`,
 `_high`). E_{pi*} by self-normalised importance sampling over the first --forward_samples of those
 LM samples (weights exp(-E)). best.pt: the lowest KL that the loss minimises (reverse for exo,
-forward for dpo; log Z fixed per prefix, either end chooses the same), the other reported beside it.
+forward for dpo; log Z fixed per prefix, either end chooses the same), the other reported beside it;
+or with --select greedy_exact the most selection prefixes whose greedy continuation is the real one
+(greedy_exact, reported at every evaluation: on addition a lower reverse KL is not a better greedy).
 
 ckpt.pt (the policy, AdamW's state and the curve, saved at each evaluation) lets --resume continue a
 stopped run exactly: batches and samples are a function of (seed, iteration).
@@ -177,8 +179,10 @@ def logz_table(sft, energy, prefixes, gen_len, n, m, g, batch=16):
 def kl_estimates(policy, sft, energy, table, gen_len, m, g, batch=64):
     """Means over the prefixes of logz_table `table` of KL(pi_theta || P_LM) and of the reverse and
     forward KL between pi_theta and the joint model pi*, each a range from log Z's range (reverse:
-    + log Z; forward: - log Z); m samples of pi_theta per prefix, pi_theta in eval mode."""
-    base, rev, fwd = [], [], []
+    + log Z; forward: - log Z); m samples of pi_theta per prefix, pi_theta in eval mode. Where the
+    table holds the real continuations (eval_table's gold), greedy_exact too: the share of prefixes
+    whose greedy continuation under pi_theta is the real one, token for token."""
+    base, rev, fwd, exact = [], [], [], []
     with eval_mode(policy):
         for i in range(0, len(table['prefixes']), batch):
             pre, cut = table['prefixes'][i:i + batch], slice(i, i + batch)
@@ -191,12 +195,16 @@ def kl_estimates(policy, sft, energy, table, gen_len, m, g, batch=64):
             log_joint = table['logp_sft'][cut] + neg_e  # log pi* + log Z
             log_pi = continuation_logprob(policy, pre, yf).double()
             fwd.append((torch.softmax(neg_e, 1) * (log_joint - log_pi)).sum(1))
+            if 'gold' in table:
+                greedy = policy.generate(pre, gen_len, temperature=0)[0][:, 0]
+                exact.append((greedy == table['gold'][cut]).all(1).double())
     base, rev, fwd = torch.cat(base), torch.cat(rev), torch.cat(fwd)
     mean = lambda v: v.mean().item()
     return dict(kl_to_base=mean(base), kl_reverse_low=mean(rev + table['low']),
                 kl_reverse_high=mean(rev + table['high']), kl_forward_low=mean(fwd - table['high']),
                 kl_forward_high=mean(fwd - table['low']), logz_ess=mean(table['ess']),
-                logz_flagged=mean(table['flagged']))  # the KL ranges rest on log Z's: its diagnostics
+                logz_flagged=mean(table['flagged']),  # the KL ranges rest on log Z's: its diagnostics
+                **(dict(greedy_exact=mean(torch.cat(exact))) if exact else {}))
 
 
 def get_args(argv=None):
@@ -238,6 +246,9 @@ def get_args(argv=None):
       help='stop after this many evaluations without a better best.pt (0: off)')
     a('--eval_prefixes', type=int, default=256, at_least=1, at_most='count',
       help='selection prefixes that choose best.pt')
+    a('--select', default='kl', choices=['kl', 'greedy_exact'],
+      help="what chooses best.pt on those prefixes: kl, the KL the loss minimises (reverse for exo, forward "
+           "for dpo); greedy_exact, the share whose greedy continuation is the real one (ties: the lower KL)")
     a('--eval_samples', type=int, default=16, at_least=2, at_most='samples',
       help="pi_theta's samples per eval prefix (reverse KL)")
     a('--logz_samples', type=int, default=1024, at_least=2, at_most='samples',
@@ -279,7 +290,7 @@ def check_out_dir(args):
 # numbers; free: --max_iters (upwards), --device, --quiet
 FIXED = ('lm', 'energy', 'init_from', 'data_dir', 'prefix_len', 'gen_len', 'loss', 'K', 'on_policy', 'beam',
          'beam_mass', 'beta_pi', 'beta_r', 'batch_size', 'lr', 'min_lr', 'lr_decay_iters', 'eval_interval',
-         'patience', 'eval_prefixes', 'eval_samples', 'logz_samples', 'forward_samples', 'seed')
+         'patience', 'eval_prefixes', 'select', 'eval_samples', 'logz_samples', 'forward_samples', 'seed')
 
 
 def fix_schedule(args, saved):
@@ -444,7 +455,7 @@ def evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device
                       rng(args.seed, 'exo eval', 'select', 0, device))
     check_finite(min(kl.values()) + max(kl.values()), it, 'its KL estimates', best, args)
     curve.append(dict(iter=it, **{f'select_{k}': v for k, v in kl.items()}))
-    if best is None or kl[SELECT[args.loss]] < best[f'select_{SELECT[args.loss]}']:
+    if best is None or rank(kl, args) < rank(best, args, 'select_'):
         best = curve[-1]
         save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
                         os.path.join(args.out_dir, 'best.pt'))
@@ -477,28 +488,43 @@ def report(args, sft, energy, data_dir, meta, curve, best, seconds, device):
         final[split] = kl_estimates(policy, sft, energy, table, args.gen_len, args.eval_samples,
                                     rng(args.seed, 'exo eval', split, 0, device))
     write_json(dict(args=vars(args), best_iter=best['iter'], best=best, curve=curve, final=final,
-                    selected_by=SELECT[args.loss], logz_samples=args.logz_samples,
+                    selected_by=selected_by(args), logz_samples=args.logz_samples,
                     forward_samples=args.forward_samples, params=policy.num_params(),
                     train_seconds=round(seconds, 1)),
                os.path.join(args.out_dir, 'results.json'))
-    print(f"best.pt: iter {best['iter']}, by {SELECT[args.loss]}; "
+    print(f"best.pt: iter {best['iter']}, by {selected_by(args)}; "
           + "; ".join(f"{s} {format_kl(v)}" for s, v in final.items()))
 
 
 SELECT = dict(exo='kl_reverse_high', dpo='kl_forward_high')  # the KL each loss minimises, at its high end
 
 
+def rank(est, args, prefix=''):
+    """best.pt's order on an evaluation's estimates (est[prefix + name]), lower is better: the KL the loss
+    minimises, or with --select greedy_exact the greedy exact match first, ties to the lower KL."""
+    kl = est[prefix + SELECT[args.loss]]
+    return (-est[prefix + 'greedy_exact'], kl) if args.select == 'greedy_exact' else (kl,)
+
+
+def selected_by(args):
+    return 'greedy_exact' if args.select == 'greedy_exact' else SELECT[args.loss]
+
+
 def format_kl(kl):
     """The KL estimates in one line: to the base LM, then reverse and forward to the joint model as ranges."""
+    exact = f", greedy exact {kl['greedy_exact']:.4f}" if 'greedy_exact' in kl else ''
     return (f"KL to base {kl['kl_to_base']:.4f}, reverse KL to joint {kl['kl_reverse_low']:.4f}-"
-            f"{kl['kl_reverse_high']:.4f}, forward {kl['kl_forward_low']:.4f}-{kl['kl_forward_high']:.4f}")
+            f"{kl['kl_reverse_high']:.4f}, forward {kl['kl_forward_low']:.4f}-{kl['kl_forward_high']:.4f}"
+            + exact)
 
 
 def eval_table(sft, energy, data_dir, meta, split, args, device):
-    """logz_table of the split's --eval_prefixes prefixes, from the split's own stream of LM samples."""
-    pre = prefixes_of(data_dir, meta, split, args, args.eval_prefixes, device)[2]
-    return logz_table(sft, energy, pre, args.gen_len, args.logz_samples, args.forward_samples,
-                      rng(args.seed, 'exo log Z', split, 0, device))
+    """logz_table of the split's --eval_prefixes prefixes, from the split's own stream of LM samples,
+    with their real continuations (gold: what greedy_exact compares with)."""
+    data, offsets, pre = prefixes_of(data_dir, meta, split, args, args.eval_prefixes, device)
+    table = logz_table(sft, energy, pre, args.gen_len, args.logz_samples, args.forward_samples,
+                       rng(args.seed, 'exo log Z', split, 0, device))
+    return dict(table, gold=window_tokens(data, offsets + args.prefix_len, args.gen_len).to(device))
 
 
 if __name__ == '__main__':

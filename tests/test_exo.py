@@ -272,3 +272,39 @@ def test_exo_policy_forward_in_eval_mode():
     kl = exo.kl_estimates(policy, sft, energy, table, 3, 8, torch.Generator().manual_seed(3))
     assert kl['kl_to_base'] == 0
     assert policy.training
+
+
+def test_greedy_exact_against_stepwise_argmax():
+    """kl_estimates' greedy_exact against greedy decoding by hand (the argmax of a full forward, one
+    token at a time): 1 where both prefixes' real continuations are pi_theta's greedy ones, 1/2 where
+    the second's last token differs, and absent where the table has no real continuations."""
+    sft, policy, energy, prefix = exo_kl_case()
+    x = prefix
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.cat([x, policy.logits(x)[:, -1].argmax(-1, keepdim=True)], 1)
+    greedy = x[:, 2:]
+    table = exo.logz_table(sft, energy, prefix, 3, 16, 8, torch.Generator().manual_seed(2))
+    assert 'greedy_exact' not in exo.kl_estimates(policy, sft, energy, table, 3, 4, torch.Generator())
+    wrong = greedy.clone()
+    wrong[1, -1] = (wrong[1, -1] + 1) % 3
+    for gold, want in ((greedy, 1.0), (wrong, 0.5)):
+        got = exo.kl_estimates(policy, sft, energy, dict(table, gold=gold), 3, 4, torch.Generator())
+        assert got['greedy_exact'] == want
+
+
+def test_select_ranks_by_the_kl_or_by_greedy_exact():
+    """best.pt's order (rank, lower is better): by the KL the loss minimises (the reverse KL for exo,
+    the forward for dpo), or with --select greedy_exact by the greedy exact match, ties to the lower KL."""
+    a = dict(kl_reverse_high=1.0, kl_forward_high=0.1, greedy_exact=0.9)
+    b = dict(kl_reverse_high=0.5, kl_forward_high=0.2, greedy_exact=0.8)
+    c = dict(b, greedy_exact=0.9)
+    args = lambda select, loss='exo': types.SimpleNamespace(select=select, loss=loss)
+    assert exo.rank(b, args('kl')) < exo.rank(a, args('kl'))
+    assert exo.rank(a, args('kl', 'dpo')) < exo.rank(b, args('kl', 'dpo'))
+    assert exo.rank(a, args('greedy_exact')) < exo.rank(b, args('greedy_exact'))
+    assert exo.rank(c, args('greedy_exact')) < exo.rank(a, args('greedy_exact'))
+    prefixed = {f'select_{k}': v for k, v in a.items()}
+    assert exo.rank(prefixed, args('greedy_exact'), 'select_') == exo.rank(a, args('greedy_exact'))
+    assert exo.selected_by(args('kl', 'dpo')) == 'kl_forward_high'
+    assert exo.selected_by(args('greedy_exact')) == 'greedy_exact'

@@ -443,7 +443,8 @@ def test_exo_cli_writes_an_lm_that_every_script_loads(addition_run, tmp_path):
 def test_exo_on_policy_from_a_bigger_lm(addition_run, tmp_path):
     """--init_from: pi_theta starts as another LM of the data (BALM's place: here a wider one), so
     best.pt has that LM's shape and its KL to the base LM is not 0 at step 0; --on_policy trains it
-    from its own samples; a RALM as --init_from is refused in one line, before anything is written."""
+    from its own samples, best.pt chosen by --select greedy_exact; a RALM as --init_from is refused in
+    one line, before anything is written."""
     d, lm_path = addition_run
     wide = list(TRAIN_FLAGS)
     wide[wide.index('--n_embd') + 1] = '48'
@@ -453,9 +454,13 @@ def test_exo_on_policy_from_a_bigger_lm(addition_run, tmp_path):
     exo.main(['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--init_from', wide_lm, '--on_policy',
               '--prefix_len', '8', '--gen_len', '5', '--out_dir', str(out), '--num_samples', '4',
               '--batch_size', '4', '--max_iters', '2', '--eval_interval', '2', '--eval_prefixes', '8',
-              '--eval_samples', '4', '--logz_samples', '16', '--forward_samples', '8', '--quiet'])
+              '--eval_samples', '4', '--logz_samples', '16', '--forward_samples', '8', '--quiet',
+              '--select', 'greedy_exact'])
     res = json.loads((out / 'results.json').read_text())
     assert res['curve'][0]['select_kl_to_base'] > 0 and res['args']['on_policy']
+    order = lambda c: (-c['select_greedy_exact'], c['select_kl_reverse_high'])  # --select greedy_exact
+    assert res['selected_by'] == 'greedy_exact' and res['best'] == min(res['curve'], key=order)
+    assert all(0 <= r['greedy_exact'] <= 1 for r in res['final'].values())
     assert load_lm(str(out / 'best.pt'))[0].config.n_embd == 48
     best = torch.load(out / 'best.pt', weights_only=True)  # EXO's record, not the wide LM's training's
     assert best['exo']['init_from'] == wide_lm and not {'args', 'best'} & set(best)
