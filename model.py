@@ -6,15 +6,16 @@ The plain path first: GPTConfig; self-attention as nanoGPT writes it (q, k, v, t
 scaled_dot_product_attention: a causal mask for the LM, none with causal=False, which gives
 energy.py its bidirectional BIT from the same blocks; optionally ALiBi's distance bias); MLP,
 Block; the one-token sampling step with the proposal's log-probs (top-k / top-p / temperature);
-GPT with its forward, `generate_plain` (nanoGPT's sampling loop) and `sequence_logprob`,
-log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2; then RALM, the residual baseline of Eq. 6.
+GPT with its forward, `generate_plain` (nanoGPT's sampling loop), `sequence_logprob`,
+log P_LM(x_{p+1..T} | x_{1..p}) of Eq. 2, and `beam_search_plain`, the likely continuations whose
+log Z part energy.logz_enumerate scores exactly; then RALM, the residual baseline of Eq. 6.
 
 Then, under one banner, the speed-ups that the method's volume of samples needs (negatives for
 NCE, samples for the log Z of Eq. 4, proposals for Algorithm 1), each with what it equals and the
 test that proves it: a KV cache, decoding that shares each prompt's K/V across its samples, CPU
 bf16 attention by matmuls, and last `generate` (decode_steps, then cached_generate),
 generate_plain's cached twin, which also returns the log-probs of its tokens under the untruncated
-LM and under the proposal.
+LM and under the proposal; and `beam_search` (cached_beam_search), beam_search_plain's cached twin.
 
 Last, sizing helpers; what both trainers take of nanoGPT's training (AdamW's groups, the cosine
 schedule) and this project's stopping rule; and load_lm, a trained P_LM from a checkpoint whose
@@ -269,7 +270,7 @@ class GPT(nn.Module):
         return (tok_logp.sum(1), tok_logp) if per_token else tok_logp.sum(1)
 
     @torch.no_grad()
-    def beam_search(self, idx, max_new_tokens, width):
+    def beam_search_plain(self, idx, max_new_tokens, width):
         """The `width` continuations of highest log P_LM that beam search finds for each prompt of
         idx (B, P): tokens (B, width, L) and their log P_LM (B, width) in float64, best first. Not
         sampled: a fixed set of likely continuations, which log Z's exact part (energy.logz_enumerate)
@@ -284,6 +285,10 @@ class GPT(nn.Module):
             score, i = (score[..., None] + logp).flatten(1).topk(min(width, b * V), 1)  # (B, width')
             x = torch.cat([x.gather(1, (i // V)[..., None].expand(-1, -1, T)), (i % V)[..., None]], 2)
         return x[..., P:], score
+
+    def beam_search(self, idx, max_new_tokens, width):
+        """beam_search_plain's beams, each prompt run once and each new token once: cached_beam_search."""
+        return cached_beam_search(self, idx, max_new_tokens, width)
 
 
 class RALM(GPT):
@@ -333,6 +338,8 @@ class RALM(GPT):
 # - GPT.generate (cached_generate, decode_steps): draws the very tokens of generate_plain from the
 #   same generator: test_generate_plain_and_cached_draw_the_same; in chunks of max_rows rows, its
 #   log-probs are sequence_logprob's: test_generate_shapes_chunking_and_prompt_rows.
+# - GPT.beam_search (cached_beam_search): beam_search_plain's beams and log-probs, its caches'
+#   rows following each beam's parent: test_beam_search_plain_and_cached_agree.
 
 class KVCache(NamedTuple):
     """One layer's decoding cache. k, v (N, nh, S, hs): the buffers each step writes its keys and
@@ -447,6 +454,38 @@ def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p
         chunks.append([t.view(B, n, max_new_tokens) for t in out])
     tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
     return (tokens, logp, logq) if return_proposal else (tokens, logp)
+
+
+@torch.no_grad()
+def cached_beam_search(model, idx, max_new_tokens, width):
+    """GPT.beam_search: beam_search_plain's steps, with each prompt's K/V computed once and shared by
+    its beams (as cached_generate's samples share it) and each beam's new tokens cached; after each
+    step a beam's cache rows are copied from its parent's. On addition's problems (a prompt of 14,
+    8 new tokens) a step of the plain search reruns every beam's whole sequence."""
+    B, P = idx.shape
+    prompt_cache = model.new_cache(B, P)
+    logits = model.logits(idx, prompt_cache, from_pos=P - 1)[:, -1]  # (B, V)
+    score, b = torch.zeros(B, 1, dtype=torch.float64, device=idx.device), 1  # one beam
+    x = idx.new_empty(B, 1, 0)
+    rows_cache = model.new_cache(B, max_new_tokens)
+    for t in range(max_new_tokens):
+        logp = F.log_softmax(logits.double(), -1).view(B, b, -1)
+        V = logp.size(-1)
+        score, i = (score[..., None] + logp).flatten(1).topk(min(width, b * V), 1)  # (B, width')
+        parent, b = i // V, i.size(1)
+        x = torch.cat([x.gather(1, parent[..., None].expand(-1, -1, t)), (i % V)[..., None]], 2)
+        if t + 1 == max_new_tokens:
+            break
+        rows = parent + torch.arange(B, device=idx.device)[:, None] * logp.size(1)  # the parents' rows
+        rows_cache = follow_parents(rows_cache, rows.flatten())
+        cache = [KVCache(k, v, *prompt) for (k, v), prompt in zip(rows_cache, prompt_cache)]
+        logits = model(x[:, :, -1].reshape(B * b, 1), cache=cache, pos=P + t)[0][:, -1]
+    return x, score
+
+
+def follow_parents(cache, rows):
+    """Each layer's (k, v) cache rows for the new beams: row j a copy of its parent's, rows[j]."""
+    return [(k[rows], v[rows]) for k, v in cache]
 
 
 # -----------------------------------------------------------------------------

@@ -85,7 +85,7 @@ from estimate_ppl import (calibrate, evaluate_prefixes, last_step_logz, mc_se, p
                           summarize)
 import estimate_ppl
 from extensions import metrics
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, RALM
 import model as model_module
 import nce_train
 import negatives
@@ -871,6 +871,24 @@ def test_beam_search_finds_the_most_likely_continuations():
     seqs = torch.cat([prefixes[:, None].expand(-1, 3, -1), tokens], 2).flatten(0, 1)
     assert torch.allclose(lm.sequence_logprob(seqs, P).double().view(2, 3), logp, atol=1e-5)
     assert (logp[:, :-1] >= logp[:, 1:]).all()
+
+
+@pytest.mark.parametrize('alibi', [False, True])
+def test_beam_search_plain_and_cached_agree(alibi, monkeypatch):
+    """GPT.beam_search (each prompt run once, each beam's new tokens cached, its cache rows copied
+    from its parent's) finds beam_search_plain's beams with its log-probs, in float64, for a GPT and
+    a RALM, beams narrower and wider than the vocabulary. A cache left in place of its parent's is
+    caught: each prompt's beams reading their parents' caches in sorted order (a mutation)."""
+    model = copy.deepcopy(decoding_case(alibi)[0]).double()
+    ralm = RALM(model.config, copy.deepcopy(model)).double().eval()
+    prompts = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
+    for lm, width in ((model, 1), (model, 4), (model, 30), (ralm, 4)):
+        plain, cached = lm.beam_search_plain(prompts, 6, width), lm.beam_search(prompts, 6, width)
+        assert torch.equal(plain[0], cached[0]), width
+        assert plain[1].dtype == torch.float64 and torch.allclose(plain[1], cached[1], atol=1e-10, rtol=0)
+    follow = model_module.follow_parents
+    monkeypatch.setattr(model_module, 'follow_parents', lambda cache, rows: follow(cache, rows.sort().values))
+    assert not torch.equal(model.beam_search(prompts, 6, 4)[0], model.beam_search_plain(prompts, 6, 4)[0])
 
 
 @pytest.mark.parametrize('pool', ['continuation', 'all'])

@@ -10,6 +10,9 @@ process:
                computed once and shared by their K samples), in fp32 and bf16 autocast, vs a
                naive sampler without a cache that re-runs the model over the whole sequence for
                every new token of every sample (nanoGPT's generate); the cached one's fp32 MFU;
+- beam:        GPT.beam_search (each prompt's K/V once, the beams' new tokens cached) against
+               beam_search_plain (every beam's whole sequence rerun at each step): --beam beams of
+               8 new tokens (addition's answer) after each of --num_prefixes prompts;
 - energy:      the BIT energy's forward (sequences/s at prefix 128 + continuation 64) and one
                binary-NCE training step (positives and negatives in one forward), tokens/s, and
                the fp32 MFU of each (with train's and sampling's: each stage's MFU at the job's
@@ -96,6 +99,7 @@ def get_args(argv=None):
     a('--num_samples', type=int, default=16, at_least=1, at_most='samples',
       help='continuations per prefix (K)')
     a('--gen_len', type=int, default=64, at_least=1, at_most='tokens', help='tokens per continuation')
+    a('--beam', type=int, default=8, at_least=1, at_most='beam', help="beams per prefix of the beam search")
     # log Z estimation workload (estimate_ppl.py's defaults; prefix_len + gen_len tokens)
     a('--chunk', type=int, default=16, at_least=1, at_most='count',
       help="prefixes per batch of the log Z workload (estimate_ppl.py's --chunk)")
@@ -308,6 +312,26 @@ def bench_sampling(args, device, meta, dtypes, peak_fp32):
     return res
 
 
+BEAM_TOKENS = 8  # new tokens of a beam search: addition's answer (the known set of its log Z, EXO's set)
+
+
+def bench_beam(args, device, meta):
+    """GPT.beam_search (each prompt run once, each beam's new tokens cached) against beam_search_plain
+    (every beam's whole sequence rerun at each step), --beam beams of each of --num_prefixes prompts."""
+    B, P, W, L = args.num_prefixes, args.prefix_len, args.beam, BEAM_TOKENS
+    torch.manual_seed(args.seed)
+    model = GPT(lm_config(args, meta)).to(device).eval()
+    val = load_split(args.data_dir, 'val', meta)
+    offsets = torch.randint(len(val) - P - 1, (B,), generator=torch.Generator().manual_seed(args.seed))
+    prompts = get_batch(val, offsets, P, device)[0]
+    t = timeit(dict(cached=lambda: model.beam_search(prompts, L, W)), device, args.warmup, args.repeats)
+    naive = lambda: model.beam_search_plain(prompts, L, W)
+    t.update(timeit(dict(naive=naive), device, 0, args.naive_repeats))
+    same = torch.equal(model.beam_search(prompts, L, W)[0], naive()[0])
+    return dict(beam_prompts_per_s_cached=B / t['cached'], beam_prompts_per_s_naive=B / t['naive'],
+                beam_speedup=t['naive'] / t['cached'], beam_same_beams=same)
+
+
 def bench_energy(args, device, meta, peak_fp32):
     """Energy forward (sequences/s at prefix 128 + continuation 64) and NCE training tokens/s
     (one binary-NCE step of nce_train.py: positives and negatives in one forward)."""
@@ -518,6 +542,7 @@ def main(argv=None):
     peak = run('matmul_peak', bench_matmul_peak, dtypes)
     run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes})
     run('sampling', bench_sampling, meta, dtypes, peak['matmul_gflops_fp32'])
+    run('beam', bench_beam, meta)
     run('energy', bench_energy, meta, peak['matmul_gflops_fp32'])
     run('estimation', bench_estimation, meta)
     run('estimate', bench_estimate, meta, dtypes)

@@ -243,8 +243,9 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     assert figures == json.load(open(out))
     for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup',
                 'energy_forward_seqs_per_s', 'nce_train_tokens_per_s', 'logz_samples_per_s_n1000',
-                'joint_samples_per_s_n1000'):
+                'joint_samples_per_s_n1000', 'beam_speedup'):
         assert figures[key] > 0, key
+    assert figures['beam_same_beams'] is True
 
 
 def test_figures_draws_the_four_pngs(tmp_path):
