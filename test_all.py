@@ -877,8 +877,8 @@ def test_beam_search_finds_the_most_likely_continuations():
 def test_beam_search_plain_and_cached_agree(alibi, monkeypatch):
     """GPT.beam_search (each prompt run once, each beam's new tokens cached, its cache rows copied
     from its parent's) finds beam_search_plain's beams with its log-probs, in float64, for a GPT and
-    a RALM, beams narrower and wider than the vocabulary. A cache left in place of its parent's is
-    caught: each prompt's beams reading their parents' caches in sorted order (a mutation)."""
+    a RALM, beams narrower and wider than the vocabulary. A beam that reads another beam's cache is
+    caught (a mutation: each prompt's parent rows taken in sorted order)."""
     model = copy.deepcopy(decoding_case(alibi)[0]).double()
     ralm = RALM(model.config, copy.deepcopy(model)).double().eval()
     prompts = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
