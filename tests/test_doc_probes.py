@@ -232,5 +232,5 @@ def test_a_planted_probe_mismatch_fails():
     text = docs['docs/addition.md']
     docs['docs/addition.md'] = (text.replace('| LM greedy | 0.984 |', '| LM greedy | 0.985 |')
                                 .replace('last step is: **0.965**', 'last step is: **0.966**')
-                                .replace('| 2,300 | 0.973 | 0.971 (0.003) |', '| 2,300 | 0.973 | 0.970 (0.003) |'))
+                                .replace('| 0.973 | 0.971 (0.003) |', '| 0.973 | 0.970 (0.003) |'))
     assert len(json_mismatches(CLAIMS, docs)) == 3
