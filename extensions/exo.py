@@ -69,8 +69,8 @@ from model import get_lr, load_lm
 from model import load_checkpoint
 from plumbing import (ArgumentParser, check_new, check_resumed_flags, check_resumed_iters,
                       check_training_memory, check_writable, common_flags, file_hash, given_flags,
-                      lock_folder, missing_checkpoint, new_folder, one_job, rerun_command, rng, run_main,
-                      save_checkpoint, setup, write_json)
+                      lock_folder, missing_checkpoint, new_folder, one_job, precision, rerun_command, rng,
+                      run_main, save_checkpoint, setup, write_json)
 
 
 def exo_loss(logp_theta, logp_sft, reward, beta_pi=1.0, beta_r=1.0, loss='exo', log_w=None):
@@ -257,20 +257,23 @@ def get_args(argv=None):
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--resume', action='store_true',
       help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")
-    common_flags(p, 'force', 'device', 'seed', 'quiet',
-                 help=dict(force="start over, replacing --out_dir's ckpt.pt, best.pt and results.json"))
+    common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet',
+                 help=dict(force="start over, replacing --out_dir's ckpt.pt, best.pt and results.json",
+                           dtype="autocast dtype of the training step ('auto': from the hardware, as the "
+                                 "trainers; fp16 with a GradScaler); the evaluations stay in float32"))
     args = p.parse_args(argv)
+    check_flags(args)
+    return args
+
+
+def check_flags(args):
+    """The flags that depend on each other consistent, --out_dir writable, and --resume / --force
+    consistent with what it holds."""
     if args.forward_samples > args.logz_samples:
         raise ValueError(f"--forward_samples {args.forward_samples} must be at most --logz_samples "
                          f"{args.logz_samples}: the forward KL reuses log Z's LM samples")
     if args.beam_mass and not args.beam:
         raise ValueError(f"--beam_mass {args.beam_mass} needs a beam: give --beam W too (e.g. --beam 4)")
-    check_out_dir(args)
-    return args
-
-
-def check_out_dir(args):
-    """--out_dir writable, and --resume / --force consistent with what it holds."""
     check_writable(args.out_dir, '--out_dir')
     ckpt = os.path.join(args.out_dir, 'ckpt.pt')
     if args.resume and args.force:
@@ -310,6 +313,7 @@ def resumed(args, argv):
     path = os.path.join(args.out_dir, 'ckpt.pt')
     ckpt = load_checkpoint(path)
     check_exo_checkpoint(ckpt, path)
+    ckpt['exo'].setdefault('dtype', 'float32')  # a run from before --dtype trained in float32
     check_resumed_flags(args, argv, ckpt['exo'], FIXED, path, 'EXO run')
     if 'max_iters' not in given_flags(argv):
         args.max_iters = ckpt['exo']['max_iters']
@@ -404,6 +408,8 @@ def main(argv=None):
     args = get_args(argv)
     device = setup(args.device)[2]
     saved = resumed(args, argv)
+    # autocast's precision from the hardware, decided once and saved with the flags (a --resume keeps it)
+    args.dtype, ctx = precision(device, args.dtype)
     fix_schedule(args, saved)
     torch.manual_seed(plumbing.rng_seed(args.seed, 'exo init'))
     # sizes checked: nothing written yet
@@ -413,6 +419,7 @@ def main(argv=None):
     train, train_offsets, _ = prefixes_of(data_dir, meta, 'train', args)
     sel = eval_table(sft, energy, data_dir, meta, 'select', args, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    scaler = torch.amp.GradScaler(device.split(':')[0], enabled=args.dtype == 'float16')  # fp16 only
     state = dict(ckpt, objective=f'exo ({args.loss})',
                  exo=dict(vars(args), lm_hash=file_hash(args.lm), energy_hash=file_hash(args.energy)))
     # an LM checkpoint of EXO's own: the start LM's training record (its args, best) left out
@@ -421,12 +428,13 @@ def main(argv=None):
     if saved:  # the run as it stood after its evaluation at saved['iter_num'], before that step
         policy.load_state_dict(saved['model'])
         opt.load_state_dict(saved['optimizer'])
+        scaler.load_state_dict(saved.get('scaler', {}))  # absent: a float32 run from before --dtype
         curve, start = saved['curve'], saved['iter_num']
         best = next(c for c in curve if c['iter'] == saved['best_iter'])
     for it in range(start, args.max_iters + 1):
         if it % args.eval_interval == 0 or it == args.max_iters:
             if not (saved and it == start):
-                best = evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device)
+                best = evaluate(policy, sft, energy, sel, (opt, scaler), state, curve, best, it, args, device)
             stale = args.patience and it - best['iter'] >= args.patience * args.eval_interval
             if it == args.max_iters or stale:
                 break
@@ -435,22 +443,27 @@ def main(argv=None):
         pick = pick.cpu().numpy()  # drawn on g's device (a CUDA generator refuses a CPU tensor)
         prefix = window_tokens(train, train_offsets[np.sort(pick)], args.prefix_len).to(device)
         step_loss = set_step_loss if args.beam else exo_step_loss
-        loss = step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
+        with ctx:
+            loss = step_loss(policy, sft, energy, prefix, args.K, args.gen_len, args, g)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        check_finite(loss.item() + norm.item(), it,
-                     f'its loss {loss.item():.4g}, gradient norm {norm.item():.4g}', best, args)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # clip the true gradients, not fp16's scaled ones
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
+        # fp16: the scaler skips a step whose gradient is not finite
+        check_finite(loss.item() + (0.0 if scaler.is_enabled() else norm),
+                     it, f'its loss {loss.item():.4g}, gradient norm {norm:.4g}', best, args)
         for group in opt.param_groups:
             group['lr'] = get_lr(it, args.lr, args.min_lr, 0, args.lr_decay_iters)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
     report(args, sft, energy, data_dir, meta, curve, best, time.time() - t0, device)
 
 
-def evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device):
-    """The evaluation at iteration it on the selection split, appended to curve; best.pt if it is
-    the best yet, then ckpt.pt (what a --resume continues, written after best.pt so that it never
-    points past it). Returns the best so far."""
+def evaluate(policy, sft, energy, sel, optimizer, state, curve, best, it, args, device):
+    """The evaluation at iteration it on the selection split (in float32), appended to curve; best.pt
+    if it is the best yet, then ckpt.pt (what a --resume continues, with the optimizer and fp16's
+    scaler, written after best.pt so that it never points past it). Returns the best so far."""
+    opt, scaler = optimizer
     kl = kl_estimates(policy, sft, energy, sel, args.gen_len, args.eval_samples,
                       rng(args.seed, 'exo eval', 'select', 0, device))
     check_finite(min(kl.values()) + max(kl.values()), it, 'its KL estimates', best, args)
@@ -459,8 +472,8 @@ def evaluate(policy, sft, energy, sel, opt, state, curve, best, it, args, device
         best = curve[-1]
         save_checkpoint(dict(state, model=policy.state_dict(), iter_num=it),
                         os.path.join(args.out_dir, 'best.pt'))
-    save_checkpoint(dict(state, model=policy.state_dict(), optimizer=opt.state_dict(), iter_num=it,
-                         curve=curve, best_iter=best['iter'],
+    save_checkpoint(dict(state, model=policy.state_dict(), optimizer=opt.state_dict(),
+                         scaler=scaler.state_dict(), iter_num=it, curve=curve, best_iter=best['iter'],
                          best_hash=file_hash(os.path.join(args.out_dir, 'best.pt'))),
                     os.path.join(args.out_dir, 'ckpt.pt'))
     if not args.quiet:

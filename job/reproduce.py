@@ -268,8 +268,9 @@ def stages(args, pipe):
     for kind, init in (('bit', 'mlm'), ('unit', 'lm')):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
 
-    def script(name, cmd, done, deps, folder=None, wide=False):  # without --dtype (fp32): seed, device
-        pipe.run(name, lambda: cmd() + common + ['--device', args.device], done, deps, folder, wide)
+    def script(name, cmd, done, deps, folder=None, wide=False, dtype=False):  # seed, device; --dtype if asked
+        pipe.run(name, lambda: cmd() + common + ['--device', args.device] + ['--dtype', args.dtype] * dtype,
+                 done, deps, folder, wide)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1
         exo(script, path, lm_ckpt, neg, cfg)
@@ -345,7 +346,7 @@ def exo(script, path, lm_ckpt, neg, cfg):
                            '--init_from', path('balm', 'best.pt'),
                            '--prefix_len', str(neg['prefix_len']), '--gen_len', str(neg['gen_len']),
                            '--out_dir', path('exo')] + flags(cfg['exo']) + resumed(path('exo'), ['--force']),
-           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'], path('exo'), wide=True)
+           path('exo', 'results.json'), ['lm', 'bit', 'unit', 'balm'], path('exo'), wide=True, dtype=True)
 
 
 def resumed(folder, otherwise=()):

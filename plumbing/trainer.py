@@ -131,8 +131,7 @@ def check_resumed_flags(args, argv, saved, fixed, path, what):
     out takes the checkpoint's value. A path contradicts only if it names another file, and not at
     all where the checkpoint recorded its content's hash (a copied or moved run: check_sources
     compares the contents)."""
-    if hasattr(args, 'dtype'):  # EXO has no --dtype
-        args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
+    args.dtype = resumed_dtype(args.dtype, saved.get('dtype'), path)
     given, by_content = given_flags(argv), saved.get('sources') or {}
     for name in sorted(n for n in fixed if n in saved):
         if name not in given:

@@ -538,3 +538,36 @@ def test_exo_resume_is_exact_and_divergence_keeps_best(addition_run, tmp_path):
         exo.main([*flags, '--out_dir', far, '--max_iters', '4', '--lr', '1e30'])
     best, lm = load_checkpoint(os.path.join(far, 'best.pt')), load_checkpoint(lm_path)
     assert best['iter_num'] == 0 and all(torch.equal(best['model'][k], lm['model'][k]) for k in lm['model'])
+
+
+def test_exo_precision_is_decided_once_and_kept(addition_run, tmp_path):
+    """exo.py --dtype: the training step under autocast, the precision recorded with the flags; a
+    --resume continues in it (a contradicting --dtype refused), exactly as the run in one go; fp16's
+    GradScaler state travels in ckpt.pt; a ckpt.pt from before --dtype resumes in float32; the
+    evaluations stay in float32 (step 0's KL to the base LM is exactly 0 whatever the dtype)."""
+    d, lm_path = addition_run
+    flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
+             '--num_samples', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
+             '--eval_samples', '4', '--logz_samples', '16', '--forward_samples', '8', '--lr', '1e-2',
+             '--beam', '2', '--quiet']
+    one, two, half = (str(tmp_path / n) for n in ('one', 'two', 'half'))
+    exo.main([*flags, '--out_dir', one, '--max_iters', '4', '--dtype', 'bfloat16'])
+    exo.main([*flags, '--out_dir', two, '--max_iters', '2', '--dtype', 'bfloat16'])
+    with pytest.raises(ValueError, match=r'--dtype float32 contradicts .*ckpt.pt \(trained in bfloat16\)'):
+        exo.main([*flags, '--out_dir', two, '--max_iters', '4', '--resume', '--dtype', 'float32'])
+    exo.main([*flags, '--out_dir', two, '--max_iters', '4', '--resume'])
+    ra, rb = (json.loads(open(os.path.join(p, 'results.json')).read()) for p in (one, two))
+    assert ra['args']['dtype'] == rb['args']['dtype'] == 'bfloat16'
+    assert ra['curve'] == rb['curve'] and ra['curve'][0]['select_kl_to_base'] == 0
+    a, b = (load_checkpoint(os.path.join(p, 'ckpt.pt')) for p in (one, two))
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    exo.main([*flags, '--out_dir', half, '--max_iters', '4', '--dtype', 'float32'])
+    fp32 = load_checkpoint(os.path.join(half, 'ckpt.pt'))['model']
+    assert not torch.equal(a['model']['lm_head.weight'], fp32['lm_head.weight'])  # bf16 took the steps
+    exo.main([*flags, '--out_dir', half, '--max_iters', '2', '--dtype', 'float16', '--force'])
+    ckpt = load_checkpoint(os.path.join(half, 'ckpt.pt'))
+    assert ckpt['exo']['dtype'] == 'float16' and ckpt['scaler']['scale'] > 0
+    del ckpt['exo']['dtype'], ckpt['scaler']  # as saved before --dtype: a float32 run
+    save_checkpoint(ckpt, os.path.join(half, 'ckpt.pt'))
+    exo.main([*flags, '--out_dir', half, '--max_iters', '4', '--resume'])
+    assert json.loads(open(os.path.join(half, 'results.json')).read())['args']['dtype'] == 'float32'
