@@ -39,8 +39,11 @@ forward for dpo; log Z fixed per prefix, either end chooses the same), the other
 or with --select greedy_exact the most selection prefixes whose greedy continuation is the real one
 (greedy_exact, reported at every evaluation: on addition a lower reverse KL is not a better greedy).
 
-ckpt.pt (the policy, AdamW's state and the curve, saved at each evaluation) lets --resume continue a
-stopped run exactly: batches and samples are a function of (seed, iteration).
+The training step runs under autocast in the run's precision (--dtype, decided once from the hardware
+as the trainers do: bf16 on a CPU with bf16 units, 1.6x fp32's step at the addition job's flags); the
+evaluations stay in float32, so that best.pt's choice reads the same estimates in any precision.
+ckpt.pt (the policy, AdamW's and fp16's scaler's state, the curve, saved at each evaluation) lets
+--resume continue a stopped run exactly: batches and samples are a function of (seed, iteration).
 
     python -m extensions.exo --lm out-addition/lm/best.pt --energy out-addition/bit/best.pt \\
         --prefix_len 14 --gen_len 8 --out_dir out-addition/exo

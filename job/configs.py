@@ -163,7 +163,9 @@ ADDITION = dict(
     # Over a set (since 2026-12-01): the KL on the LM's beam of 4 and K = 16 samples of each of 128 prefixes
     # a step, --beam_mass 5 (chosen of 0, 1, 5 at seed 2), lr 3e-5 cosine to 3e-6: selection greedy above
     # the K = 64 recipe's at seven seeds (0.946 against 0.921); its time against K = 64's is not measured on
-    # one machine (docs/addition.md, The mass the set does not see; The job's EXO over a set)
+    # one machine (docs/addition.md, The mass the set does not see; The job's EXO over a set). Its step in the
+    # run's --dtype since 2026-12-01 (bf16 on this AMD: 1.6x fp32's step; at its last step the same greedy on
+    # the held-out selection problems: docs/addition.md, EXO's step in bf16)
     exo=dict(num_samples=16, batch_size=128, beam=4, beam_mass=5, max_iters=600, lr=3e-5, min_lr=3e-6,
              eval_interval=50, eval_prefixes=256, eval_samples=16, logz_samples=128, forward_samples=64,
              on_policy=True),

@@ -1,9 +1,10 @@
 """docs/addition.md's lookahead table ("Where the LMs fail"), EXO's probes ("Past 0.952", and the stage
 before and after in "The job's EXO over a set"), their 4,000 held-out problems ("best.pt by greedy exact
-match") and the cached beam search's measurements, with README's lookahead line: each number equals
-assets/lookahead_addition_test10000.json's, exo_probes_addition.json's or exo_select_addition.json's to
-the digits given (held-out means and McNemar tests recomputed from the outcomes; the companion of
-tests/test_doc_results.py, whose CELL and SEL_CELLS it shares)."""
+match"), the cached beam search's measurements, EXO in bf16 and the 2,400-step recipe on test and at a
+second seed, with README's lines on them: each number equals assets/lookahead_addition_test10000.json's,
+exo_probes_addition.json's, exo_select_addition.json's or exo_bf16_addition.json's to the digits given
+(means and McNemar tests recomputed from the outcomes; the companion of tests/test_doc_results.py, whose
+CELL and SEL_CELLS it shares)."""
 
 import re
 
@@ -204,8 +205,6 @@ CLAIMS += [
      sorted(mean(held_out(m)) for m in ('EXO_LR1E4_1200_LAST', 'EXO_LR1E4_1200_S2_LAST'))),
     ('docs/addition.md', r'lr 1e-4 over 2,400 steps writes\s+([\d.]+) of 4,000 selection problems',
      [mean(held_out('EXO_LR1E4_2400_GREEDY'))]),
-    ('README.md', r'; ([\d.]+) at one seed with 2,400 steps \(held out\)',
-     [mean(held_out('EXO_LR1E4_2400_GREEDY'))]),
     ('docs/addition.md', r'(\d+)x the plain search\'s prompts a second at 4 beams, (\d+)x at 32',
      [BEAM['4']['beam_speedup'], BEAM['32']['beam_speedup']]),
     ('docs/addition.md', r'two threads as the wide stage runs: ([\d.]+) s with\s+the plain search, '
@@ -213,6 +212,97 @@ CLAIMS += [
      [AB['median_s']['plain'], AB['median_s']['cached'], AB['ratio']]),
 ]
 
+
+# docs/addition.md, "EXO's step in bf16" and "2,400 steps on test and at a second seed"
+# (assets/exo_bf16_addition.json): every greedy outcome on the 5,000 selection and 5,000 test problems, so
+# each mean and McNemar test is recomputed here from the outcomes
+BF = asset('exo_bf16_addition.json')
+BR, BAB = BF['runs'], BF['exo_step_ab']
+
+
+def bf_out(m, split):
+    """m's 0/1 outcomes: on the selection problems no choice read ('select'), or on all of test ('test')."""
+    keep = [c == '0' or split == 'test' for c in BF['chose'][split]]
+    return [int(b) for b, k in zip(BF['models'][m][split]['per_problem'], keep, strict=True) if k]
+
+
+def bf_means(m):
+    return [mean(bf_out(m, s)) for s in ('select', 'test')]
+
+
+def bf_mcnemar(a, b):
+    """a - b on the held-out selection problems, then on test: [diff, p, diff, p]."""
+    return [x for s in ('select', 'test') for r in [stats.mcnemar(bf_out(a, s), bf_out(b, s))]
+            for x in (r['diff'], r['p'])]
+
+
+KL600 = [next(c['kl_reverse_high'] for c in BR[r]['curve'] if c['iter'] == 600)
+         for r in ('job_exo_bf16', 'job_exo_fp32')]
+BF_BEST, BF_LAST = (bf_mcnemar(m, 'EXO_SET') for m in ('EXO_SET_BF16', 'EXO_SET_BF16_LAST'))
+CLAIMS += [
+    ('docs/addition.md', r'the three alternating\s+in one process: ([\d.]+) s in fp32, ([\d.]+) s with bf16 '
+                         r'around the policy\'s gradient alone, ([\d.]+) s with bf16\s+around the whole step '
+                         r'\(([\d.]+)x\)',
+     [BAB['median_s']['fp32'], BAB['median_s']['bf16_grad'], BAB['median_s']['bf16_all'],
+      BAB['ratio']['bf16_all']]),
+    ('docs/addition.md', r'its training took ([\d,]+) s, against ([\d,]+) s in fp32 in the morning\'s job',
+     [BR['job_exo_bf16']['train_seconds'], BR['job_exo_fp32']['train_seconds']]),
+    ('docs/addition.md', r'reverse KL at step 600: ([\d.]+) against ([\d.]+)\)', KL600),
+    ('docs/addition.md', r'EXO\'s step in bf16: its training ([\d,]+) s against ([\d,]+) in fp32',
+     [BR['job_exo_bf16']['train_seconds'], BR['job_exo_fp32']['train_seconds']]),
+    ('docs/addition.md', r'best.pt by the KL is step (\d+) \(fp32\'s:\s+(\d+)\): ([\d.]+) of the 4,000 '
+                         r'held-out selection problems against ([\d.]+) \(McNemar p ([\d.]+)\), ([\d.]+) of '
+                         r'the\s+5,000 test problems against ([\d.]+) \(p ([\d.]+)\); bf16\'s step 600 '
+                         r'writes ([\d.]+) held out \(p ([\d.]+) against\s+fp32\'s\) and ([\d.]+) on test '
+                         r'\(p ([\d.]+)\)',
+     [BR['job_exo_bf16']['best_iter'], BR['job_exo_fp32']['best_iter']]
+     + [x for pair in zip(bf_means('EXO_SET_BF16'), bf_means('EXO_SET'), BF_BEST[1::2]) for x in pair]
+     + [x for pair in zip(bf_means('EXO_SET_BF16_LAST'), BF_LAST[1::2]) for x in pair]),
+]
+BF_ROWS = [('LM greedy', '1337', 'LM'), ('BALM greedy', '1337', 'BALM'),
+           ("the job's EXO (fp32, best.pt by the KL)", '1337', 'EXO_SET'),
+           ('2,400 steps (fp32, best.pt by greedy_exact)', '1337', 'EXO_2400'), ('LM greedy', '2', 'LM_S2'),
+           ('BALM greedy', '2', 'BALM_S2'),
+           ('2,400 steps (bf16, best.pt by greedy_exact)', '2', 'EXO_2400_BF16_S2')]
+
+
+def bf_row(label, seed, m):
+    """A row: best.pt's step (none for the LMs), greedy on the 1,000 that chose, then on the 4,000 held out
+    and the 5,000 test problems, each with its SE."""
+    r = BF['models'][m]
+    chose = [int(b) for b, c in zip(r['select']['per_problem'], BF['chose']['select'], strict=True)
+             if c == '1']
+    cells = [x for s in ('select', 'test') for v in [bf_out(m, s)]
+             for x in (mean(v), (mean(v) * (1 - mean(v)) / len(v)) ** 0.5)]
+    step = r' \| ([\d,]+)' if m.startswith('EXO') else r' \|'
+    return ('docs/addition.md',
+            rf'\| {re.escape(label)} \| {seed}{step} \| ([\d.]+) \| {CELL} \| {CELL} \|',
+            ([r['iter']] if m.startswith('EXO') else []) + [mean(chose)] + cells)
+
+
+TWO = [bf_means(m)[1] for m in ('EXO_2400', 'EXO_2400_BF16_S2')]
+S2 = {c['iter']: c['greedy_exact'] for c in BR['g2400_bf16_s2']['curve']}
+STOPPED = [c['greedy_exact'] for c in BR['g2400_bf16_stopped']['curve'][1:4]]
+FP32_AT = {c['iter']: c['greedy_exact'] for c in BR['g2400_fp32']['curve']}
+CLAIMS += [bf_row(*row) for row in BF_ROWS] + [
+    ('docs/addition.md', r'On test, ([\d.]+) and ([\d.]+): a mean of ([\d.]+) over two seeds\*\*, ([\d.]+) '
+                         r'under the goal\'s 0.97, and above\s+BALM at the same size by \+([\d.]+) '
+                         r'\(McNemar p ([\d.e-]+)\) and \+([\d.]+) \(p ([\d.e-]+)\), above the job\'s EXO '
+                         r'at\s+seed 1337 by \+([\d.]+) \(p ([\d.e-]+)\)',
+     TWO + [mean(TWO), 0.97 - round(mean(TWO), 3)] + bf_mcnemar('EXO_2400', 'BALM')[2:]
+     + bf_mcnemar('EXO_2400_BF16_S2', 'BALM_S2')[2:] + bf_mcnemar('EXO_2400', 'EXO_SET')[2:]),
+    ('docs/addition.md', r'rose from ([\d.]+) \(BALM\) to ([\d.]+) at step 1,200\s+and ([\d.]+) at 2,200; '
+                         r'best.pt is the last step \(([\d.]+)\)\. Seed 1337\'s was at ([\d.]+) at 1,200',
+     [S2[0], S2[1200], S2[2200], S2[2400], FP32_AT[1200]]),
+    ('docs/addition.md', r'its greedy_exact at steps 100-300: ([\d.]+), ([\d.]+),\s+([\d.]+); fp32\'s '
+                         r'([\d.]+), ([\d.]+), ([\d.]+)\)', STOPPED + [FP32_AT[i] for i in (100, 200, 300)]),
+    ('docs/addition.md', r'Cost at seed 2: ([\d,]+) s of wall time for EXO\'s 2,400 steps with the restart '
+                         r'\(its last 1,500 steps\s+([\d,]+) s',
+     [BR['g2400_bf16_s2']['wall_seconds'], BR['g2400_bf16_s2']['train_seconds']]),
+    ('README.md', r'; 2,400 steps: ([\d.]+) / ([\d.]+) on test at 2 seeds', TWO),
+    ('docs/addition.md', r'on test it writes ([\d.]+) there and ([\d.]+) at seed 2\'s models, in bf16 '
+                         r'\(2,400 steps on test,\s+above\): ([\d.]+) over two seeds', TWO + [mean(TWO)]),
+]
 
 def test_lookahead_and_probe_numbers_equal_their_assets():
     assert len(CLAIMS) >= 20
@@ -232,5 +322,6 @@ def test_a_planted_probe_mismatch_fails():
     text = docs['docs/addition.md']
     docs['docs/addition.md'] = (text.replace('| LM greedy | 0.984 |', '| LM greedy | 0.985 |')
                                 .replace('last step is: **0.965**', 'last step is: **0.966**')
-                                .replace('| 0.973 | 0.971 (0.003) |', '| 0.973 | 0.970 (0.003) |'))
-    assert len(json_mismatches(CLAIMS, docs)) == 3
+                                .replace('| 0.973 | 0.971 (0.003) |', '| 0.973 | 0.970 (0.003) |', 1)
+                                .replace('whole step (1.64x)', 'whole step (1.65x)'))
+    assert len(json_mismatches(CLAIMS, docs)) == 4

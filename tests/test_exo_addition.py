@@ -544,7 +544,7 @@ def test_exo_precision_is_decided_once_and_kept(addition_run, tmp_path):
     """exo.py --dtype: the training step under autocast, the precision recorded with the flags; a
     --resume continues in it (a contradicting --dtype refused), exactly as the run in one go; fp16's
     GradScaler state travels in ckpt.pt; a ckpt.pt from before --dtype resumes in float32; the
-    evaluations stay in float32 (step 0's KL to the base LM is exactly 0 whatever the dtype)."""
+    evaluations stay in float32 (step 0's, of the same policy, equal to a float32 run's)."""
     d, lm_path = addition_run
     flags = ['--lm', lm_path, '--energy', str(d / 'bit.pt'), '--prefix_len', '8', '--gen_len', '5',
              '--num_samples', '4', '--batch_size', '4', '--eval_interval', '2', '--eval_prefixes', '8',
@@ -564,6 +564,8 @@ def test_exo_precision_is_decided_once_and_kept(addition_run, tmp_path):
     exo.main([*flags, '--out_dir', half, '--max_iters', '4', '--dtype', 'float32'])
     fp32 = load_checkpoint(os.path.join(half, 'ckpt.pt'))['model']
     assert not torch.equal(a['model']['lm_head.weight'], fp32['lm_head.weight'])  # bf16 took the steps
+    step0 = json.loads(open(os.path.join(half, 'results.json')).read())['curve'][0]
+    assert ra['curve'][0] == step0  # the same policy evaluated: in float32 both
     exo.main([*flags, '--out_dir', half, '--max_iters', '2', '--dtype', 'float16', '--force'])
     ckpt = load_checkpoint(os.path.join(half, 'ckpt.pt'))
     assert ckpt['exo']['dtype'] == 'float16' and ckpt['scaler']['scale'] > 0

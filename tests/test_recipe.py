@@ -155,16 +155,18 @@ def test_a_stopped_exo_stage_resumes(tmp_path, monkeypatch):
     """The job's EXO stage continues a stopped run's ckpt.pt with --resume (exo.py resumes exactly:
     test_exo_addition) and starts a new one with --force; its folder is the stage's, so that one made
     from something else is kept aside by the scheduler, which drops the --resume. It is declared wide
-    (alone, on every core: the last long stage of the job's critical path)."""
+    (alone, on every core: the last long stage of the job's critical path), and takes the job's --dtype
+    (its training step under autocast)."""
     from job import reproduce
     monkeypatch.setattr(reproduce, 'stronger_energy', lambda path: 'bit')
     declared = {}
 
-    def script(name, cmd, done, deps, folder=None, wide=False):
-        declared.update(name=name, cmd=cmd, folder=folder, wide=wide)
+    def script(name, cmd, done, deps, folder=None, wide=False, dtype=False):
+        declared.update(name=name, cmd=cmd, folder=folder, wide=wide, dtype=dtype)
     path = lambda *a: str(tmp_path.joinpath(*a))
     reproduce.exo(script, path, 'lm.pt', dict(prefix_len=14, gen_len=8), dict(exo=dict(max_iters=600)))
-    assert declared['name'] == 'exo' and declared['folder'] == path('exo') and declared['wide']
+    assert declared['name'] == 'exo' and declared['folder'] == path('exo')
+    assert declared['wide'] and declared['dtype']
     assert declared['cmd']()[-3:] == ['--max_iters', '600', '--force']
     os.makedirs(path('exo'))
     open(path('exo', 'ckpt.pt'), 'wb').close()
