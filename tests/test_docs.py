@@ -86,7 +86,8 @@ CLAIMS = [
     ('README.md', r'prefix (\d+) \+ continuation (\d+);', [NEG['prefix_len'], NEG['gen_len']]),
     ('README.md', r'([\d,]+) val and ([\d,]+) test prefixes, n = (\d+) LM samples each',
      [PPL['num_prefixes'], PPL['num_prefixes'], PPL['num_samples']]),
-    ('README.md', r'stops once less than ([\d.]+)% better on it over ([\d,]+) steps',
+    ('docs/reports.md', r'improved by less than ([\d.]+)% \(relative\) over its last two '
+                        r'evaluations,\s+([\d,]+)\s+steps',
      [100 * LM['min_rel_delta'], LM['patience'] * LM['eval_interval']]),
     ('README.md', r'binary NCE on (\d+) LM samples of\s+each of ([\d,]+) training prefixes',
      [NEG['num_samples'], NEG['train_prefixes']]),
