@@ -146,6 +146,11 @@ def mean(v):
     return sum(v) / len(v)
 
 
+def mean_and_se(v):
+    """The share of 0/1 outcomes v and its binomial SE."""
+    return [mean(v), (mean(v) * (1 - mean(v)) / len(v)) ** 0.5]
+
+
 HELD_ROWS = {'BALM (no EXO)': 'BALM', 'K = 64, best.pt by the KL': 'EXO_K64',
              "the job's EXO over a set (lr 3e-5, 600 steps), by the KL": 'EXO_SET',
              'the set from the 6 x 144, by the KL': 'EXO_6x144', 'lr 1e-4, 600 steps, by the KL': 'EXO_LR1E4',
@@ -162,9 +167,8 @@ def held_row(label, m):
     """A row: best.pt's step (none for BALM), greedy on the 1,000 that chose, on the 4,000 held out (SE)."""
     r, v = HM[m], held_out(m)
     step = r' \| ([\d,]+)' if m != 'BALM' else r' \|'
-    se = (mean(v) * (1 - mean(v)) / len(v)) ** 0.5
     return ('docs/addition.md', rf'\| {re.escape(label)}{step} \| ([\d.]+) \| {CELL} \|',
-            ([r['iter']] if m != 'BALM' else []) + [r['chose'], mean(v), se])
+            ([r['iter']] if m != 'BALM' else []) + [r['chose']] + mean_and_se(v))
 
 
 CLAIMS += [held_row(label, m) for label, m in HELD_ROWS.items()]
@@ -272,8 +276,7 @@ def bf_row(label, seed, m):
     r = BF['models'][m]
     chose = [int(b) for b, c in zip(r['select']['per_problem'], BF['chose']['select'], strict=True)
              if c == '1']
-    cells = [x for s in ('select', 'test') for v in [bf_out(m, s)]
-             for x in (mean(v), (mean(v) * (1 - mean(v)) / len(v)) ** 0.5)]
+    cells = mean_and_se(bf_out(m, 'select')) + mean_and_se(bf_out(m, 'test'))
     step = r' \| ([\d,]+)' if m.startswith('EXO') else r' \|'
     return ('docs/addition.md',
             rf'\| {re.escape(label)} \| {seed}{step} \| ([\d.]+) \| {CELL} \| {CELL} \|',
