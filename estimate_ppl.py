@@ -447,7 +447,7 @@ def get_args(argv=None):
            "(energy.logz_enumerate), beside the real one; worth it where the LM is peaked (addition)")
     a('--out', default='out/ppl.json',
       help='JSON results (figures.py draws Fig. 1 and Fig. 2 left from them)')
-    common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
+    common_flags(p, 'force', 'device', 'deterministic', 'dtype', 'seed', 'quiet', help=dict(
         force='replace --out (and the .txt beside it) if it exists',
         dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the widths)'))
     return p.parse_args(argv)
@@ -545,7 +545,7 @@ def format_last_step(ps):
 
 def main(argv=None):
     args = guards.check_ppl_flags(get_args(argv), SPLITS)  # every flag, and the memory its sizes need
-    rank, world_size, device = setup(args.device)
+    rank, world_size, device = setup(args.device, args.deterministic)
     lm, meta, data_dir, energies, extra_lms = load_models(args, device)
     P, L = args.prefix_len, args.gen_len
     dtype, on_lm = precision(device, args.dtype, 'sample', rank == 0, lm.config.n_embd)

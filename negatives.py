@@ -83,13 +83,13 @@ def get_args(argv=None):
     a('--chunk', type=int, default=None, at_least=1, at_most='count',
       help='prefixes per generate call and per resumable unit (default: about 2^16 sampled tokens, '
            'prompts included)')
-    common_flags(p, 'device', 'dtype', 'seed', 'quiet')
+    common_flags(p, 'device', 'deterministic', 'dtype', 'seed', 'quiet')
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = guards.check_negatives_flags(get_args(argv), CHUNK_TOKENS)  # before out_dir is created
-    rank, world_size, device = setup(args.device)
+    rank, world_size, device = setup(args.device, args.deterministic)
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     P, L, K = args.prefix_len, args.gen_len, args.num_samples
     check_fits(P + L, {'LM': lm})

@@ -179,7 +179,7 @@ def get_args(argv=None):
     a('--max_rows', type=int, default=512, at_least=1, at_most='count',
       help='sequences per forward (bounds memory)')
     a('--out', default='out/samples.json', help='the JSON of the samples')
-    common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet', help=dict(
+    common_flags(p, 'force', 'device', 'deterministic', 'dtype', 'seed', 'quiet', help=dict(
         force=FORCE_HELP, dtype='autocast dtype of sampling and of scoring (auto: from the hardware and the '
                                 'widths)'))
     return p.parse_args(argv)
@@ -187,7 +187,7 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = guards.check_sample_flags(get_args(argv))  # every flag, and the memory its sizes need
-    device = setup(args.device)[2]
+    device = setup(args.device, args.deterministic)[2]
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     energy, _ = load_any_energy(args.energy, args.lm, device)
     dtype, on_lm = precision(device, args.dtype, 'sample', width=lm.config.n_embd)

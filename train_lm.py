@@ -253,7 +253,7 @@ def main(argv=None):
     args = guards.check_lm_flags(get_args(argv), argv, load_checkpoint, input_hashes)  # before any work
     out = RunDir(args)  # one job per folder; log.jsonl, results.json
     # DDP under torchrun (one process otherwise): each rank takes its share of every batch
-    rank, world_size, device = setup(args.device)
+    rank, world_size, device = setup(args.device, args.deterministic)
     master = rank == 0
     torch.manual_seed(rng_seed(args.seed, 'torch', '', rank))  # init (DDP then copies rank 0's)
     # autocast's precision from the hardware, decided once and saved with the flags (a --resume keeps it)

@@ -285,7 +285,7 @@ def get_args(argv=None):
     a('--plot', default=None, help='a PNG of accuracy against LM samples per answer, and beside it '
                                    '(<name>_carry.png) exact match by the longest carry chain and by the '
                                    'lookahead (needs matplotlib)')
-    common_flags(p, 'force', 'device', 'seed', 'quiet',
+    common_flags(p, 'force', 'device', 'deterministic', 'seed', 'quiet',
                  help=dict(force='replace --out', quiet='no table printed (it is still written)'))
     args = p.parse_args(argv)
     if not args.ns or (args.energy and args.ns[-1] < 2):  # each within the declared bounds
@@ -305,7 +305,7 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
-    device = setup(args.device)[2]
+    device = setup(args.device, args.deterministic)[2]
     lm, _, data_dir, meta = load_lm_and_data(args.lm, args.data_dir, device)
     lms = {'BASE LM': lm}
     lms.update({name: load_lm(path, device, meta)[0]

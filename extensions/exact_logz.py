@@ -338,7 +338,7 @@ def get_args(argv=None):
       help='a folder for the enumerated log P_LM and E (saved every 20 problems): a rerun resumes')
     a('--out', required=True, help='JSON results')
     a('--plot', default=None, help='a PNG: error and coverage against n (needs matplotlib)')
-    common_flags(p, 'force', 'device', 'seed', 'quiet',
+    common_flags(p, 'force', 'device', 'deterministic', 'seed', 'quiet',
                  help=dict(force='replace --out and --plot', quiet='no progress and no table'))
     args = p.parse_args(argv)
     if not args.ns:  # each within the declared bounds
@@ -409,7 +409,7 @@ def format_table(rows, tol):
 
 def main(argv=None):
     args = get_args(argv)
-    device = setup(args.device)[2]
+    device = setup(args.device, args.deterministic)[2]
     if device != 'cpu':
         raise ValueError("--device: the replicates run on the CPU (float64); pass --device cpu")
     # progress: stderr (diagnostics), the tables: stdout (results)

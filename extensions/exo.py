@@ -260,7 +260,7 @@ def get_args(argv=None):
       help='of those, how many estimate the forward KL (importance weights exp(-E))')
     a('--resume', action='store_true',
       help="continue --out_dir's ckpt.pt (saved at each evaluation) exactly, as the trainers do")
-    common_flags(p, 'force', 'device', 'dtype', 'seed', 'quiet',
+    common_flags(p, 'force', 'device', 'deterministic', 'dtype', 'seed', 'quiet',
                  help=dict(force="start over, replacing --out_dir's ckpt.pt, best.pt and results.json",
                            dtype="autocast dtype of the training step ('auto': from the hardware, as the "
                                  "trainers; fp16 with a GradScaler); the evaluations stay in float32"))
@@ -409,7 +409,7 @@ def prefixes_of(data_dir, meta, split, args, count=None, device='cpu'):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_args(argv)
-    device = setup(args.device)[2]
+    device = setup(args.device, args.deterministic)[2]
     saved = resumed(args, argv)
     # autocast's precision from the hardware, decided once and saved with the flags (a --resume keeps it)
     args.dtype, ctx = precision(device, args.dtype)

@@ -72,7 +72,7 @@ def get_args(argv=None):
     a('--top_p', type=float, default=0.9, above=0, at_most=1,
       help='top-p (nucleus) decoding, in (0, 1]')
     a('--chunk', type=int, default=16, at_least=1, at_most='count', help='prefixes per batch')
-    common_flags(p, 'out_dir', 'force', 'device', 'dtype', 'seed', 'quiet',
+    common_flags(p, 'out_dir', 'force', 'device', 'deterministic', 'dtype', 'seed', 'quiet',
                  default=dict(out_dir='out/metrics'),
                  help=dict(force='replace the results of an earlier fit in --out_dir',
                            dtype='autocast dtype of sampling, scoring (auto: from the hardware)'))
@@ -204,7 +204,7 @@ def load_all(args, device):
 
 def main(argv=None):
     args = get_args(argv)
-    device = setup(args.device)[2]
+    device = setup(args.device, args.deterministic)[2]
     lm, meta, data_dir, energy, compare, extra, files = load_all(args, device)
     P, L = args.prefix_len, args.gen_len
     on_lm = precision(device, args.dtype, 'sample', width=lm.config.n_embd)[1]

@@ -35,7 +35,7 @@ from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_c
 
 from job.configs import LESSON, LESSON_QUICK
 from job.pipeline import FIX, ROOT, Pipeline
-from job.stages import check_made_with, flags, negatives, nce, prepare_command
+from job.stages import check_made_with, device_flags, flags, negatives, nce, prepare_command
 from job.stats import format_p, mcnemar, mean_se
 
 # the table's rows: (label, the decoder's per-problem column in accuracy.json), at n = the largest n
@@ -51,9 +51,9 @@ def get_args(argv=None):
     p.add_argument('--quick', action='store_true', help='tiny sizes (a test that every stage runs)')
     common_flags(p, 'out_dir', default=dict(out_dir=None), help=dict(
         out_dir='where the stages write (default: out-lesson/, out-quick-lesson/ with --quick)'))
-    common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
+    common_flags(p, 'seed', 'quiet', 'device', 'deterministic', 'dtype', help=dict(
         quiet='no progress bars in the stages', device='passed to every stage',
-        dtype='passed to every stage'))
+        deterministic='passed to every stage', dtype='passed to every stage'))
     p.add_argument('--data_dir', default=None,
                    help='where the problems are prepared (default: data/lesson; data/lesson_quick with '
                         '--quick)')
@@ -86,7 +86,7 @@ def run(args, out, data_dir):
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'), args.jobs, threads=max(1, torch.get_num_threads() // args.jobs))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
-    precision = ['--device', args.device, '--dtype', args.dtype]
+    precision = device_flags(args) + ['--dtype', args.dtype]
 
     def stage(name, cmd, done, deps=(), folder=None):
         pipe.run(name, cmd + common + precision, done, deps, folder)
@@ -109,7 +109,7 @@ def run(args, out, data_dir):
         pipe.run('addition_eval', ['-m', 'extensions.addition_eval', '--lm', lm,
                                    '--energy', path('unit', 'best.pt'), '--out', path('accuracy.json'),
                                    '--plot', path('fig_lesson.png'), '--force', '--quiet']
-                 + flags(cfg['accuracy']) + common[:2] + ['--device', args.device],
+                 + flags(cfg['accuracy']) + common[:2] + device_flags(args),
                  path('accuracy.json'), ['lm', 'unit'])
         pipe.wait()
     finally:

@@ -56,7 +56,7 @@ from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder,
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME, STAGE_SECONDS,
                          SIZE_FLAGS, large_batch, size_flags)
 from job.pipeline import FIX, ROOT, Pipeline, wall_seconds
-from job.stages import check_made_with, flags, negatives, nce, prepare_command
+from job.stages import check_made_with, device_flags, flags, negatives, nce, prepare_command
 
 
 def lm_params(lm, vocab_size):
@@ -93,10 +93,11 @@ def get_args(argv=None):
                 'for --data addition)'))
     p.add_argument('--data_dir', default=None,
                    help='default: data/shakespeare (data/shakespeare_gpt2 for gpt2), data/addition')
-    common_flags(p, 'seed', 'quiet', 'device', 'dtype', help=dict(
+    common_flags(p, 'seed', 'quiet', 'device', 'deterministic', 'dtype', help=dict(
         quiet='no progress bars in the stages', device='passed to every stage',
+        deterministic='passed to every stage that takes --device',
         dtype="passed to every stage that takes it ('auto': each chooses from the hardware and its models' "
-              "width, never from a timing); EXO and addition_eval run in fp32"))
+              "width, never from a timing); addition_eval runs in fp32, as EXO's evaluations"))
     p.add_argument('--data_seed', type=int, default=1337, at_least=0, at_most=2**63 - 1,
                    help="the seed of the data's preparation (splits, addition's problems), apart from --seed "
                         "(the models'), so that runs at several seeds train and test on the same data")
@@ -229,7 +230,7 @@ def lesson(pipe, args):
     table on screen before the hour of Table 1."""
     out = os.path.join(args.out_dir, 'lesson')
     pipe.run('lesson', ['-m', 'job.lesson', '--out_dir', out, '--seed', str(args.seed), '--data_seed',
-                        str(args.data_seed), '--device', args.device, '--dtype', args.dtype]
+                        str(args.data_seed), '--dtype', args.dtype] + device_flags(args)
              + ['--quick'] * args.quick + ['--quiet'] * args.quiet, os.path.join(out, 'lesson.json'),
              folder=out)
     pipe.wait('lesson')
@@ -246,7 +247,7 @@ def stages(args, pipe):
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
 
     def stage(name, cmd, done, deps=(), folder=None):  # a script stage: the run's seed, device, dtype
-        pipe.run(name, cmd + common + ['--device', args.device, '--dtype', args.dtype], done, deps, folder)
+        pipe.run(name, cmd + common + device_flags(args) + ['--dtype', args.dtype], done, deps, folder)
 
     lm, neg = cfg['lm'], cfg['neg']
     vocab = prepare_data(pipe, args)
@@ -269,7 +270,7 @@ def stages(args, pipe):
         nce(stage, path, kind, lm_ckpt, 'neg', path(init, 'best.pt'), cfg[kind], [init])
 
     def script(name, cmd, done, deps, folder=None, wide=False, dtype=False):  # seed, device; --dtype if asked
-        pipe.run(name, lambda: cmd() + common + ['--device', args.device] + ['--dtype', args.dtype] * dtype,
+        pipe.run(name, lambda: cmd() + common + device_flags(args) + ['--dtype', args.dtype] * dtype,
                  done, deps, folder, wide)
 
     if 'exo' in cfg:  # the energy folded back into an LM (extensions/exo.py): one more LM in Table 1

@@ -67,8 +67,9 @@ def get_args(argv=None):
     p.add_argument('--plot', default=None,
                    help="a PNG of exact match by the problem's longest carry chain and by its lookahead, "
                         "mean over the seeds (needs matplotlib)")
-    common_flags(p, 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
-                                               quiet="with --seeds: each job's --quiet"))
+    common_flags(p, 'seed', 'quiet', 'deterministic', help=dict(
+        seed='unused: nothing here is random', quiet="with --seeds: each job's --quiet",
+        deterministic="with --seeds: each job's --deterministic"))
     args = p.parse_args(argv)
     if args.seeds is not None:
         if args.runs:
@@ -86,7 +87,7 @@ def seed_command(args, seed, run):
     """One seed's addition job: the models' --seed, the data's default --data_seed (shared)."""
     return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed),
              '--out_dir', run, '--jobs', str(args.jobs), '--recipe', args.recipe]
-            + ['--quick'] * args.quick + ['--quiet'] * args.quiet
+            + ['--quick'] * args.quick + ['--quiet'] * args.quiet + ['--deterministic'] * args.deterministic
             + [x for f in SIZE_FLAGS if getattr(args, f)
                for x in (f'--{f}', str(getattr(args, f)))])
 

@@ -15,6 +15,11 @@ def flags(d):
             for f in ((f'--{k}',) if v is True else (f'--{k}', str(v)))]
 
 
+def device_flags(args):
+    """--device, and --deterministic if given: what every stage takes."""
+    return ['--device', args.device] + ['--deterministic'] * args.deterministic
+
+
 def prepare_command(args, data_seed=None, out_dir=None):
     """The preparation this job asks for: the prepare.py command (its --seed: --data_seed), into out_dir
     (default: --data_dir)."""

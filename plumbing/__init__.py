@@ -28,8 +28,8 @@ from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check
 from plumbing.checkpoints import check_checkpoint  # noqa: F401
 from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, Precision, all_reduce, autocast,  # noqa: F401
                              choose_dtype, cores_in_use, cpu_bf16_units, openmp_wait_policy, pick_device,
-                             precision, rng, rng_seed, set_wait_policy, setup, setup_distributed,
-                             teardown_distributed)
+                             precision, rng, rng_seed, set_deterministic, set_wait_policy, setup,
+                             setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
                             checked_load, checkpoint_iter, content_hash, disk_full, file_hash, finite,
                             first_missing, free_space, load_weights, not_a_file, out_of_space,

@@ -175,13 +175,33 @@ class Precision(NamedTuple):
     energy: AbstractContextManager = nullcontext()
 
 
-def setup(device):
-    """(rank, world_size, device): the device picked, and DDP set up under torchrun."""
-    rank, world_size, device = setup_distributed(pick_device(device))
+def setup(device, deterministic=False):
+    """(rank, world_size, device): the device picked (with --deterministic, its deterministic kernels),
+    and DDP set up under torchrun."""
+    device = pick_device(device)
+    if deterministic:
+        set_deterministic(device)
+    rank, world_size, device = setup_distributed(device)
+    if deterministic and rank == 0:
+        print("deterministic: on (--deterministic)", file=sys.stderr, flush=True)
     if device == 'cpu' and rank == 0:
         print(f"threads: {torch.get_num_threads()}, {THREADS_WHY or 'OpenMP default'}", file=sys.stderr,
               flush=True)
     return rank, world_size, device
+
+
+def set_deterministic(device):
+    """--deterministic: PyTorch's deterministic kernels where it has them (an op without one warns, once),
+    attention by its math kernel on a GPU (the flash and memory-efficient backward passes add in no fixed
+    order under warn_only), cuBLAS with a fixed workspace; set before the first CUDA kernel. Meant to make a
+    GPU run repeat bit for bit on the same GPU and software, slower (not yet run on a GPU). A CPU run repeats without it; with it, its numbers are unchanged (tested), though torch.empty
+    then writes NaN first."""
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if device.startswith('cuda'):
+        torch.backends.cudnn.benchmark = False
+        for kernel in ('flash', 'mem_efficient', 'cudnn'):
+            getattr(torch.backends.cuda, f'enable_{kernel}_sdp', lambda on: None)(False)
 
 
 # -----------------------------------------------------------------------------

@@ -37,6 +37,8 @@ COMMON_FLAGS = dict(
     out_dir=dict(required=True, path=True, help='where the outputs go'),
     force=dict(action='store_true', help='replace the outputs of an earlier run'),
     device=dict(default='auto', help="'cpu', 'cuda', 'cuda:1', ... ('auto': CUDA, else MPS, else the CPU)"),
+    deterministic=dict(action='store_true', help="PyTorch's deterministic kernels where it has them "
+                       "(plumbing.set_deterministic): a GPU run repeats bit for bit, slower"),
     dtype=dict(default='auto', choices=DTYPES,
                help="autocast dtype ('auto': from the hardware, docs/using.md)"),
     seed=dict(type=int, default=1337, at_least=0, at_most=2**63 - 1,

@@ -48,7 +48,7 @@ def training_parser(description, out_dir, **defaults):
       help='early stopping: the smallest relative improvement that counts (0.001: 0.1%%; 0: any)')
     a('--log_interval', type=int, default=10, at_least=1, at_most='count',
       help='log every this many iterations')
-    common_flags(p, 'device', 'dtype', help=dict(
+    common_flags(p, 'device', 'deterministic', 'dtype', help=dict(
         dtype="autocast dtype ('auto': bf16 on GPUs from compute capability 8.0, fp16 + GradScaler before; "
               "on a CPU bf16 where it has bf16 units; float16 on a CPU is emulated, slow, for tests)"))
     a('--compile', action='store_true', help='torch.compile the model')

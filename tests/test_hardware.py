@@ -2,6 +2,7 @@
 policy decided as a script starts (its re-execution), what importing the support package changes.
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 import plumbing
-from plumbing import budget
+from plumbing import budget, parser_of
+from plumbing.checkpoints import load_checkpoint
 from model import GPTConfig
-from tests.common import (ROOT, SCRIPTS)
+from tests.common import (ROOT, SCRIPTS, TRAIN_FLAGS, run_scripts)
 
 
 # =============================================================================
@@ -201,3 +203,68 @@ def test_check_memory_on_a_gpu(monkeypatch):
     gpu, cpu = budget.training_memory(config, 12, 'cuda'), budget.training_memory(config, 12)
     assert 16 * config.n_layer * 12 * 768 * 2 < gpu < cpu < 2 * gpu  # GPT-2 small, nanoGPT's batch
     budget.check_memory(1e30, 'x', 'fix', 'mps')  # nothing to read there: not checked
+
+
+# =============================================================================
+# ---- --deterministic: PyTorch's deterministic kernels (plumbing.set_deterministic) ----
+
+DETERMINISTIC_STATE = """
+import os, sys, torch, plumbing
+plumbing.setup('cpu', sys.argv[1] == 'on')
+state = [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+         os.environ.get('CUBLAS_WORKSPACE_CONFIG')]
+if sys.argv[1] == 'on':
+    plumbing.set_deterministic('cuda')  # a GPU's attention kernels: their switches need no GPU
+    b = torch.backends.cuda
+    state += [b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
+              b.math_sdp_enabled()]
+print(state)
+"""
+
+
+def test_deterministic_sets_pytorchs_switches():
+    """setup(device, deterministic=True): PyTorch's deterministic algorithms on, an op without one warning
+    (warn_only), cuBLAS's fixed workspace; on a GPU, attention by its math kernel alone (flash and
+    memory-efficient off). Without it, nothing set. Each in a fresh process: the switches are global."""
+    env = {k: v for k, v in os.environ.items() if k != 'CUBLAS_WORKSPACE_CONFIG'}
+    out = {}
+    for mode in ('on', 'off'):
+        res = subprocess.run([sys.executable, '-c', DETERMINISTIC_STATE, mode], cwd=ROOT, capture_output=True,
+                             text=True, env=dict(env, PYTHONPATH=ROOT))
+        assert res.returncode == 0, res.stderr
+        out[mode] = res.stdout.strip()
+    assert out['on'] == "[True, True, ':4096:8', False, False, False, True]"
+    assert out['off'] == "[False, False, None]"
+
+
+def test_deterministic_changes_no_number_on_a_cpu(lm_corpus, tmp_path):
+    """train_lm.py --deterministic on a CPU (whose kernels repeat already) writes the weights the run
+    without it writes, says so on stderr and records the flag; a run without it says nothing."""
+    argv = ['train_lm.py', '--data_dir', lm_corpus, '--final_eval', '0', '--max_iters', '4',
+            '--eval_interval', '2', *TRAIN_FLAGS]
+    runs = {k: str(tmp_path / k) for k in ('plain', 'deterministic')}
+    res = run_scripts([argv + ['--out_dir', runs['plain']],
+                       argv + ['--out_dir', runs['deterministic'], '--deterministic']])
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    assert ['deterministic: on' in r.stderr for r in res] == [False, True]
+    a, b = (load_checkpoint(os.path.join(runs[k], 'best.pt')) for k in ('plain', 'deterministic'))
+    assert [a['args']['deterministic'], b['args']['deterministic']] == [False, True]
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+
+
+def test_every_stage_takes_deterministic_and_the_jobs_pass_it_on():
+    """Every script that takes --device takes --deterministic (bench.py aside: it times kernels, trains
+    nothing); job.reproduce passes it to every stage it gives --device, job.seeds to each seed's job."""
+    from job import seeds
+    from tests.test_doc_commands import job_commands
+    from tests.test_flags import SCRIPTS
+    for script, (module, build) in SCRIPTS.items():
+        flags = parser_of(getattr(importlib.import_module(module), build), [])._option_string_actions
+        if '--device' in flags and script != 'job/bench.py':
+            assert '--deterministic' in flags, script
+    given, plain = job_commands(['--deterministic']), job_commands()
+    with_device = [name for name, cmd in given.items() if '--device' in cmd]
+    assert len(with_device) >= 10 and not any('--deterministic' in cmd for cmd in plain.values())
+    assert all(given[name].count('--deterministic') == 1 for name in with_device), with_device
+    cmd = seeds.seed_command(seeds.get_args(['--seeds', '1,2', '--deterministic']), 1, 'r/seed1')
+    assert '--deterministic' in cmd

@@ -407,15 +407,16 @@ def test_the_method_keeps_its_guards_in_plumbing():
     assert not bad + long, bad + long
 
 
-COMMON = {'--device', '--dtype', '--seed', '--quiet', '--force', '--out_dir'}  # plumbing.COMMON_FLAGS
+# plumbing.COMMON_FLAGS
+COMMON = {'--device', '--deterministic', '--dtype', '--seed', '--quiet', '--force', '--out_dir'}
 # still declaring them by hand: the data preparers (their --out_dir is the data folder, --seed the split's)
 COMMON_BY_HAND = {'extensions/exact_logz.py'}  # its --dtype: float32 by default, the study's energies
 
 
 def test_common_flags_declared_in_one_place():
-    """--device, --dtype, --seed, --quiet, --force and --out_dir come from plumbing.common_flags (one
-    default each: --device auto everywhere), not from a script's own add_argument; COMMON_BY_HAND
-    lists the files still to convert, each of which still declares one."""
+    """--device, --deterministic, --dtype, --seed, --quiet, --force and --out_dir come from
+    plumbing.common_flags (one default each: --device auto everywhere), not from a script's own
+    add_argument; COMMON_BY_HAND lists the files still to convert, each of which still declares one."""
     by_hand = collections.defaultdict(set)
     for path, tree in python_files().items():
         for n in ast.walk(tree):
