@@ -194,8 +194,9 @@ def set_deterministic(device):
     """--deterministic: PyTorch's deterministic kernels where it has them (an op without one warns, once),
     attention by its math kernel on a GPU (the flash and memory-efficient backward passes add in no fixed
     order under warn_only), cuBLAS with a fixed workspace; set before the first CUDA kernel. Meant to make a
-    GPU run repeat bit for bit on the same GPU and software, slower (not yet run on a GPU). A CPU run repeats without it; with it, its numbers are unchanged (tested), though torch.empty
-    then writes NaN first."""
+    GPU run repeat bit for bit on the same GPU and software, slower (not yet run on a GPU). A CPU run
+    repeats without it; with it, its numbers are unchanged (tested), though torch.empty then writes NaN
+    first."""
     os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     torch.use_deterministic_algorithms(True, warn_only=True)
     if device.startswith('cuda'):
