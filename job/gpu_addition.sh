@@ -5,6 +5,7 @@
 # run.tar.gz (the run's JSON, tables and logs; no checkpoints).
 #     bash job/gpu_addition.sh [OUT [JOBS]]      # default out/gpu_addition, 6; JOB_LIMIT=480 s
 #     SELECT_EVAL= bash job/gpu_addition.sh     # the job alone, no selection-split scoring
+#     JOB_FLAGS=--deterministic bash job/gpu_addition.sh   # more flags of job.reproduce
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-out/gpu_addition}"
@@ -23,7 +24,7 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,nohead
 smi=$!
 t0=$(date +%s.%N)
 timeout "${JOB_LIMIT:-480}" python3 -m job.reproduce --data addition --recipe gpu --jobs "$jobs" --quiet \
-    --out_dir "$run" > "$out/job.log" 2>&1
+    --out_dir "$run" ${JOB_FLAGS-} > "$out/job.log" 2>&1
 rc=$?
 t1=$(date +%s.%N)
 kill $smi
