@@ -1,12 +1,15 @@
 """docs/addition.md's lookahead table ("Where the LMs fail"), EXO's probes ("Past 0.952", and the stage
 before and after in "The job's EXO over a set"), their 4,000 held-out problems ("best.pt by greedy exact
-match"), the cached beam search's measurements, EXO in bf16 and the 2,400-step recipe on test and at a
-second seed, with README's lines on them: each number equals assets/lookahead_addition_test10000.json's,
-exo_probes_addition.json's, exo_select_addition.json's or exo_bf16_addition.json's to the digits given
+match"), the cached beam search's measurements, EXO in bf16 and the 2,400-step recipe on test at four
+seeds, with README's lines on them: each number equals assets/lookahead_addition_test10000.json's,
+exo_probes_addition.json's, exo_select_addition.json's, exo_bf16_addition.json's or
+exo2400_seeds_addition.json's to the digits given
 (means and McNemar tests recomputed from the outcomes; the companion of tests/test_doc_results.py, whose
 CELL and SEL_CELLS it shares)."""
 
+import math
 import re
+import statistics
 
 from job import stats
 from tests.common import asset, json_mismatches, read
@@ -224,10 +227,11 @@ BF = asset('exo_bf16_addition.json')
 BR, BAB = BF['runs'], BF['exo_step_ab']
 
 
-def bf_out(m, split):
-    """m's 0/1 outcomes: on the selection problems no choice read ('select'), or on all of test ('test')."""
+def bf_out(m, split, a=BF):
+    """m's 0/1 outcomes in asset a: on the selection problems no choice read ('select'), or on all of test
+    ('test')."""
     keep = [c == '0' or split == 'test' for c in BF['chose'][split]]
-    return [int(b) for b, k in zip(BF['models'][m][split]['per_problem'], keep, strict=True) if k]
+    return [int(b) for b, k in zip(a['models'][m][split]['per_problem'], keep, strict=True) if k]
 
 
 def bf_means(m):
@@ -270,13 +274,13 @@ BF_ROWS = [('LM greedy', '1337', 'LM'), ('BALM greedy', '1337', 'BALM'),
            ('2,400 steps (bf16, best.pt by greedy_exact)', '2', 'EXO_2400_BF16_S2')]
 
 
-def bf_row(label, seed, m):
+def bf_row(label, seed, m, a=BF):
     """A row: best.pt's step (none for the LMs), greedy on the 1,000 that chose, then on the 4,000 held out
     and the 5,000 test problems, each with its SE."""
-    r = BF['models'][m]
+    r = a['models'][m]
     chose = [int(b) for b, c in zip(r['select']['per_problem'], BF['chose']['select'], strict=True)
              if c == '1']
-    cells = mean_and_se(bf_out(m, 'select')) + mean_and_se(bf_out(m, 'test'))
+    cells = mean_and_se(bf_out(m, 'select', a)) + mean_and_se(bf_out(m, 'test', a))
     step = r' \| ([\d,]+)' if m.startswith('EXO') else r' \|'
     return ('docs/addition.md',
             rf'\| {re.escape(label)} \| {seed}{step} \| ([\d.]+) \| {CELL} \| {CELL} \|',
@@ -302,10 +306,87 @@ CLAIMS += [bf_row(*row) for row in BF_ROWS] + [
     ('docs/addition.md', r'Cost at seed 2: ([\d,]+) s of wall time for EXO\'s 2,400 steps with the restart '
                          r'\(its last 1,500 steps\s+([\d,]+) s',
      [BR['g2400_bf16_s2']['wall_seconds'], BR['g2400_bf16_s2']['train_seconds']]),
-    ('README.md', r'; 2,400 steps: ([\d.]+) on test, 2 seeds', [mean(TWO)]),
-    ('docs/addition.md', r'on test it writes ([\d.]+) there and ([\d.]+) at seed 2\'s models, in bf16 '
-                         r'\(2,400 steps on test,\s+above\): ([\d.]+) over two seeds', TWO + [mean(TWO)]),
 ]
+
+# docs/addition.md, "Four seeds of the 2,400-step recipe" (assets/exo2400_seeds_addition.json: seeds 3 and
+# 4 on exo_bf16_addition.json's problems, whose seeds 1337 and 2 complete the four)
+XS = asset('exo2400_seeds_addition.json')
+FOUR = [(BF, 'LM', 'BALM', 'EXO_2400'), (BF, 'LM_S2', 'BALM_S2', 'EXO_2400_BF16_S2'),
+        (XS, 'LM_S3', 'BALM_S3', 'EXO_2400_BF16_S3'), (XS, 'LM_S4', 'BALM_S4', 'EXO_2400_BF16_S4')]
+LM4, BALM4, EXO4 = ([mean(bf_out(seed[i], 'test', seed[0])) for seed in FOUR] for i in (1, 2, 3))
+
+
+def seed_level(a, b):
+    """a - b by seed, with the seed as the unit: [t p, better, worse, the sign test's p]."""
+    d = [x - y for x, y in zip(a, b)]
+    better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
+    return [stats.paired(d)['p'], better, worse, math.exp(stats.sign_test_log_p(better, worse))]
+
+
+def joint_p(key, model, method='greedy', field='p_correct'):
+    """A row's field in the joint table of XS['joint_select'][key] (extensions.addition_eval's rows)."""
+    rows = XS['joint_select'][key]['rows']
+    return next(r[field] for r in rows if (r['model'], r['method']) == (model, method))
+
+
+VS_BALM, VS_LM = seed_level(EXO4, BALM4), seed_level(EXO4, LM4)
+S3_CURVE = {c['iter']: c['greedy_exact'] for c in XS['runs']['g2400_bf16_s3']['curve']}
+S3_LATER = [v for i, v in S3_CURVE.items() if i >= 200]
+MODE, ALG1 = 'joint mode, beam + samples, n = 64', 'Algorithm 1, n = 64'
+XR, ER = XS['runs'], XS['energy_runs']
+FOUR_ROWS = [('LM greedy', '3', 'LM_S3'), ('BALM greedy', '3', 'BALM_S3'),
+             ('2,400 steps (bf16, best.pt by greedy_exact)', '3', 'EXO_2400_BF16_S3'),
+             ('the same run, its last step', '3', 'EXO_2400_BF16_S3_LAST'), ('LM greedy', '4', 'LM_S4'),
+             ('BALM greedy', '4', 'BALM_S4'),
+             ('2,400 steps (bf16, best.pt by greedy_exact)', '4', 'EXO_2400_BF16_S4')]
+N = r'([\d.]+)'
+CLAIMS += [bf_row(*row, XS) for row in FOUR_ROWS] + [
+    ('docs/addition.md',
+     rf'On test: {N}, {N}, {N} and {N} at seeds\s+1337, 2, 3 and 4, a mean of {N} \(SD {N}; {N} without '
+     rf'seed 3\)\. Against BALM: \+{N}, \+{N},\s+\+{N} and \+{N}; the seed as the unit, t p {N} \((\d) df\), '
+     rf'the sign test (\d)-(\d) with a tie, p {N}\.\s+Against LM greedy: above at all four, t p {N}, sign '
+     rf'(\d)-(\d), p {N}\. Holm over the two comparisons:\s+t {N} and {N}, sign {N} and {N}\.',
+     EXO4 + [mean(EXO4), statistics.stdev(EXO4), mean(EXO4[:2] + EXO4[3:])]
+     + [x - y for x, y in zip(EXO4, BALM4)] + [VS_BALM[0], len(FOUR) - 1] + VS_BALM[1:] + VS_LM
+     + sorted(stats.holm([VS_BALM[0], VS_LM[0]])) + stats.holm([VS_BALM[3], VS_LM[3]])),
+    ('docs/addition.md',
+     rf'P\(correct sum\): LM {N}, BALM {N}, the joint model with the UNIT {N}, EXO\'s\s+last step {N} \(the '
+     rf'joint mode over beam and 64 samples: {N}\)\. EXO went from BALM \(greedy {N} at\s+step 0\) to its '
+     rf'target: {N} at step 100, {N}-{N} from then on',
+     [joint_p('unit_s3', m) for m in ('BASE LM', 'BALM')]
+     + [joint_p('unit_s3', 'JOINT', MODE), joint_p('unit_s3', 'EXO_LAST'),
+        joint_p('unit_s3', 'JOINT', MODE, 'exact'), S3_CURVE[0], S3_CURVE[100], min(S3_LATER),
+        max(S3_LATER)]),
+    ('docs/addition.md', rf'At seed 4 the same table reads LM {N}, BALM {N}, joint {N}, EXO {N}\.',
+     [joint_p('unit_s4', m) for m in ('BASE LM', 'BALM')]
+     + [joint_p('unit_s4', 'JOINT', MODE), joint_p('unit_s4', 'EXO')]),
+    ('docs/addition.md',
+     rf'stopped by its patience at ([\d,]+) steps, best at ([\d,]+)\) gains {N} nats/token on held-out\s+'
+     rf'prefixes with log Z enumerated, against the UNIT\'s {N}',
+     [ER['bit_s3'][k] for k in ('iters', 'best_iter', 'held_out_gain_enumerated')]
+     + [ER['unit_s3']['held_out_gain_enumerated']]),
+    ('docs/addition.md',
+     rf'Its\s+joint model: P\(correct\) {N}, the mode over beam and samples {N}, Algorithm 1 {N} '
+     rf'\(BALM {N}\)',
+     [joint_p('bit_s3', 'JOINT', MODE)]
+     + [joint_p('bit_s3', m, method, 'exact')
+        for m, method in (('JOINT', MODE), ('JOINT', ALG1), ('BALM', 'greedy'))]),
+    ('docs/addition.md',
+     r'held-out Kish ESS (\d+) \(UNIT\) and (\d+) \(BIT\) of 64, against (\d+)\s+at seed 4',
+     [ER['unit_s3']['held_out_ess'], ER['bit_s3']['held_out_ess'], ER['unit_s4']['held_out_ess']]),
+    ('README.md', rf"; 2,400 steps: {N} on test, (\d) seeds \(1 at BALM's {N}\)\.",
+     [mean(EXO4), len(FOUR), BALM4[2]]),
+    ('docs/addition.md',
+     rf'on test it writes {N} there and {N} at seed 2\'s models, in bf16 \(2,400 steps on test,\s+above\), '
+     rf'{N} and {N} at seeds 3 and 4: {N} over four seeds', EXO4 + [mean(EXO4)]),
+    ('docs/addition.md',
+     rf'2,400 steps in ([\d,]+) and ([\d,]+) s of wall time\s+\({N}-{N} s a step with the evaluations; seed '
+     rf'2\'s, alone on two threads: {N}\)',
+     [XR[r]['wall_seconds'] for r in ('g2400_bf16_s3', 'g2400_bf16_s4')]
+     + sorted(XR[r]['wall_seconds'] / 2400 for r in ('g2400_bf16_s3', 'g2400_bf16_s4'))
+     + [BR['g2400_bf16_s2']['train_seconds'] / 1500]),
+]
+
 
 def test_lookahead_and_probe_numbers_equal_their_assets():
     assert len(CLAIMS) >= 20
@@ -320,11 +401,21 @@ def test_the_rerun_is_the_probe_bit_for_bit():
     assert HM['EXO_LR1E4_1200_S2_RERUN_LAST']['per_problem'] != HM['EXO_LR1E4_1200_S2_LAST']['per_problem']
 
 
+def test_seed_3s_best_pt_is_its_balm():
+    """The docs' "best.pt by greedy exact match kept step 0, BALM itself" and README's "1 at BALM's": seed
+    3's EXO best.pt has BALM's greedy outcome on every problem."""
+    exo, balm = XS['models']['EXO_2400_BF16_S3'], XS['models']['BALM_S3']
+    assert exo['iter'] == 0
+    assert all(exo[s]['per_problem'] == balm[s]['per_problem'] for s in ('select', 'test'))
+    assert EXO4[2] == BALM4[2] and EXO4[2] != EXO4[3]
+
+
 def test_a_planted_probe_mismatch_fails():
     docs = {d: read(d) for d in {c[0] for c in CLAIMS}}
     text = docs['docs/addition.md']
     docs['docs/addition.md'] = (text.replace('| LM greedy | 0.984 |', '| LM greedy | 0.985 |')
                                 .replace('last step is: **0.965**', 'last step is: **0.966**')
                                 .replace('| 0.973 | 0.971 (0.003) |', '| 0.973 | 0.970 (0.003) |', 1)
-                                .replace('whole step (1.64x)', 'whole step (1.65x)'))
-    assert len(json_mismatches(CLAIMS, docs)) == 4
+                                .replace('whole step (1.64x)', 'whole step (1.65x)')
+                                .replace('1,900 | 0.965 | 0.965 (0.003)', '1,900 | 0.965 | 0.960 (0.003)'))
+    assert len(json_mismatches(CLAIMS, docs)) == 5
