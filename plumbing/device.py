@@ -201,8 +201,9 @@ def set_deterministic(device):
     torch.use_deterministic_algorithms(True, warn_only=True)
     if device.startswith('cuda'):
         torch.backends.cudnn.benchmark = False
-        for kernel in ('flash', 'mem_efficient', 'cudnn'):
-            getattr(torch.backends.cuda, f'enable_{kernel}_sdp', lambda on: None)(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # -----------------------------------------------------------------------------

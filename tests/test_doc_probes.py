@@ -7,11 +7,10 @@ exo2400_seeds_addition.json's to the digits given
 (means and McNemar tests recomputed from the outcomes; the companion of tests/test_doc_results.py, whose
 CELL and SEL_CELLS it shares)."""
 
-import math
 import re
 import statistics
 
-from job import stats
+from job import seeds, stats
 from tests.common import asset, json_mismatches, read
 from tests.test_doc_results import CELL, SEL_CELLS
 
@@ -316,11 +315,6 @@ FOUR = [(BF, 'LM', 'BALM', 'EXO_2400'), (BF, 'LM_S2', 'BALM_S2', 'EXO_2400_BF16_
 LM4, BALM4, EXO4 = ([mean(bf_out(seed[i], 'test', seed[0])) for seed in FOUR] for i in (1, 2, 3))
 
 
-def seed_level(a, b):
-    """a - b by seed, with the seed as the unit: [t p, better, worse, the sign test's p]."""
-    d = [x - y for x, y in zip(a, b)]
-    better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
-    return [stats.paired(d)['p'], better, worse, math.exp(stats.sign_test_log_p(better, worse))]
 
 
 def joint_p(key, model, method='greedy', field='p_correct'):
@@ -329,7 +323,9 @@ def joint_p(key, model, method='greedy', field='p_correct'):
     return next(r[field] for r in rows if (r['model'], r['method']) == (model, method))
 
 
-VS_BALM, VS_LM = seed_level(EXO4, BALM4), seed_level(EXO4, LM4)
+# EXO against BALM, then LM greedy, the seed as the unit (job.seeds' tests: t, sign, Holm over the two)
+VS_BALM, VS_LM = (c['seed_level'] for c in seeds.seed_level(
+    [dict(diff_per_seed=[x - y for x, y in zip(EXO4, other)]) for other in (BALM4, LM4)]))
 S3_CURVE = {c['iter']: c['greedy_exact'] for c in XS['runs']['g2400_bf16_s3']['curve']}
 S3_LATER = [v for i, v in S3_CURVE.items() if i >= 200]
 MODE, ALG1 = 'joint mode, beam + samples, n = 64', 'Algorithm 1, n = 64'
@@ -347,8 +343,10 @@ CLAIMS += [bf_row(*row, XS) for row in FOUR_ROWS] + [
      rf'the sign test (\d)-(\d) with a tie, p {N}\.\s+Against LM greedy: above at all four, t p {N}, sign '
      rf'(\d)-(\d), p {N}\. Holm over the two comparisons:\s+t {N} and {N}, sign {N} and {N}\.',
      EXO4 + [mean(EXO4), statistics.stdev(EXO4), mean(EXO4[:2] + EXO4[3:])]
-     + [x - y for x, y in zip(EXO4, BALM4)] + [VS_BALM[0], len(FOUR) - 1] + VS_BALM[1:] + VS_LM
-     + sorted(stats.holm([VS_BALM[0], VS_LM[0]])) + stats.holm([VS_BALM[3], VS_LM[3]])),
+     + [x - y for x, y in zip(EXO4, BALM4)]
+     + [VS_BALM['t_p'], VS_BALM['t_df'], *VS_BALM['sign'], VS_BALM['sign_p']]
+     + [VS_LM['t_p'], *VS_LM['sign'], VS_LM['sign_p']]
+     + [c[k] for k in ('t_p_holm', 'sign_p_holm') for c in (VS_BALM, VS_LM)]),
     ('docs/addition.md',
      rf'P\(correct sum\): LM {N}, BALM {N}, the joint model with the UNIT {N}, EXO\'s\s+last step {N} \(the '
      rf'joint mode over beam and 64 samples: {N}\)\. EXO went from BALM \(greedy {N} at\s+step 0\) to its '
