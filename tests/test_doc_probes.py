@@ -229,7 +229,7 @@ BR, BAB = BF['runs'], BF['exo_step_ab']
 def bf_out(m, split, a=BF):
     """m's 0/1 outcomes in asset a: on the selection problems no choice read ('select'), or on all of test
     ('test')."""
-    keep = [c == '0' or split == 'test' for c in BF['chose'][split]]
+    keep = [c == '0' or split == 'test' for c in a['chose'][split]]
     return [int(b) for b, k in zip(a['models'][m][split]['per_problem'], keep, strict=True) if k]
 
 
@@ -277,7 +277,7 @@ def bf_row(label, seed, m, a=BF):
     """A row: best.pt's step (none for the LMs), greedy on the 1,000 that chose, then on the 4,000 held out
     and the 5,000 test problems, each with its SE."""
     r = a['models'][m]
-    chose = [int(b) for b, c in zip(r['select']['per_problem'], BF['chose']['select'], strict=True)
+    chose = [int(b) for b, c in zip(r['select']['per_problem'], a['chose']['select'], strict=True)
              if c == '1']
     cells = mean_and_se(bf_out(m, 'select', a)) + mean_and_se(bf_out(m, 'test', a))
     step = r' \| ([\d,]+)' if m.startswith('EXO') else r' \|'
@@ -307,14 +307,15 @@ CLAIMS += [bf_row(*row) for row in BF_ROWS] + [
      [BR['g2400_bf16_s2']['wall_seconds'], BR['g2400_bf16_s2']['train_seconds']]),
 ]
 
-# docs/addition.md, "Four seeds of the 2,400-step recipe" (assets/exo2400_seeds_addition.json: seeds 3 and
-# 4 on exo_bf16_addition.json's problems, whose seeds 1337 and 2 complete the four)
+# docs/addition.md, "Five seeds of the 2,400-step recipe" (assets/exo2400_seeds_addition.json: seeds 3, 4
+# and 5 on exo_bf16_addition.json's problems, whose seeds 1337 and 2 complete the five)
 XS = asset('exo2400_seeds_addition.json')
-FOUR = [(BF, 'LM', 'BALM', 'EXO_2400'), (BF, 'LM_S2', 'BALM_S2', 'EXO_2400_BF16_S2'),
-        (XS, 'LM_S3', 'BALM_S3', 'EXO_2400_BF16_S3'), (XS, 'LM_S4', 'BALM_S4', 'EXO_2400_BF16_S4')]
-LM4, BALM4, EXO4 = ([mean(bf_out(seed[i], 'test', seed[0])) for seed in FOUR] for i in (1, 2, 3))
-
-
+FIVE = [(BF, 'LM', 'BALM', 'EXO_2400'), (BF, 'LM_S2', 'BALM_S2', 'EXO_2400_BF16_S2'),
+        (XS, 'LM_S3', 'BALM_S3', 'EXO_2400_BF16_S3'), (XS, 'LM_S4', 'BALM_S4', 'EXO_2400_BF16_S4'),
+        (XS, 'LM_S5', 'BALM_S5', 'EXO_2400_BF16_S5')]
+LM5, BALM5, EXO5 = ([mean(bf_out(seed[i], 'test', seed[0])) for seed in FIVE] for i in (1, 2, 3))
+S3_BIT = mean(bf_out('EXO_2400_BF16_S3_BIT', 'test', XS))
+EXO_JOB = EXO5[:2] + [S3_BIT] + EXO5[3:]  # seed 3's run with the BIT, the energy the job chooses there
 
 
 def joint_p(key, model, method='greedy', field='p_correct'):
@@ -323,30 +324,56 @@ def joint_p(key, model, method='greedy', field='p_correct'):
     return next(r[field] for r in rows if (r['model'], r['method']) == (model, method))
 
 
-# EXO against BALM, then LM greedy, the seed as the unit (job.seeds' tests: t, sign, Holm over the two)
-VS_BALM, VS_LM = (c['seed_level'] for c in seeds.seed_level(
-    [dict(diff_per_seed=[x - y for x, y in zip(EXO4, other)]) for other in (BALM4, LM4)]))
+def against(exo, *others):
+    """exo against each of others, the seed as the unit (job.seeds' tests: t, sign, Holm over the family)."""
+    return [c['seed_level'] for c in seeds.seed_level(
+        [dict(diff_per_seed=[x - y for x, y in zip(exo, other)]) for other in others])]
+
+
+VS_BALM, VS_LM = against(EXO5, BALM5, LM5)
+JOB_BALM, JOB_LM = against(EXO_JOB, BALM5, LM5)
 S3_CURVE = {c['iter']: c['greedy_exact'] for c in XS['runs']['g2400_bf16_s3']['curve']}
 S3_LATER = [v for i, v in S3_CURVE.items() if i >= 200]
+S3B_CURVE = {c['iter']: c['greedy_exact'] for c in XS['runs']['g2400_bf16_s3_bit']['curve']}
 MODE, ALG1 = 'joint mode, beam + samples, n = 64', 'Algorithm 1, n = 64'
 XR, ER = XS['runs'], XS['energy_runs']
-FOUR_ROWS = [('LM greedy', '3', 'LM_S3'), ('BALM greedy', '3', 'BALM_S3'),
-             ('2,400 steps (bf16, best.pt by greedy_exact)', '3', 'EXO_2400_BF16_S3'),
-             ('the same run, its last step', '3', 'EXO_2400_BF16_S3_LAST'), ('LM greedy', '4', 'LM_S4'),
-             ('BALM greedy', '4', 'BALM_S4'),
-             ('2,400 steps (bf16, best.pt by greedy_exact)', '4', 'EXO_2400_BF16_S4')]
+GAIN = {k: r['held_out_gain_enumerated'] for k, r in ER.items()}
+OTHERS = ('s1337', 's2', 's4', 's5')
+BIT_LEAD = max(GAIN[f'bit_s{n}'] - GAIN[f'unit_s{n}'] for n in (2, 4, 5))  # the BIT's lead where it is slight
+UNIT_RUN = '2,400 steps (bf16, best.pt by greedy_exact)'
+FIVE_ROWS = [('LM greedy', '3', 'LM_S3'), ('BALM greedy', '3', 'BALM_S3'),
+             (UNIT_RUN, '3', 'EXO_2400_BF16_S3'),
+             ('the same run, its last step', '3', 'EXO_2400_BF16_S3_LAST'),
+             ('2,400 steps with the BIT', '3', 'EXO_2400_BF16_S3_BIT'),
+             ("the BIT's run, its last step", '3', 'EXO_2400_BF16_S3_BIT_LAST')] + [
+    row for n in ('4', '5') for row in [('LM greedy', n, f'LM_S{n}'), ('BALM greedy', n, f'BALM_S{n}'),
+                                        (UNIT_RUN, n, f'EXO_2400_BF16_S{n}')]]
+
+
+def seed_tests(vs_balm, vs_lm):
+    """The numbers of a sentence on both comparisons at seed level, in the docs' order."""
+    return ([vs_balm['t_p'], vs_balm['t_df'], *vs_balm['sign'], vs_balm['sign_p']]
+            + [vs_lm['t_p'], *vs_lm['sign'], vs_lm['sign_p']]
+            + [c[k] for k in ('t_p_holm', 'sign_p_holm') for c in (vs_balm, vs_lm)])
+
+
 N = r'([\d.]+)'
-CLAIMS += [bf_row(*row, XS) for row in FOUR_ROWS] + [
+
+
+def loose(pattern):
+    """pattern with any run of whitespace (a line break in the doc) where it has a space."""
+    return pattern.replace(' ', r'\s+')
+
+
+SEED_TESTS = (rf'the seed as the unit, t p {N} \((\d) df\), the sign test (\d)-(\d) with a tie, p {N}\. '
+              rf'Against LM greedy: above at all five, t p {N}, sign (\d)-(\d), p {N}\. Holm over the two '
+              rf'comparisons: t {N} and {N}, sign {N} and {N}\.')
+CLAIMS += [bf_row(*row, XS) for row in FIVE_ROWS] + [
     ('docs/addition.md',
-     rf'On test: {N}, {N}, {N} and {N} at seeds\s+1337, 2, 3 and 4, a mean of {N} \(SD {N}; {N} without '
-     rf'seed 3\)\. Against BALM: \+{N}, \+{N},\s+\+{N} and \+{N}; the seed as the unit, t p {N} \((\d) df\), '
-     rf'the sign test (\d)-(\d) with a tie, p {N}\.\s+Against LM greedy: above at all four, t p {N}, sign '
-     rf'(\d)-(\d), p {N}\. Holm over the two comparisons:\s+t {N} and {N}, sign {N} and {N}\.',
-     EXO4 + [mean(EXO4), statistics.stdev(EXO4), mean(EXO4[:2] + EXO4[3:])]
-     + [x - y for x, y in zip(EXO4, BALM4)]
-     + [VS_BALM['t_p'], VS_BALM['t_df'], *VS_BALM['sign'], VS_BALM['sign_p']]
-     + [VS_LM['t_p'], *VS_LM['sign'], VS_LM['sign_p']]
-     + [c[k] for k in ('t_p_holm', 'sign_p_holm') for c in (VS_BALM, VS_LM)]),
+     loose(rf'On test: {N}, {N}, {N}, {N} and {N} at seeds 1337, 2, 3, 4 and 5, a mean of {N} \(SD {N}; {N} '
+           rf'without seed 3\)\. Against BALM: \+{N}, \+{N}, \+{N}, \+{N} and \+{N}; ' + SEED_TESTS),
+     EXO5 + [mean(EXO5), statistics.stdev(EXO5), mean(EXO5[:2] + EXO5[3:])]
+     + [x - y for x, y in zip(EXO5, BALM5)] + seed_tests(VS_BALM, VS_LM)),
     ('docs/addition.md',
      rf'P\(correct sum\): LM {N}, BALM {N}, the joint model with the UNIT {N}, EXO\'s\s+last step {N} \(the '
      rf'joint mode over beam and 64 samples: {N}\)\. EXO went from BALM \(greedy {N} at\s+step 0\) to its '
@@ -355,9 +382,11 @@ CLAIMS += [bf_row(*row, XS) for row in FOUR_ROWS] + [
      + [joint_p('unit_s3', 'JOINT', MODE), joint_p('unit_s3', 'EXO_LAST'),
         joint_p('unit_s3', 'JOINT', MODE, 'exact'), S3_CURVE[0], S3_CURVE[100], min(S3_LATER),
         max(S3_LATER)]),
-    ('docs/addition.md', rf'At seed 4 the same table reads LM {N}, BALM {N}, joint {N}, EXO {N}\.',
-     [joint_p('unit_s4', m) for m in ('BASE LM', 'BALM')]
-     + [joint_p('unit_s4', 'JOINT', MODE), joint_p('unit_s4', 'EXO')]),
+    ('docs/addition.md',
+     loose(rf'At seed 4 the same table reads LM {N}, BALM {N}, joint {N}, EXO {N}\. At seed 5: LM {N}, BALM '
+           rf'{N}, joint {N}, EXO {N}\.'),
+     [joint_p(f'unit_s{n}', *row) for n in (4, 5)
+      for row in (('BASE LM',), ('BALM',), ('JOINT', MODE), ('EXO',))]),
     ('docs/addition.md',
      rf'stopped by its patience at ([\d,]+) steps, best at ([\d,]+)\) gains {N} nats/token on held-out\s+'
      rf'prefixes with log Z enumerated, against the UNIT\'s {N}',
@@ -370,19 +399,51 @@ CLAIMS += [bf_row(*row, XS) for row in FOUR_ROWS] + [
      + [joint_p('bit_s3', m, method, 'exact')
         for m, method in (('JOINT', MODE), ('JOINT', ALG1), ('BALM', 'greedy'))]),
     ('docs/addition.md',
-     r'held-out Kish ESS (\d+) \(UNIT\) and (\d+) \(BIT\) of 64, against (\d+)\s+at seed 4',
-     [ER['unit_s3']['held_out_ess'], ER['bit_s3']['held_out_ess'], ER['unit_s4']['held_out_ess']]),
-    ('README.md', rf"; 2,400 steps: {N} on test, (\d) seeds \(1 at BALM's {N}\)\.",
-     [mean(EXO4), len(FOUR), BALM4[2]]),
+     loose(rf'greedy on the 1,000 went from {N} to {N} at step 500 and {N} at step ([\d,]+) \(best.pt\); on '
+           rf'test {N}, above BALM by \+{N} \(McNemar p ([\d.e-]+)\)\. Its P\(correct\) is {N}, against '
+           rf'BALM\'s {N} and the joint model\'s {N}: (\d+)% of the way'),
+     [S3B_CURVE[0], S3B_CURVE[500], S3B_CURVE[XR['g2400_bf16_s3_bit']['best_iter']],
+      XR['g2400_bf16_s3_bit']['best_iter'], S3_BIT, S3_BIT - BALM5[2],
+      stats.mcnemar(bf_out('EXO_2400_BF16_S3_BIT', 'test', XS), bf_out('BALM_S3', 'test', XS))['p']]
+     + [joint_p('bit_s3', m) for m in ('EXO', 'BALM')] + [joint_p('bit_s3', 'JOINT', MODE)]
+     + [100 * (joint_p('bit_s3', 'EXO') - joint_p('bit_s3', 'BALM'))
+        / (joint_p('bit_s3', 'JOINT', MODE) - joint_p('bit_s3', 'BALM'))]),
+    ('docs/addition.md',
+     loose(rf'The BITs of seeds 2, 4 and 5 \(the same commands, trained after\) gain {N}, {N} and {N} '
+           rf'nats/token against their UNITs\' {N}, {N} and {N}; at seed 1337 the job\'s run had {N} against '
+           rf'{N}\. So the job distils the UNIT at seed 1337 and the BIT at seeds 2 to 5: by at most {N} '
+           rf'nats/token at 2, 4 and 5, by {N} at 3\.'),
+     [GAIN[f'bit_s{n}'] for n in (2, 4, 5)] + [GAIN[f'unit_s{n}'] for n in (2, 4, 5)]
+     + [GAIN['bit_s1337'], GAIN['unit_s1337']]
+     + [BIT_LEAD, GAIN['bit_s3'] - GAIN['unit_s3']]),
+    ('docs/addition.md',
+     r'held-out Kish ESS (\d+) \(UNIT\) and (\d+) \(BIT\) of 64, against (\d+)-(\d+) at the other four seeds',
+     [ER['unit_s3']['held_out_ess'], ER['bit_s3']['held_out_ess']]
+     + [f(ER[f'{e}_{n}']['held_out_ess'] for e in ('unit', 'bit') for n in OTHERS) for f in (min, max)]),
+    ('docs/addition.md',
+     loose(rf'With seed 3\'s BIT run in its place, on test {N}, {N}, {N}, {N} and {N}: a mean of {N}\. '
+           rf'Against BALM: above at all five, t p {N} \((\d) df\), sign (\d)-(\d), p {N}; against LM '
+           rf'greedy t p {N}, sign (\d)-(\d), p {N}\. Holm over the two: t {N} and {N}, sign {N} and {N}\.'),
+     EXO_JOB + [mean(EXO_JOB)] + [JOB_BALM['t_p'], JOB_BALM['t_df'], *JOB_BALM['sign'], JOB_BALM['sign_p']]
+     + [JOB_LM['t_p'], *JOB_LM['sign'], JOB_LM['sign_p']]
+     + [c[k] for k in ('t_p_holm', 'sign_p_holm') for c in (JOB_BALM, JOB_LM)]),
+    ('README.md', rf"; 2,400 steps: {N} at (\d) seeds \((\d) at BALM's\), vs BALM t p {N}\.",
+     [mean(EXO5), len(FIVE), sum(e == b for e, b in zip(EXO5, BALM5)), VS_BALM['t_p']]),
     ('docs/addition.md',
      rf'on test it writes {N} there and {N} at seed 2\'s models, in bf16 \(2,400 steps on test,\s+above\), '
-     rf'{N} and {N} at seeds 3 and 4: {N} over four seeds', EXO4 + [mean(EXO4)]),
+     rf'{N}, {N} and {N} at seeds 3, 4 and 5: {N} over five seeds', EXO5 + [mean(EXO5)]),
     ('docs/addition.md',
-     rf'2,400 steps in ([\d,]+) and ([\d,]+) s of wall time\s+\({N}-{N} s a step with the evaluations; seed '
-     rf'2\'s, alone on two threads: {N}\)',
+     rf'with the BIT, the job\'s energy\s+there, EXO writes {N}\. The job would distil the BIT at seeds 2, 4 '
+     rf'and 5 too \(by at most {N}\s+nats/token of held-out gain\)',
+     [S3_BIT, BIT_LEAD]),
+    ('docs/addition.md',
+     loose(rf'2,400 steps in ([\d,]+) and ([\d,]+) s of wall time \({N}-{N} s a step with the evaluations; '
+           rf'seed 2\'s, alone on two threads: {N}\); seed 5\'s alone on two threads, ([\d,]+) s \({N} s a '
+           rf'step\); seed 3\'s with the BIT ([\d,]+) s'),
      [XR[r]['wall_seconds'] for r in ('g2400_bf16_s3', 'g2400_bf16_s4')]
      + sorted(XR[r]['wall_seconds'] / 2400 for r in ('g2400_bf16_s3', 'g2400_bf16_s4'))
-     + [BR['g2400_bf16_s2']['train_seconds'] / 1500]),
+     + [BR['g2400_bf16_s2']['train_seconds'] / 1500, XR['g2400_bf16_s5']['wall_seconds'],
+        XR['g2400_bf16_s5']['wall_seconds'] / 2400, XR['g2400_bf16_s3_bit']['wall_seconds']]),
 ]
 
 
@@ -401,11 +462,17 @@ def test_the_rerun_is_the_probe_bit_for_bit():
 
 def test_seed_3s_best_pt_is_its_balm():
     """The docs' "best.pt by greedy exact match kept step 0, BALM itself" and README's "1 at BALM's": seed
-    3's EXO best.pt has BALM's greedy outcome on every problem."""
+    3's EXO best.pt has BALM's greedy outcome on every problem, and no other seed's EXO has its BALM's
+    mean."""
     exo, balm = XS['models']['EXO_2400_BF16_S3'], XS['models']['BALM_S3']
     assert exo['iter'] == 0
     assert all(exo[s]['per_problem'] == balm[s]['per_problem'] for s in ('select', 'test'))
-    assert EXO4[2] == BALM4[2] and EXO4[2] != EXO4[3]
+    assert [e == b for e, b in zip(EXO5, BALM5, strict=True)] == [False, False, True, False, False]
+
+
+def test_the_seed_assets_score_the_same_problems():
+    """bf_out reads each asset's own mask: the seeds' runs in both assets were scored on the same problems."""
+    assert (XS['chose'], XS['lookahead']) == (BF['chose'], BF['lookahead'])
 
 
 def test_a_planted_probe_mismatch_fails():
