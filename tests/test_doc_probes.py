@@ -1,6 +1,6 @@
 """docs/addition.md's lookahead table ("Where the LMs fail"), EXO's probes ("Past 0.952", and the stage
 before and after in "The job's EXO over a set"), their 4,000 held-out problems ("best.pt by greedy exact
-match"), the cached beam search's measurements, EXO in bf16 and the 2,400-step recipe on test at four
+match"), the cached beam search's measurements, EXO in bf16 and the 2,400-step recipe on test at five
 seeds, with README's lines on them: each number equals assets/lookahead_addition_test10000.json's,
 exo_probes_addition.json's, exo_select_addition.json's, exo_bf16_addition.json's or
 exo2400_seeds_addition.json's to the digits given
