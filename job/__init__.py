@@ -5,11 +5,13 @@
     python -m job.figures         Figs. 1-4 from the main job's JSON
     python -m job.human_eval      Table 2's protocol: blinded A/B items, binomial test
     python -m job.seeds           the addition table over seeds: mean, spread, paired tests
+    python -m job.lookahead       committed outcomes regrouped by each problem's lookahead
+    python -m job.exo_budget      EXO's budget curve from the runs kept in assets
     python -m job.bench           building blocks timed against naive baselines
 
 with reproduce's recipes in configs.py and its make-like scheduler in pipeline.py, the claims'
 statistical tests in stats.py, and what the
-reports share: read_report, the one way claims.py and figures.py read the main job's
+reports share: parse_report_flags, read_report, the one way claims.py and figures.py read the main job's
 JSON, checked for its shape, finite numbers and coming from one run; what is wrong is one line,
 `<file>: <what is wrong>; <the fix>`.
 """
@@ -18,7 +20,7 @@ import math
 import os
 
 from data import read_json
-from plumbing import file_hash
+from plumbing import check_new, check_writable, common_flags, file_hash
 
 from job.pipeline import check_chain
 
@@ -28,6 +30,20 @@ NUMBERS = [NUMBER]
 KINDS = {dict: 'an object', list: 'a list', str: 'a string', int: 'an integer', bool: 'true or false'}
 FROM_ONE_RUN = ("rerun it and estimate_ppl.py on one run's models (reproduce.py reruns what is stale), "
                 "or give the --out_dir of that one run")
+
+
+def parse_report_flags(p, argv):
+    """The arguments of a report from committed files (lookahead, exo_budget): --force, --quiet and an
+    unused --seed declared, then --out and --plot (None: no figure) checked writable and new."""
+    common_flags(p, 'force', 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
+                                                        force='replace --out and --plot',
+                                                        quiet='no table printed (it is still written)'))
+    args = p.parse_args(argv)
+    for path, flag in ((args.out, '--out'), (args.plot, '--plot')):
+        if path is not None:
+            check_writable(path, flag, folder=False)
+            check_new(path, flag, args.force)
+    return args
 
 
 def read_report(out_dir, name, fix, shape=dict):

@@ -23,8 +23,8 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import load_meta, load_split, window_tokens, windows  # noqa: E402
 from extensions.carry import (GROUPINGS, answer_layout, carry_chains, carry_lines, exact_by,  # noqa: E402
                               lookahead, plot_carry)
-from plumbing import (ArgumentParser, check_new, check_writable, common_flags, run_main,  # noqa: E402
-                      write_json, write_text)
+from job import parse_report_flags  # noqa: E402
+from plumbing import ArgumentParser, run_main, write_json, write_text  # noqa: E402
 
 
 def get_args(argv=None):
@@ -36,15 +36,7 @@ def get_args(argv=None):
     p.add_argument('--out', default='out/lookahead_addition.json',
                    help='the JSON (the table: .txt beside it)')
     p.add_argument('--plot', default=None, help='a PNG of both groupings (needs matplotlib)')
-    common_flags(p, 'force', 'seed', 'quiet', help=dict(seed='unused: nothing here is random',
-                                                        force='replace --out and --plot',
-                                                        quiet='no table printed (it is still written)'))
-    args = p.parse_args(argv)
-    for path, flag in ((args.out, '--out'), (args.plot, '--plot')):
-        if path is not None:
-            check_writable(path, flag, folder=False)
-            check_new(path, flag, args.force)
-    return args
+    return parse_report_flags(p, argv)
 
 
 def read(paths):

@@ -25,7 +25,7 @@ SCRIPTS = {
     'job/bench.py': ('job.bench', 'get_args'), 'job/claims.py': ('job.claims', 'get_args'),
     'job/figures.py': ('job.figures', 'get_args'), 'job/human_eval.py': ('job.human_eval', 'main'),
     'job/reproduce.py': ('job.reproduce', 'get_args'), 'job/seeds.py': ('job.seeds', 'get_args'),
-    'job/lookahead.py': ('job.lookahead', 'get_args'),
+    'job/lookahead.py': ('job.lookahead', 'get_args'), 'job/exo_budget.py': ('job.exo_budget', 'get_args'),
     'job/lesson.py': ('job.lesson', 'get_args'),
     'extensions/addition_eval.py': ('extensions.addition_eval', 'get_args'),
     'extensions/exact_logz.py': ('extensions.exact_logz', 'get_args'),
