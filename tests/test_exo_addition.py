@@ -580,8 +580,8 @@ def test_exo_precision_is_decided_once_and_kept(addition_run, tmp_path):
 
 def test_exo_budget_curve_against_hand_computed(tmp_path):
     """job.exo_budget: per step that every run reached, the mean and SD over the runs against numbers by
-    hand, the earliest best step of the mean, each run's best.pt marked in the table; a wrong run, a curve
-    without step 0 or a missing asset is one line naming it."""
+    hand, the mean's best step, each run's best.pt marked in the table, the figure drawn; a wrong run, a
+    curve without step 0 or a missing asset is one line naming it."""
     point = lambda i, g: dict(iter=i, greedy_exact=g, kl_reverse_high=1.0)
     runs = dict(a=dict(flags=dict(seed=1), best_iter=100, dtype='bfloat16', energy='bit',
                        curve=[point(0, 0.5), point(100, 0.75), point(200, 0.7)]),
@@ -590,8 +590,10 @@ def test_exo_budget_curve_against_hand_computed(tmp_path):
                 c=dict(flags=dict(seed=3), best_iter=100, dtype='float32', curve=[point(100, 0.9)]))
     asset, out = tmp_path / 'asset.json', tmp_path / 'curve.json'
     asset.write_text(json.dumps(dict(runs=runs)))
-    exo_budget.main([f'{asset}:a', f'{asset}:b', '--out', str(out), '--quiet'])
+    exo_budget.main([f'{asset}:a', f'{asset}:b', '--out', str(out), '--plot', str(tmp_path / 'c.png'),
+                     '--quiet'])
     res = json.loads(out.read_text())
+    assert (tmp_path / 'c.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert res['steps'] == [0, 100]
     assert res['mean'] == pytest.approx([0.6, 0.7])
     assert res['sd'] == pytest.approx([0.02 ** 0.5, 0.005 ** 0.5])
