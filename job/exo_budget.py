@@ -21,8 +21,7 @@ import sys
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.exo_budget")
 from job import parse_report_flags  # noqa: E402
-from job.figures import load_pyplot, save  # noqa: E402
-from plumbing import ArgumentParser, run_main, write_json, write_text  # noqa: E402
+from plumbing import ArgumentParser, atomic_write, run_main, write_json, write_text  # noqa: E402
 
 
 def get_args(argv=None):
@@ -75,7 +74,9 @@ def table(runs, curve):
 
 
 def plot(runs, curve, path, goal):
-    plt = load_pyplot()
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         steps = sorted(r['greedy_exact'])
@@ -88,7 +89,9 @@ def plot(runs, curve, path, goal):
     ax.set_xlabel("EXO's steps (0: the model it starts from; dots: each run's best.pt)")
     ax.set_ylabel('greedy exact match, selection problems')
     ax.legend(fontsize=7, loc='lower right')
-    return save(plt, fig, path, dpi=110)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format='png'))
+    plt.close(fig)
 
 
 def main(argv=None):
