@@ -34,6 +34,7 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_metric_ebm.py  the talk's metric energy and TaiLr
     tests/test_exo.py         EXO's objective against exact enumeration (Ji et al., ICML 2024)
     tests/test_exo_addition.py  the addition task, its decoders, and exo.py's runs on it
+    tests/test_exo_budget.py  EXO's budget curve from the runs kept in assets (job/exo_budget.py)
     tests/test_carry.py       the lookahead (extensions/carry.py) by enumeration; job/lookahead.py
     tests/test_provenance.py  the main job's provenance.json
     tests/test_checkpoints.py  a checkpoint checked before use, --resume by content
