@@ -13,7 +13,8 @@ log Z part energy.logz_enumerate scores exactly; then RALM, the residual baselin
 Then, under one banner, the speed-ups that the method's volume of samples needs (negatives for
 NCE, samples for the log Z of Eq. 4, proposals for Algorithm 1), each with what it equals and the
 test that proves it: a KV cache, decoding that shares each prompt's K/V across its samples, CPU
-bf16 attention by matmuls, and last `generate` (decode_steps, then cached_generate),
+bf16 attention by matmuls, and last `generate` (decode_steps; distinct_decode_steps, which runs
+each distinct history once, as a peaked LM's samples repeat; then cached_generate),
 generate_plain's cached twin, which also returns the log-probs of its tokens under the untruncated
 LM and under the proposal; and `beam_search` (cached_beam_search), beam_search_plain's cached twin.
 
@@ -335,9 +336,12 @@ class RALM(GPT):
 #   test_shared_prompt_decode_matches_copied_cache.
 # - matmul_attention (a CPU in bf16, CPU_BF16_MATMUL_ATTENTION): equals scaled_dot_product_attention,
 #   outputs and gradients, within bf16 rounding: test_cpu_bf16_attention_reference.
-# - GPT.generate (cached_generate, decode_steps): draws the very tokens of generate_plain from the
-#   same generator: test_generate_plain_and_cached_draw_the_same; in chunks of max_rows rows, its
-#   log-probs are sequence_logprob's: test_generate_shapes_chunking_and_prompt_rows.
+# - GPT.generate (cached_generate, distinct_decode_steps): draws the very tokens of generate_plain
+#   from the same generator: test_generate_plain_and_cached_draw_the_same; in chunks of max_rows
+#   rows, its log-probs are sequence_logprob's: test_generate_shapes_chunking_and_prompt_rows.
+#   distinct_decode_steps, each distinct history run once, draws the tokens of decode_steps on every
+#   row, with their log-probs: test_distinct_decoding_draws_every_row_s_tokens (samples that repeat),
+#   over prompt groups of unequal size: test_shared_prompt_attention_unequal_groups.
 # - GPT.beam_search (cached_beam_search): beam_search_plain's beams and log-probs, its caches'
 #   rows following each beam's parent: test_beam_search_plain_and_cached_agree.
 
@@ -351,6 +355,7 @@ class KVCache(NamedTuple):
     v: torch.Tensor
     prompt_k: Optional[torch.Tensor] = None
     prompt_v: Optional[torch.Tensor] = None
+    prompt_rows: Optional[tuple] = None  # groups of unequal size: group_slots
 
 
 def empty_cache(model, batch_size, length):
@@ -369,37 +374,48 @@ def cached_attention(attn, q, k, v, cache, pos, mask):
     """SelfAttention `attn` with a cache (KVCache): this step's keys and values are written into
     it, and the queries at pos..pos+T-1 attend over every position up to theirs."""
     T = q.size(2)
-    k_buf, v_buf, prompt_k, prompt_v = KVCache(*cache)
+    k_buf, v_buf, prompt_k, prompt_v, prompt_rows = KVCache(*cache)
     start = 0 if prompt_k is None else prompt_k.size(2)  # positions before start: the shared prompt's
     k_buf[:, :, pos - start:pos - start + T] = k
     v_buf[:, :, pos - start:pos - start + T] = v
     k, v = k_buf[:, :, :pos - start + T], v_buf[:, :, :pos - start + T]  # (B, nh, pos - start + T, hs)
     mask, is_causal = attn.attention_mask(T, pos, start + k.size(2), mask, q)
     if prompt_k is not None:
-        return shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask)
+        return shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask, prompt_rows)
     return attention(q, k, v, mask, is_causal, attn.dropout if attn.training else 0.0)
 
 
-def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None):
+def shared_prompt_attention(q, k, v, prompt_k, prompt_v, mask=None, prompt_rows=None):
     """softmax(q [prompt_k; k]^T / sqrt(hs) + mask) [prompt_v; v] for q (N, nh, T, hs) and k, v
     (N, nh, S, hs) whose rows come in n_prompts groups of n = N / n_prompts, group b reading prompt
     b of prompt_k/v (n_prompts, nh, P, hs). The prompt part is one matmul per prompt over the
     queries of all its rows, with no per-row copy of its K/V (copying it per row and reading the
     copies back made attention over half of a decoding step); one softmax over both parts keeps it
-    exact.
+    exact. prompt_rows: groups of unequal size (distinct_decode_steps), as group_slots gives them:
+    each prompt's queries are padded with zeros to the largest group's number, never its K/V.
     mask: (..., T, P + S), boolean (True = may attend) or additive."""
     (N, nh, T, hs), (n_prompts, P) = q.shape, prompt_k.shape[::2]
     q = q * hs ** -0.5
-    n = N // n_prompts  # rows per prompt
-    s_prompt = torch.einsum('bnhtd,bhpd->bnhtp', q.view(n_prompts, n, nh, T, hs), prompt_k)
-    s_prompt = s_prompt.reshape(N, nh, T, P)
+    group, slot, n = prompt_rows or (None, None, N // n_prompts)  # n: rows per prompt, or the most
+    grouped = lambda x: (x.view(n_prompts, n, *x.shape[1:]) if group is None
+                         else x.new_zeros(n_prompts, n, *x.shape[1:]).index_put_((group, slot), x))
+    rows = lambda x: x.reshape(N, *x.shape[2:]) if group is None else x[group, slot]
+    s_prompt = rows(torch.einsum('bnhtd,bhpd->bnhtp', grouped(q), prompt_k))  # (N, nh, T, P)
     s_rows = (k @ q.transpose(-1, -2)).transpose(-1, -2)  # as q @ k^T, 2-3x slower on the strided cache view
     s = torch.cat([s_prompt, s_rows], dim=-1)
     if mask is not None:
         s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
     a = s.softmax(-1).to(v.dtype)
-    y = torch.einsum('bnhtp,bhpd->bnhtd', a[..., :P].reshape(n_prompts, n, nh, T, P), prompt_v)
-    return y.reshape(N, nh, T, hs) + a[..., P:] @ v
+    return rows(torch.einsum('bnhtp,bhpd->bnhtd', grouped(a[..., :P]), prompt_v)) + a[..., P:] @ v
+
+
+def group_slots(prompt_rows, n_prompts):
+    """shared_prompt_attention's prompt_rows for rows sorted by their prompt, prompt_rows (N,): each
+    row's (prompt, place among its prompt's rows), and the largest group's size."""
+    counts = torch.bincount(prompt_rows, minlength=n_prompts)
+    first = counts.cumsum(0) - counts  # each prompt's first row
+    return prompt_rows, torch.arange(len(prompt_rows), device=prompt_rows.device) - first[prompt_rows], \
+        int(counts.max())
 
 
 def matmul_attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
@@ -417,7 +433,8 @@ def matmul_attention(q, k, v, mask=None, is_causal=False, dropout_p=0.0):
 def decode_steps(model, logits, cache, pos, steps, top_k, top_p, temperature, generator):
     """`steps` tokens for each row of logits (N, V), the first drawn from them and each next one
     from the model's logits through the cache (positions pos..). Returns (tokens, logp, logq),
-    each (N, steps)."""
+    each (N, steps). Every row runs at every step (generate runs each distinct history once:
+    distinct_decode_steps, tested equal to this)."""
     N = logits.size(0)
     tokens = torch.empty(N, steps, dtype=torch.long, device=logits.device)
     logp, logq = (torch.empty(N, steps, device=logits.device) for _ in range(2))
@@ -429,16 +446,42 @@ def decode_steps(model, logits, cache, pos, steps, top_k, top_p, temperature, ge
     return tokens, logp, logq
 
 
+def distinct_decode_steps(model, logits, n, prompt_cache, steps, top_k, top_p, temperature, generator):
+    """decode_steps' draws for n samples of each prompt whose K/V prompt_cache holds (logits (B, V):
+    its last position's), the model run once per distinct history: samples whose tokens so far are
+    equal have equal next-token logits, so each draws its token from its history's row (the very
+    call decode_steps makes on all B n rows, the same generator), and only the distinct (history,
+    token) pairs go on through the model. A peaked LM repeats itself: its 16 samples of an addition
+    problem hold about 2 distinct histories. Returns (tokens, logp, logq), each (B n, steps)."""
+    (B, V), P = logits.shape, prompt_cache[0][0].size(2)
+    hist = torch.arange(B, device=logits.device).repeat_interleave(n)  # each sample's history (row)
+    prompt_rows, rows_cache = torch.arange(B, device=logits.device), model.new_cache(B, steps)
+    tokens = torch.empty(B * n, steps, dtype=torch.long, device=logits.device)
+    logp, logq = (torch.empty(B * n, steps, device=logits.device) for _ in range(2))
+    for t in range(steps):
+        tokens[:, t], logp[:, t], logq[:, t] = sample_next(logits[hist], top_k, top_p, temperature, generator)
+        if t + 1 == steps:
+            break
+        pair, hist = torch.unique(hist * V + tokens[:, t], return_inverse=True)  # sorted: by prompt still
+        if len(pair) > len(prompt_rows):  # a history branched: each new row copies its parent's cache
+            rows_cache, prompt_rows = follow_parents(rows_cache, pair // V), prompt_rows[pair // V]
+        rows = None if len(pair) == B * n else group_slots(prompt_rows, B)  # None: n rows a prompt
+        cache = [KVCache(k, v, *prompt, rows) for (k, v), prompt in zip(rows_cache, prompt_cache)]
+        logits = model((pair % V)[:, None], cache=cache, pos=P + t)[0][:, -1]
+    return tokens, logp, logq
+
+
 @torch.no_grad()
 def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p=None, temperature=1.0,
                     return_proposal=False, generator=None, max_rows=512):
     """GPT.generate: generate_plain's draws, num_samples continuations of each prompt of idx (B, P),
-    with each prompt run once and each new token once. A prompt's K/V cache is shared, not copied,
-    by its rows of a chunk of samples (at most max_rows rows, so memory stays bounded), whose own
-    caches hold only their new tokens. Returns (tokens, logp[, logq]), each (B, num_samples, L):
-    log P_LM of each token under the untruncated LM at temperature 1 (what Eq. 2-5 need), and log q
-    under the distribution sampled from (top-k/top-p/temperature; 0: greedy), which resampling
-    corrects by. With top_k, top_p None and temperature 1 it is exact ancestral sampling from P_LM."""
+    with each prompt run once and each distinct new token once (distinct_decode_steps). A prompt's
+    K/V cache is shared, not copied, by its samples' rows, in chunks of at most max_rows samples (so
+    memory stays bounded), whose own caches hold only their new tokens. Returns (tokens, logp[,
+    logq]), each (B, num_samples, L): log P_LM of each token under the untruncated LM at temperature
+    1 (what Eq. 2-5 need), and log q under the distribution sampled from (top-k/top-p/temperature;
+    0: greedy), which resampling corrects by. With top_k, top_p None and temperature 1 it is exact
+    ancestral sampling from P_LM."""
     B, P = idx.shape
     check_sampling(model.config, P, max_new_tokens, top_k, top_p, temperature)
     prompt_cache = model.new_cache(B, P)
@@ -447,10 +490,8 @@ def cached_generate(model, idx, max_new_tokens, num_samples=1, top_k=None, top_p
     chunks = []
     for s in range(0, num_samples, per_chunk):
         n = min(per_chunk, num_samples - s)
-        new_tokens_cache = model.new_cache(B * n, max_new_tokens)
-        chunk_cache = [KVCache(k, v, *prompt) for (k, v), prompt in zip(new_tokens_cache, prompt_cache)]
-        out = decode_steps(model, logits.repeat_interleave(n, 0), chunk_cache, P, max_new_tokens,
-                           top_k, top_p, temperature, generator)
+        out = distinct_decode_steps(model, logits, n, prompt_cache, max_new_tokens, top_k, top_p,
+                                    temperature, generator)
         chunks.append([t.view(B, n, max_new_tokens) for t in out])
     tokens, logp, logq = (torch.cat(ts, dim=1) for ts in zip(*chunks))
     return (tokens, logp, logq) if return_proposal else (tokens, logp)

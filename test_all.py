@@ -134,7 +134,7 @@ def test_generate_plain_and_cached_draw_the_same(alibi, kw, monkeypatch):
         return model.generate(prompts, 8, num_samples=4, generator=torch.Generator().manual_seed(1), **kw)[0]
     plain = model.generate_plain(prompts, 8, num_samples=4, generator=torch.Generator().manual_seed(1), **kw)
     assert plain.shape == (3, 4, 8) and torch.equal(cached(), plain)
-    def without_prompt(q, k, v, prompt_k, prompt_v, mask=None):
+    def without_prompt(q, k, v, prompt_k, prompt_v, mask=None, prompt_rows=None):
         return model_module.attention(q, k, v, None if mask is None else mask[..., prompt_k.size(2):])
     monkeypatch.setattr(model_module, 'shared_prompt_attention', without_prompt)
     assert not torch.equal(cached(), plain)

@@ -127,6 +127,85 @@ def test_shared_prompt_attention_reference():
             - shared_prompt_attention(q, k, v, pk, pv)).abs().max() > 1e-3
 
 
+def test_shared_prompt_attention_unequal_groups():
+    """shared_prompt_attention with prompt_rows (group_slots: rows sorted by prompt, 1, 4 and 2 of
+    them) against float64 softmax(q K^T / sqrt(d) + mask) V written out, K and V each row's own
+    prompt's part followed by its own part; a row placed in the wrong group is caught."""
+    from model import group_slots, shared_prompt_attention
+    g = torch.Generator().manual_seed(1)
+    rows, nh, T, P, S, hs = torch.tensor([0, 1, 1, 1, 1, 2, 2]), 2, 2, 5, 4, 8
+    q, k, v = (torch.randn(len(rows), nh, T, hs, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)  # S = 4 own keys
+    pk, pv = (torch.randn(3, nh, P, hs, generator=g, dtype=torch.float64) for _ in range(2))
+    K, V = torch.cat([pk[rows], k], 2), torch.cat([pv[rows], v], 2)
+    causal = torch.ones(T, P + S, dtype=torch.bool).tril(diagonal=P + S - T)
+    bias = torch.randn(1, nh, T, P + S, generator=g, dtype=torch.float64)
+    assert [s.tolist() if torch.is_tensor(s) else s for s in group_slots(rows, 3)] == \
+        [rows.tolist(), [0, 0, 1, 2, 3, 0, 1], 4]
+    for mask in (None, causal, bias):
+        s = q @ K.transpose(-1, -2) / math.sqrt(hs)
+        if mask is not None:
+            s = s.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else s + mask
+        ref = s.softmax(-1) @ V
+        got = shared_prompt_attention(q, k, v, pk, pv, mask, group_slots(rows, 3))
+        assert (got - ref).abs().max().item() < 1e-12
+    wrong = group_slots(torch.tensor([0, 0, 1, 1, 1, 2, 2]), 3)
+    assert (shared_prompt_attention(q, k, v, pk, pv, None, wrong) - ref).abs().max() > 1e-3
+
+
+def sharpened(model, factor):
+    """model (a copy, float64) with every final layer norm's gain times factor: its next-token
+    distributions peak, so that its samples repeat one another as a trained addition LM's do."""
+    model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, 'transformer'):
+                m.transformer.ln_f.weight.mul_(factor)
+    return model
+
+
+@pytest.mark.parametrize('kind', ['gpt', 'alibi', 'ralm'])
+@pytest.mark.parametrize('kw', [dict(), dict(top_k=3), dict(top_p=0.8, temperature=0.7)])
+def test_distinct_decoding_draws_every_row_s_tokens(kind, kw, monkeypatch):
+    """distinct_decode_steps (GPT.generate's: each distinct history through the model once) draws the
+    tokens of decode_steps on all B n rows, with their log P_LM and log q, from the same generator, in
+    float64, for a GPT, an ALiBi GPT and a RALM whose samples repeat: the model ran on fewer rows than
+    samples, on groups of unequal size (rows not a multiple of the prompts). A row that reads another
+    prompt's K/V (a mutation of group_slots) or another history's cache (of follow_parents) is caught."""
+    import model as model_module
+    model = sharpened(speed_models()[kind], 6.0)
+    B, P, L, n = 3, 5, 7, 6
+    prompt = torch.randint(13, (B, P), generator=torch.Generator().manual_seed(8))
+    opts = (kw.get('top_k'), kw.get('top_p'), kw.get('temperature', 1.0))
+    run_rows = []
+    model.register_forward_pre_hook(lambda m, a: run_rows.append(a[0].size(0)))
+
+    def distinct():
+        prompt_cache = model.new_cache(B, P)
+        logits = model.logits(prompt, prompt_cache, from_pos=P - 1)[:, -1]
+        return model_module.distinct_decode_steps(model, logits, n, prompt_cache, L, *opts,
+                                                  torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        got = distinct()
+        prompt_cache = model.new_cache(B, P)
+        logits = model.logits(prompt, prompt_cache, from_pos=P - 1)[:, -1]
+        cache = [(k, v, *p) for (k, v), p in zip(model.new_cache(B * n, L), prompt_cache)]
+        ref = decode_steps(model, logits.repeat_interleave(n, 0), cache, P, L, *opts,
+                           torch.Generator().manual_seed(9))
+        assert torch.equal(got[0], ref[0])
+        assert all((a - b).abs().max().item() < 1e-10 for a, b in zip(got[1:], ref[1:], strict=True))
+        distinct_rows = run_rows[:L - 1]
+        assert min(distinct_rows) < B * n and any(r % B for r in distinct_rows), distinct_rows
+        groups = model_module.group_slots
+        mirrored = lambda group, slot, width, m: (m - 1 - group, slot, width)  # the mirror prompt's K/V
+        monkeypatch.setattr(model_module, 'group_slots', lambda rows, m: mirrored(*groups(rows, m), m))
+        assert not torch.equal(distinct()[0], ref[0])
+        monkeypatch.undo()
+        follow = model_module.follow_parents
+        monkeypatch.setattr(model_module, 'follow_parents', lambda cache, rows: follow(cache, rows.flip(0)))
+        assert not torch.equal(distinct()[0], ref[0])
+
+
 def test_cpu_bf16_attention_reference():
     """model.attention in bf16 on a CPU (two matmuls, not SDPA) against the float64 softmax(q k^T /
     sqrt(d) + mask) v of the same bf16 inputs, output and gradients, for no mask, causal, a padding
