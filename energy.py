@@ -253,17 +253,19 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
     energy's LM) runs each prompt once for all its continuations (forward_shared); a
     bidirectional one (BIT) cannot: its prompt states depend on the continuation. known:
     {energy: (B, n)} already scored on these continuations, which a metric energy with one of
-    them among its metrics (METRICS+BIT's E:BIT) reuses instead of running it again."""
-    (B, P), L = prompts.shape, tokens.size(2)
-    if hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len):  # optional (above)
+    them among its metrics (METRICS+BIT's E:BIT) reuses instead of running it again. A peaked LM's
+    samples repeat (64 samples of an addition problem: a few distinct sums): each distinct sequence
+    is scored once, or, for a causal energy where that sends fewer tokens through it, every
+    continuation after its prompt's one pass."""
+    (B, P), (n, L) = prompts.shape, tokens.shape[1:]
+    x = torch.cat([prompts[:, None].expand(-1, n, -1), tokens], 2).flatten(0, 1)  # (B n, P+L)
+    seqs, inverse = torch.unique(x, dim=0, return_inverse=True)
+    shared = hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len)  # optional (above)
+    if shared and B * P + B * n * L < len(seqs) * (P + L):  # tokens through the energy, each way
         rows = max(1, min(max_rows, max_tokens // L))
         with ctx:
             return energy.forward_shared(prompts, tokens, prefix_len, rows, known).double()
-    out = []
-    for t in tokens.split(max(1, max_rows // B), dim=1):  # (B, c, L): c continuations of each prompt
-        x = torch.cat([prompts[:, None].expand(-1, t.size(1), -1), t], 2)  # (B, c, P+L)
-        out.append(score(energy, x.flatten(0, 1), prefix_len, ctx, max_rows, max_tokens).view(B, -1))
-    return torch.cat(out, 1)  # (B, n)
+    return score(energy, seqs, prefix_len, ctx, max_rows, max_tokens)[inverse].view(B, n)
 
 
 @torch.no_grad()

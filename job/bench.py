@@ -10,6 +10,9 @@ process:
                computed once and shared by their K samples), in fp32 and bf16 autocast, vs a
                naive sampler without a cache that re-runs the model over the whole sequence for
                every new token of every sample (nanoGPT's generate); the cached one's fp32 MFU;
+- distinct:    GPT.generate's decoding (each distinct history once) against decode_steps on every
+               row, the same draws, at a negatives chunk of the addition job: a random LM (samples
+               all distinct) and that LM sharpened (samples that repeat, as a trained one's);
 - beam:        GPT.beam_search (each prompt's K/V once, the beams' new tokens cached) against
                beam_search_plain (every beam's whole sequence rerun at each step): --beam beams of
                8 new tokens (addition's answer) after each of --num_prefixes prompts;
@@ -60,8 +63,9 @@ import torch.nn.functional as F
 from data import batch_offsets, get_batch, load_meta, load_split
 from energy import Energy, joint_sample, logz_bounds, sample_log_weights, score, score_continuations
 from extensions.metrics import MetricEnergy, fit_mu
+from job.configs import ADDITION
 import model as model_py
-from model import GPT, GPTConfig, alibi_bias, decode_steps, flops_per_token
+from model import GPT, GPTConfig, alibi_bias, decode_steps, distinct_decode_steps, flops_per_token
 from nce_train import nce_loss
 from plumbing import (ArgumentParser, Precision, autocast, check_heads, check_writable, common_flags,
                       pick_device, run_main, write_json)
@@ -332,6 +336,60 @@ def bench_beam(args, device, meta):
                 beam_speedup=t['naive'] / t['cached'], beam_same_beams=same)
 
 
+# a negatives chunk of the addition job (ADDITION's LM shape, its 13 tokens): 186 prompts of 14 tokens,
+# 16 samples of 8 (2**16 tokens)
+DISTINCT = dict(prompts=186, prompt_len=14, new_tokens=8, samples=16, vocab_size=13, sharpen=12.0)
+
+
+@torch.no_grad()
+def bench_distinct(args, device, dtypes):
+    """GPT.generate's decoding (model.distinct_decode_steps: each distinct history through the model
+    once) against decode_steps on every row, the same draws, at the addition job's negatives chunk
+    (DISTINCT), in bf16 where it runs natively: a random LM, whose samples are all distinct (what
+    the bookkeeping costs), and that LM sharpened (its final layer norm's gain times 12), whose
+    samples repeat as a trained addition LM's do (16 samples of a problem: about 2 distinct); and a
+    BIT scoring the sharpened LM's samples, each distinct sequence once (energy.score_continuations)
+    against every one (energy.score)."""
+    B, P, L, n, V = (DISTINCT[k] for k in ('prompts', 'prompt_len', 'new_tokens', 'samples', 'vocab_size'))
+    B = 16 if args.quick else B
+    c = ADDITION['lm']
+    config = GPTConfig(block_size=P + L, vocab_size=V, n_layer=c['n_layer'], n_head=c['n_head'],
+                       n_embd=c['n_embd'])
+    prompts = torch.randint(V, (B, P), generator=torch.Generator().manual_seed(args.seed)).to(device)
+    res = {}
+    for name, gain in (('random', 1.0), ('sharpened', DISTINCT['sharpen'])):
+        torch.manual_seed(args.seed)
+        lm = GPT(config).to(device).eval()
+        lm.transformer.ln_f.weight.mul_(gain)
+
+        def decode(steps):
+            with autocast(device, torch.bfloat16) if 'bf16' in dtypes else nullcontext():
+                prompt_cache = lm.new_cache(B, P)
+                logits = lm.logits(prompts, prompt_cache, from_pos=P - 1)[:, -1]
+                g = torch.Generator(device).manual_seed(args.seed)
+                if steps is distinct_decode_steps:
+                    return steps(lm, logits, n, prompt_cache, L, None, None, 1.0, g)[0]
+                cache = [(k, v, *p) for (k, v), p in zip(lm.new_cache(B * n, L), prompt_cache, strict=True)]
+                return steps(lm, logits.repeat_interleave(n, 0), cache, P, L, None, None, 1.0, g)[0]
+        fns = dict(distinct=lambda: decode(distinct_decode_steps), every_row=lambda: decode(decode_steps))
+        t = timeit(fns, device, args.warmup, args.repeats)
+        tokens = decode(distinct_decode_steps)
+        res.update({f'distinct_{name}_samples_per_s': B * n / t['distinct'],
+                    f'distinct_{name}_samples_per_s_every_row': B * n / t['every_row'],
+                    f'distinct_{name}_speedup': t['every_row'] / t['distinct'],
+                    f'distinct_{name}_continuations_per_prompt':
+                        sum(len(torch.unique(row, dim=0)) for row in tokens.view(B, n, L)) / B,
+                    f'distinct_{name}_same_tokens': torch.equal(tokens, decode(decode_steps))})
+    # a BIT of the LM's shape scoring those samples: each distinct sequence once, or every one
+    bit = Energy(GPTConfig(**{**vars(config), 'causal': False})).to(device).eval()
+    x = torch.cat([prompts[:, None].expand(-1, n, -1), tokens.view(B, n, L)], 2)
+    fns = dict(distinct=lambda: score_continuations(bit, prompts, tokens.view(B, n, L), P, nullcontext()),
+               every_row=lambda: score(bit, x.flatten(0, 1), P, nullcontext()))
+    t = timeit(fns, device, args.warmup, args.repeats)
+    res['distinct_score_speedup'] = t['every_row'] / t['distinct']
+    return res
+
+
 def bench_energy(args, device, meta, peak_fp32):
     """Energy forward (sequences/s at prefix 128 + continuation 64) and NCE training tokens/s
     (one binary-NCE step of nce_train.py: positives and negatives in one forward)."""
@@ -543,6 +601,7 @@ def main(argv=None):
     run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes})
     run('sampling', bench_sampling, meta, dtypes, peak['matmul_gflops_fp32'])
     run('beam', bench_beam, meta)
+    run('distinct', bench_distinct, dtypes)
     run('energy', bench_energy, meta, peak['matmul_gflops_fp32'])
     run('estimation', bench_estimation, meta)
     run('estimate', bench_estimate, meta, dtypes)

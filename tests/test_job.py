@@ -243,9 +243,13 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     assert figures == json.load(open(out))
     for key in ('matmul_gflops_fp32', 'train_tokens_per_s_fp32', 'sampling_speedup',
                 'energy_forward_seqs_per_s', 'nce_train_tokens_per_s', 'logz_samples_per_s_n1000',
-                'joint_samples_per_s_n1000', 'beam_speedup'):
+                'joint_samples_per_s_n1000', 'beam_speedup', 'distinct_sharpened_speedup'):
         assert figures[key] > 0, key
     assert figures['beam_same_beams'] is True
+    assert figures['distinct_random_same_tokens'] is figures['distinct_sharpened_same_tokens'] is True
+    # the sharpened LM's samples repeat, the random one's do not: the two cases the section compares
+    per_prompt = [figures[f'distinct_{lm}_continuations_per_prompt'] for lm in ('sharpened', 'random')]
+    assert per_prompt[0] < 8 < per_prompt[1], per_prompt
 
 
 def test_figures_draws_the_four_pngs(tmp_path):
