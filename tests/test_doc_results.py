@@ -324,6 +324,32 @@ JSON_CLAIMS += [
     ('docs/addition.md', r'an\s+evaluation ([\d.]+) / ([\d.]+) s against ([\d.]+) / ([\d.]+) s \(([\d.]+)x\)',
      EVAL['1'] + EVAL['2'] + [sum(EVAL['1']) / sum(EVAL['2'])]),
 ]
+# docs/addition.md, "Each distinct sample once": the job's stage times before and after, the bench's
+# distinct section, what stayed the same (assets/time_addition_distinct.json)
+DISTINCT = asset('time_addition_distinct.json')
+D_BEFORE, D_AFTER = (DISTINCT['runs'][i]['timings_s'] for i in (0, -1))
+D_BENCH, D_LAST = DISTINCT['bench'], DISTINCT['runs'][-1]
+JSON_CLAIMS += [wide_row(r) for r in DISTINCT['runs']]
+JSON_CLAIMS += [
+    ('docs/addition.md', r'about 2 distinct\s+answers \(([\d.]+) after the eighth token',
+     [DISTINCT['distinct_per_problem']['by_token'][-1]]),
+    ('docs/addition.md', r'\(([\d.]+) distinct of 16\),\s+([\d.]+)x the samples a second of decoding every '
+                         r'row, the same tokens; with a random LM, whose 16\s+samples are all distinct, '
+                         r'([\d.]+)x \(the bookkeeping costs nothing measurable\); a BIT scoring the'
+                         r'\s+sharpened samples, ([\d.]+)x',
+     [D_BENCH[k] for k in ('distinct_sharpened_continuations_per_prompt', 'distinct_sharpened_speedup',
+                           'distinct_random_speedup', 'distinct_score_speedup')]),
+    ('docs/addition.md', r"last run's\s+negatives took (\d+) s against (\d+) \(([\d.]+)x\), EXO (\d+) "
+                         r'against (\d+), addition_eval (\d+) against (\d+),\s+estimate_ppl (\d+) against '
+                         r'(\d+)\.',
+     [D_AFTER['neg_train'], D_BEFORE['neg_train'], D_BEFORE['neg_train'] / D_AFTER['neg_train'],
+      D_AFTER['exo'], D_BEFORE['exo'], D_AFTER['addition_eval'], D_BEFORE['addition_eval'],
+      D_AFTER['estimate_ppl'], D_BEFORE['estimate_ppl']]),
+    ('docs/addition.md', r'is ([\d,]+) core-seconds: ([\d.]+) min on two cores, where the wall is ([\d.]+)\.',
+     [D_LAST['core_s'], D_LAST['core_s'] / 120, D_LAST['wall_s'] / 60]),
+]
+
+
 # docs/addition.md, "EXO over a set": seed 1337's selection table and the test table of three seeds
 # (assets/exo_set_addition.json)
 EXO_SET = asset('exo_set_addition.json')
@@ -500,6 +526,19 @@ EXACT_ROW = (r'\| {:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d
              r'([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \|')
 JSON_CLAIMS += [('docs/exact_logz.md', EXACT_ROW.format(row['n']), exact_row(row))
                 for row in EXACT['test']['table']]
+
+
+def test_distinct_decoding_changed_only_the_time():
+    """assets/time_addition_distinct.json: the runs after each distinct sample once made the run before's
+    models, negatives' tokens and tables (what docs/addition.md says of them), and its core-seconds
+    count EXO, the wide stage, on both cores; the bench's decodings drew the same tokens."""
+    for run, same in DISTINCT['same_as_before'].items():
+        assert all(same['models_equal'].values()) and len(same['models_equal']) == 8, run
+        assert same['negative_tokens_equal'] and same['accuracy_txt_equal'] and same['ppl_txt_equal'], run
+        assert same['negative_logp_max_abs_diff'] < 5e-5 and same['ppl_json_max_abs_diff'] < 4e-4, run
+    for r in DISTINCT['runs']:
+        assert math.isclose(r['core_s'], sum(r['timings_s'].values()) + r['timings_s']['exo'], abs_tol=0.2)
+    assert D_BENCH['distinct_random_same_tokens'] and D_BENCH['distinct_sharpened_same_tokens']
 
 
 def test_doc_numbers_equal_the_committed_results():
