@@ -254,18 +254,21 @@ def score_continuations(energy, prompts, tokens, prefix_len, ctx, max_rows=256, 
     bidirectional one (BIT) cannot: its prompt states depend on the continuation. known:
     {energy: (B, n)} already scored on these continuations, which a metric energy with one of
     them among its metrics (METRICS+BIT's E:BIT) reuses instead of running it again. A peaked LM's
-    samples repeat (64 samples of an addition problem: a few distinct sums): each distinct sequence
-    is scored once, or, for a causal energy where that sends fewer tokens through it, every
-    continuation after its prompt's one pass."""
+    samples repeat (64 samples of an addition problem: a few distinct sums): each distinct
+    continuation of a prompt is scored once, or, for a causal energy where that sends fewer tokens
+    through it, every continuation after its prompt's one pass."""
     (B, P), (n, L) = prompts.shape, tokens.shape[1:]
-    x = torch.cat([prompts[:, None].expand(-1, n, -1), tokens], 2).flatten(0, 1)  # (B n, P+L)
-    seqs, inverse = torch.unique(x, dim=0, return_inverse=True)
+    prompt_ids = torch.arange(B, device=tokens.device)[:, None, None].expand(-1, n, 1)
+    keys, inverse = torch.unique(torch.cat([prompt_ids, tokens], 2).flatten(0, 1), dim=0, return_inverse=True)
     shared = hasattr(energy, 'forward_shared') and energy.shares_prompt(P, prefix_len)  # optional (above)
-    if shared and B * P + B * n * L < len(seqs) * (P + L):  # tokens through the energy, each way
+    if shared and B * P + B * n * L < len(keys) * (P + L):  # tokens through the energy, each way
         rows = max(1, min(max_rows, max_tokens // L))
         with ctx:
             return energy.forward_shared(prompts, tokens, prefix_len, rows, known).double()
-    return score(energy, seqs, prefix_len, ctx, max_rows, max_tokens)[inverse].view(B, n)
+    rows = max(1, min(max_rows, max_tokens // (P + L)))  # the distinct sequences, built a block at a time
+    e = [score(energy, torch.cat([prompts[k[:, 0]], k[:, 1:]], 1), prefix_len, ctx, max_rows, max_tokens)
+         for k in keys.split(rows)]
+    return torch.cat(e)[inverse].view(B, n)
 
 
 @torch.no_grad()
