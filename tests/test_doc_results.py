@@ -328,7 +328,7 @@ JSON_CLAIMS += [
 # distinct section, what stayed the same (assets/time_addition_distinct.json)
 DISTINCT = asset('time_addition_distinct.json')
 D_BEFORE, D_AFTER = (DISTINCT['runs'][i]['timings_s'] for i in (0, -1))
-D_BENCH, D_LAST = DISTINCT['bench'], DISTINCT['runs'][-1]
+D_BENCH, D_LAST, PROBE = DISTINCT['bench'], DISTINCT['runs'][-1], DISTINCT['exo_step_probe']
 JSON_CLAIMS += [wide_row(r) for r in DISTINCT['runs']]
 JSON_CLAIMS += [
     ('docs/addition.md', r'about 2 distinct\s+answers \(([\d.]+) after the eighth token',
@@ -345,6 +345,15 @@ JSON_CLAIMS += [
      [D_AFTER['neg_train'], D_BEFORE['neg_train'], D_BEFORE['neg_train'] / D_AFTER['neg_train'],
       D_AFTER['exo'], D_BEFORE['exo'], D_AFTER['addition_eval'], D_BEFORE['addition_eval'],
       D_AFTER['estimate_ppl'], D_BEFORE['estimate_ppl']]),
+    ('docs/addition.md', r'12 steps\): ([\d.]+) s a step, of it the policy.s 16 samples of each of '
+                         r'128 prefixes ([\d.]+) s, the\s+policy.s backward and AdamW ([\d.]+), its forward '
+                         r'on the set ([\d.]+), the LM.s beam of 4 ([\d.]+), the LM.s\s+log-probs ([\d.]+), '
+                         r'the UNIT.s energies ([\d.]+)\.',
+     [PROBE['step_s']] + list(PROBE['parts_s'].values())),
+    ('docs/addition.md', r'they take\s+([\d.]+) s against ([\d.]+) in four \(([\d.]+) decoding every row',
+     [PROBE['sampling_s'][k] for k in ('distinct, one chunk of 2048 rows',
+                                       'distinct, chunks of 512 rows (now)',
+                                       'every row, chunks of 512 rows (before)')]),
     ('docs/addition.md', r'is ([\d,]+) core-seconds: ([\d.]+) min on two cores, where the wall is ([\d.]+)\.',
      [D_LAST['core_s'], D_LAST['core_s'] / 120, D_LAST['wall_s'] / 60]),
 ]
