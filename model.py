@@ -463,8 +463,9 @@ def distinct_decode_steps(model, logits, n, prompt_cache, steps, top_k, top_p, t
         if t + 1 == steps:
             break
         pair, hist = torch.unique(hist * V + tokens[:, t], return_inverse=True)  # sorted: by prompt still
+        parent = pair // V
         if len(pair) > len(prompt_rows):  # a history branched: each new row copies its parent's cache
-            rows_cache, prompt_rows = follow_parents(rows_cache, pair // V), prompt_rows[pair // V]
+            rows_cache, prompt_rows = follow_parents(rows_cache, parent), prompt_rows[parent]
         rows = None if len(pair) == B * n else group_slots(prompt_rows, B)  # None: n rows a prompt
         cache = [KVCache(k, v, *prompt, rows) for (k, v), prompt in zip(rows_cache, prompt_cache)]
         logits = model((pair % V)[:, None], cache=cache, pos=P + t)[0][:, -1]

@@ -332,7 +332,7 @@ D_BENCH, D_LAST, PROBE = DISTINCT['bench'], DISTINCT['runs'][-1], DISTINCT['exo_
 JSON_CLAIMS += [wide_row(r) for r in DISTINCT['runs']]
 JSON_CLAIMS += [
     ('docs/addition.md', r'about 2 distinct\s+answers \(([\d.]+) after the eighth token',
-     [DISTINCT['distinct_per_problem']['by_token'][-1]]),
+     [DISTINCT['distinct_histories']['mean_count_by_token'][-1]]),
     ('docs/addition.md', r'\(([\d.]+) distinct of 16\),\s+([\d.]+)x the samples a second of decoding every '
                          r'row, the same tokens; with a random LM, whose 16\s+samples are all distinct, '
                          r'([\d.]+)x \(the bookkeeping costs nothing measurable\); a BIT scoring the'
