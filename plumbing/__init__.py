@@ -7,9 +7,9 @@ nothing (no environment variable, no file read) until a function is called.
                 Ctrl-C and SIGTERM hints, the output folders of a failed run removed; ArgumentParser,
                 whose flags declare their help, kind and bounds (checked as they are parsed: one
                 `error:` line, before any work), and the flag checks; lock_folder
-    device.py   the threads' wait policy (decided by run_main), pick_device and the precision from
-                what the hardware has, DDP setup / teardown / all_reduce, rng_seed: one rule for
-                every random stream
+    device.py   the threads' wait policy and malloc's freed memory (both set by run_main), pick_device
+                and the precision from what the hardware has, DDP setup / teardown / all_reduce,
+                rng_seed: one rule for every random stream
     budget.py   the memory and time a run's sizes need, checked before any work
     files.py    atomic writes, the one line of a full disk, write_json / write_text, and
                 checkpoints: saved atomically, their files checked as they load (weights_only=True)
@@ -27,9 +27,9 @@ from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check
                              check_training_memory, duration, forward_seconds, training_memory)
 from plumbing.checkpoints import check_checkpoint  # noqa: F401
 from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, Precision, all_reduce, autocast,  # noqa: F401
-                             choose_dtype, cores_in_use, cpu_bf16_units, openmp_wait_policy, pick_device,
-                             precision, rng, rng_seed, set_deterministic, set_wait_policy, setup,
-                             setup_distributed, teardown_distributed)
+                             choose_dtype, cores_in_use, cpu_bf16_units, keep_freed_memory,
+                             openmp_wait_policy, pick_device, precision, rng, rng_seed, set_deterministic,
+                             set_wait_policy, setup, setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
                             checked_load, checkpoint_iter, content_hash, disk_full, file_hash, finite,
                             first_missing, free_space, load_weights, not_a_file, out_of_space,

@@ -23,7 +23,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from plumbing.device import DTYPES, set_wait_policy
+from plumbing.device import DTYPES, keep_freed_memory, set_wait_policy
 from plumbing.files import disk_full, first_missing, nearest_existing
 
 # -----------------------------------------------------------------------------
@@ -443,9 +443,11 @@ def run_main(main, resume_hint=None):
     is a Ctrl-C; under torchrun, a process whose peer is gone says so in one line (peer_lost). A
     failed run removes the output folders it created and saved nothing in
     (new_folder). stdout closed by its reader (`| head`): a quiet exit (stdout_closed). A script run
-    as a program first decides its threads' wait policy (set_wait_policy: maybe re-executed)."""
+    as a program first decides its threads' wait policy (set_wait_policy: maybe re-executed) and has
+    malloc keep what it frees (keep_freed_memory)."""
     if main.__module__ == '__main__':
         set_wait_policy()
+        keep_freed_memory()
     argv = sys.argv[1:]
     NEW_FOLDERS.clear()
     signal.signal(signal.SIGTERM, interrupt)
