@@ -92,28 +92,27 @@ def set_wait_policy(environ=os.environ, execv=os.execv, busy=None):
 # -----------------------------------------------------------------------------
 # memory: freed blocks kept for the next step, not handed back to the OS and faulted in again
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
-KEEP_BELOW = 32 << 20  # blocks under 32 MB (glibc's largest mmap threshold on 64 bits) from the heap
-TRIM_ABOVE = 1 << 30  # the heap's free top given back to the OS only beyond 1 GB
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (glibc's malloc.h)
+KEEP = ((M_MMAP_MAX, 0), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30))  # keep_freed_memory's
 FREED_MEMORY_KEPT = None  # whether keep_freed_memory took effect in this process
 
 
 def keep_freed_memory(libc=None):
-    """glibc's malloc keeps what a step frees for the next step (run_main, as a script starts). By
-    default it gives the heap's free top back to the OS and maps large blocks afresh, so each training
-    step's activations land on new pages that the kernel zero-fills on first touch: the addition LM's
-    step took 3,900 page faults and 65 ms, 9 of them in the kernel, and 53 ms with this (one thread;
-    docs/addition.md). The same arithmetic on the same values: only where the memory comes from. A
-    process's resident memory stays at its high-water mark, as with PyTorch's GPU allocator. Returns
-    whether it took effect (False where malloc is not glibc's: macOS, Windows, musl's stub)."""
+    """glibc's malloc keeps what a step frees for the next step (run_main, as a script starts): every
+    block from the heap (no block mapped on its own) and the heap's free top given back to the OS only
+    beyond 1 GB. By default large blocks are mapped afresh and unmapped when freed, and the heap's free
+    top is given back, so each step's tensors land on new pages that the kernel zero-fills on first
+    touch: the addition LM's training step took 3,900 page faults, EXO's 40 steps 12 million, a third
+    of their time in the kernel (docs/addition.md). The same arithmetic on the same values: only
+    where the memory comes from. A process's resident memory stays at its high-water mark, as with
+    PyTorch's GPU allocator. Returns whether it took effect (False where malloc is not glibc's)."""
     global FREED_MEMORY_KEPT
     try:
         mallopt = (libc or ctypes.CDLL(None)).mallopt  # the process's own C library
     except (OSError, AttributeError):
         FREED_MEMORY_KEPT = False
         return False
-    FREED_MEMORY_KEPT = all(mallopt(param, value) == 1 for param, value in ((M_MMAP_THRESHOLD, KEEP_BELOW),
-                                                                           (M_TRIM_THRESHOLD, TRIM_ABOVE)))
+    FREED_MEMORY_KEPT = all(mallopt(param, value) == 1 for param, value in KEEP)
     return FREED_MEMORY_KEPT
 
 

@@ -20,10 +20,13 @@ from data import load_meta
 from data.text import prepare as text_prepare
 from energy import build_energy, energy_state
 from model import load_checkpoint
-from plumbing import save_checkpoint, write_json
+from plumbing import keep_freed_memory, save_checkpoint, write_json
 
 from tests.common import (CLI_NCE, CLI_NEG, CLI_TRAIN, CORPUS, NEG_FLAGS, TRAIN_FLAGS, prepare_corpus,
                           run_script, sample_argv, write_samples)
+
+
+keep_freed_memory()  # as run_main does for a script: this process trains and frees as a script does
 
 
 @pytest.fixture(scope='session')

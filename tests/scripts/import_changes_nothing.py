@@ -15,3 +15,4 @@ before = dict(os.environ)
 import plumbing, model, energy, train_lm, nce_train, negatives, estimate_ppl, sample
 assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
 assert not {'/proc/stat', '/proc/cpuinfo', '/proc/meminfo'} & set(opened), opened
+assert plumbing.device.FREED_MEMORY_KEPT is None  # malloc's thresholds: run_main's to set
