@@ -359,6 +359,24 @@ JSON_CLAIMS += [
 ]
 
 
+# docs/addition.md, "Freed memory kept": the two runs and EXO's probe (assets/time_addition_malloc.json)
+MALLOC = asset('time_addition_malloc.json')
+(M_BEFORE, M_AFTER), M_EXO = MALLOC['runs'], MALLOC['probes']['exo_40']
+spread = lambda ts: [min(ts), max(ts), statistics.median(ts)]
+JSON_CLAIMS += [
+    ('docs/addition.md', r'spent (\d+) s of its ([\d,]+) CPU seconds in the\s+kernel, through (\d+) '
+                         r'million',
+     [M_BEFORE['time_v']['sys_s'], M_BEFORE['time_v']['sys_s'] + M_BEFORE['time_v']['user_s'],
+      M_BEFORE['time_v']['minor_faults'] / 1e6]),
+    ('docs/addition.md', r'the whole job with it took \*\*([\d.]+) min\*\*\s+against c8c5f55.s '
+                         r'\*\*([\d.]+)\*\*',
+     [M_AFTER['wall_s'] / 60, M_BEFORE['wall_s'] / 60]),
+    ('docs/addition.md', r'\| ([\d.]+)-([\d.]+) s \(median ([\d.]+)\), 30 s in the kernel \| '
+                         r'([\d.]+)-([\d.]+) s \(median ([\d.]+)\), 5 s \|',
+     spread(M_EXO['default_s']) + spread(M_EXO['kept_s'])),
+]
+
+
 # docs/addition.md, "EXO over a set": seed 1337's selection table and the test table of three seeds
 # (assets/exo_set_addition.json)
 EXO_SET = asset('exo_set_addition.json')
