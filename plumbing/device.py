@@ -102,8 +102,8 @@ def keep_freed_memory(libc=None):
     block from the heap (no block mapped on its own) and the heap's free top given back to the OS only
     beyond 1 GB. By default large blocks are mapped afresh and unmapped when freed, and the heap's free
     top is given back, so each step's tensors land on new pages that the kernel zero-fills on first
-    touch: the addition LM's training step took 3,900 page faults, EXO's 40 steps 12 million, a third
-    of their time in the kernel (docs/addition.md). The same arithmetic on the same values: only
+    touch: the addition LM's training step took 3,900 page faults, EXO's 40 steps 12 million, 14-18%
+    of their CPU time in the kernel (docs/addition.md). The same arithmetic on the same values: only
     where the memory comes from. A process's resident memory stays at its high-water mark, as with
     PyTorch's GPU allocator. Returns whether it took effect (False where malloc is not glibc's)."""
     global FREED_MEMORY_KEPT
