@@ -41,6 +41,7 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_exact_logz.py  exact log Z on 2- and 3-digit addition (exact_logz.py, enumeration.py)
     tests/test_docs.py        the numbers and flag values of README.md and docs/ against the code
     tests/test_doc_results.py  the docs' numbers from committed runs against assets/*.json
+    tests/test_doc_times.py   the same for the docs' times: stage times, probes, bench ratios
     tests/test_doc_probes.py  the same for the lookahead table and EXO's probes
     tests/test_doc_seeds.py    the same for docs/addition.md's tables over seeds
     tests/test_doc_commands.py  docs/using.md's step-by-step commands against the job's own

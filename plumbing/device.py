@@ -42,7 +42,7 @@ def cores_in_use(seconds=0.1, stat='/proc/stat'):
     return max(0.0, (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1) - own)
 
 
-def openmp_wait_policy(environ=os.environ, busy=None):
+def openmp_wait_policy(environ=os.environ, busy=None, looks=3, pause=0.4):
     """(OMP_WAIT_POLICY for this run, or None for OpenMP's default; why), as the run starts.
     OpenMP threads that finish their share early spin (libgomp's default): fastest on an idle
     machine, but beside another busy process the spinning threads take the cores the work needs
@@ -50,7 +50,9 @@ def openmp_wait_policy(environ=os.environ, busy=None):
     8-17x slower each). Where other processes keep a core busy as the run starts, the threads
     sleep instead (PASSIVE: as fast as one thread there, docs/experiments.md). That changes when threads
     wait, not what they compute: the same numbers either way (tested), unlike a thread count that
-    followed the load."""
+    followed the load. Busy means busy at each of `looks` readings `pause` s apart: a burst as the run
+    starts (a short command) would make sleeping threads of a whole stage, whose sampling is 1.7x
+    slower so (docs/reports.md, Stage times); another job stays busy through them."""
     if 'OMP_WAIT_POLICY' in environ:
         return None, f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']} as set"
     cores = os.cpu_count() or 1
@@ -58,9 +60,13 @@ def openmp_wait_policy(environ=os.environ, busy=None):
     threads = int(first) if first.isdigit() and int(first) > 0 else cores
     if threads == 1:
         return None, 'one thread'
-    in_use = (busy or cores_in_use)()
-    if in_use is None or in_use < cores - threads + 0.5:
-        return None, 'spinning while they wait: a core for each as the run started'
+    in_use = None
+    for look in range(looks):
+        if look:
+            time.sleep(pause)
+        in_use = (busy or cores_in_use)()
+        if in_use is None or in_use < cores - threads + 0.5:
+            return None, 'spinning while they wait: a core for each as the run started'
     return 'PASSIVE', f'sleeping while they wait: {in_use:.1f} of {cores} cores busy as the run started'
 
 

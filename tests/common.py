@@ -464,3 +464,15 @@ def rounds_to(said, value):
 
 def json_mismatches(claims, docs):
     return mismatches(claims, docs, close=rounds_to, table='JSON_CLAIMS', source='assets/')
+
+
+def claimed_docs(claims):
+    """The text of each doc a claims table names, by its path."""
+    return {d: read(d) for d in {c[0] for c in claims}}
+
+
+def assert_json_claims_hold(claims, at_least):
+    """Every row of a claims table from assets/: the doc states the asset's numbers to its digits."""
+    assert len(claims) >= at_least
+    bad = json_mismatches(claims, claimed_docs(claims))
+    assert not bad, '\n'.join(bad)

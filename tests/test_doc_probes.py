@@ -11,7 +11,7 @@ import re
 import statistics
 
 from job import seeds, stats
-from tests.common import asset, json_mismatches, read
+from tests.common import asset, assert_json_claims_hold, claimed_docs, json_mismatches
 from tests.test_doc_results import CELL, SEL_CELLS
 
 CLAIMS = []
@@ -505,10 +505,7 @@ def test_the_budget_curve_is_the_job_s_energy_at_five_seeds():
 
 
 def test_lookahead_and_probe_numbers_equal_their_assets():
-    assert len(CLAIMS) >= 20
-    docs = {d: read(d) for d in {c[0] for c in CLAIMS}}
-    bad = json_mismatches(CLAIMS, docs)
-    assert not bad, '\n'.join(bad)
+    assert_json_claims_hold(CLAIMS, 20)
 
 
 def test_the_rerun_is_the_probe_bit_for_bit():
@@ -533,7 +530,7 @@ def test_the_seed_assets_score_the_same_problems():
 
 
 def test_a_planted_probe_mismatch_fails():
-    docs = {d: read(d) for d in {c[0] for c in CLAIMS}}
+    docs = claimed_docs(CLAIMS)
     text = docs['docs/addition.md']
     docs['docs/addition.md'] = (text.replace('| LM greedy | 0.984 |', '| LM greedy | 0.985 |')
                                 .replace('last step is: **0.965**', 'last step is: **0.966**')

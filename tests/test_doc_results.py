@@ -1,7 +1,8 @@
 """Docs that cannot drift from the committed runs: each number README.md's neighbours in docs/ state
 from a committed result (assets/*.json) equals it to the digits they give (JSON_CLAIMS), and
 docs/reports.md's table of the lesson's runs is assets/lesson.json's. The numbers that name the
-code's values (configs, constants, line counts) are tests/test_docs.py's.
+code's values (configs, constants, line counts) are tests/test_docs.py's; the times (stage times,
+probes, bench ratios), tests/test_doc_times.py's.
 """
 
 import json
@@ -11,16 +12,15 @@ import re
 import statistics
 
 from job.stats import format_p
-from tests.common import ROOT, asset, by, json_mismatches, read, rounds_to
+from tests.common import ROOT, asset, assert_json_claims_hold, by, claimed_docs, json_mismatches, rounds_to
 
 
 ADD = by(asset('results_addition.json')['rows'], 'model', 'split')
 MAIN = by(asset('results.json')['rows'], 'model', 'split')
 ACC = by(asset('accuracy_addition.json')['rows'], 'model', 'method')
 CL, LMS = asset('claims.json')['claims'], asset('claims.json')['lms']
-ADD_LMS, ADD_TIMES = asset('claims_addition.json')['lms'], asset('results_addition.json')['timings_s']
+ADD_LMS = asset('claims_addition.json')['lms']
 CALIB = asset('results.json')['calibration']
-H200 = asset('gpu_h200_addition.json')
 EXACT = asset('exact_logz.json')
 
 
@@ -99,15 +99,6 @@ JSON_CLAIMS = [
      [ADD_LMS['BASE']['best_step'], ADD_LMS['BALM']['best_step'], ADD_LMS['BALM']['last_step'],
       ADD_LMS['BALM']['best_select_loss'], ADD_LMS['RALM']['best_step'], ADD_LMS['RALM']['last_step'],
       ADD_LMS['TAILR']['best_step'], ADD_LMS['TAILR']['last_step'], ADD_LMS['TAILR']['best_select_loss']]),
-    ('docs/addition.md', r'BALM ([\d,]+) s \(\d+%\), EXO\s+(\d+), negatives (\d+) \+ (\d+) \(200,000 '
-                         r'problems x 16\), BIT (\d+), UNIT (\d+), LM (\d+), RALM (\d+), MLM (\d+), '
-                         r'TaiLr\s+(\d+), estimate_ppl (\d+), addition_eval (\d+)',
-     [ADD_TIMES[k] for k in ('balm', 'exo', 'neg_train', 'neg_select', 'bit', 'unit', 'lm', 'ralm', 'mlm',
-                             'tailr', 'estimate_ppl', 'addition_eval')]),
-    # docs/addition.md, the H200 run (assets/gpu_h200_addition.json)
-    ('docs/addition.md', r'\*\*([\d.]+) s, [\d.]+ min\*\* end to end', [H200['wall_s']]),
-    ('docs/addition.md', r'Stages \(s\): BALM (\d+) \(.{0,40}\), BIT (\d+) and UNIT (\d+) \(', 
-     [H200['timings_s'][k] for k in ('balm', 'bit', 'unit')]),
     # docs/reports.md: where each LM stopped, what holds, the calibration (assets/claims.json, results.json)
     ('docs/reports.md', r'BASE at step ([\d,]+) \(selection loss ([\d.]+) nats/char\), BALM ([\d,]+)\s+of '
                         r'([\d,]+) \(([\d.]+)\), RALM (\d+) of (\d+) \(([\d.]+)\), TaiLr (\d+) of (\d+) '
@@ -299,87 +290,6 @@ JSON_CLAIMS += [('docs/addition.md', rf'\| {s["seed"]}: BALM \| \| \| {CELL} \| 
                  [s['balm'][k] for k in ('greedy_exact', 'greedy_exact_se', 'p_correct', 'p_correct_se')])
                 for s in EXO_BUDGET]
 JSON_CLAIMS += [budget_row(s['seed'], r) for s in EXO_BUDGET for r in s['budgets']]
-# docs/addition.md, "The job's EXO on both cores": its table of stage times and the threads' probe
-# (assets/time_addition_wide.json)
-WIDE = asset('time_addition_wide.json')
-STAGE = r' \| ([\d,]+)'
-
-
-def wide_row(run):
-    """One run's row: LM, BALM, negatives (train + select), MLM, UNIT, BIT, RALM, TaiLr, EXO, estimate_ppl,
-    addition_eval (s), then its wall time (min)."""
-    pattern = (rf'\| [^|\n]*\({run["commit"]}\){STAGE * 2} \| ([\d,]+) \+ (\d+){STAGE} \| '
-               rf'([\d,]+), ([\d,]+) \| ([\d,]+), ([\d,]+){STAGE} \| (\d+), (\d+) \| ([\d.]+) min \|')
-    keys = ('lm', 'balm', 'neg_train', 'neg_select', 'mlm', 'unit', 'bit', 'ralm', 'tailr', 'exo',
-            'estimate_ppl', 'addition_eval')
-    return 'docs/addition.md', pattern, [run['timings_s'][k] for k in keys] + [run['wall_s'] / 60]
-
-
-STEP, EVAL = WIDE['exo_threads']['step_s'], WIDE['exo_threads']['evaluation_s']
-JSON_CLAIMS += [wide_row(r) for r in WIDE['runs']]
-JSON_CLAIMS += [
-    ('docs/addition.md',
-     r'a step ([\d.]+) / ([\d.]+) s on one thread, ([\d.]+) / ([\d.]+) s on two \(\*\*([\d.]+)x',
-     STEP['1'] + STEP['2'] + [sum(STEP['1']) / sum(STEP['2'])]),
-    ('docs/addition.md', r'an\s+evaluation ([\d.]+) / ([\d.]+) s against ([\d.]+) / ([\d.]+) s \(([\d.]+)x\)',
-     EVAL['1'] + EVAL['2'] + [sum(EVAL['1']) / sum(EVAL['2'])]),
-]
-# docs/addition.md, "Each distinct sample once": the job's stage times before and after, the bench's
-# distinct section, what stayed the same (assets/time_addition_distinct.json)
-DISTINCT = asset('time_addition_distinct.json')
-D_BEFORE, D_AFTER = (DISTINCT['runs'][i]['timings_s'] for i in (0, -1))
-D_BENCH, D_LAST, PROBE = DISTINCT['bench'], DISTINCT['runs'][-1], DISTINCT['exo_step_probe']
-JSON_CLAIMS += [wide_row(r) for r in DISTINCT['runs']]
-JSON_CLAIMS += [
-    ('docs/addition.md', r'about 2 distinct\s+answers \(([\d.]+) after the eighth token',
-     [DISTINCT['distinct_histories']['mean_count_by_token'][-1]]),
-    ('docs/addition.md', r'\(([\d.]+) distinct of 16\),\s+([\d.]+)x the samples a second of decoding every '
-                         r'row, the same tokens; with a random LM, whose 16\s+samples are all distinct, '
-                         r'([\d.]+)x \(the bookkeeping costs nothing measurable\); a BIT scoring the'
-                         r'\s+sharpened samples, ([\d.]+)x',
-     [D_BENCH[k] for k in ('distinct_sharpened_continuations_per_prompt', 'distinct_sharpened_speedup',
-                           'distinct_random_speedup', 'distinct_score_speedup')]),
-    ('docs/addition.md', r"last run's\s+negatives took (\d+) s against (\d+) \(([\d.]+)x\), EXO (\d+) "
-                         r'against (\d+), addition_eval (\d+) against (\d+),\s+estimate_ppl (\d+) against '
-                         r'(\d+)\.',
-     [D_AFTER['neg_train'], D_BEFORE['neg_train'], D_BEFORE['neg_train'] / D_AFTER['neg_train'],
-      D_AFTER['exo'], D_BEFORE['exo'], D_AFTER['addition_eval'], D_BEFORE['addition_eval'],
-      D_AFTER['estimate_ppl'], D_BEFORE['estimate_ppl']]),
-    ('docs/addition.md', r'12 steps\): ([\d.]+) s a step, of it the policy.s 16 samples of each of '
-                         r'128 prefixes ([\d.]+) s, the\s+policy.s backward and AdamW ([\d.]+), its forward '
-                         r'on the set ([\d.]+), the LM.s beam of 4 ([\d.]+), the LM.s\s+log-probs ([\d.]+), '
-                         r'the UNIT.s energies ([\d.]+)\.',
-     [PROBE['step_s']] + list(PROBE['parts_s'].values())),
-    ('docs/addition.md', r'they take\s+([\d.]+) s against ([\d.]+) in four \(([\d.]+) decoding every row',
-     [PROBE['sampling_s'][k] for k in ('distinct, one chunk of 2048 rows',
-                                       'distinct, chunks of 512 rows (now)',
-                                       'every row, chunks of 512 rows (before)')]),
-    ('docs/addition.md', r'is ([\d,]+) core-seconds: ([\d.]+) min on two cores, where the wall is ([\d.]+)\.',
-     [D_LAST['core_s'], D_LAST['core_s'] / 120, D_LAST['wall_s'] / 60]),
-]
-
-
-# docs/addition.md, "Freed memory kept": the two runs and EXO's probe (assets/time_addition_malloc.json)
-MALLOC = asset('time_addition_malloc.json')
-(M_BEFORE, M_AFTER), M_EXO = MALLOC['runs'], MALLOC['probes']['exo_40']
-spread = lambda ts: [min(ts), max(ts), statistics.median(ts)]
-JSON_CLAIMS += [
-    ('docs/addition.md', r'spent (\d+) s of its ([\d,]+) CPU seconds in the\s+kernel, through (\d+) '
-                         r'million',
-     [M_BEFORE['time_v']['sys_s'], M_BEFORE['time_v']['sys_s'] + M_BEFORE['time_v']['user_s'],
-      M_BEFORE['time_v']['minor_faults'] / 1e6]),
-    ('docs/addition.md', r'the whole job with it took \*\*([\d.]+) min\*\*\s+against c8c5f55.s '
-                         r'\*\*([\d.]+)\*\*',
-     [M_AFTER['wall_s'] / 60, M_BEFORE['wall_s'] / 60]),
-    ('docs/addition.md', r'\| ([\d.]+)-([\d.]+) s \(median ([\d.]+)\), 30 s in the kernel \| '
-                         r'([\d.]+)-([\d.]+) s \(median ([\d.]+)\), 5 s \|',
-     spread(M_EXO['default_s']) + spread(M_EXO['kept_s'])),
-    ('docs/addition.md', r'in turn\): (\d+) s against (\d+), its models and tables\s+bit for bit; the '
-                         r'kernel.s (\d+) s fell to (\d+), but its user time rose from (\d+) s to (\d+):',
-     [MALLOC['probes']['lesson'][k][v] for v in ('wall_s', 'sys_s', 'user_s') for k in ('default', 'kept')]),
-]
-
-
 # docs/addition.md, "EXO over a set": seed 1337's selection table and the test table of three seeds
 # (assets/exo_set_addition.json)
 EXO_SET = asset('exo_set_addition.json')
@@ -473,18 +383,6 @@ JSON_CLAIMS += [
      [100 * d['wrong_outside_beam'] for d in DRIFT_0]
      + [d[k] for k in ('wrong_outside_beam_median_log_p_lm', 'mass_on_beam_mean') for d in DRIFT_0]),
 ]
-# docs/reports.md's MFU at the main job's sizes (assets/bench_job_sizes*.json)
-BENCH, BENCH_AVX2 = asset('bench_job_sizes.json'), asset('bench_job_sizes_avx2.json')
-MFU = ('train_mfu_fp32', 'sampling_mfu_cached', 'energy_forward_mfu', 'nce_train_mfu')
-JSON_CLAIMS += [
-    ('docs/reports.md', r'fp32 matmul peak,\s+(\d+) GFLOP/s on 2 cores; .{0,80}?LM training ([\d.]+) \(bf16: '
-                        r'([\d.]+)x faster, ([\d.]+) of the bf16 peak\), cached\s+sampling \(.{0,60}?\) '
-                        r'([\d.]+), energy forward ([\d.]+), NCE training ([\d.]+)\.',
-     [BENCH['matmul_gflops_fp32'], BENCH['train_mfu_fp32'], BENCH['bf16_train_speedup'],
-      BENCH['train_mfu_bf16']] + [BENCH[k] for k in MFU[1:]]),
-    ('docs/reports.md', r'fp32\): ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) of a (\d+) GFLOP/s peak',
-     [BENCH_AVX2[k] for k in MFU] + [BENCH_AVX2['matmul_gflops_fp32']]),
-]
 # docs/reports.md's Fig. 4 (assets/ordering.json) and the sizes of --ordering (DEFAULT)
 ORDER = asset('ordering.json')
 JSON_CLAIMS += [
@@ -497,43 +395,6 @@ JSON_CLAIMS += [
      + [p['joint_gain'] for p in ORDER['points']] + [p['joint_gain_se'] for p in ORDER['points']]),
     ('docs/reports.md', r'the energy\'s gain falls (\d+) times, BALM\'s (\d+);',  # whole times
      [int(ORDER['points'][0][f'{k}_gain'] / ORDER['points'][-1][f'{k}_gain']) for k in ('joint', 'balm')]),
-]
-# docs/using.md and reports.md: the H100 run (assets/gpu_h100.json)
-H100 = asset('gpu_h100.json')['main_job']
-H100_STAGES = [H100['stage_seconds'][k]
-               for k in ('balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr')]
-JSON_CLAIMS += [
-    ('docs/using.md', r'the main job\'s stages through TaiLr took\s+([\d.]+) minutes',
-     [H100['total_s'] / 60]),
-    ('docs/reports.md', r'LM (\d+) \(([\d,]+) steps at (\d+)k tokens/s\), BALM (\d+), RALM (\d+), '
-                        r'negatives (\d+) \+ (\d+), MLM (\d+), BIT (\d+), UNIT (\d+),\s+TaiLr (\d+) s: '
-                        r'([\d.]+) min to this point',
-     [H100['stage_seconds']['lm'], H100['lm']['stopped_at'], H100['lm']['tokens_per_s'] / 1000] + H100_STAGES
-     + [H100['total_s'] / 60]),
-    ('docs/reports.md', r'the quick job passed\s+every stage there in (\d+) s',
-     [asset('gpu_h100.json')['quick_job']['wall_s']]),
-]
-# docs/reports.md's stage times (s): this run's, the earlier recipe's, the AVX2 fp32 run's
-STAGE_ROW = ('lm', 'balm', 'ralm', 'neg_train', 'neg_select', 'mlm', 'bit', 'unit', 'tailr', 'metrics',
-             'estimate_ppl', 'samples', 'samples_untruncated')
-
-
-def stage_times(name):
-    t = asset(name)['timings_s']
-    return [t[k] for k in STAGE_ROW] + [t['claims'] + t['figures']]
-
-
-TIMES_ROW = (r'\| ([\d,]+) \| (\d+) \| (\d+) \| {} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| '
-             r'(\d+), (\d+) \| (\d+) \| {} min \|')
-EARLIER, AVX2 = stage_times('results_earlier_recipe.json'), stage_times('results_avx2_fp32.json')
-JSON_CLAIMS += [
-    ('docs/reports.md', TIMES_ROW.format(r'(\d+) \+ (\d+)', 46), stage_times('results.json')),
-    ('docs/reports.md', TIMES_ROW.format(r'(\d+)', 32),
-     EARLIER[:3] + [EARLIER[3] + EARLIER[4]] + EARLIER[5:]),
-    ('docs/reports.md', r'LM (\d+) \(5,000 steps\), BALM (\d+), RALM (\d+),\s+negatives (\d+), MLM (\d+), '
-                        r'BIT (\d+) \(to its 2,400-step cap\), UNIT (\d+), TaiLr (\d+), metrics '
-                        r'(\d+),\s+estimate_ppl (\d+), samples (\d+) \+ (\d+), claims and figures (\d+) s',
-     AVX2[:3] + [AVX2[3] + AVX2[4]] + AVX2[5:]),
 ]
 # the claims table of docs/reports.md, one row a claim: statistic, SE, p (assets/claims.json)
 JSON_CLAIMS += [('docs/reports.md', rf'\| {c} \| ([-+\d.]+) \(([\d.]+)\)[^|]*\| ([\d.]+) \|',
@@ -558,26 +419,10 @@ JSON_CLAIMS += [('docs/exact_logz.md', EXACT_ROW.format(row['n']), exact_row(row
                 for row in EXACT['test']['table']]
 
 
-def test_distinct_decoding_changed_only_the_time():
-    """assets/time_addition_distinct.json: the runs after each distinct sample once made the run before's
-    models, negatives' tokens and tables (what docs/addition.md says of them), and its core-seconds
-    count EXO, the wide stage, on both cores; the bench's decodings drew the same tokens."""
-    for run, same in DISTINCT['same_as_before'].items():
-        assert all(same['models_equal'].values()) and len(same['models_equal']) == 8, run
-        assert same['negative_tokens_equal'] and same['accuracy_txt_equal'] and same['ppl_txt_equal'], run
-        assert same['negative_logp_max_abs_diff'] < 5e-5 and same['ppl_json_max_abs_diff'] < 4e-4, run
-    for r in DISTINCT['runs']:
-        assert math.isclose(r['core_s'], sum(r['timings_s'].values()) + r['timings_s']['exo'], abs_tol=0.2)
-    assert D_BENCH['distinct_random_same_tokens'] and D_BENCH['distinct_sharpened_same_tokens']
-
-
 def test_doc_numbers_equal_the_committed_results():
     """Every row of JSON_CLAIMS: the numbers docs/addition.md, reports.md and exact_logz.md state from a
     committed run are those of assets/*.json, to the digits they give."""
-    assert len(JSON_CLAIMS) >= 40
-    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
-    bad = json_mismatches(JSON_CLAIMS, docs)
-    assert not bad, '\n'.join(bad)
+    assert_json_claims_hold(JSON_CLAIMS, 40)
 
 
 def test_edits_cover_the_seeds_readme_averages():
@@ -588,7 +433,7 @@ def test_edits_cover_the_seeds_readme_averages():
 
 def test_a_planted_result_mismatch_fails():
     """The check can fail: EXO's old PPL, a share of the gap and a claim's p each give one line."""
-    docs = {d: read(d) for d in {c[0] for c in JSON_CLAIMS}}
+    docs = claimed_docs(JSON_CLAIMS)
     planted = dict(docs, **{'docs/addition.md': docs['docs/addition.md'].replace('EXO 1.035', 'EXO 1.037')
                             .replace('EXO folds in 31%', 'EXO folds in 46%'),
                             'docs/reports.md': docs['docs/reports.md'].replace('| 0.15 |', '| 0.05 |')})

@@ -59,8 +59,11 @@ def test_auto_dtype_on_cpu_from_the_hardware(monkeypatch, units, expected):
 
 def test_openmp_wait_policy_follows_the_load_at_start(monkeypatch):
     """Threads spin while they wait where each has a core, and sleep (PASSIVE) where other
-    processes keep one busy; the user's OMP_WAIT_POLICY, or a single thread, left as they are."""
+    processes keep one busy at each of three readings 0.4 s apart (a burst that ends by the last
+    one leaves them spinning); the user's OMP_WAIT_POLICY, or a single thread, left as they are."""
     monkeypatch.setattr(os, 'cpu_count', lambda: 4)
+    pauses = []
+    monkeypatch.setattr(time, 'sleep', pauses.append)
 
     def policy(environ, in_use):
         return plumbing.openmp_wait_policy(environ, lambda: in_use)[0]
@@ -70,6 +73,11 @@ def test_openmp_wait_policy_follows_the_load_at_start(monkeypatch):
     assert policy({'OMP_NUM_THREADS': '2'}, 2.6) == 'PASSIVE'
     assert policy({'OMP_NUM_THREADS': '1'}, 4.0) is None
     assert policy({'OMP_WAIT_POLICY': 'ACTIVE'}, 4.0) is None
+    pauses.clear()
+    assert policy({}, 1.0) == 'PASSIVE' and pauses == [0.4, 0.4]
+    for burst in ([1.5, 0.2], [1.5, 1.5, 0.2]):  # busy at the first readings only
+        looks = iter(burst)
+        assert plumbing.openmp_wait_policy({}, lambda: next(looks))[0] is None
 
 
 def fake_proc_stat(monkeypatch, tmp_path, busy, idle, iowait, own, cores):
@@ -145,6 +153,7 @@ def test_wait_policy_reexecutes_a_busy_start_once(monkeypatch):
     busy; an idle start, or the user's OMP_WAIT_POLICY, re-executes nothing."""
     device, execs = plumbing.device, []
     monkeypatch.setattr(os, 'cpu_count', lambda: 2)
+    monkeypatch.setattr(time, 'sleep', lambda seconds: None)  # the readings' pauses
 
     def start(environ, in_use, fresh=True):  # one process starting, os.execv mocked
         if fresh:
