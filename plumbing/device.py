@@ -60,7 +60,6 @@ def openmp_wait_policy(environ=os.environ, busy=None, looks=3, pause=0.4):
     threads = int(first) if first.isdigit() and int(first) > 0 else cores
     if threads == 1:
         return None, 'one thread'
-    in_use = None
     for look in range(looks):
         if look:
             time.sleep(pause)
