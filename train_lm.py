@@ -318,7 +318,7 @@ def main(argv=None):
 
     results = dict(params=raw_model.num_params(), iters=iter_num, **out.timing(iter_num), dtype=args.dtype,
                    select_on=args.select_on, best_select_loss=best['loss'], best_iter=best['iter'],
-                   last_iter=iter_num,
+                   last_iter=iter_num, patience=args.patience,  # patience 0: a fixed budget, no rule
                    converged=stopped_early(best['trail'], args.patience, args.min_rel_delta),
                    tokens_per_iter=tokens_per_iter, curve=out.learning_curve() if master else [])
     if args.final_eval:  # val and test of the best weights, the ones every later stage uses

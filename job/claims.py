@@ -276,12 +276,13 @@ def same_samples(a, b):
 LMS = (('BASE', 'lm', 'BASE LM'), ('RALM', 'ralm', 'RALM'), ('BALM', 'balm', 'BALM'),
        ('TAILR', 'tailr', 'TAILR'))  # claims.json's name, the folder, ppl.json's name
 LM_RESULTS = {'params': int, 'iters': int, 'best_select_loss': NUMBER, 'best_iter?': int, 'last_iter?': int,
-              'converged?': bool, 'val_loss?': NUMBER_OR_NULL}
+              'converged?': bool, 'patience?': int, 'val_loss?': NUMBER_OR_NULL}
 
 
 def lm_convergence(out_dir, ppl, ppl_path):
     """Each LM's stopping: best and last step, best selection loss, and whether the stopping rule
-    (model.stopped_early) fired before the step cap; each results.json of the LM ppl.json scored."""
+    (model.stopped_early) fired before the step cap or the LM trained a fixed budget (patience 0);
+    each results.json of the LM ppl.json scored."""
     res = {}
     for name, folder, model in LMS:
         path = os.path.join(out_dir, folder, 'results.json')
@@ -292,6 +293,7 @@ def lm_convergence(out_dir, ppl, ppl_path):
         check_same_model(r, path, model, ppl, ppl_path)
         res[name] = dict(best_step=r.get('best_iter'), last_step=r.get('last_iter', r['iters']),
                          best_select_loss=r['best_select_loss'], converged=r.get('converged', False),
+                         fixed_budget=r.get('patience') == 0,
                          params=r['params'], val_loss=r.get('val_loss'))
     return res
 
@@ -526,7 +528,8 @@ def format_claims(result):
         lines.append("C6u, C7u: the untruncated samples are the top-k samples' texts for every prefix (top-k "
                      "dropped no token a draw reached), so C6u = C6 and C7u = C7: not separate evidence")
     for name, m in result['lms'].items():
-        why = 'converged: the stopping rule fired' if m['converged'] else 'NOT converged: stopped at the cap'
+        why = ('a fixed budget' if m.get('fixed_budget') else 'converged: the stopping rule fired'
+               if m['converged'] else 'NOT converged: stopped at the cap')
         lines.append(f"{name}: best selection loss {m['best_select_loss']:.4f} at step {m['best_step']} of "
                      f"{m['last_step']} ({why})")
     return '\n'.join(lines)

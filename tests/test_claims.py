@@ -137,6 +137,16 @@ def test_claims_on_flagged_ranges_give_no_verdict():
     assert 'e-' in claims.format_claims(dict(claims=dict(C1=c1), lms={})).splitlines()[-1]
 
 
+def test_each_lms_stopping_is_named():
+    """claims.txt says how each LM stopped: a fixed budget (patience 0: no rule could end it), the
+    rule firing, or the cap with the rule never firing."""
+    lms = {name: dict(best_step=5, last_step=10, best_select_loss=1.0, converged=conv, fixed_budget=fixed)
+           for name, conv, fixed in (('BASE', False, True), ('RALM', True, False), ('BALM', False, False))}
+    lines = claims.format_claims(dict(claims={}, lms=lms)).splitlines()
+    assert [x.split('(')[-1] for x in lines[-3:]] == [
+        'a fixed budget)', 'converged: the stopping rule fired)', 'NOT converged: stopped at the cap)']
+
+
 def test_mcnemar_brute_force_and_decoder_claims():
     """stats.mcnemar against the binomial tail summed by hand, decided both ways and not at all; the
     decoder claims of an accuracy.json pair the right columns (same problems) and leave Holm's family

@@ -464,10 +464,10 @@ CLAIMS += [bf_row(*row, XS) for row in FIVE_ROWS] + [
      + [BR['g2400_bf16_s2']['train_seconds'] / 1500, XR['g2400_bf16_s5']['wall_seconds'],
         XR['g2400_bf16_s5']['wall_seconds'] / 2400, XR['g2400_bf16_s3_bit']['wall_seconds']]),
     ('docs/addition.md',
-     loose(rf'with the BIT, seeds 4 and 5\'s side by side on one thread each, ([\d,]+) and ([\d,]+) s '
-           rf'\(seed 2\'s beside them for their first 200 steps\), and seed 2\'s in three parts, ([\d,]+) s '
-           rf'\(its first 200 steps with three runs on the two cores, the rest on two threads alone, resumed '
-           rf'again at step 1,600 so that its threads spin\)'),
+     loose(r'with the BIT, seeds 4 and 5\'s side by side on one thread each, ([\d,]+) and ([\d,]+) s '
+           r'\(seed 2\'s beside them for their first 200 steps\), and seed 2\'s in three parts, ([\d,]+) s '
+           r'\(its first 200 steps with three runs on the two cores, the rest on two threads alone, resumed '
+           r'again at step 1,600 so that its threads spin\)'),
      [XR[f'g2400_bf16_s{n}_bit']['wall_seconds'] for n in (4, 5, 2)]),
 ]
 

@@ -418,11 +418,36 @@ EXACT_ROW = (r'\| {:,} \| ([-\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([-\d.]+) \| ([\d
 JSON_CLAIMS += [('docs/exact_logz.md', EXACT_ROW.format(row['n']), exact_row(row))
                 for row in EXACT['test']['table']]
 
+# docs/reports.md, "The fixed budget, measured": the base LM at 6,250 steps on 2 threads and one
+# (assets/lm_fixed_budget.json)
+FIXED = asset('lm_fixed_budget.json')
+F2, F1 = FIXED['runs']['2_threads'], FIXED['runs']['1_thread']
+JSON_CLAIMS += [
+    ('docs/reports.md', r'tensor for tensor: step ([\d,]+), selection loss ([\d.]+)\. On one thread\s+'
+                        r'\(`--jobs 2`\) it trains the same ([\d,]+) steps, best at ([\d,]+) with selection '
+                        r'loss ([\d.]+), where the rule\s+had stopped it at ([\d,]+) \(([\d.]+)\)\. Its loss '
+                        r'on the test windows is ([\d.]+) nats/char against ([\d.]+)\s+on 2 threads \(val: '
+                        r'([\d.]+) against ([\d.]+)\)',
+     [F2['best_iter'], F2['best_select_loss'], F1['iters'], F1['best_iter'], F1['best_select_loss'],
+      FIXED['rule_one_thread']['stopped_at'], FIXED['rule_one_thread']['best_select_loss'],
+      F1['test_loss'], F2['test_loss'], F1['val_loss'], F2['val_loss']]),
+]
 
 def test_doc_numbers_equal_the_committed_results():
     """Every row of JSON_CLAIMS: the numbers docs/addition.md, reports.md and exact_logz.md state from a
     committed run are those of assets/*.json, to the digits they give."""
     assert_json_claims_hold(JSON_CLAIMS, 40)
+
+
+def test_fixed_budget_made_the_reference_lm():
+    """assets/lm_fixed_budget.json: the fixed budget (patience 0) on 2 threads made the reference run's
+    base LM tensor for tensor (docs/reports.md), at job.configs' budget; one thread made another LM."""
+    from job.configs import DEFAULT
+    assert F2['equal_to_reference'] and F2['max_abs_diff_to_reference'] == 0
+    assert not F1['equal_to_reference'] and F1['max_abs_diff_to_reference'] > 0
+    assert F1['iters'] == F2['iters'] == DEFAULT['lm']['max_iters'] == FIXED['reference']['best_iter']
+    assert F1['patience'] == F2['patience'] == DEFAULT['lm']['patience'] == 0
+    assert F2['best_select_loss'] == FIXED['reference']['best_select_loss']
 
 
 def test_edits_cover_the_seeds_readme_averages():

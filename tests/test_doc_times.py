@@ -155,6 +155,36 @@ JSON_CLAIMS += [
 ]
 
 
+# docs/addition.md, "With AVX2 kernels in fp32, today's recipe": the stage times, the wait on BALM, the
+# test rows beside the seeds' (assets/time_addition_avx2.json)
+AVX2_ADD = asset('time_addition_avx2.json')
+X_T, X_S = AVX2_ADD['timings_s'], AVX2_ADD['spans_s']
+X_ROWS = {(r['model'], r['method']): r for r in AVX2_ADD['test_exact']['rows']}
+X_TABLE = {'LM greedy': ('BASE LM', 'greedy'),
+           'LM log-prob rerank of 64': ('BASE LM', 'log-prob rerank, n = 64'),
+           'BALM greedy': ('BALM', 'greedy'),
+           'joint model: Algorithm 1 of 64': ('JOINT', 'Algorithm 1, n = 64'),
+           'joint model: mode of 64': ('JOINT', 'joint mode, n = 64'),
+           'joint model: mode over beam and samples': ('JOINT', 'joint mode, beam + samples, n = 64')}
+JSON_CLAIMS += [
+    ('docs/addition.md', r'\*\*([\d.]+) min\*\* wall, ([\d,]+) s of user CPU\. Stage seconds: BALM '
+                         r'([\d,]+), BIT (\d+), UNIT (\d+), EXO (\d+), LM (\d+),\s+negatives (\d+) \+ (\d+), '
+                         r'RALM (\d+), MLM (\d+), TaiLr (\d+), addition_eval (\d+), estimate_ppl (\d+)\.',
+     [AVX2_ADD['wall_s'] / 60, AVX2_ADD['time_v']['user_s']]
+     + [X_T[k] for k in ('balm', 'bit', 'unit', 'exo', 'lm', 'neg_train', 'neg_select', 'ralm', 'mlm',
+                         'tailr', 'addition_eval', 'estimate_ppl')]),
+    ('docs/addition.md', r'BALM holds one\s+core for its first ([\d,]+) s [^|]{0,60}?\(([\d,]+) s of one '
+                         r'core\) is\s+longer [^|]{0,50}? BIT \(([\d,]+) s\), [^|]{0,80}? starts \(at '
+                         r'([\d,]+) s\)',
+     [X_S['balm'][1], X_T['balm'] + X_T['unit'],
+      sum(X_T[k] for k in ('lm', 'neg_train', 'mlm', 'neg_select', 'bit')), X_S['exo'][0]]),
+    ('docs/addition.md', r"EXO's greedy, ([\d.]+), is not compared", [X_ROWS['EXO', 'greedy']['exact']]),
+    ('docs/addition.md', r'25 min \(AVX2, fp32: ([\d.]+) min with today', [AVX2_ADD['wall_s'] / 60]),
+] + [('docs/addition.md', rf'\| {label} \| ([\d.]+) \(([\d.]+)\) \| ([\d.]+) \(([\d.]+)\) \|',
+      [X_ROWS[k][f] for f in ('exact', 'exact_se', 'seeds_mean', 'seeds_sd')])
+     for label, k in X_TABLE.items()]
+
+
 # docs/reports.md, "Rerun, 2026-12-02": the main job's stage times, the wait policy's and side by side
 # probes (assets/time_main_job.json)
 RERUN = asset('time_main_job.json')
@@ -225,6 +255,19 @@ def test_main_job_rerun_made_table_1_again():
     assert burst['burst_0_5_s'] == dict(one_reading=['PASSIVE'] * 5, three_readings=['spinning'] * 5)
     assert burst['busy_5_s'] == dict(one_reading=['PASSIVE'] * 5, three_readings=['PASSIVE'] * 5)
     assert math.isclose(RERUN['wall_s'], sum(R_T.values()), rel_tol=0.01)
+
+
+def test_avx2_run_within_one_sd_of_the_seeds():
+    """assets/time_addition_avx2.json: each compared row's seeds' mean and SD are assets/seeds_addition.json's
+    and lie within one SD of the run's exact match, as docs/addition.md says; the wall time is the spans'."""
+    seeds = {(r['model'], r['method']): r['exact'] for r in asset('seeds_addition.json')['rows']}
+    compared = [r for r in AVX2_ADD['test_exact']['rows'] if 'seeds_mean' in r]
+    assert set(X_TABLE.values()) <= {(r['model'], r['method']) for r in compared}
+    for r in compared:
+        s = seeds[r['model'], r['method']]
+        assert (r['seeds_mean'], r['seeds_sd']) == (round(s['mean'], 4), round(s['sd'], 4)), r
+        assert r['within_one_sd'] and abs(r['exact'] - s['mean']) <= s['sd'], r
+    assert math.isclose(AVX2_ADD['wall_s'], max(e for _, e in X_S.values()), abs_tol=0.2)
 
 
 def test_doc_times_equal_the_committed_runs():

@@ -79,6 +79,7 @@ def bold_after(path, claim):
 
 
 LM, NEG, MLM, BIT, UNIT, PPL = (DEFAULT[k] for k in ('lm', 'neg', 'mlm', 'bit', 'unit', 'ppl'))
+BALM = dict(LM, **DEFAULT['balm'])  # the stopping rule's flags, which RALM and TaiLr share
 
 # (doc, a regex whose groups are the claimed values, the values in the code)
 CLAIMS = [
@@ -88,7 +89,8 @@ CLAIMS = [
      [PPL['num_prefixes'], PPL['num_prefixes'], PPL['num_samples']]),
     ('docs/reports.md', r'improved by less than ([\d.]+)% \(relative\) over its last two '
                         r'evaluations,\s+([\d,]+)\s+steps',
-     [100 * LM['min_rel_delta'], LM['patience'] * LM['eval_interval']]),
+     [100 * BALM['min_rel_delta'], BALM['patience'] * BALM['eval_interval']]),
+    ('docs/reports.md', r'The base LM trains a fixed ([\d,]+) steps', [LM['max_iters']]),
     ('README.md', r'binary NCE on (\d+) LM samples of\s+each of ([\d,]+) training prefixes',
      [NEG['num_samples'], NEG['train_prefixes']]),
     ('README.md', r'BASE LM \((\d+) layers, (\d+) wide', [LM['n_layer'], LM['n_embd']]),
@@ -108,8 +110,8 @@ CLAIMS = [
     ('docs/using.md', r'train_lm\.py --out_dir out/lm --n_layer (\d+) --n_head (\d+) --n_embd (\d+) --lr '
                       r'([\de.-]+)',
      [LM['n_layer'], LM['n_head'], LM['n_embd'], LM['lr']]),
-    ('docs/using.md', r'--lr_decay_iters (\d+) --max_iters (\d+) --patience (\d+) --min_rel_delta ([\d.]+)',
-     [LM['lr_decay_iters'], LM['max_iters'], LM['patience'], LM['min_rel_delta']]),
+    ('docs/using.md', r'--lr_decay_iters (\d+) --max_iters (\d+) --patience (\d+)\s+python negatives',
+     [LM['lr_decay_iters'], LM['max_iters'], LM['patience']]),
     ('docs/using.md', r'--split train --out_dir out/neg_train --num_prefixes (\d+) --num_samples (\d+)',
      [NEG['train_prefixes'], NEG['num_samples']]),
     ('docs/using.md', r'--split select --out_dir out/neg_select --num_prefixes (\d+) --num_samples (\d+)',

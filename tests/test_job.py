@@ -132,6 +132,7 @@ def check_claims_from_run(out):
     for m in res['lms'].values():
         assert ({'best_step', 'last_step', 'best_select_loss', 'converged'} <= set(m)
                 and m['best_step'] <= m['last_step'])
+        assert m['fixed_budget'] and not m['converged']  # the quick job's LMs: no --patience
     for name, c in res['claims'].items():
         assert 'diff' in c and 'se' in c and (c['p'] is None or 0 <= c['p'] <= c['p_holm'] <= 1)
         assert c['holds'] is implied_verdict(name, c, c['p']), (name, c)

@@ -36,6 +36,21 @@ def test_gpu_recipe_larger_batches_fewer_steps():
         reproduce.get_args(['--recipe', 'gpu'])
 
 
+def test_main_jobs_base_lm_trains_the_rules_step():
+    """The main job's base LM trains a fixed budget (patience 0): the step at which the stopping rule
+    stopped it in the run of assets/claims.json (an evaluation step); BALM, RALM and TaiLr keep the
+    rule (job.configs.RULE), each with room for it to fire."""
+    from job.configs import DEFAULT, RULE
+    from tests.common import asset
+    lm, base = DEFAULT['lm'], asset('claims.json')['lms']['BASE']
+    assert lm['patience'] == 0 and lm['max_iters'] == base['last_step'] == base['best_step']
+    assert lm['max_iters'] % lm['eval_interval'] == 0 and lm['lr_decay_iters'] < lm['max_iters']
+    for name in ('balm', 'residual', 'tailr'):
+        cfg = dict(lm, **DEFAULT[name])
+        assert (cfg['patience'], cfg['min_rel_delta']) == (RULE['patience'], RULE['min_rel_delta']), name
+        assert cfg['max_iters'] >= (cfg['patience'] + 1) * cfg['eval_interval'], name
+
+
 def test_lm_max_iters_sets_the_base_lms_budget():
     """--lm_max_iters N (--data addition): the base LM's max_iters N, its cosine to N - 500 (the
     recipe's 4,500 / 4,000), every other flag and model as the recipe's, its own default folder; the
