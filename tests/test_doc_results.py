@@ -446,7 +446,7 @@ def test_fixed_budget_made_the_reference_lm():
     assert F2['equal_to_reference'] and F2['max_abs_diff_to_reference'] == 0
     assert not F1['equal_to_reference'] and F1['max_abs_diff_to_reference'] > 0
     assert F1['iters'] == F2['iters'] == DEFAULT['lm']['max_iters'] == FIXED['reference']['best_iter']
-    assert F1['patience'] == F2['patience'] == DEFAULT['lm']['patience'] == 0
+    assert F1['patience'] == F2['patience'] == 0
     assert F2['best_select_loss'] == FIXED['reference']['best_select_loss']
 
 

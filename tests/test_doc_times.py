@@ -57,7 +57,7 @@ D_BENCH, D_LAST, PROBE = DISTINCT['bench'], DISTINCT['runs'][-1], DISTINCT['exo_
 JSON_CLAIMS += [wide_row(r) for r in DISTINCT['runs']]
 JSON_CLAIMS += [
     ('docs/addition.md', r'about 2 distinct\s+answers \(([\d.]+) after the eighth token',
-     [DISTINCT['distinct_histories']['mean_distinct_continuations_by_token'][-1]]),
+     [DISTINCT['continuation_counts']['mean_by_token'][-1]]),
     ('docs/addition.md', r'\(([\d.]+) distinct of 16\),\s+([\d.]+)x the samples a second of decoding every '
                          r'row, the same tokens; with a random LM, whose 16\s+samples are all distinct, '
                          r'([\d.]+)x \(the bookkeeping costs nothing measurable\); a BIT scoring the'
@@ -227,8 +227,8 @@ def test_distinct_decoding_changed_only_the_time():
     for r in DISTINCT['runs']:
         assert math.isclose(r['core_s'], sum(r['timings_s'].values()) + r['timings_s']['exo'], abs_tol=0.2)
     assert D_BENCH['distinct_random_same_tokens'] and D_BENCH['distinct_sharpened_same_tokens']
-    h = DISTINCT['distinct_histories']  # counts of continuations, growing with each token: not shares
-    counts = h['mean_distinct_continuations_by_token']
+    h = DISTINCT['continuation_counts']  # counts of continuations, growing with each token: not shares
+    counts = h['mean_by_token']
     assert 1 <= counts[0] and counts == sorted(counts) and counts[-1] <= h['samples_per_problem']
 
 
