@@ -9,7 +9,13 @@ seed as the unit (seed_level): the per-seed differences t-tested over seeds (df 
 the exact sign test, each with Holm over the family: what holds whatever the training seed.
 
     python -m job.seeds --seeds 1,2,3,4,5,6,7,8,9,10 --jobs 2   # trains each seed, then the table
+    python -m job.seeds --seeds 1,2,3,4,5,6,7,8,9,10 --lesson   # the lesson's seeds (minutes each)
     python -m job.seeds out-seeds/seed1 out-seeds/seed2 ...       # the table of runs already made
+
+With --lesson each seed is the lesson (python -m job.lesson --seed S: 4-digit problems, the LM, its
+negatives, a UNIT and the accuracy table, a few minutes a seed) instead of the addition job: the
+joint model against the LM's decoders, without BALM, RALM, TaiLr or EXO. The seeds share the
+problems (each job's default --data_seed); the first job prepares them before another starts.
 
 With --seeds, each seed's job (python -m job.reproduce --data addition --seed S --out_dir
 <runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time (on one GPU they
@@ -38,6 +44,8 @@ from data import read_json
 from extensions.carry import carry_lines, plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.configs import SIZE_FLAGS, size_flags
+from job.lesson import lesson_data
+from job.pipeline import ROOT
 from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
                       write_json, write_text)
@@ -52,10 +60,13 @@ def get_args(argv=None):
     p.add_argument('--seeds', type=comma_ints, default=None, at_least=0, at_most=2**63 - 1,
                    help="train these seeds first (job.reproduce --data addition --seed S), each into "
                         "<runs_dir>/seedS: the runs")
-    p.add_argument('--runs_dir', default='out-seeds', path=True,
-                   help="with --seeds: where each seed's run goes")
-    p.add_argument('--jobs', type=int, default=2, at_least=1, at_most=1024,
-                   help="with --seeds: each job's --jobs")
+    p.add_argument('--runs_dir', default=None, path=True,
+                   help="with --seeds: where each seed's run goes (default: out-seeds/, out-seeds-lesson/ "
+                        "with --lesson)")
+    p.add_argument('--lesson', action='store_true',
+                   help="with --seeds: each seed runs the lesson (python -m job.lesson), not the addition job")
+    p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
+                   help="with --seeds: each job's --jobs (default: 2; 1 with --lesson, a chain of stages)")
     p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
                    help="with --seeds: seeds trained at a time (sharing a GPU; or on a CPU with "
                         "OMP_NUM_THREADS=1 and --jobs 1, a core each)")
@@ -74,7 +85,14 @@ def get_args(argv=None):
     if args.seeds is not None:
         if args.runs:
             raise ValueError("give either --seeds (trained here) or the runs' folders, not both")
+        args.runs_dir = args.runs_dir or 'out-seeds' + '-lesson' * args.lesson
+        args.jobs = args.jobs or (1 if args.lesson else 2)
         args.runs = [os.path.join(args.runs_dir, f'seed{s}') for s in args.seeds]
+    addition_only = [f'--{f}' for f in SIZE_FLAGS if getattr(args, f)] + ['--recipe gpu'] * (args.recipe == 'gpu')
+    if args.lesson and (args.seeds is None or addition_only):
+        raise ValueError("--lesson: " + (f"{', '.join(addition_only)} set the addition job's recipe, not the "
+                                         f"lesson's; drop them" if addition_only else "it trains the lesson's "
+                                         "--seeds; give them, or the runs' folders without --lesson"))
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
     check_writable(args.out, '--out', folder=False)
@@ -84,12 +102,19 @@ def get_args(argv=None):
 
 
 def seed_command(args, seed, run):
-    """One seed's addition job: the models' --seed, the data's default --data_seed (shared)."""
-    return ([sys.executable, '-m', 'job.reproduce', '--data', 'addition', '--seed', str(seed),
-             '--out_dir', run, '--jobs', str(args.jobs), '--recipe', args.recipe]
+    """One seed's addition job (or lesson): the models' --seed, the data's default --data_seed (shared)."""
+    job = ['job.lesson'] if args.lesson else ['job.reproduce', '--data', 'addition', '--recipe', args.recipe]
+    return ([sys.executable, '-m', *job, '--seed', str(seed), '--out_dir', run, '--jobs', str(args.jobs)]
             + ['--quick'] * args.quick + ['--quiet'] * args.quiet + ['--deterministic'] * args.deterministic
             + [x for f in SIZE_FLAGS if getattr(args, f)
                for x in (f'--{f}', str(getattr(args, f)))])
+
+
+def prepared(args):
+    """Whether the problems every seed's job shares are prepared (their meta.json): until then one job
+    runs, so that two never prepare the same folder at once."""
+    data_dir = lesson_data(args.quick) if args.lesson else 'data/addition'
+    return os.path.exists(os.path.join(ROOT, data_dir, 'meta.json'))
 
 
 def train_seeds(args):
@@ -98,7 +123,7 @@ def train_seeds(args):
     os.makedirs(args.runs_dir, exist_ok=True)
     todo, running = list(zip(args.seeds, args.runs)), []
     while todo or running:
-        while todo and len(running) < args.at_once:
+        while todo and len(running) < (args.at_once if prepared(args) else 1):
             seed, run = todo.pop(0)
             cmd = seed_command(args, seed, run)
             print(f"[seed {seed}] $ python {' '.join(cmd[1:])}  > {run}.log", file=sys.stderr, flush=True)
@@ -176,7 +201,10 @@ def comparisons(accs):
                         diff_per_seed=[r['diff'] for r in per_seed],
                         mcnemar_p_per_seed=[p_of(r['log_p']) for r in per_seed],
                         mcnemar_log_p_per_seed=[r['log_p'] for r in per_seed]))
-    for row, log_p_holm in zip(out, holm_log([r['log_p'] for r in out])):
+    tested = [r for r in out if r['log_p'] is not None]  # a difference equal on every problem has no t
+    for row in out:
+        row.update(p_holm=None, log_p_holm=None, holds_holm=None)
+    for row, log_p_holm in zip(tested, holm_log([r['log_p'] for r in tested])):
         row.update(p_holm=p_of(log_p_holm), log_p_holm=log_p_holm,
                    holds_holm=bool(row['diff'] > 0) if log_p_holm < math.log(ALPHA) else None)
     return seed_level(out)
@@ -192,11 +220,10 @@ def seed_level(out):
         better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
         c['seed_level'] = dict(t_p=t.get('p'), t_df=t.get('df'), sign=[better, worse],
                                sign_p=math.exp(sign_test_log_p(better, worse)))
-    for key in ('t_p', 'sign_p'):
-        ps = [c['seed_level'][key] for c in out]
-        if None not in ps:
-            for c, p_holm in zip(out, holm(ps)):
-                c['seed_level'][f'{key}_holm'] = p_holm
+    for key in ('t_p', 'sign_p'):  # Holm over the comparisons with a p (a t needs a spread over seeds)
+        tested = [c for c in out if c['seed_level'][key] is not None]
+        for c, p_holm in zip(tested, holm([c['seed_level'][key] for c in tested])):
+            c['seed_level'][f'{key}_holm'] = p_holm
     return out
 
 
@@ -212,8 +239,9 @@ def fmt(result):
                  "problems, Holm")
     for c in result['comparisons']:
         per_seed = ' '.join(f'{d:+.3f}' for d in c['diff_per_seed'])
-        lines.append(f"  {c['what']:48s} {c['diff']:+.3f} ({c['se']:.3f})  p {format_log_p(c['log_p'])}  "
-                     f"p_holm {format_log_p(c['log_p_holm'])}  per seed {per_seed}")
+        p = (f"p {format_log_p(c['log_p'])}  p_holm {format_log_p(c['log_p_holm'])}" if c['log_p'] is not None
+             else 'p n/a (the same difference on every problem)')
+        lines.append(f"  {c['what']:48s} {c['diff']:+.3f} ({c['se']:.3f})  {p}  per seed {per_seed}")
     lines.append("the seed as the unit: paired t over the per-seed differences, Holm; exact sign test, Holm")
     for c in result['comparisons']:
         s = c['seed_level']

@@ -111,6 +111,7 @@ def stand_in_jobs(monkeypatch, body):
             f"json.dump(time.time(), open(str(run) + '.start', 'w')); sys.path.insert(0, {ROOT!r}); " + body)
     monkeypatch.setattr(seeds, 'seed_command', lambda args, seed, run: [seeds.sys.executable, '-c', code,
                                                                          str(seed), run])
+    monkeypatch.setattr(seeds, 'prepared', lambda args: True)
 
 
 def test_seeds_trains_each_seed_then_the_table(tmp_path, monkeypatch, capsys):
