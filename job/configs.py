@@ -243,6 +243,11 @@ LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson 
 )
 
 
+def lesson_data(quick):
+    """Where the lesson's problems are prepared (job.lesson's --data_dir default; job.seeds --lesson)."""
+    return 'data/lesson_quick' if quick else 'data/lesson'
+
+
 def large_batch(cfg, scale=4, step_share=0.5, trainers=('bit', 'unit'), chunk=4096):
     """--recipe gpu (docs/addition.md, "On a GPU"): a step of these models costs a GPU about the same
     at 32 sequences as at 128 (kernel launches and Python, not arithmetic), so each of `trainers`

@@ -33,7 +33,7 @@ import torch
 from data import load_meta, read_json
 from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_command, run_main, write_json
 
-from job.configs import LESSON, LESSON_QUICK
+from job.configs import LESSON, LESSON_QUICK, lesson_data
 from job.pipeline import FIX, ROOT, Pipeline
 from job.stages import check_made_with, device_flags, flags, negatives, nce, prepare_command
 from job.stats import format_p, mcnemar, mean_se
@@ -65,10 +65,6 @@ def get_args(argv=None):
     args.out_dir = args.out_dir or ('out-quick-lesson' if args.quick else 'out-lesson')
     args.data_dir = args.data_dir or lesson_data(args.quick)
     return args
-
-
-def lesson_data(quick):
-    return 'data/lesson_quick' if quick else 'data/lesson'
 
 
 @one_job  # --out_dir's lock released however main ends

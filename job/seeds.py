@@ -43,8 +43,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import read_json
 from extensions.carry import carry_lines, plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
-from job.configs import SIZE_FLAGS, size_flags
-from job.lesson import lesson_data
+from job.configs import SIZE_FLAGS, lesson_data, size_flags
 from job.pipeline import ROOT
 from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
@@ -58,13 +57,14 @@ def get_args(argv=None):
     p.add_argument('runs', nargs='*',
                    help="the --out_dir of each seed's run of job.reproduce --data addition (or --seeds)")
     p.add_argument('--seeds', type=comma_ints, default=None, at_least=0, at_most=2**63 - 1,
-                   help="train these seeds first (job.reproduce --data addition --seed S), each into "
-                        "<runs_dir>/seedS: the runs")
+                   help="train these seeds first (job.reproduce --data addition --seed S, or job.lesson "
+                        "with --lesson), each into <runs_dir>/seedS: the runs")
     p.add_argument('--runs_dir', default=None, path=True,
                    help="with --seeds: where each seed's run goes (default: out-seeds/, out-seeds-lesson/ "
                         "with --lesson)")
     p.add_argument('--lesson', action='store_true',
-                   help="with --seeds: each seed runs the lesson (python -m job.lesson), not the addition job")
+                   help="with --seeds: each seed runs the lesson (python -m job.lesson), not the addition "
+                        "job")
     p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="with --seeds: each job's --jobs (default: 2; 1 with --lesson, a chain of stages)")
     p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
@@ -88,17 +88,25 @@ def get_args(argv=None):
         args.runs_dir = args.runs_dir or 'out-seeds' + '-lesson' * args.lesson
         args.jobs = args.jobs or (1 if args.lesson else 2)
         args.runs = [os.path.join(args.runs_dir, f'seed{s}') for s in args.seeds]
-    addition_only = [f'--{f}' for f in SIZE_FLAGS if getattr(args, f)] + ['--recipe gpu'] * (args.recipe == 'gpu')
-    if args.lesson and (args.seeds is None or addition_only):
-        raise ValueError("--lesson: " + (f"{', '.join(addition_only)} set the addition job's recipe, not the "
-                                         f"lesson's; drop them" if addition_only else "it trains the lesson's "
-                                         "--seeds; give them, or the runs' folders without --lesson"))
+    if args.lesson:
+        check_lesson_flags(args)
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
     check_writable(args.out, '--out', folder=False)
     if args.plot is not None:
         check_writable(args.plot, '--plot', folder=False)
     return args
+
+
+def check_lesson_flags(args):
+    """--lesson trains --seeds with the lesson's recipe: one line naming a flag that says otherwise."""
+    recipe = [f'--{f}' for f in SIZE_FLAGS if getattr(args, f)] + ['--recipe gpu'] * (args.recipe == 'gpu')
+    if recipe:
+        raise ValueError(f"--lesson: {', '.join(recipe)} set the addition job's recipe, not the lesson's; "
+                         f"drop them")
+    if args.seeds is None:
+        raise ValueError("--lesson: it trains the lesson's --seeds; give them, or the runs' folders without "
+                         "--lesson")
 
 
 def seed_command(args, seed, run):

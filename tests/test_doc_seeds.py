@@ -229,6 +229,60 @@ SEED_CLAIMS += [
      + [100 * d for d in EXO_SEEDS['diff_per_seed']] + [1e9 * EXO_SEEDS['p']]),
 ]
 
+# README's and docs/addition.md's ten seeds of the lesson (assets/seeds_lesson.json: job.seeds --lesson)
+LESSON = asset('seeds_lesson.json')
+LS = by(LESSON['rows'], 'model', 'method')
+LS_TIME = LESSON['time']
+LS_STAGES = {k: [t[k] for t in LS_TIME['stage_seconds_by_seed'].values()]
+             for k in ('lm', 'neg_train', 'unit', 'addition_eval')}
+LS_SEED = {(c['better'][1], c['worse'][1]): c for c in LESSON['comparisons']}
+LS_MODE = [c for c in LESSON['comparisons'] if c['better'][1] == 'mode_64_exact']
+LS_A1 = [c for c in LESSON['comparisons'] if c['better'][1] == 'a1_64_exact']
+(LS_MODE_SIGN,), (LS_A1_SIGN,) = ({tuple(c['seed_level']['sign']) for c in cs} for cs in (LS_MODE, LS_A1))
+ls = lambda method, model='BASE LM': LS[model, method]['exact']
+level = lambda cs, key: [c['seed_level'][key] for c in cs]
+LS_A1_GREEDY = LS_SEED['a1_64_exact', 'greedy_exact']['diff_per_seed']
+LS_JOINT = ls('joint mode, n = 64', 'JOINT')
+SEED_CLAIMS += [
+    ('README.md', r'--lesson --at_once 2`: ([\d.]+) min on the same CPU, from a fresh clone\): the\s+mode '
+                  r'of 64 writes ([\d.]+) \(SD ([\d.]+)\) of the sums, LM greedy ([\d.]+) \(SD ([\d.]+)\); '
+                  r'the mode beats every\s+LM decoder at (\d+) of 10 seeds \(sign test p ([\d.]+), Holm '
+                  r'([\d.]+)\), Algorithm 1 at (\d) of 10 \(t over\s+seeds, Holm ([\d.]+)\)',
+     [LS_TIME['wall_s'] / 60, LS_JOINT['mean'], LS_JOINT['sd'],
+      ls('greedy')['mean'], ls('greedy')['sd'], LS_MODE_SIGN[0], max(level(LS_MODE, 'sign_p')),
+      max(level(LS_MODE, 'sign_p_holm')), LS_A1_SIGN[0], max(level(LS_A1, 't_p_holm'))]),
+    ('docs/addition.md', r'--lesson --at_once 2`,\s+\*\*([\d.]+) min\*\* wall \(([\d,]+) s of user CPU; '
+                         r'assets/seeds_lesson.json, its `time`\)\. A seed took (\d+)-(\d+) s\s+of one core: '
+                         r'the LM (\d+)-(\d+) s, the negatives (\d+)-(\d+) s, the UNIT (\d+)-(\d+) s, the '
+                         r'table (\d+)-(\d+) s',
+     [LS_TIME['wall_s'] / 60, LS_TIME['user_s']]
+     + [f(sum(t.values()) for t in LS_TIME['stage_seconds_by_seed'].values()) for f in (min, max)]
+     + [f(v) for v in LS_STAGES.values() for f in (min, max)]),
+    *[('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \|(?! [\d.])',  # its 2 columns
+       [ls(method, model)[k] for k in ('mean', 'sd', 'min', 'max')]) for label, model, method in (
+        ('LM greedy', 'BASE LM', 'greedy'), ('LM, majority vote of 64', 'BASE LM', 'majority vote, n = 64'),
+        ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
+        ('LM, any of 64 correct', 'BASE LM', 'oracle, n = 64'),
+        ('joint: Algorithm 1 of 64', 'JOINT', 'Algorithm 1, n = 64'),
+        ('joint: mode of 64', 'JOINT', 'joint mode, n = 64'))],
+    ('docs/addition.md', r'\(Holm over the (\d) comparisons\), the mode of 64 beats each LM decoder at '
+                         r'(\d+)\s+of 10 seeds \(sign test p ([\d.]+), Holm ([\d.]+); t over seeds p '
+                         r'([\d.e-]+) to ([\d.e-]+)\)\. Algorithm 1 beats\s+each at (\d) of 10 \(sign test '
+                         r'Holm ([\d.]+); t Holm ([\d.]+)\): at seed (\d) it is ([\d.]+) below LM greedy\. '
+                         r'With the\s+problem as the unit, Holm-adjusted p at most ([\d.]+)e-19\.',
+     [len(LESSON['comparisons']), LS_MODE_SIGN[0], max(level(LS_MODE, 'sign_p')),
+      max(level(LS_MODE, 'sign_p_holm')), min(level(LS_MODE, 't_p')), max(level(LS_MODE, 't_p')),
+      LS_A1_SIGN[0], max(level(LS_A1, 'sign_p_holm')), max(level(LS_A1, 't_p_holm')),
+      LESSON['seeds'][LS_A1_GREEDY.index(min(LS_A1_GREEDY))], -min(LS_A1_GREEDY),
+      1e19 * max(c['p_holm'] for c in LESSON['comparisons'])]),
+    ('docs/addition.md', r'seed 1337\'s\s+models are not those of README\'s table \(two threads\): its mode '
+                         r'writes ([\d.]+) here',
+     [LS_JOINT['per_seed'][LESSON['seeds'].index(1337)]]),
+    ('docs/addition.md', r'the lesson\'s ten seeds \(4 digits; the LM, a UNIT, no baselines\) take '
+                         r'([\d.]+)\s+min',
+     [LS_TIME['wall_s'] / 60]),
+]
+
 
 def test_seed_table_numbers_equal_the_committed_tables():
     """Every row of SEED_CLAIMS: the number docs/addition.md states is the committed table's."""

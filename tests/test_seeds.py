@@ -245,3 +245,69 @@ def test_exo_set_tables_are_their_outcomes():
             assert c['seed_t_p'] == pytest.approx(stats.paired(c['per_seed_diff'])['p'], rel=1e-9), c['name']
             d = c['per_seed_diff']
             assert c['sign'] == [sum(x > 0 for x in d), sum(x < 0 for x in d)], c['name']
+
+
+def test_lesson_seeds_run_the_lesson():
+    """--lesson: each seed's job is the lesson's command (its --seed, the folder, --jobs 1: a chain),
+    which job.lesson parses as that seed's run, into out-seeds-lesson/ by default; the addition job's
+    recipe flags and --lesson without --seeds are refused with one line."""
+    from job import lesson
+    args = seeds.get_args(['--seeds', '1,2', '--lesson', '--quick'])
+    assert args.runs == [os.path.join('out-seeds-lesson', f'seed{s}') for s in (1, 2)] and args.jobs == 1
+    cmd = seeds.seed_command(args, 2, args.runs[1])
+    assert cmd[1:3] == ['-m', 'job.lesson']
+    parsed = lesson.get_args(cmd[3:])
+    assert (parsed.seed, parsed.out_dir, parsed.jobs, parsed.quick) == (2, args.runs[1], 1, True)
+    assert parsed.data_seed == lesson.get_args([]).data_seed  # the seeds share the problems
+    job = seeds.get_args(['--seeds', '1,2'])
+    assert (job.jobs, job.runs_dir) == (2, 'out-seeds')
+    for extra, what in ((['--lm_max_iters', '7000'], '--lm_max_iters'),
+                        (['--recipe', 'gpu'], '--recipe gpu')):
+        with pytest.raises(ValueError, match=f"--lesson: {what} set the addition job's recipe"):
+            seeds.get_args(['--seeds', '1,2', '--lesson'] + extra)
+    with pytest.raises(ValueError, match="--lesson: it trains the lesson's --seeds"):
+        seeds.get_args(['a', 'b', '--lesson'])
+
+
+def test_one_job_prepares_the_shared_problems_before_another_starts(tmp_path, monkeypatch):
+    """Until the problems are prepared one seed's job runs, whatever --at_once: two jobs never prepare
+    the same folder at once. Here the first job 'prepares' them 1 s in, the second starts after that."""
+    stand_in_jobs(monkeypatch, "time.sleep(1); open(str(run.parent / 'meta.json'), 'w').close(); "
+                               "json.dump(time.time(), open(str(run) + '.prepared', 'w')); "
+                               "time.sleep(0.5); from tests.test_seeds import fake_run; "
+                               "fake_run(run, seed, [1, 1, 0], [1, 0, 0])")
+    runs = tmp_path / 'runs'
+    monkeypatch.setattr(seeds, 'prepared', lambda args: (runs / 'meta.json').exists())
+    monkeypatch.setattr(seeds, 'POLL_S', 0.05)
+    seeds.main(['--seeds', '1,2', '--runs_dir', str(runs), '--at_once', '2',
+                '--out', str(tmp_path / 't.json')])
+    when = lambda s, what: json.load(open(runs / f'seed{s}.{what}'))
+    assert when(1, 'prepared') <= when(2, 'start')
+    assert (tmp_path / 't.json').exists()
+
+
+def test_a_difference_with_no_spread_is_left_out_of_holms_family(tmp_path):
+    """A comparison whose two decoders write the same outcome on every problem at every seed has no t
+    (SE 0): its p is None and it is left out of Holm's family (the others adjusted over the rest, as
+    stats.holm of their p alone); the table says so instead of a traceback."""
+    rng = np.random.default_rng(2)
+    lm = (rng.random((2, 300)) < 0.7).astype(int)
+    joint = np.maximum(lm, (rng.random((2, 300)) < 0.5)).astype(int)
+    runs = []
+    for i, s in enumerate((1, 2)):
+        run = fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist())
+        acc = json.loads(open(os.path.join(run, 'accuracy.json')).read())
+        acc['per_problem']['BASE LM']['rerank_4_exact'] = joint[i].tolist()  # mode vs rerank: no spread
+        open(os.path.join(run, 'accuracy.json'), 'w').write(json.dumps(acc))
+        runs.append(run)
+    out = tmp_path / 'seeds.json'
+    seeds.main([*runs, '--out', str(out)])
+    comps = json.loads(out.read_text())['comparisons']
+    none = [c for c in comps if c['log_p'] is None]
+    assert [c['what'] for c in none] == ['Alg. 1 > LM log-prob rerank (n = 4)',
+                                         'joint mode > LM log-prob rerank (n = 4)']
+    assert all(c['p_holm'] is None and c['holds_holm'] is None and c['diff'] == 0 for c in none)
+    tested = [c for c in comps if c['log_p'] is not None]
+    assert len(tested) == 4
+    assert [c['p_holm'] for c in tested] == pytest.approx(stats.holm([c['p'] for c in tested]))
+    assert 'p n/a (the same difference on every problem)' in (tmp_path / 'seeds.txt').read_text()
