@@ -18,13 +18,14 @@ joint model against the LM's decoders, without BALM, RALM, TaiLr or EXO. The see
 problems (each job's default --data_seed); the first job prepares them before another starts.
 
 With --seeds, each seed's job (python -m job.reproduce --data addition --seed S --out_dir
-<runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time (on one GPU they
-share it; on a CPU, 1 with --jobs 2, or a core each: OMP_NUM_THREADS=1, --jobs 1, --at_once 2 on two
-cores, the same numbers but EXO's, which --jobs 2 runs on both cores), each into its folder and log
-(<runs_dir>/seedS.log); a rerun of the same command skips what is done and resumes what was stopped,
-as job.reproduce does. Writes the JSON and, beside it, the same as a table (.txt), and every seed's
-per-problem outcomes (_outcomes.json.gz), from which the comparisons can be recomputed; with --plot,
-exact match by the longest carry chain and by the lookahead (extensions/carry.py), a PNG.
+<runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time, each on cores //
+--at_once threads (on one GPU they share it; on a CPU, 1 with --jobs 2, or a core each: --jobs 1
+--at_once 2 on two cores, the same numbers but EXO's, which --jobs 2 runs on both cores), each into
+its folder and log (<runs_dir>/seedS.log); a rerun of the same command skips what is done and
+resumes what was stopped, as job.reproduce does. Writes the JSON and, beside it, the same as a
+table (.txt), and every seed's per-problem outcomes (_outcomes.json.gz), from which the comparisons
+can be recomputed; with --plot, exact match by the longest carry chain and by the lookahead
+(extensions/carry.py), a PNG.
 """
 
 import gzip
@@ -37,6 +38,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.seeds")
@@ -68,13 +70,16 @@ def get_args(argv=None):
     p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="with --seeds: each job's --jobs (default: 2; 1 with --lesson, a chain of stages)")
     p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
-                   help="with --seeds: seeds trained at a time (sharing a GPU; or on a CPU with "
-                        "OMP_NUM_THREADS=1 and --jobs 1, a core each)")
+                   help="with --seeds: seeds trained at a time, each job on cores // --at_once threads "
+                        "(OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if set, else torch's default): on 2 "
+                        "cores, 2 with --jobs 1 trains two seeds side by side on a core each")
     p.add_argument('--recipe', default='cpu', choices=['cpu', 'gpu'],
                    help="with --seeds: each job's --recipe")
     size_flags(p, "with --seeds, each job's flag")
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
-    p.add_argument('--out', default='out/seeds_addition.json', help='the JSON (the table: .txt beside it)')
+    p.add_argument('--out', default=None,
+                   help='the JSON (the table: .txt beside it; default: out/seeds_addition.json, '
+                        'out/seeds_lesson.json with --lesson)')
     p.add_argument('--plot', default=None,
                    help="a PNG of exact match by the problem's longest carry chain and by its lookahead, "
                         "mean over the seeds (needs matplotlib)")
@@ -90,6 +95,7 @@ def get_args(argv=None):
         args.runs = [os.path.join(args.runs_dir, f'seed{s}') for s in args.seeds]
     if args.lesson:
         check_lesson_flags(args)
+    args.out = args.out or f"out/seeds_{'lesson' if args.lesson else 'addition'}.json"
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
     check_writable(args.out, '--out', folder=False)
@@ -125,6 +131,12 @@ def prepared(args):
     return os.path.exists(os.path.join(ROOT, data_dir, 'meta.json'))
 
 
+def job_env(args):
+    """Each seed's job on cores // --at_once threads (OMP_NUM_THREADS), as job.reproduce gives each
+    stage cores // --jobs: the jobs at once never hold more threads than the cores."""
+    return dict(os.environ, OMP_NUM_THREADS=str(max(1, torch.get_num_threads() // args.at_once)))
+
+
 def train_seeds(args):
     """Each seed's addition job, --at_once at a time (the next starts as soon as any ends), each into its
     folder and log; one line naming the log of a job that failed (a rerun resumes it)."""
@@ -136,7 +148,8 @@ def train_seeds(args):
             cmd = seed_command(args, seed, run)
             print(f"[seed {seed}] $ python {' '.join(cmd[1:])}  > {run}.log", file=sys.stderr, flush=True)
             with open(f'{run}.log', 'w') as log:
-                running.append((seed, run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+                running.append((seed, run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                            env=job_env(args))))
         ended = [r for r in running if r[2].poll() is not None]
         if not ended:
             time.sleep(POLL_S)

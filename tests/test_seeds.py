@@ -311,3 +311,19 @@ def test_a_difference_with_no_spread_is_left_out_of_holms_family(tmp_path):
     assert len(tested) == 4
     assert [c['p_holm'] for c in tested] == pytest.approx(stats.holm([c['p'] for c in tested]))
     assert 'p n/a (the same difference on every problem)' in (tmp_path / 'seeds.txt').read_text()
+
+
+def test_each_job_takes_its_share_of_the_cores(tmp_path, monkeypatch):
+    """--at_once K: each seed's job runs on cores // K threads (OMP_NUM_THREADS in its environment, at
+    least 1), so K jobs never hold more threads than the cores; --out defaults to the job's own table."""
+    stand_in_jobs(monkeypatch, "import os; json.dump(os.environ['OMP_NUM_THREADS'], "
+                               "open(str(run) + '.threads', 'w')); from tests.test_seeds import fake_run; "
+                               "fake_run(run, seed, [1, 1, 0], [1, 0, 0])")
+    monkeypatch.setattr(seeds.torch, 'get_num_threads', lambda: 4)
+    for at_once, want in ((1, '4'), (2, '2'), (3, '1'), (8, '1')):
+        runs = tmp_path / f'runs{at_once}'
+        seeds.main(['--seeds', '1,2', '--runs_dir', str(runs), '--at_once', str(at_once),
+                    '--out', str(tmp_path / 't.json')])
+        assert [json.load(open(runs / f'seed{s}.threads')) for s in (1, 2)] == [want, want], at_once
+    assert seeds.get_args(['--seeds', '1,2']).out == 'out/seeds_addition.json'
+    assert seeds.get_args(['--seeds', '1,2', '--lesson']).out == 'out/seeds_lesson.json'
