@@ -6,6 +6,7 @@ freed memory goes.
 import ctypes
 import os
 import re
+import shutil
 import sys
 import time
 import zlib
@@ -139,6 +140,16 @@ def pick_device(device='auto'):
     if not (device in ('cpu', 'mps') or device.startswith('cuda')):
         raise ValueError(f"--device {device}: use auto, cpu, cuda, cuda:N or mps")
     return device
+
+
+def check_compiler(device, environ=os.environ):
+    """--compile on a CPU: torch.compile writes C++ kernels and builds them (inductor) at the first
+    step, so a C++ compiler must be there; one line where none is, not a build error deep in it."""
+    if pick_device(device).startswith('cpu') and not any(
+            shutil.which(c) for c in (environ.get('CXX'), 'g++', 'c++', 'clang++') if c):
+        raise ValueError("--compile: on a CPU torch.compile builds C++ kernels, and no C++ compiler "
+                         "($CXX, g++, c++ or clang++) was found: install one (e.g. apt install g++), or drop "
+                         "--compile")
 
 
 # sampling and scoring on a CPU with bf16 units: bf16 measured 0.7x fp32 for the main job's 80-96 wide

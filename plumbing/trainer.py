@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from plumbing.device import check_compiler
 from plumbing.files import checked_load, checkpoint_iter, finite, save_checkpoints, write_json, write_text
 from plumbing.run import (FLAG_OF, ArgumentParser, check_heads, check_writable, common_flags,
                           lock_folder, new_folder, progress, rerun_command, run_main)
@@ -64,14 +65,16 @@ MAX_GRAD_ACCUM = 2**16
 
 def check_training_flags(args, argv, fixed, saved_flags, load=checked_load, sources=None):
     """Beyond the bounds training_parser declares (each flag's own): heads that divide the
-    width, a --patience that can fire within --max_iters, and --out_dir writable (and removed if
-    the run creates it and then fails before saving anything); --lr_decay_iters defaults to
-    --max_iters, --grad_accum to one micro-batch per process. With --resume, those given (argv)
-    agree with the checkpoint (check_resume: fixed, saved_flags; load reads it, checked), and
-    args.sources = sources(args), the hashes of its inputs, those it recorded."""
+    width, a --patience that can fire within --max_iters, a C++ compiler for --compile on a CPU, and
+    --out_dir writable (and removed if the run creates it and then fails before saving anything);
+    --lr_decay_iters defaults to --max_iters, --grad_accum to one micro-batch per process. With
+    --resume, those given (argv) agree with the checkpoint (check_resume: fixed, saved_flags; load
+    reads it, checked), and args.sources = sources(args), the hashes of its inputs, those it recorded."""
     if args.n_embd and args.n_head and not getattr(args, 'match_params', None):  # BALM: width comes later
         check_heads(args.n_embd, args.n_head)
     check_patience(args.patience, args.max_iters, args.eval_interval)
+    if args.compile:
+        check_compiler(args.device)
     check_writable(args.out_dir, '--out_dir')
     new_folder(args.out_dir, keep=('ckpt.pt', 'best.pt'))  # a run that fails before saving leaves none
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters

@@ -4,6 +4,7 @@ policy decided as a script starts (its re-execution), what importing the support
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -315,3 +316,42 @@ def test_every_stage_takes_deterministic_and_the_jobs_pass_it_on():
     assert all(given[name].count('--deterministic') == 1 for name in with_device), with_device
     cmd = seeds.seed_command(seeds.get_args(['--seeds', '1,2', '--deterministic']), 1, 'r/seed1')
     assert '--deterministic' in cmd
+
+
+def test_compile_on_a_cpu_needs_a_cpp_compiler(lm_corpus, tmp_path, monkeypatch):
+    """--compile on a CPU (both trainers' check_training_flags) with no C++ compiler found, neither $CXX
+    nor g++, c++, clang++ on the PATH: one line naming it and the fix, before --out_dir is made; any one
+    of them found passes."""
+    import train_lm
+    from plumbing import device
+    only = lambda found: (lambda name: name if name == found else None)  # shutil.which finding one name
+    monkeypatch.setattr(device.shutil, 'which', only(None))
+    out = tmp_path / 'run'
+    refusal = r"--compile: on a CPU torch.compile builds C\+\+ kernels, and no C\+\+ compiler"
+    with pytest.raises(ValueError, match=refusal + r" .* install one \(e.g. apt install g\+\+\), or drop"):
+        train_lm.main(['--data_dir', lm_corpus, '--out_dir', str(out), '--max_iters', '2', '--eval_interval',
+                       '2', '--compile', *TRAIN_FLAGS])
+    assert not out.exists()
+    with pytest.raises(ValueError, match=refusal):
+        device.check_compiler('cpu', {'CXX': '/opt/cxx'})
+    for found, environ in (('g++', {}), ('clang++', {}), ('/opt/cxx', {'CXX': '/opt/cxx'})):
+        monkeypatch.setattr(device.shutil, 'which', only(found))
+        device.check_compiler('cpu', environ)
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ('g++', 'c++', 'clang++')), reason='no C++ compiler')
+def test_compile_trains_what_eager_trains(lm_corpus, tmp_path):
+    """train_lm.py --compile (torch.compile's C++ kernels on a CPU, about 25 s to build here): the same
+    3 steps in float32 save the same weights under the same names (the model's, not the compiled
+    wrapper's) to float rounding, and the same selection loss."""
+    argv = ['train_lm.py', '--data_dir', lm_corpus, '--final_eval', '0', '--max_iters', '3',
+            '--eval_interval', '3', *TRAIN_FLAGS]
+    runs = {k: str(tmp_path / k) for k in ('eager', 'compiled')}
+    res = run_scripts([argv + ['--out_dir', runs['eager']],
+                       argv + ['--out_dir', runs['compiled'], '--compile']])
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    a, b = (load_checkpoint(os.path.join(runs[k], 'best.pt')) for k in ('eager', 'compiled'))
+    assert list(a['model']) == list(b['model'])
+    assert [a['args']['compile'], b['args']['compile']] == [False, True]
+    assert max((a['model'][k] - b['model'][k]).abs().max().item() for k in a['model']) < 1e-4
+    assert b['best']['loss'] == pytest.approx(a['best']['loss'], abs=1e-5)
