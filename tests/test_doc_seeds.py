@@ -247,7 +247,8 @@ SEED_CLAIMS += [
     ('README.md', r'--lesson\s+--at_once 2` took ([\d.]+) min on the same CPU from a fresh clone, two seeds '
                   r'side by side on a thread\s+each\. The mode of 64 writes ([\d.]+) \(SD ([\d.]+)\) of the '
                   r'sums, LM greedy ([\d.]+) \(SD ([\d.]+)\); the mode beats every\s+LM decoder at (\d+) of '
-                  r'10 seeds \(sign test p ([\d.]+), Holm ([\d.]+)\), Algorithm 1 at (\d) of 10 \(t over\s+seeds, Holm ([\d.]+)\)',
+                  r'10 seeds \(sign test p ([\d.]+), Holm ([\d.]+)\), Algorithm 1 at (\d) of 10 \(t over'
+                  r'\s+seeds, Holm ([\d.]+)\)',
      [LS_TIME['wall_s'] / 60, LS_JOINT['mean'], LS_JOINT['sd'],
       ls('greedy')['mean'], ls('greedy')['sd'], LS_MODE_SIGN[0], max(level(LS_MODE, 'sign_p')),
       max(level(LS_MODE, 'sign_p_holm')), LS_A1_SIGN[0], max(level(LS_A1, 't_p_holm'))]),
