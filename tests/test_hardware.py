@@ -285,17 +285,21 @@ def test_deterministic_sets_pytorchs_switches():
     assert out['off'] == "[False, False, None]"
 
 
+def with_and_without(corpus, tmp_path, flag, max_iters, eval_interval):
+    """train_lm.py on `corpus` without `flag`, then with it (at once): their (results, best.pt's)."""
+    argv = ['train_lm.py', '--data_dir', corpus, '--final_eval', '0', '--max_iters', str(max_iters),
+            '--eval_interval', str(eval_interval), *TRAIN_FLAGS]
+    runs = [str(tmp_path / 'without'), str(tmp_path / 'with')]
+    res = run_scripts([argv + ['--out_dir', runs[0]], argv + ['--out_dir', runs[1], flag]])
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    return res, [load_checkpoint(os.path.join(run, 'best.pt')) for run in runs]
+
+
 def test_deterministic_changes_no_number_on_a_cpu(lm_corpus, tmp_path):
     """train_lm.py --deterministic on a CPU (whose kernels repeat already) writes the weights the run
     without it writes, says so on stderr and records the flag; a run without it says nothing."""
-    argv = ['train_lm.py', '--data_dir', lm_corpus, '--final_eval', '0', '--max_iters', '4',
-            '--eval_interval', '2', *TRAIN_FLAGS]
-    runs = {k: str(tmp_path / k) for k in ('plain', 'deterministic')}
-    res = run_scripts([argv + ['--out_dir', runs['plain']],
-                       argv + ['--out_dir', runs['deterministic'], '--deterministic']])
-    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    res, (a, b) = with_and_without(lm_corpus, tmp_path, '--deterministic', max_iters=4, eval_interval=2)
     assert ['deterministic: on' in r.stderr for r in res] == [False, True]
-    a, b = (load_checkpoint(os.path.join(runs[k], 'best.pt')) for k in ('plain', 'deterministic'))
     assert [a['args']['deterministic'], b['args']['deterministic']] == [False, True]
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
 
@@ -344,13 +348,7 @@ def test_compile_trains_what_eager_trains(lm_corpus, tmp_path):
     """train_lm.py --compile (torch.compile's C++ kernels on a CPU, about 25 s to build here): the same
     3 steps in float32 save the same weights under the same names (the model's, not the compiled
     wrapper's) to float rounding, and the same selection loss."""
-    argv = ['train_lm.py', '--data_dir', lm_corpus, '--final_eval', '0', '--max_iters', '3',
-            '--eval_interval', '3', *TRAIN_FLAGS]
-    runs = {k: str(tmp_path / k) for k in ('eager', 'compiled')}
-    res = run_scripts([argv + ['--out_dir', runs['eager']],
-                       argv + ['--out_dir', runs['compiled'], '--compile']])
-    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
-    a, b = (load_checkpoint(os.path.join(runs[k], 'best.pt')) for k in ('eager', 'compiled'))
+    _, (a, b) = with_and_without(lm_corpus, tmp_path, '--compile', max_iters=3, eval_interval=3)
     assert list(a['model']) == list(b['model'])
     assert [a['args']['compile'], b['args']['compile']] == [False, True]
     assert max((a['model'][k] - b['model'][k]).abs().max().item() for k in a['model']) < 1e-4
