@@ -42,7 +42,7 @@ import torch
 
 if not __package__:  # run as a file: the repo root is not on the path
     sys.exit("error: run it as a module from the repo root: python -m job.seeds")
-from data import read_json
+from data import load_meta, read_json
 from extensions.carry import carry_lines, plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
 from job.configs import SIZE_FLAGS, lesson_data, size_flags
@@ -125,10 +125,15 @@ def seed_command(args, seed, run):
 
 
 def prepared(args):
-    """Whether the problems every seed's job shares are prepared (their meta.json): until then one job
-    runs, so that two never prepare the same folder at once."""
-    data_dir = lesson_data(args.quick) if args.lesson else 'data/addition'
-    return os.path.exists(os.path.join(ROOT, data_dir, 'meta.json'))
+    """Whether the problems every seed's job shares are prepared (their meta.json): the job's, and with
+    --test_problems above its test split the accuracy table's (job.reproduce's accuracy_data). Until
+    then one job runs, so that two never prepare the same folder at once."""
+    done = lambda data_dir: os.path.exists(os.path.join(ROOT, data_dir, 'meta.json'))
+    if args.lesson or not done('data/addition'):
+        return done(lesson_data(args.quick) if args.lesson else 'data/addition')
+    n = args.test_problems
+    return not n or n <= load_meta(os.path.join(ROOT, 'data/addition'))['num_docs']['test'] or done(
+        f'data/addition_test{n}')
 
 
 def job_env(args):

@@ -327,3 +327,22 @@ def test_each_job_takes_its_share_of_the_cores(tmp_path, monkeypatch):
         assert [json.load(open(runs / f'seed{s}.threads')) for s in (1, 2)] == [want, want], at_once
     assert seeds.get_args(['--seeds', '1,2']).out == 'out/seeds_addition.json'
     assert seeds.get_args(['--seeds', '1,2', '--lesson']).out == 'out/seeds_lesson.json'
+
+
+def test_prepared_waits_for_every_shared_folder(tmp_path, monkeypatch):
+    """prepared: the lesson's problems for --lesson; the addition job's, and with --test_problems above
+    their test split the accuracy table's folder too (both made by the first job alone)."""
+    from data.addition import prepare
+    monkeypatch.setattr(seeds, 'ROOT', str(tmp_path))
+    make = lambda folder, test=5: prepare.main(['--out_dir', str(tmp_path / folder), '--train_problems', '20',
+                                                '--select_problems', '2', '--val_problems', '2',
+                                                '--test_problems', str(test), '--quiet'])
+    args = lambda *extra: seeds.get_args(['--seeds', '1,2', *extra])
+    assert not seeds.prepared(args()) and not seeds.prepared(args('--lesson'))
+    make('data/addition')
+    assert seeds.prepared(args()) and seeds.prepared(args('--test_problems', '5'))
+    assert not seeds.prepared(args('--test_problems', '1000')) and not seeds.prepared(args('--lesson'))
+    make('data/addition_test1000', 1000)
+    make('data/lesson')
+    assert seeds.prepared(args('--test_problems', '1000')) and seeds.prepared(args('--lesson'))
+    assert not seeds.prepared(args('--lesson', '--quick'))
