@@ -254,8 +254,8 @@ SEED_CLAIMS += [
       max(level(LS_MODE, 'sign_p_holm')), LS_A1_SIGN[0], max(level(LS_A1, 't_p_holm'))]),
     ('docs/addition.md', r'--lesson --at_once 2`,\s+\*\*([\d.]+) min\*\* wall \(([\d,]+) s of user CPU; '
                          r'assets/seeds_lesson.json, its `time`[^)]{0,80}\)\. A seed took (\d+)-(\d+) s\s+of '
-                         r'one core: the LM (\d+)-(\d+) s, the negatives (\d+)-(\d+) s, the UNIT (\d+)-(\d+) s, the '
-                         r'table (\d+)-(\d+) s',
+                         r'one core: the LM (\d+)-(\d+) s, the negatives (\d+)-(\d+) s, the UNIT (\d+)-(\d+) '
+                         r's, the table (\d+)-(\d+) s',
      [LS_TIME['wall_s'] / 60, LS_TIME['user_s']]
      + [f(sum(t.values()) for t in LS_TIME['stage_seconds_by_seed'].values()) for f in (min, max)]
      + [f(v) for v in LS_STAGES.values() for f in (min, max)]),
