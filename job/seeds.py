@@ -146,9 +146,10 @@ def train_seeds(args):
     """Each seed's addition job, --at_once at a time (the next starts as soon as any ends), each into its
     folder and log; one line naming the log of a job that failed (a rerun resumes it)."""
     os.makedirs(args.runs_dir, exist_ok=True)
-    todo, running = list(zip(args.seeds, args.runs)), []
+    todo, running, ready = list(zip(args.seeds, args.runs)), [], False
     while todo or running:
-        while todo and len(running) < (args.at_once if prepared(args) else 1):
+        ready = ready or prepared(args)  # read until the first job has prepared the problems, not after
+        while todo and len(running) < (args.at_once if ready else 1):
             seed, run = todo.pop(0)
             cmd = seed_command(args, seed, run)
             print(f"[seed {seed}] $ python {' '.join(cmd[1:])}  > {run}.log", file=sys.stderr, flush=True)

@@ -31,11 +31,6 @@ CLAIMS += [('docs/addition.md', r'\| lookahead' + LOOK_CELLS.replace(r'([\d.,]+)
                  [LOOK['count'][v] for v in LOOK_VALUES])]
 CLAIMS += [('docs/addition.md', rf'\| {re.escape(label)}' + LOOK_CELLS,
                  [LOOK['exact'][m][c][v] for v in LOOK_VALUES]) for label, (m, c) in LOOK_ROWS.items()]
-BEAM_LOOK = [LOOK['exact']['JOINT']['beam_64_exact'][v] for v in LOOK_VALUES]
-CLAIMS += [('README.md', r'There LM greedy falls from ([\d.]+) to ([\d.]+) as the columns a digit waits '
-                              r'on\s+grow from (\d) to (\d); the mode stays at (\d\.\d+)',
-                 [LOOK['exact']['BASE LM']['greedy_exact'][v] for v in (LOOK_VALUES[0], LOOK_VALUES[-1])]
-                 + [int(LOOK_VALUES[0]), int(LOOK_VALUES[-1])] + [min(BEAM_LOOK)])]
 SET_ERRORS = {v: LOOK['count'][v] * (1 - LOOK['exact']['EXO_SET_MASS']['greedy_exact'][v])
               for v in LOOK_VALUES}
 FAR = [v for v in LOOK_VALUES if int(v) >= 3]

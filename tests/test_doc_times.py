@@ -7,6 +7,7 @@ the runs said to have changed only the time made the same models and tables.
 import math
 import statistics
 
+from job.configs import ADDITION
 from tests.common import asset, assert_json_claims_hold, claimed_docs, json_mismatches
 
 ADD_TIMES, H200 = asset('results_addition.json')['timings_s'], asset('gpu_h200_addition.json')
@@ -57,7 +58,7 @@ D_BENCH, D_LAST, PROBE = DISTINCT['bench'], DISTINCT['runs'][-1], DISTINCT['exo_
 JSON_CLAIMS += [wide_row(r) for r in DISTINCT['runs']]
 JSON_CLAIMS += [
     ('docs/addition.md', r'about 2 distinct\s+answers \(([\d.]+) after the eighth token',
-     [DISTINCT['continuation_counts']['mean_by_token'][-1]]),
+     [DISTINCT['continuation_share']['share_by_token'][-1] * ADDITION['neg']['num_samples']]),
     ('docs/addition.md', r'\(([\d.]+) distinct of 16\),\s+([\d.]+)x the samples a second of decoding every '
                          r'row, the same tokens; with a random LM, whose 16\s+samples are all distinct, '
                          r'([\d.]+)x \(the bookkeeping costs nothing measurable\); a BIT scoring the'
@@ -227,9 +228,8 @@ def test_distinct_decoding_changed_only_the_time():
     for r in DISTINCT['runs']:
         assert math.isclose(r['core_s'], sum(r['timings_s'].values()) + r['timings_s']['exo'], abs_tol=0.2)
     assert D_BENCH['distinct_random_same_tokens'] and D_BENCH['distinct_sharpened_same_tokens']
-    h = DISTINCT['continuation_counts']  # counts of continuations, growing with each token: not shares
-    counts = h['mean_by_token']
-    assert 1 <= counts[0] and counts == sorted(counts) and counts[-1] <= h['samples_per_problem']
+    shares = DISTINCT['continuation_share']['share_by_token']  # of the job's samples, growing with each token
+    assert 1 / ADDITION['neg']['num_samples'] <= shares[0] and shares == sorted(shares) and shares[-1] <= 1
 
 
 def test_freed_memory_changed_only_the_time():
