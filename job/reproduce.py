@@ -227,12 +227,13 @@ def main(argv=None):
 
 def lesson(pipe, args):
     """The lesson (python -m job.lesson, into <out_dir>/lesson): the energy fixing its LM in minutes, its
-    table on screen before the hour of Table 1."""
+    table on screen before the hour of Table 1. Wide with --jobs N: it runs alone first anyway, so on every
+    core, and its numbers are those of `python -m job.lesson` (README's table) whatever --jobs."""
     out = os.path.join(args.out_dir, 'lesson')
     pipe.run('lesson', ['-m', 'job.lesson', '--out_dir', out, '--seed', str(args.seed), '--data_seed',
                         str(args.data_seed), '--dtype', args.dtype] + device_flags(args)
              + ['--quick'] * args.quick + ['--quiet'] * args.quiet, os.path.join(out, 'lesson.json'),
-             folder=out)
+             folder=out, wide=True)
     pipe.wait('lesson')
     if args.jobs > 1:  # its output went to its log
         print(open(os.path.join(out, 'lesson.txt')).read(), flush=True)

@@ -87,6 +87,26 @@ def test_pipeline_wide_stage_runs_alone_on_every_slot(tmp_path):
     assert ran['wide']['threads'] == '2' and ran['other']['threads'] == ran['after']['threads'] == '1'
 
 
+def test_the_lesson_is_wide(tmp_path, capsys):
+    """With --jobs 2 the lesson (which runs alone, before every other stage) is declared wide: on every
+    core, so its table is `python -m job.lesson`'s (README's), not a one-thread run's."""
+    from job import reproduce
+    args = reproduce.get_args(['--jobs', '2', '--out_dir', str(tmp_path)])
+    (tmp_path / 'lesson').mkdir()
+    (tmp_path / 'lesson' / 'lesson.txt').write_text('the table\n')
+    declared = {}
+
+    class Pipe:
+        def run(self, name, cmd, done, deps=(), folder=None, wide=False):
+            declared[name] = wide
+
+        def wait(self, name=None):
+            pass
+
+    reproduce.lesson(Pipe(), args)
+    assert declared == {'lesson': True} and 'the table' in capsys.readouterr().out
+
+
 def test_pipeline_jobs_failure_stops_the_others_with_one_line(tmp_path):
     """--jobs 2: a stage that fails stops the one running beside it (killed, within seconds: every
     stage resumes), and the job ends with one line naming the stage, its log and its last line."""
