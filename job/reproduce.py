@@ -23,13 +23,14 @@ training with its own negatives and BIT, beside BALM at the same step.
 --jobs N (like make -j; on a GPU the stages share it; default 1, 2 with --quick): a stage starts as
 soon as those it depends on have ended and fewer than N run, the one heading the longest chain of
 measured stage times first (job.configs.STAGE_SECONDS: the critical path LM -> negatives -> energies
--> EXO before the baselines), each on cores // N threads (OMP_NUM_THREADS; the addition job's EXO,
-the chain's last long stage, runs alone on every core), its output in <out_dir>/<stage>.log; the
-terminal gets each command and one line as it ends (--jobs 1: each stage in the terminal, on every
-core). A failed stage stops the others and names its log;
-Ctrl-C stops them all. Threads change float rounding, so a stage's thread count follows --jobs and
-the cores, never timing: the numbers depend on them (on 2 cores, --jobs 2 gives those of
-OMP_NUM_THREADS=1 --jobs 1 but for the wide EXO's and what reads it), never on the schedule.
+-> EXO before the baselines), each on cores // N threads (OMP_NUM_THREADS; the lesson, first, and
+the chain's last long stage, the addition job's EXO or Shakespeare's Table 1, run alone on every
+core: wide), its output in <out_dir>/<stage>.log; the terminal gets each command and one line as it
+ends (--jobs 1: each stage in the terminal, on every core). A failed stage stops the others and
+names its log; Ctrl-C stops them all. Threads change float rounding, so a stage's thread count
+follows --jobs and the cores, never timing: the numbers depend on them (on 2 cores, --jobs 2 gives
+those of OMP_NUM_THREADS=1 --jobs 1 but for the wide stages' and what reads them), never on the
+schedule.
 
     python -m job.reproduce                      # 46 min on an idle 2-core AMD EPYC with bf16 (README)
     python -m job.reproduce --quick              # 91 s there, tiny models: the CI smoke test
@@ -111,10 +112,11 @@ def get_args(argv=None):
                         "stages are bound by process starts, not arithmetic (measured: docs/reports.md). "
                         "N > 1: a stage starts once those it needs have ended (the longest chain of "
                         "stage times first), on cores // N threads (OMP_NUM_THREADS; cores: "
-                        "$OMP_NUM_THREADS if set, else torch's default; the addition job's EXO: alone, on "
-                        "every core), its output in <out_dir>/<stage>.log. Threads change float rounding: "
-                        "the per-stage count follows --jobs and the cores, never timing, so the numbers "
-                        "depend on them (as OMP_NUM_THREADS would), never on the schedule")
+                        "$OMP_NUM_THREADS if set, else torch's default; the lesson and the last long "
+                        "stage, the addition job's EXO or Shakespeare's Table 1: alone, on every core), its "
+                        "output in <out_dir>/<stage>.log. Threads change float rounding: the per-stage count "
+                        "follows --jobs and the cores, never timing, so the numbers depend on them (as "
+                        "OMP_NUM_THREADS would), never on the schedule")
     p.add_argument('--skip_lesson', action='store_true',
                    help="skip the lesson (python -m job.lesson, into <out_dir>/lesson) that the Shakespeare "
                         "job runs first")
@@ -247,8 +249,8 @@ def stages(args, pipe):
     path = lambda *a: os.path.join(out, *a)
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
 
-    def stage(name, cmd, done, deps=(), folder=None):  # a script stage: the run's seed, device, dtype
-        pipe.run(name, cmd + common + device_flags(args) + ['--dtype', args.dtype], done, deps, folder)
+    def stage(name, cmd, done, deps=(), folder=None, wide=False):  # a script stage: seed, device, dtype
+        pipe.run(name, cmd + common + device_flags(args) + ['--dtype', args.dtype], done, deps, folder, wide)
 
     lm, neg = cfg['lm'], cfg['neg']
     vocab = prepare_data(pipe, args)
@@ -303,7 +305,9 @@ def prepare_data(pipe, args):
 
 def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
     """Table 1 and Figs. 1-2 left (estimate_ppl.py: every model on val and test, Eq. 4-5), then
-    joint samples and their analyses (sample.py: Figs. 2 right and 3)."""
+    joint samples and their analyses (sample.py: Figs. 2 right and 3). Where no EXO runs wide at the
+    end (Shakespeare), Table 1 is the last long stage, alone once every model is trained: with --jobs N
+    it runs wide, on every core (on one thread it left the second core idle for its 536 s)."""
     plug_in = ['-m', 'extensions.run'] if metric else []  # its launcher loads the metric energy
     stage('estimate_ppl', [*plug_in, 'estimate_ppl.py', '--lm', lm_ckpt, '--split', 'val,test',
                            '--energy', f"UNIT={path('unit', 'best.pt')}", f"BIT={path('bit', 'best.pt')}",
@@ -314,7 +318,7 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
                            '--per_step', 'BIT',
                            '--out', path('ppl.json'), '--force'] + flags(cfg['ppl']), path('ppl.json'),
           ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else [])
-          + (['exo'] if extra_lm else []))
+          + (['exo'] if extra_lm else []), wide='exo' not in cfg)
     # Figs. 2 right and 3, claims C6 and C7: Algorithm 1 (top-k proposals), and beside it the joint
     # model itself (untruncated proposals: LM samples reweighted by exp(-E))
     for name, top_k in (('samples', []), ('samples_untruncated', ['--top_k', '0'])):

@@ -54,6 +54,8 @@ def test_reproduce_quick_end_to_end(tmp_path):
     assert profile.keys() == results['timings_s'].keys() and 'Where the time went' in res.stdout
     assert sum(r['share'] for r in profile.values()) == pytest.approx(1.0)
     assert 0 < results['wall_s'] < sum(results['timings_s'].values())  # --jobs 2 by default: overlapping
+    threads = {s: open(out / f'{s}.log').readline().split(',')[0] for s in ('bit', 'estimate_ppl')}
+    assert threads == {'bit': 'threads: 1', 'estimate_ppl': 'threads: 2'}  # Table 1, the tail: wide
     assert profile['lm']['tokens'] == pytest.approx(lm['iters'] * lm['tokens_per_iter'])
     assert profile['claims']['tokens'] is None
     best = str(out / 'bit' / 'best.pt')
