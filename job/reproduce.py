@@ -318,7 +318,7 @@ def evaluate(stage, path, lm_ckpt, neg, cfg, metric, extra_lm=()):
                            '--per_step', 'BIT',
                            '--out', path('ppl.json'), '--force'] + flags(cfg['ppl']), path('ppl.json'),
           ['lm', 'balm', 'ralm', 'bit', 'unit', 'tailr'] + (['metrics'] if metric else [])
-          + (['exo'] if extra_lm else []), wide='exo' not in cfg)
+          + (['exo'] if extra_lm else []), wide=not extra_lm)
     # Figs. 2 right and 3, claims C6 and C7: Algorithm 1 (top-k proposals), and beside it the joint
     # model itself (untruncated proposals: LM samples reweighted by exp(-E))
     for name, top_k in (('samples', []), ('samples_untruncated', ['--top_k', '0'])):
