@@ -110,13 +110,12 @@ def get_args(argv=None):
                    help="stages run at once, like make -j (on a GPU: sharing it). 1 (the default): one "
                         "after another, each on every core, in the terminal; 2 with --quick, whose tiny "
                         "stages are bound by process starts, not arithmetic (measured: docs/reports.md). "
-                        "N > 1: a stage starts once those it needs have ended (the longest chain of "
-                        "stage times first), on cores // N threads (OMP_NUM_THREADS; cores: "
-                        "$OMP_NUM_THREADS if set, else torch's default; the lesson and the last long "
-                        "stage, the addition job's EXO or Shakespeare's Table 1: alone, on every core), its "
-                        "output in <out_dir>/<stage>.log. Threads change float rounding: the per-stage count "
-                        "follows --jobs and the cores, never timing, so the numbers depend on them (as "
-                        "OMP_NUM_THREADS would), never on the schedule")
+                        "N > 1: a stage starts once those it needs have ended (the longest chain of stage "
+                        "times first), on cores // N threads (OMP_NUM_THREADS; cores: $OMP_NUM_THREADS if "
+                        "set, else torch's default; the lesson and the last long stage, the addition job's "
+                        "EXO or Shakespeare's Table 1: alone, on every core), its output in <out_dir>/<stage>"
+                        ".log. Threads change float rounding: the per-stage count follows --jobs and the "
+                        "cores, never timing, so the numbers depend on them, never on the schedule")
     p.add_argument('--skip_lesson', action='store_true',
                    help="skip the lesson (python -m job.lesson, into <out_dir>/lesson) that the Shakespeare "
                         "job runs first")
