@@ -32,7 +32,7 @@ follows --jobs and the cores, never timing: the numbers depend on them (on 2 cor
 those of OMP_NUM_THREADS=1 --jobs 1 but for the wide stages' and what reads them), never on the
 schedule.
 
-    python -m job.reproduce                      # 46 min on an idle 2-core AMD EPYC with bf16 (README)
+    python -m job.reproduce                      # 46-58 min on an idle 2-core AMD EPYC with bf16 (README)
     python -m job.reproduce --quick              # 91 s there, tiny models: the CI smoke test
     python -m job.reproduce --jobs 2             # two stages at a time, each on half the cores
     python -m job.reproduce --quick --tokenizer gpt2   # the paper's BPE through every stage, tiny
@@ -238,7 +238,7 @@ def lesson(pipe, args):
     pipe.wait('lesson')
     if args.jobs > 1:  # its output went to its log
         print(open(os.path.join(out, 'lesson.txt')).read(), flush=True)
-    print("Next, the paper's Table 1 on Shakespeare (README: about 46 min on an idle 2-core CPU; Ctrl-C "
+    print("Next, the paper's Table 1 on Shakespeare (README: 46-58 min on an idle 2-core CPU; Ctrl-C "
           "keeps what is done, and a rerun resumes)\n", flush=True)
 
 

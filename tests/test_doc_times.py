@@ -211,6 +211,49 @@ JSON_CLAIMS += [
       R_SIDE['two_threads_in_the_job'] / 1000]),
 ]
 
+# docs/reports.md, "`--jobs 2` against `--jobs 1`, the same day", and docs/using.md
+# (assets/time_main_job_jobs.json)
+JOBS = asset('time_main_job_jobs.json')['runs']
+J2, J1 = JOBS['jobs_2'], JOBS['jobs_1']
+J_WIDE = ('lesson', 'prepare', 'estimate_ppl', 'claims', 'figures')  # alone: on both cores, or tiny
+J_BOUND = sum(J2['timings_s'][k] for k in J_WIDE) + sum(
+    v for k, v in J2['timings_s'].items() if k not in J_WIDE) / 2  # two slots at most
+J_ROW = {r['model']: r for r in J2['test_rows']}
+J1_ONE = sum(v for k, v in J1['timings_s'].items() if k not in J_WIDE)
+J_SLOWER = sum(v for k, v in J2['timings_s'].items() if k not in J_WIDE) / J1_ONE
+JSON_CLAIMS += [
+    ('docs/reports.md', r'\*\*([\d.]+) min\*\* with `--jobs 2`, \*\*([\d.]+) min\*\* with\s+`--jobs 1`',
+     [J2['wall_s'] / 60, J1['wall_s'] / 60]),
+    ('docs/reports.md', r'ran wide, on both cores \((\d+) and\s+(\d+) s\)',
+     [J2['timings_s']['lesson'], J2['timings_s']['estimate_ppl']]),
+    ('docs/reports.md', r'\(([\d.]+)x in all; the LM ([\d,]+) s against (\d+), BALM ([\d,]+) against '
+                        r'(\d+)\): two side by side did about ([\d.]+)x',
+     [J_SLOWER, J2['timings_s']['lm'], J1['timings_s']['lm'], J2['timings_s']['balm'],
+      J1['timings_s']['balm'], 2 / J_SLOWER]),
+    ('docs/reports.md', r'make\s+([\d,]+) s, the run ([\d,]+), so no order of these stages would save '
+                        r'more than (\d+) s', [J_BOUND, J2['wall_s'], J2['wall_s'] - J_BOUND]),
+    ('docs/reports.md', r'its LM kept step ([\d,]+) \(selection loss ([\d.]+), against ([\d.]+) at ([\d,]+) '
+                        r'on two\) and tests worse \(PPL\s+([\d.]+) against ([\d.]+)\)',
+     [J2['lms']['BASE']['best_step'], J2['lms']['BASE']['best_select_loss'],
+      J1['lms']['BASE']['best_select_loss'], J1['lms']['BASE']['best_step'], J_ROW['BASE LM']['ppl'],
+      next(r['ppl'] for r in J1['test_rows'] if r['model'] == 'BASE LM')]),
+    ('docs/reports.md', r'BALM gains ([\d.]+) \(SE ([\d.]+)\) and C1 fails',
+     [J_ROW['BALM']['gain_nats_per_token'], J_ROW['BALM']['gain_se']]),
+    ('docs/using.md', r'each ran ([\d.]+)x slower, .{0,80}?\(([\d.]+) min against ([\d.]+) the same day',
+     [J_SLOWER, J2['wall_s'] / 60, J1['wall_s'] / 60]),
+]
+
+
+def test_jobs_runs_of_the_main_job():
+    """assets/time_main_job_jobs.json: --jobs 1 made Table 1 again (what docs/reports.md says), --jobs 2
+    trained on one thread beside another (the lesson and Table 1 on two) and C1 failed there."""
+    same = J1['same_as_results_json']
+    assert same['rows_max_rel_diff'] < 1e-9 and all(same['claims_holds_equal'].values())
+    assert {k: v.split(',')[0] for k, v in J2['threads'].items()} == dict(
+        {k: 'threads: 1' for k in J2['timings_s'] if k not in J_WIDE}, lesson='threads: 2',
+        estimate_ppl='threads: 2')
+    assert J2['claims']['C1']['holds'] is False and J2['wall_s'] >= J_BOUND
+
 
 def assert_same_numbers(same, run):
     """What a run that changed only the time made: the run before's eight models, negatives and tables."""
