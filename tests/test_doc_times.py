@@ -218,7 +218,7 @@ J2, J1 = JOBS['jobs_2'], JOBS['jobs_1']
 J_WIDE = ('lesson', 'prepare', 'estimate_ppl', 'claims', 'figures')  # alone: on both cores, or tiny
 J_BOUND = sum(J2['timings_s'][k] for k in J_WIDE) + sum(
     v for k, v in J2['timings_s'].items() if k not in J_WIDE) / 2  # two slots at most
-J_ROW = {r['model']: r for r in J2['test_rows']}
+J_ROW, J1_ROW = ({r['model']: r for r in run['test_rows']} for run in (J2, J1))
 J1_ONE = sum(v for k, v in J1['timings_s'].items() if k not in J_WIDE)
 J_SLOWER = sum(v for k, v in J2['timings_s'].items() if k not in J_WIDE) / J1_ONE
 JSON_CLAIMS += [
@@ -236,7 +236,7 @@ JSON_CLAIMS += [
                         r'on two\) and tests worse \(PPL\s+([\d.]+) against ([\d.]+)\)',
      [J2['lms']['BASE']['best_step'], J2['lms']['BASE']['best_select_loss'],
       J1['lms']['BASE']['best_select_loss'], J1['lms']['BASE']['best_step'], J_ROW['BASE LM']['ppl'],
-      next(r['ppl'] for r in J1['test_rows'] if r['model'] == 'BASE LM')]),
+      J1_ROW['BASE LM']['ppl']]),
     ('docs/reports.md', r'BALM gains ([\d.]+) \(SE ([\d.]+)\) and C1 fails',
      [J_ROW['BALM']['gain_nats_per_token'], J_ROW['BALM']['gain_se']]),
     ('docs/using.md', r'each ran ([\d.]+)x slower, .{0,80}?\(([\d.]+) min against ([\d.]+) the same day',
