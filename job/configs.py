@@ -243,9 +243,16 @@ LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson 
 )
 
 
-def lesson_data(quick):
-    """Where the lesson's problems are prepared (job.lesson's --data_dir default; job.seeds --lesson)."""
-    return 'data/lesson_quick' if quick else 'data/lesson'
+# job.lesson --digits 6: the lesson's five stages with the addition job's own recipe (its problems, LM,
+# negatives, UNIT and accuracy table): the method alone at 6 digits, without the job's baselines, BIT and
+# EXO (docs/addition.md, "The method alone")
+LESSON_ADDITION = {k: ADDITION[k] for k in ('data', 'lm', 'neg', 'unit', 'accuracy')}
+
+
+def lesson_data(quick, digits=4):
+    """Where the lesson's problems are prepared (job.lesson's --data_dir default; job.seeds --lesson):
+    with --digits 6, the addition job's own problems."""
+    return 'data/lesson_quick' if quick else 'data/addition' if digits == 6 else 'data/lesson'
 
 
 def large_batch(cfg, scale=4, step_share=0.5, trainers=('bit', 'unit'), chunk=4096):

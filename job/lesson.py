@@ -33,7 +33,7 @@ import torch
 from data import load_meta, read_json
 from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_command, run_main, write_json
 
-from job.configs import LESSON, LESSON_QUICK, lesson_data
+from job.configs import LESSON, LESSON_ADDITION, LESSON_QUICK, lesson_data
 from job.pipeline import FIX, ROOT, Pipeline
 from job.stages import check_made_with, device_flags, flags, negatives, nce, prepare_command
 from job.stats import format_p, mcnemar, mean_se
@@ -50,20 +50,27 @@ def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument('--quick', action='store_true', help='tiny sizes (a test that every stage runs)')
     common_flags(p, 'out_dir', default=dict(out_dir=None), help=dict(
-        out_dir='where the stages write (default: out-lesson/, out-quick-lesson/ with --quick)'))
+        out_dir='where the stages write (default: out-lesson/; out-lesson6/ with --digits 6, '
+                'out-quick-lesson/ with --quick)'))
     common_flags(p, 'seed', 'quiet', 'device', 'deterministic', 'dtype', help=dict(
         quiet='no progress bars in the stages', device='passed to every stage',
         deterministic='passed to every stage', dtype='passed to every stage'))
     p.add_argument('--data_dir', default=None,
-                   help='where the problems are prepared (default: data/lesson; data/lesson_quick with '
-                        '--quick)')
+                   help='where the problems are prepared (default: data/lesson; data/addition with '
+                        '--digits 6, data/lesson_quick with --quick)')
     p.add_argument('--data_seed', type=int, default=1337, at_least=0, at_most=2**63 - 1,
                    help="the seed of the problems drawn (apart from --seed, the models')")
     p.add_argument('--jobs', type=int, default=1, at_least=1, at_most=1024,
                    help='stages run at once, like make -j (the lesson is a chain: 1 is as fast)')
+    p.add_argument('--digits', type=int, default=4, choices=(4, 6), at_least=4, at_most=6,
+                   help="6: the addition job's problems, LM, negatives, UNIT and accuracy table (its own "
+                        "recipe: the method alone, without its baselines and EXO; docs/addition.md)")
     args = p.parse_args(argv)
-    args.out_dir = args.out_dir or ('out-quick-lesson' if args.quick else 'out-lesson')
-    args.data_dir = args.data_dir or lesson_data(args.quick)
+    if args.quick and args.digits == 6:
+        p.error('--quick runs tiny 4-digit sizes: drop --quick, or --digits 6')
+    default_out = 'out-quick-lesson' if args.quick else 'out-lesson' + '6' * (args.digits == 6)
+    args.out_dir = args.out_dir or default_out
+    args.data_dir = args.data_dir or lesson_data(args.quick, args.digits)
     return args
 
 
@@ -78,7 +85,7 @@ def run(args, out, data_dir):
     """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, seed,
     data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in
     `out`)."""
-    cfg = LESSON_QUICK if args.quick else LESSON
+    cfg = LESSON_QUICK if args.quick else LESSON_ADDITION if args.digits == 6 else LESSON
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'), args.jobs, threads=max(1, torch.get_num_threads() // args.jobs))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
