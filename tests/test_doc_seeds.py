@@ -244,8 +244,8 @@ level = lambda cs, key: [c['seed_level'][key] for c in cs]
 LS_A1_GREEDY = LS_SEED['a1_64_exact', 'greedy_exact']['diff_per_seed']
 LS_JOINT = ls('joint mode, n = 64', 'JOINT')
 SEED_CLAIMS += [
-    ('README.md', r'Ten lesson seeds, ([\d.]+) min: the same command with `--lesson --at_once 2`; the '
-                  r'mode of 64 beats every LM decoder at all (\d+)\s+\(sign test p ([\d.]+)\)',
+    ('README.md', r'Ten lesson seeds \(`--lesson --at_once 2`\): ([\d.]+) min; the mode of 64 beats every '
+                  r'LM decoder at all\s+(\d+) \(p ([\d.]+)\)',
      [LS_TIME['wall_s'] / 60, LS_MODE_SIGN[0], max(level(LS_MODE, 'sign_p'))]),
     ('docs/addition.md', r'--lesson --at_once 2`,\s+\*\*([\d.]+) min\*\* wall \(([\d,]+) s of user CPU; '
                          r'assets/seeds_lesson.json, its `time`[^)]{0,80}\)\. A seed took (\d+)-(\d+) s\s+of '

@@ -5,6 +5,7 @@ the runs said to have changed only the time made the same models and tables.
 """
 
 import math
+import re
 import statistics
 
 from job.configs import ADDITION
@@ -243,6 +244,63 @@ JSON_CLAIMS += [
      [J_SLOWER, J2['wall_s'] / 60, J1['wall_s'] / 60]),
 ]
 
+# docs/addition.md, "The method alone", and README (assets/time_lesson6.json); the job's work: the run
+# of d7f61f0 (M_AFTER), EXO's stage on both cores
+L6, M_T = asset('time_lesson6.json'), M_AFTER['timings_s']
+L6_T, L6_PROBE = L6['timings_s'], L6['chain_probe']
+M_WORK = sum(M_T.values()) + M_T['exo']
+WORK_SHARES = dict(exo=('exo',), balm=('balm',), bit=('bit', 'mlm'), ralm=('ralm', 'tailr'),
+                   reports=('estimate_ppl', 'samples', 'samples_untruncated', 'claims', 'figures'),
+                   method=('prepare', 'lm', 'neg_train', 'neg_select', 'unit', 'addition_eval'))
+share = lambda group: 100 * sum(M_T[s] * (1 + (s == 'exo')) for s in WORK_SHARES[group]) / M_WORK
+L6_ROWS = {  # the table's label: (lesson.json's decoder, or None: the beam's row), the seeds' row
+    'LM greedy': ('LM greedy', 'BASE LM', 'greedy'),
+    'LM log-prob rerank of 64': ('LM log-prob rerank of n', 'BASE LM', 'log-prob rerank, n = 64'),
+    'joint model: Algorithm 1 of 64': ('joint model: Algorithm 1 of n', 'JOINT', 'Algorithm 1, n = 64'),
+    'joint model: mode of 64': ('joint model: mode of n', 'JOINT', 'joint mode, n = 64'),
+    'joint model: mode over beam and samples': (None, 'JOINT', 'joint mode, beam + samples, n = 64')}
+SEEDS_EXACT = {(r['model'], r['method']): r['exact'] for r in asset('seeds_addition.json')['rows']}
+
+
+def lesson6_row(label):
+    """The table's row `label`: the --digits 6 run's exact match, and the seeds' (per_seed, mean, sd)."""
+    key, model, method = L6_ROWS[label]
+    mine = L6['test']['exact'][key] if key else L6['test']['beam_mode_exact']
+    return mine, SEEDS_EXACT[model, method]
+
+
+S6 = L6_PROBE['short']
+NUM = r'([\d.]+)'
+JSON_CLAIMS += [
+    ('docs/addition.md', r'did ([\d,]+) s of\s+work, a core each second, EXO.s (\d+) s on both of its cores: '
+                         r'on two cores it cannot end before\s+([\d,]+) s \(([\d.]+) min\), and it ended at '
+                         r'([\d,]+)\.',
+     [M_WORK, M_T['exo'], M_WORK / 2, M_WORK / 120, M_AFTER['wall_s']]),
+    ('docs/addition.md', rf'EXO is {NUM}% of that work, BALM {NUM}%, the BIT and its MLM\s+{NUM}%, RALM and '
+                         rf'TaiLr {NUM}%, Table 1 and the samples {NUM}%; the method itself \(the problems, '
+                         rf'the LM, the\s+negatives, the UNIT and the accuracy table\) {NUM}%',
+     [share(g) for g in ('exo', 'balm', 'bit', 'ralm', 'reports', 'method')]),
+    ('docs/addition.md', r'\*\*([\d.]+) min\*\* \(([\d,]+) s\): LM (\d+) s, negatives (\d+) \+\s+(\d+), '
+                         r'UNIT (\d+), the accuracy table (\d+)\.',
+     [L6['wall_s'] / 60, L6['wall_s']]
+     + [L6_T[k] for k in ('lm', 'neg_train', 'neg_select', 'unit', 'addition_eval')]),
+    ('docs/addition.md', rf'Two threads buy\s+the LM {NUM}x, the negatives {NUM}x and the UNIT {NUM}x '
+                         rf'\(short runs taken in turn, one thread then two:\s+500 LM steps {NUM} / {NUM} '
+                         rf's, the negatives of 20,000 problems {NUM} / {NUM} s, 1,000 UNIT steps {NUM} '
+                         rf'/\s+{NUM} s\); the same stages run as separate commands earlier that day '
+                         r'took (\d+), (\d+) \+ (\d+), (\d+) and (\d+) s',
+     [S6[f'{k}_1t'] / S6[f'{k}_2t'] for k in ('lm500', 'neg20k', 'unit1000')]
+     + [S6[f'{k}_{n}t'] for k in ('lm500', 'neg20k', 'unit1000') for n in (1, 2)]
+     + list(L6_PROBE['full_2_threads'].values())),
+    ('docs/addition.md', rf'meets 15 min with\s+bf16 \({NUM}\), .{{0,200}}?stays at {NUM} min, {NUM} of them '
+                         r'its work', [L6['wall_s'] / 60, M_AFTER['wall_s'] / 60, M_WORK / 120]),
+    ('docs/addition.md', rf'meets the 15: `python -m\s+job.lesson --digits 6`, {NUM} min; the job.s own work '
+                         rf'needs {NUM} min', [L6['wall_s'] / 60, M_WORK / 120]),
+    ('README.md', rf'The method alone: `python -m job.lesson --digits 6`, {NUM} min', [L6['wall_s'] / 60]),
+]
+JSON_CLAIMS += [('docs/addition.md', rf'\| {re.escape(label)} \| {NUM} \| {NUM} \| {NUM} \({NUM}\) \|',
+                 [mine, seeds['per_seed'][0], seeds['mean'], seeds['sd']])
+                for label in L6_ROWS for mine, seeds in [lesson6_row(label)]]
 
 def test_jobs_runs_of_the_main_job():
     """assets/time_main_job_jobs.json: --jobs 1 made Table 1 again (what docs/reports.md says), --jobs 2
@@ -311,6 +369,18 @@ def test_avx2_run_within_one_sd_of_the_seeds():
         assert (r['seeds_mean'], r['seeds_sd']) == (round(s['mean'], 4), round(s['sd'], 4)), r
         assert r['within_one_sd'] and abs(r['exact'] - s['mean']) <= s['sd'], r
     assert math.isclose(AVX2_ADD['wall_s'], max(e for _, e in X_S.values()), abs_tol=0.2)
+
+
+def test_the_method_alone_within_one_sd_of_the_seeds():
+    """assets/time_lesson6.json: `job.lesson --digits 6` at seed 1337, each decoder of docs/addition.md's
+    table within one SD of the addition job's ten seeds' mean; its wall time covers its stages' (and no
+    more than a process start beyond); the job's work is split among groups that hold each stage once."""
+    for label in L6_ROWS:
+        mine, seeds = lesson6_row(label)
+        assert abs(mine - seeds['mean']) <= seeds['sd'], (label, mine, seeds['mean'], seeds['sd'])
+    assert sum(L6_T.values()) <= L6['lesson_seconds'] <= L6['wall_s'] <= sum(L6_T.values()) + 5
+    stages = [s for group in WORK_SHARES.values() for s in group]
+    assert sorted(stages) == sorted(M_T) and math.isclose(sum(map(share, WORK_SHARES)), 100)
 
 
 def test_doc_times_equal_the_committed_runs():
