@@ -83,7 +83,7 @@ def main(argv=None):
 
 
 def run(args, out, data_dir):
-    """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, seed,
+    """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, digits, seed,
     data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in
     `out`)."""
     cfg = LESSON_QUICK if args.quick else LESSON_ADDITION if args.digits == 6 else LESSON
