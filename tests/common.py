@@ -476,3 +476,41 @@ def assert_json_claims_hold(claims, at_least):
     assert len(claims) >= at_least
     bad = json_mismatches(claims, claimed_docs(claims))
     assert not bad, '\n'.join(bad)
+
+
+class Declared:
+    """A pipeline that runs nothing: {stage: its command} as declared (a command decided once its deps
+    have ended stays a function), up to the job's end (a wait() for every stage: its report not wanted)."""
+    class End(Exception):
+        pass
+
+    timings, spans = {}, []
+
+    def __init__(self, *args, **kwargs):
+        self.cmds = {}
+
+    def run(self, name, cmd, *rest, **kwargs):
+        self.cmds[name] = cmd
+
+    def wait(self, *names):
+        if not names:
+            raise Declared.End
+
+    def stop(self):
+        pass
+
+
+def job_commands(argv=()):
+    """{stage: its command} of `python -m job.reproduce argv` as it would print them, without running
+    anything (the data's vocabulary stands in as 65 characters; no extra test problems are prepared)."""
+    from job import reproduce
+    pipe, saved = Declared(), (reproduce.prepare_data, reproduce.print_estimate, reproduce.accuracy_data)
+    reproduce.prepare_data, reproduce.print_estimate, reproduce.accuracy_data = (
+        lambda pipe, args: 65), (lambda *a: None), (lambda pipe, args: ([], []))
+    try:
+        reproduce.stages(reproduce.get_args(['--out_dir', 'out', *argv]), pipe)
+    except Declared.End:
+        pass
+    finally:
+        reproduce.prepare_data, reproduce.print_estimate, reproduce.accuracy_data = saved
+    return pipe.cmds

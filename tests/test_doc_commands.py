@@ -6,7 +6,7 @@ scripts it says take --dtype are those that declare it. The docs' numbers: test_
 import os
 import re
 
-from tests.common import ROOT
+from tests.common import ROOT, job_commands
 
 
 # -----------------------------------------------------------------------------
@@ -17,38 +17,6 @@ from tests.common import ROOT
 STEPS_IGNORED = {'seed', 'device', 'dtype', 'data_dir', 'quiet', 'resume', 'force',
                  'snapshots', 'final_eval', 'final_eval_windows', 'num_samples_printed'}
 TRAINERS = {'train_lm.py', 'negatives.py', 'nce_train.py'}  # their command in full: the model it trains
-
-
-def job_commands(argv=()):
-    """{stage: its command} of `python -m job.reproduce argv` as it would print them, without running
-    anything (the data's vocabulary stands in as 65 characters)."""
-    from job import reproduce
-
-    class Stop(Exception):
-        pass
-
-    class Commands:
-        timings, spans = {}, []
-
-        def __init__(self):
-            self.cmds = {}
-
-        def run(self, name, cmd, *rest):
-            self.cmds[name] = cmd
-
-        def wait(self, *names):
-            if not names:  # the job's end: its report is not wanted
-                raise Stop
-
-    pipe, saved = Commands(), (reproduce.prepare_data, reproduce.print_estimate)
-    reproduce.prepare_data, reproduce.print_estimate = (lambda pipe, args: 65), (lambda *a: None)
-    try:
-        reproduce.stages(reproduce.get_args(['--out_dir', 'out', *argv]), pipe)
-    except Stop:
-        pass
-    finally:
-        reproduce.prepare_data, reproduce.print_estimate = saved
-    return pipe.cmds
 
 
 def step_by_step(text):

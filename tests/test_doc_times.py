@@ -361,11 +361,10 @@ def test_main_job_rerun_made_table_1_again():
 def test_avx2_run_within_one_sd_of_the_seeds():
     """assets/time_addition_avx2.json: each compared row's seeds' mean and SD are assets/seeds_addition.json's
     and lie within one SD of the run's exact match, as docs/addition.md says; the wall time is the spans'."""
-    seeds = {(r['model'], r['method']): r['exact'] for r in asset('seeds_addition.json')['rows']}
     compared = [r for r in AVX2_ADD['test_exact']['rows'] if 'seeds_mean' in r]
     assert set(X_TABLE.values()) <= {(r['model'], r['method']) for r in compared}
     for r in compared:
-        s = seeds[r['model'], r['method']]
+        s = SEEDS_EXACT[r['model'], r['method']]
         assert (r['seeds_mean'], r['seeds_sd']) == (round(s['mean'], 4), round(s['sd'], 4)), r
         assert r['within_one_sd'] and abs(r['exact'] - s['mean']) <= s['sd'], r
     assert math.isclose(AVX2_ADD['wall_s'], max(e for _, e in X_S.values()), abs_tol=0.2)

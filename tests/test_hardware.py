@@ -308,7 +308,7 @@ def test_every_stage_takes_deterministic_and_the_jobs_pass_it_on():
     """Every script that takes --device takes --deterministic (bench.py aside: it times kernels, trains
     nothing); job.reproduce passes it to every stage it gives --device, job.seeds to each seed's job."""
     from job import seeds
-    from tests.test_doc_commands import job_commands
+    from tests.common import job_commands
     from tests.test_flags import SCRIPTS
     for script, (module, build) in SCRIPTS.items():
         flags = parser_of(getattr(importlib.import_module(module), build), [])._option_string_actions

@@ -20,7 +20,7 @@ from job.configs import STAGE_SECONDS
 from data import load_meta
 from model import load_checkpoint
 from plumbing import file_hash
-from tests.common import ROOT, fake_main_job_json, run_script
+from tests.common import ROOT, Declared, fake_main_job_json, job_commands, run_script
 
 
 # =============================================================================
@@ -90,57 +90,26 @@ def test_lesson_quick_end_to_end(tmp_path):
     assert all(0 <= r['exact'] <= 1 and 0 < r['p'] <= 1 for r in table['rows'])
 
 
-class Declared:
-    """A pipeline that runs nothing: each stage's command as declared (a command decided later stays a
-    function), up to the first wait() for every stage."""
-    class End(Exception):
-        pass
-
-    def __init__(self, *args, **kwargs):
-        self.cmds, self.timings = {}, {}
-
-    def run(self, name, cmd, done, deps=(), folder=None, wide=False):
-        self.cmds[name] = cmd
-
-    def wait(self, *names):
-        if not names:
-            raise Declared.End
-
-    def stop(self):
-        pass
-
-
-def test_lesson_digits_6_runs_the_addition_jobs_commands(tmp_path, monkeypatch):
+def test_lesson_digits_6_runs_the_addition_jobs_commands(monkeypatch):
     """`python -m job.lesson --digits 6` runs, for each of its stages (the problems, LM, negatives,
-    UNIT), the command job.reproduce --data addition runs for it, flag for flag but the run folder;
-    --quick with it is refused in one line."""
+    UNIT), the command job.reproduce --data addition runs for it, flag for flag; --quick with it is
+    refused in one line."""
     import train_lm
     from job import reproduce
-    declared = {}
-    data = ['--data_dir', str(tmp_path / 'data')]  # not prepared: no problems are read
-    for job, argv in (('lesson', ['--digits', '6']), ('reproduce', ['--data', 'addition', '--skip_lesson'])):
-        out, argv = str(tmp_path / job), argv + data
-        pipe = Declared()
-        monkeypatch.setattr(lesson, 'Pipeline', lambda *a, **k: pipe)
-        monkeypatch.setattr(reproduce, 'prepare_data', lambda p, a: 14)  # the vocabulary, never prepared here
-        monkeypatch.setattr(reproduce, 'accuracy_data', lambda p, a: ([], []))
-        with pytest.raises(Declared.End):
-            if job == 'lesson':
-                args = lesson.get_args(argv + ['--out_dir', out])
-                lesson.run(args, args.out_dir, args.data_dir)
-            else:
-                args = reproduce.get_args(argv + ['--out_dir', out])
-                pipe.run('prepare', reproduce.prepare_command(args), None)
-                reproduce.stages(args, pipe)
-        declared[job] = {k: [c.replace(out, '<out>') for c in v] for k, v in pipe.cmds.items()
-                         if not callable(v)}
-    lm = declared['reproduce']['lm']
+    pipe, data = Declared(), ['--data_dir', 'data/x']  # not prepared: no problems are read
+    monkeypatch.setattr(lesson, 'Pipeline', lambda *a, **k: pipe)
+    with pytest.raises(Declared.End):
+        args = lesson.get_args(['--digits', '6', '--out_dir', 'out', *data])
+        lesson.run(args, args.out_dir, args.data_dir)
+    job = job_commands(['--data', 'addition', *data])
+    job['prepare'] = reproduce.prepare_command(reproduce.get_args(['--data', 'addition', *data]))
+    lm = job['lm']
     i = lm.index('--objective')
     assert lm[i + 1] == 'lm' == train_lm.get_args([]).objective  # train_lm.py's default, left out
-    declared['reproduce']['lm'] = lm[:i] + lm[i + 2:]
+    job['lm'] = lm[:i] + lm[i + 2:]
     stages = ['prepare', 'lm', 'neg_train', 'neg_select', 'unit']
-    assert sorted(declared['lesson']) == sorted(stages + ['addition_eval'])  # the job's: decided later
-    assert {s: declared['lesson'][s] for s in stages} == {s: declared['reproduce'][s] for s in stages}
+    assert sorted(pipe.cmds) == sorted(stages + ['addition_eval'])  # the job's: decided later
+    assert {s: pipe.cmds[s] for s in stages} == {s: job[s] for s in stages}
     assert lesson.get_args(['--digits', '6']).data_dir == 'data/addition'  # the job's problems
     with pytest.raises(ValueError, match='--quick runs tiny 4-digit sizes'):
         lesson.get_args(['--quick', '--digits', '6'])
