@@ -19,7 +19,7 @@ Like job.reproduce, a finished stage is skipped and a stopped one resumes.
 
     python -m job.lesson                  # out-lesson/ (job.reproduce runs it first, into out/lesson)
     python -m job.lesson --quick          # tiny sizes: a test that every stage runs
-    python -m job.lesson --digits 6       # the addition job's recipe for these stages: 13.2 min there
+    python -m job.lesson --digits 6       # the addition job's recipe: 13.2 min, idle 2-core AMD EPYC
 """
 
 import os
