@@ -10,12 +10,15 @@ the exact sign test, each with Holm over the family: what holds whatever the tra
 
     python -m job.seeds --seeds 1,2,3,4,5,6,7,8,9,10 --jobs 2   # trains each seed, then the table
     python -m job.seeds --seeds 1,2,3,4,5,6,7,8,9,10 --lesson   # the lesson's seeds (minutes each)
+    python -m job.seeds --seeds 1,2,3,4,5,6,7,8,9,10 --lesson --digits 6   # the method alone, 6 digits
     python -m job.seeds out-seeds/seed1 out-seeds/seed2 ...       # the table of runs already made
 
 With --lesson each seed is the lesson (python -m job.lesson --seed S: 4-digit problems, the LM, its
 negatives, a UNIT and the accuracy table, a few minutes a seed) instead of the addition job: the
-joint model against the LM's decoders, without BALM, RALM, TaiLr or EXO. The seeds share the
-problems (each job's default --data_seed); the first job prepares them before another starts.
+joint model against the LM's decoders, without BALM, RALM, TaiLr or EXO; with --digits 6 the lesson
+runs the addition job's own problems, LM, negatives, UNIT and table (job.lesson --digits 6: the method
+alone). The seeds share the problems (each job's default --data_seed); the first job prepares them
+before another starts.
 
 With --seeds, each seed's job (python -m job.reproduce --data addition --seed S --out_dir
 <runs_dir>/seedS, its --jobs and --recipe) runs first, --at_once of them at a time, each on cores //
@@ -63,10 +66,13 @@ def get_args(argv=None):
                         "with --lesson), each into <runs_dir>/seedS: the runs")
     p.add_argument('--runs_dir', default=None, path=True,
                    help="with --seeds: where each seed's run goes (default: out-seeds/, out-seeds-lesson/ "
-                        "with --lesson)")
+                        "with --lesson, out-seeds-lesson6/ with --digits 6)")
     p.add_argument('--lesson', action='store_true',
                    help="with --seeds: each seed runs the lesson (python -m job.lesson), not the addition "
                         "job")
+    p.add_argument('--digits', type=int, default=4, choices=(4, 6), at_least=4, at_most=6,
+                   help="with --lesson: each lesson's --digits (6: the addition job's recipe, the method "
+                        "alone)")
     p.add_argument('--jobs', type=int, default=None, at_least=1, at_most=1024,
                    help="with --seeds: each job's --jobs (default: 2; 1 with --lesson, a chain of stages)")
     p.add_argument('--at_once', type=int, default=1, at_least=1, at_most=64,
@@ -79,7 +85,7 @@ def get_args(argv=None):
     p.add_argument('--quick', action='store_true', help="with --seeds: each job's --quick (a smoke test)")
     p.add_argument('--out', default=None,
                    help='the JSON (the table: .txt beside it; default: out/seeds_addition.json, '
-                        'out/seeds_lesson.json with --lesson)')
+                        'out/seeds_lesson.json with --lesson, out/seeds_lesson6.json with --digits 6)')
     p.add_argument('--plot', default=None,
                    help="a PNG of exact match by the problem's longest carry chain and by its lookahead, "
                         "mean over the seeds (needs matplotlib)")
@@ -90,12 +96,16 @@ def get_args(argv=None):
     if args.seeds is not None:
         if args.runs:
             raise ValueError("give either --seeds (trained here) or the runs' folders, not both")
-        args.runs_dir = args.runs_dir or 'out-seeds' + '-lesson' * args.lesson
+        args.runs_dir = args.runs_dir or 'out-seeds' + '-lesson' * args.lesson + '6' * (args.digits == 6)
         args.jobs = args.jobs or (1 if args.lesson else 2)
         args.runs = [os.path.join(args.runs_dir, f'seed{s}') for s in args.seeds]
     if args.lesson:
         check_lesson_flags(args)
-    args.out = args.out or f"out/seeds_{'lesson' if args.lesson else 'addition'}.json"
+    elif args.digits != 4:
+        raise ValueError("--digits is the lesson's (with --lesson); the addition job is 6 digits already: "
+                         "drop --digits, or add --lesson")
+    lesson = 'lesson' + '6' * (args.digits == 6)
+    args.out = args.out or f"out/seeds_{lesson if args.lesson else 'addition'}.json"
     if len(args.runs) < 2:
         raise ValueError(f"{len(args.runs)} run: a spread over seeds needs at least 2 runs' --out_dir")
     check_writable(args.out, '--out', folder=False)
@@ -113,11 +123,14 @@ def check_lesson_flags(args):
     if args.seeds is None:
         raise ValueError("--lesson: it trains the lesson's --seeds; give them, or the runs' folders without "
                          "--lesson")
+    if args.quick and args.digits == 6:
+        raise ValueError("--lesson --quick runs tiny 4-digit sizes: drop --quick, or --digits 6")
 
 
 def seed_command(args, seed, run):
     """One seed's addition job (or lesson): the models' --seed, the data's default --data_seed (shared)."""
-    job = ['job.lesson'] if args.lesson else ['job.reproduce', '--data', 'addition', '--recipe', args.recipe]
+    job = (['job.lesson', '--digits', str(args.digits)] if args.lesson
+           else ['job.reproduce', '--data', 'addition', '--recipe', args.recipe])
     return ([sys.executable, '-m', *job, '--seed', str(seed), '--out_dir', run, '--jobs', str(args.jobs)]
             + ['--quick'] * args.quick + ['--quiet'] * args.quiet + ['--deterministic'] * args.deterministic
             + [x for f in SIZE_FLAGS if getattr(args, f)
@@ -130,7 +143,7 @@ def prepared(args):
     then one job runs, so that two never prepare the same folder at once."""
     done = lambda data_dir: os.path.exists(os.path.join(ROOT, data_dir, 'meta.json'))
     if args.lesson or not done('data/addition'):
-        return done(lesson_data(args.quick) if args.lesson else 'data/addition')
+        return done(lesson_data(args.quick, args.digits) if args.lesson else 'data/addition')
     n = args.test_problems
     return not n or n <= load_meta(os.path.join(ROOT, 'data/addition'))['num_docs']['test'] or done(
         f'data/addition_test{n}')

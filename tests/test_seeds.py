@@ -269,6 +269,25 @@ def test_lesson_seeds_run_the_lesson():
         seeds.get_args(['a', 'b', '--lesson'])
 
 
+def test_lesson_seeds_at_6_digits_run_the_method_alone():
+    """--lesson --digits 6: each seed's job is job.lesson --digits 6 (the addition job's recipe and
+    problems, data/addition: what prepared() waits for), into out-seeds-lesson6/ and
+    out/seeds_lesson6.json by default; --digits without --lesson, and with --quick, refused in one line."""
+    from job import lesson
+    args = seeds.get_args(['--seeds', '1,2', '--lesson', '--digits', '6'])
+    assert args.runs == [os.path.join('out-seeds-lesson6', f'seed{s}') for s in (1, 2)]
+    assert args.out == 'out/seeds_lesson6.json' and args.jobs == 1
+    parsed = lesson.get_args(seeds.seed_command(args, 2, args.runs[1])[3:])
+    assert (parsed.digits, parsed.seed, parsed.out_dir) == (6, 2, args.runs[1])
+    assert parsed.data_dir == 'data/addition'
+    four = lesson.get_args(seeds.seed_command(seeds.get_args(['--seeds', '1,2', '--lesson']), 1, 'r')[3:])
+    assert (four.digits, four.data_dir) == (4, 'data/lesson')
+    with pytest.raises(ValueError, match="--digits is the lesson's"):
+        seeds.get_args(['--seeds', '1,2', '--digits', '6'])
+    with pytest.raises(ValueError, match="--lesson --quick runs tiny 4-digit sizes"):
+        seeds.get_args(['--seeds', '1,2', '--lesson', '--digits', '6', '--quick'])
+
+
 def test_one_job_prepares_the_shared_problems_before_another_starts(tmp_path, monkeypatch):
     """Until the problems are prepared one seed's job runs, whatever --at_once: two jobs never prepare
     the same folder at once. Here the first job 'prepares' them 1 s in, the second starts after that."""
@@ -330,17 +349,19 @@ def test_each_job_takes_its_share_of_the_cores(tmp_path, monkeypatch):
 
 
 def test_prepared_waits_for_every_shared_folder(tmp_path, monkeypatch):
-    """prepared: the lesson's problems for --lesson; the addition job's, and with --test_problems above
-    their test split the accuracy table's folder too (both made by the first job alone)."""
+    """prepared: the lesson's problems for --lesson (the addition job's with --digits 6); the addition
+    job's, and with --test_problems above their test split the accuracy table's folder too (both made by
+    the first job alone)."""
     from data.addition import prepare
     monkeypatch.setattr(seeds, 'ROOT', str(tmp_path))
     make = lambda folder, test=5: prepare.main(['--out_dir', str(tmp_path / folder), '--train_problems', '20',
                                                 '--select_problems', '2', '--val_problems', '2',
                                                 '--test_problems', str(test), '--quiet'])
     args = lambda *extra: seeds.get_args(['--seeds', '1,2', *extra])
-    assert not seeds.prepared(args()) and not seeds.prepared(args('--lesson'))
+    six = ('--lesson', '--digits', '6')
+    assert not any(seeds.prepared(args(*extra)) for extra in ((), ('--lesson',), six))
     make('data/addition')
-    assert seeds.prepared(args()) and seeds.prepared(args('--test_problems', '5'))
+    assert all(seeds.prepared(args(*extra)) for extra in ((), ('--test_problems', '5'), six))
     assert not seeds.prepared(args('--test_problems', '1000')) and not seeds.prepared(args('--lesson'))
     make('data/addition_test1000', 1000)
     make('data/lesson')
