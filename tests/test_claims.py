@@ -450,7 +450,8 @@ def test_stored_p_values_are_the_tails_of_their_statistics():
     for name, count in (('seeds_addition_earlier_recipe.json', 11), ('seeds_addition.json', 16),
                         ('seeds_addition_lm7000.json', 15), ('seeds_addition_lm7000_test5000.json', 15),
                         ('seeds_addition_lm7000_e16000.json', 15),
-                        ('seeds_addition_lm7000_e16000_test10000.json', 17), ('seeds_lesson.json', 6)):
+                        ('seeds_addition_lm7000_e16000_test10000.json', 17), ('seeds_lesson.json', 6),
+                        ('seeds_lesson6.json', 9)):
         comparisons = json.load(open(os.path.join(ROOT, 'assets', name)))['comparisons']
         holm = stats.holm_log([c['log_p'] for c in comparisons])
         assert len(holm) == len(comparisons) == count

@@ -218,8 +218,7 @@ JSON_CLAIMS += [
     for r in EDITS['rows']
 ] + [('docs/addition.md', r'\| mean of (\d+) \| \| ([\d.]+) \| ([\d.]+) \|',
       [len(EDITS['rows']), EDITS['p_correct_mean'], EDITS['p_correct_edits_mean']]),
-      ('README.md', r'joint model ([\d.]+) \(([\d.]+) if log Z scores the beam\'s one-token edits',
-       [EDITS['p_correct_mean'], EDITS['p_correct_edits_mean']])]
+      ('README.md', r'joint model ([\d.]+), BALM', [EDITS['p_correct_mean']])]
 # docs/addition.md's paired tests (assets/claims_addition.json, and the per-problem outcomes they are from)
 ADD_CLAIMS = asset('claims_addition.json')['claims']
 PER_PROBLEM = asset('accuracy_addition.json')['per_problem']

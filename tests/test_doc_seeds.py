@@ -4,10 +4,12 @@ does for the other committed runs.
 """
 
 import math
+import os
 import re
+from types import SimpleNamespace
 
 from job.seeds import spread
-from tests.common import asset, assert_json_claims_hold, by
+from tests.common import ROOT, asset, assert_json_claims_hold, by
 
 SEED_CLAIMS = []
 
@@ -230,32 +232,53 @@ SEED_CLAIMS += [
 ]
 
 # README's and docs/addition.md's ten seeds of the lesson (assets/seeds_lesson.json: job.seeds --lesson)
-LESSON = asset('seeds_lesson.json')
-LS = by(LESSON['rows'], 'model', 'method')
-LS_TIME = LESSON['time']
-LS_STAGES = {k: [t[k] for t in LS_TIME['stage_seconds_by_seed'].values()]
-             for k in ('lm', 'neg_train', 'unit', 'addition_eval')}
-LS_SEED = {(c['better'][1], c['worse'][1]): c for c in LESSON['comparisons']}
-LS_MODE = [c for c in LESSON['comparisons'] if c['better'][1] == 'mode_64_exact']
-LS_A1 = [c for c in LESSON['comparisons'] if c['better'][1] == 'a1_64_exact']
-(LS_MODE_SIGN,), (LS_A1_SIGN,) = ({tuple(c['seed_level']['sign']) for c in cs} for cs in (LS_MODE, LS_A1))
-ls = lambda method, model='BASE LM': LS[model, method]['exact']
-level = lambda cs, key: [c['seed_level'][key] for c in cs]
-LS_A1_GREEDY = LS_SEED['a1_64_exact', 'greedy_exact']['diff_per_seed']
-LS_JOINT = ls('joint mode, n = 64', 'JOINT')
+
+
+def lesson_seeds(name):
+    """A job.seeds --lesson table and its run's `time`: what the docs state of it, by name."""
+    t = asset(name)
+    rows = by(t['rows'], 'model', 'method')
+    by_seed = t['time']['stage_seconds_by_seed'].values()
+    comps = t['comparisons']
+    return SimpleNamespace(
+        table=t, time=t['time'], exact=lambda method, model='BASE LM': rows[model, method]['exact'],
+        seed_s=[sum(s.values()) for s in by_seed],
+        stages={k: [s[k] for s in by_seed] for k in ('lm', 'neg_train', 'unit', 'addition_eval')},
+        pair={(c['better'][1], c['worse'][1]): c for c in comps},
+        mode=[c for c in comps if c['better'][1] == 'mode_64_exact'],
+        a1=[c for c in comps if c['better'][1] == 'a1_64_exact'])
+
+
+def seed_time(ls):
+    """The run's minutes and user CPU seconds, a seed's seconds (min, max), each stage's (min, max)."""
+    return ([ls.time['wall_s'] / 60, ls.time['user_s'], min(ls.seed_s), max(ls.seed_s)]
+            + [f(v) for v in ls.stages.values() for f in (min, max)])
+
+
+def level(cs, key):
+    return [c['seed_level'][key] for c in cs]
+
+
+def one_sign(cs):
+    """The sign test's count (seeds better, worse), one for every comparison in cs."""
+    (count,) = {tuple(c['seed_level']['sign']) for c in cs}
+    return count
+
+
+LS4 = lesson_seeds('seeds_lesson.json')
+LESSON = LS4.table
+LS_A1_GREEDY = LS4.pair['a1_64_exact', 'greedy_exact']['diff_per_seed']
 SEED_CLAIMS += [
     ('README.md', r'Ten lesson seeds \(`--lesson --at_once 2`\): ([\d.]+) min; the mode of 64 beats every '
                   r'LM decoder at all\s+(\d+) \(p ([\d.]+)\)',
-     [LS_TIME['wall_s'] / 60, LS_MODE_SIGN[0], max(level(LS_MODE, 'sign_p'))]),
+     [LS4.time['wall_s'] / 60, one_sign(LS4.mode)[0], max(level(LS4.mode, 'sign_p'))]),
     ('docs/addition.md', r'--lesson --at_once 2`,\s+\*\*([\d.]+) min\*\* wall \(([\d,]+) s of user CPU; '
                          r'assets/seeds_lesson.json, its `time`[^)]{0,80}\)\. A seed took (\d+)-(\d+) s\s+of '
                          r'one core: the LM (\d+)-(\d+) s, the negatives (\d+)-(\d+) s, the UNIT (\d+)-(\d+) '
                          r's, the table (\d+)-(\d+) s',
-     [LS_TIME['wall_s'] / 60, LS_TIME['user_s']]
-     + [f(sum(t.values()) for t in LS_TIME['stage_seconds_by_seed'].values()) for f in (min, max)]
-     + [f(v) for v in LS_STAGES.values() for f in (min, max)]),
+     seed_time(LS4)),
     *[('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \|(?! [\d.])',  # its 2 columns
-       [ls(method, model)[k] for k in ('mean', 'sd', 'min', 'max')]) for label, model, method in (
+       [LS4.exact(method, model)[k] for k in ('mean', 'sd', 'min', 'max')]) for label, model, method in (
         ('LM greedy', 'BASE LM', 'greedy'), ('LM, majority vote of 64', 'BASE LM', 'majority vote, n = 64'),
         ('LM, log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
         ('LM, any of 64 correct', 'BASE LM', 'oracle, n = 64'),
@@ -266,18 +289,80 @@ SEED_CLAIMS += [
                          r'([\d.e-]+) to ([\d.e-]+)\)\. Algorithm 1 beats\s+each at (\d) of 10 \(sign test '
                          r'Holm ([\d.]+); t Holm ([\d.]+)\): at seed (\d) it is ([\d.]+) below LM greedy\. '
                          r'With the\s+problem as the unit, Holm-adjusted p at most ([\d.]+)e-19\.',
-     [len(LESSON['comparisons']), LS_MODE_SIGN[0], max(level(LS_MODE, 'sign_p')),
-      max(level(LS_MODE, 'sign_p_holm')), min(level(LS_MODE, 't_p')), max(level(LS_MODE, 't_p')),
-      LS_A1_SIGN[0], max(level(LS_A1, 'sign_p_holm')), max(level(LS_A1, 't_p_holm')),
+     [len(LESSON['comparisons']), one_sign(LS4.mode)[0], max(level(LS4.mode, 'sign_p')),
+      max(level(LS4.mode, 'sign_p_holm')), min(level(LS4.mode, 't_p')), max(level(LS4.mode, 't_p')),
+      one_sign(LS4.a1)[0], max(level(LS4.a1, 'sign_p_holm')), max(level(LS4.a1, 't_p_holm')),
       LESSON['seeds'][LS_A1_GREEDY.index(min(LS_A1_GREEDY))], -min(LS_A1_GREEDY),
       1e19 * max(c['p_holm'] for c in LESSON['comparisons'])]),
     ('docs/addition.md', r'seed 1337\'s\s+models are not those of README\'s table \(two threads\): its mode '
                          r'writes ([\d.]+) here',
-     [LS_JOINT['per_seed'][LESSON['seeds'].index(1337)]]),
+     [LS4.exact('joint mode, n = 64', 'JOINT')['per_seed'][LESSON['seeds'].index(1337)]]),
     ('docs/addition.md', r'the lesson\'s ten seeds \(4 digits; the LM, a UNIT, no baselines\) take '
                          r'([\d.]+)\s+min',
-     [LS_TIME['wall_s'] / 60]),
+     [LS4.time['wall_s'] / 60]),
 ]
+
+
+# docs/addition.md's and README's ten seeds of the method alone at 6 digits (assets/seeds_lesson6.json:
+# job.seeds --lesson --digits 6) beside the addition job's ten (assets/seeds_addition.json)
+LS6 = lesson_seeds('seeds_lesson6.json')
+C6 = LS6.table['comparisons']
+JOB = asset('seeds_addition.json')
+JOB_ROWS = by(JOB['rows'], 'model', 'method')
+LS6_ROWS = (('the LM: greedy', 'BASE LM', 'greedy'),
+            ('the LM: log-prob rerank of 64', 'BASE LM', 'log-prob rerank, n = 64'),
+            ('the LM: any of 64 correct', 'BASE LM', 'oracle, n = 64'),
+            ('the joint model: Algorithm 1 of 64', 'JOINT', 'Algorithm 1, n = 64'),
+            ('the joint model: mode of 64', 'JOINT', 'joint mode, n = 64'),
+            ('the joint model: mode over the beam and 64 samples', 'JOINT',
+             'joint mode, beam + samples, n = 64'))
+MODE6 = [dict(zip(t['seeds'], by(t['rows'], 'model', 'method')['JOINT', 'joint mode, n = 64']['exact']
+                  ['per_seed'])) for t in (LS6.table, JOB)]  # the method alone's, the job's: {seed: exact}
+MODE6_SPREAD = LS6.exact('joint mode, n = 64', 'JOINT')
+SEED_CLAIMS += [
+    ('README.md', r'ten seeds of it \(`--lesson --digits 6`\): ([\d.]+) min', [LS6.time['wall_s'] / 60]),
+    ('docs/addition.md', r'--digits 6 --at_once 2`,\s+\*\*([\d.]+) min\*\* wall \(([\d,]+) s of user '
+                         r'CPU; assets/seeds_lesson6.json, its `time`\)\. A seed took ([\d,]+)-([\d,]+) '
+                         r's\s+of one core: the LM (\d+)-(\d+) s, the negatives (\d+)-(\d+) s, the UNIT '
+                         r'(\d+)-([\d,]+) s, the table (\d+)-(\d+) s',
+     seed_time(LS6)),
+    *[('docs/addition.md', rf'\| {re.escape(label)} \| {M_SD_RANGE} \| {M_SD_RANGE} \|',
+       [e[k] for e in (LS6.exact(method, model), JOB_ROWS[model, method]['exact'])
+        for k in ('mean', 'sd', 'min', 'max')]) for label, model, method in LS6_ROWS],
+    ('docs/addition.md', r'At eight seeds the two modes of 64 are at most ([\d.]+) apart; at seeds\s+3 and '
+                         r'10 the UNIT\'s mode of 64 writes ([\d.]+) and ([\d.]+), the job\'s ([\d.]+) and '
+                         r'([\d.]+):',
+     [max(abs(MODE6[0][s] - MODE6[1][s]) for s in MODE6[0] if s not in (3, 10))]
+     + [m[s] for m in MODE6 for s in (3, 10)]),
+    ('docs/addition.md', r'\(Holm over the (\d)\s+comparisons\), each joint decoder beats each LM decoder at '
+                         r'(\d+) of 10 seeds \(sign test p ([\d.]+), Holm\s+([\d.]+); t over seeds p '
+                         r'([\d.e-]+) to ([\d.]+), Holm at most ([\d.]+)\); with the problem as the unit,\s+'
+                         r'Holm-adjusted p at most ([\d.]+)e-73\.',
+     [len(C6), one_sign(C6)[0], max(level(C6, 'sign_p')), max(level(C6, 'sign_p_holm')),
+      min(level(C6, 't_p')), max(level(C6, 't_p')), max(level(C6, 't_p_holm')),
+      1e73 * max(c['p_holm'] for c in C6)]),
+    ('docs/addition.md', r'is met for\s+the method alone \(([\d.]+) min\)', [LS6.time['wall_s'] / 60]),
+    ('docs/addition.md', r'the method\'s at 6 digits ([\d.]+) min \(`--digits 6`', [LS6.time['wall_s'] / 60]),
+    ('docs/experiments.md', r'each, took ([\d.]+) min, a seed ([\d,]+)-([\d,]+) s of one core .{0,200}? the '
+                            r'mode of 64 ([\d.]+) \(SD ([\d.]+)\) against the\s+job\'s ([\d.]+),',
+     [LS6.time['wall_s'] / 60, min(LS6.seed_s), max(LS6.seed_s), MODE6_SPREAD['mean'], MODE6_SPREAD['sd'],
+      JOB_ROWS['JOINT', 'joint mode, n = 64']['exact']['mean']]),
+]
+
+
+def test_the_method_alone_trains_the_jobs_lm_at_each_seed():
+    """assets/seeds_lesson6 (job.seeds --lesson --digits 6) at each of its ten seeds: every LM decoder
+    writes the addition job's outcome (assets/seeds_addition) on every problem, as docs/addition.md
+    says (the same LM: one thread, the same seed, problems and flags); its joint rows are the UNIT's,
+    the job's those of its stronger energy, so they differ."""
+    from job.seeds import read_outcomes
+    read = lambda name, t: dict(zip(t['seeds'], read_outcomes(os.path.join(ROOT, 'assets', name))))
+    mine = read('seeds_lesson6_outcomes.json.gz', LS6.table)
+    job = read('seeds_addition_outcomes.json.gz', JOB)
+    assert sorted(mine) == sorted(job) and len(mine) == 10
+    for seed, acc in mine.items():
+        assert acc['per_problem']['BASE LM'] == job[seed]['per_problem']['BASE LM'], seed
+    assert any(acc['per_problem']['JOINT'] != job[s]['per_problem']['JOINT'] for s, acc in mine.items())
 
 
 def test_seed_table_numbers_equal_the_committed_tables():
