@@ -318,6 +318,7 @@ LS6_ROWS = (('the LM: greedy', 'BASE LM', 'greedy'),
              'joint mode, beam + samples, n = 64'))
 MODE6 = [dict(zip(t['seeds'], by(t['rows'], 'model', 'method')['JOINT', 'joint mode, n = 64']['exact']
                   ['per_seed'])) for t in (LS6.table, JOB)]  # the method alone's, the job's: {seed: exact}
+DISTINCT6 = LS6.time['distinct_negatives_by_seed']  # distinct sums of 16 samples
 MODE6_SPREAD = LS6.exact('joint mode, n = 64', 'JOINT')
 SEED_CLAIMS += [
     ('README.md', r'ten seeds of it \(`--lesson --digits 6`\): ([\d.]+) min', [LS6.time['wall_s'] / 60]),
@@ -341,9 +342,14 @@ SEED_CLAIMS += [
      [len(C6), one_sign(C6)[0], max(level(C6, 'sign_p')), max(level(C6, 'sign_p_holm')),
       min(level(C6, 't_p')), max(level(C6, 't_p')), max(level(C6, 't_p_holm')),
       1e73 * max(c['p_holm'] for c in C6)]),
+    ('docs/addition.md', r'seeds 3 and 10, whose LMs learn the carries late \(([\d,]+) and ([\d,]+) s\): '
+                         r'.{0,140}? hold ([\d.]+) and ([\d.]+) distinct sums on average, the other seeds\' '
+                         r'([\d.]+)-([\d.]+) ',
+     [LS6.time['stage_seconds_by_seed'][s]['unit'] for s in ('3', '10')] + [DISTINCT6[s] for s in ('3', '10')]
+     + [f(v for s, v in DISTINCT6.items() if s not in ('3', '10')) for f in (min, max)]),
     ('docs/addition.md', r'is met for\s+the method alone \(([\d.]+) min\)', [LS6.time['wall_s'] / 60]),
     ('docs/addition.md', r'the method\'s at 6 digits ([\d.]+) min \(`--digits 6`', [LS6.time['wall_s'] / 60]),
-    ('docs/experiments.md', r'each, took ([\d.]+) min, a seed ([\d,]+)-([\d,]+) s of one core .{0,200}? the '
+    ('docs/experiments.md', r'each, took ([\d.]+) min, a seed ([\d,]+)-([\d,]+) s of one core .{0,400}? the '
                             r'mode of 64 ([\d.]+) \(SD ([\d.]+)\) against the\s+job\'s ([\d.]+),',
      [LS6.time['wall_s'] / 60, min(LS6.seed_s), max(LS6.seed_s), MODE6_SPREAD['mean'], MODE6_SPREAD['sd'],
       JOB_ROWS['JOINT', 'joint mode, n = 64']['exact']['mean']]),
