@@ -249,10 +249,14 @@ LESSON_QUICK = dict(  # the same stages with tiny sizes: a test that the lesson 
 LESSON_ADDITION = {k: ADDITION[k] for k in ('data', 'lm', 'neg', 'unit', 'accuracy')}
 
 
-def lesson_data(quick, digits=4):
-    """Where the lesson's problems are prepared (job.lesson's --data_dir default; job.seeds --lesson):
-    with --digits 6, the addition job's own problems."""
-    return 'data/lesson_quick' if quick else 'data/addition' if digits == 6 else 'data/lesson'
+def lesson_recipe(quick, digits=4):
+    """The lesson's stages and where its problems are prepared (job.lesson; job.seeds --lesson): tiny
+    4-digit sizes with --quick, the addition job's own recipe and problems with --digits 6."""
+    if quick and digits == 6:
+        raise ValueError('--quick runs tiny 4-digit sizes: drop --quick, or --digits 6')
+    if quick:
+        return LESSON_QUICK, 'data/lesson_quick'
+    return (LESSON_ADDITION, 'data/addition') if digits == 6 else (LESSON, 'data/lesson')
 
 
 def large_batch(cfg, scale=4, step_share=0.5, trainers=('bit', 'unit'), chunk=4096):

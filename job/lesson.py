@@ -34,7 +34,7 @@ import torch
 from data import load_meta, read_json
 from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_command, run_main, write_json
 
-from job.configs import LESSON, LESSON_ADDITION, LESSON_QUICK, lesson_data
+from job.configs import lesson_recipe
 from job.pipeline import FIX, ROOT, Pipeline
 from job.stages import check_made_with, device_flags, flags, negatives, nce, prepare_command
 from job.stats import format_p, mcnemar, mean_se
@@ -67,11 +67,10 @@ def get_args(argv=None):
                    help="6: the addition job's problems, LM, negatives, UNIT and accuracy table (its own "
                         "recipe: the method alone, without its baselines and EXO; docs/addition.md)")
     args = p.parse_args(argv)
-    if args.quick and args.digits == 6:
-        p.error('--quick runs tiny 4-digit sizes: drop --quick, or --digits 6')
+    _, data_dir = lesson_recipe(args.quick, args.digits)  # one line if the two flags disagree
     default_out = 'out-quick-lesson' if args.quick else 'out-lesson' + '6' * (args.digits == 6)
     args.out_dir = args.out_dir or default_out
-    args.data_dir = args.data_dir or lesson_data(args.quick, args.digits)
+    args.data_dir = args.data_dir or data_dir
     return args
 
 
@@ -86,7 +85,7 @@ def run(args, out, data_dir):
     """The lesson's stages into `out` on the problems prepared into `data_dir` (args: quick, digits, seed,
     data_seed, device, dtype, quiet, jobs), then its table (printed, and lesson.json / lesson.txt in
     `out`)."""
-    cfg = LESSON_QUICK if args.quick else LESSON_ADDITION if args.digits == 6 else LESSON
+    cfg, _ = lesson_recipe(args.quick, args.digits)
     path = lambda *a: os.path.join(out, *a)
     pipe = Pipeline(path('timings.json'), args.jobs, threads=max(1, torch.get_num_threads() // args.jobs))
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])

@@ -48,7 +48,7 @@ if not __package__:  # run as a file: the repo root is not on the path
 from data import load_meta, read_json
 from extensions.carry import carry_lines, plot_carry
 from job import ACCURACY, ACCURACY_FIX, decoder_pairs, read_report
-from job.configs import SIZE_FLAGS, lesson_data, size_flags
+from job.configs import SIZE_FLAGS, lesson_recipe, size_flags
 from job.pipeline import ROOT
 from job.stats import ALPHA, format_log_p, holm, holm_log, mcnemar, p_of, paired, sign_test_log_p
 from plumbing import (ArgumentParser, atomic_write, check_writable, comma_ints, common_flags, run_main,
@@ -123,8 +123,10 @@ def check_lesson_flags(args):
     if args.seeds is None:
         raise ValueError("--lesson: it trains the lesson's --seeds; give them, or the runs' folders without "
                          "--lesson")
-    if args.quick and args.digits == 6:
-        raise ValueError("--lesson --quick runs tiny 4-digit sizes: drop --quick, or --digits 6")
+    try:
+        lesson_recipe(args.quick, args.digits)
+    except ValueError as e:
+        raise ValueError(f'--lesson {e}') from None
 
 
 def seed_command(args, seed, run):
@@ -143,7 +145,7 @@ def prepared(args):
     then one job runs, so that two never prepare the same folder at once."""
     done = lambda data_dir: os.path.exists(os.path.join(ROOT, data_dir, 'meta.json'))
     if args.lesson or not done('data/addition'):
-        return done(lesson_data(args.quick, args.digits) if args.lesson else 'data/addition')
+        return done(lesson_recipe(args.quick, args.digits)[1] if args.lesson else 'data/addition')
     n = args.test_problems
     return not n or n <= load_meta(os.path.join(ROOT, 'data/addition'))['num_docs']['test'] or done(
         f'data/addition_test{n}')
