@@ -207,6 +207,12 @@ def read_runs(runs):
     return accs, seeds
 
 
+def joint_energies(accs):
+    """The energy of each seed's joint model, by the folder of accuracy.json's --energy ('bit' or 'unit':
+    the job's stronger on the selection split, job.reproduce.stronger_energy); None where not recorded."""
+    return [os.path.basename(os.path.dirname(a['energy'])) if a.get('energy') else None for a in accs]
+
+
 def spread(values):
     values = [float(v) for v in values]
     return dict(per_seed=values, mean=statistics.fmean(values), sd=statistics.stdev(values),
@@ -273,6 +279,9 @@ def fmt(result):
     seeds = ', '.join(map(str, result['seeds']))
     lines = [f"exact match on {result['split']} ({result['num_prefixes']} problems) at seeds {seeds}: "
              f"mean (SD) [min, max]"]
+    if any(result.get('energies') or ()):
+        lines.append("the joint model's energy at each seed: " + ', '.join(
+            f'{s} {e}' for s, e in zip(result['seeds'], result['energies'])))
     for r in result['rows']:
         e = r['exact']
         lines.append(f"  {r['model']:8s} {r['method']:28s} {e['mean']:.3f} ({e['sd']:.3f}) "
@@ -314,9 +323,10 @@ def outcomes_path(out):
 
 def write_outcomes(accs, seeds, path):
     """Every seed's per-problem outcomes (accuracy.json's per_problem, the problems' carry chains and
-    lookahead), and each model's parameters, gzipped JSON: what the comparisons are recomputed from
-    (read_outcomes)."""
-    data = dict(seeds=seeds, split=accs[0]['split'], ns=accs[0]['ns'], carry_chain=accs[0].get('carry_chain'),
+    lookahead), each model's parameters and each seed's energy, gzipped JSON: what the comparisons are
+    recomputed from (read_outcomes)."""
+    data = dict(seeds=seeds, energies=joint_energies(accs), split=accs[0]['split'], ns=accs[0]['ns'],
+                carry_chain=accs[0].get('carry_chain'),
                 lookahead=accs[0].get('lookahead'),
                 params={r['model']: r.get('params') for r in accs[0]['rows']},
                 per_problem={str(s): a['per_problem'] for s, a in zip(seeds, accs)})
@@ -345,7 +355,8 @@ def main(argv=None):
     if args.plot and chains is None:
         raise ValueError("--plot: an accuracy.json without carry chains (made before they were recorded): "
                          "rerun that run's job (python -m job.reproduce) to remake it")
-    result = dict(runs=args.runs, seeds=seeds, split=accs[0]['split'], num_prefixes=accs[0]['num_prefixes'],
+    result = dict(runs=args.runs, seeds=seeds, energies=joint_energies(accs), split=accs[0]['split'],
+                  num_prefixes=accs[0]['num_prefixes'],
                   rows=rows_over_seeds(accs), comparisons=comparisons(accs), by_carry_chain=chains,
                   by_lookahead=mean_by(accs, 'by_lookahead'))
     table = fmt(result)

@@ -8,7 +8,10 @@ import os
 import re
 from types import SimpleNamespace
 
+import numpy as np
+
 from job.seeds import spread
+from job.stats import sign_test_log_p
 from tests.common import ROOT, asset, assert_json_claims_hold, by
 
 SEED_CLAIMS = []
@@ -357,15 +360,74 @@ SEED_CLAIMS += [
 ]
 
 
+def outcomes(name, table):
+    """{seed: that seed's per-problem outcomes} of a committed job.seeds table."""
+    from job.seeds import read_outcomes
+    return dict(zip(table['seeds'], read_outcomes(os.path.join(ROOT, 'assets', name))))
+
+
+MINE6 = outcomes('seeds_lesson6_outcomes.json.gz', LS6.table)  # {seed: the method alone's outcomes}
+JOB_OUT = outcomes('seeds_addition_outcomes.json.gz', JOB)  # the addition job's
+
+
+def p_correct(acc):
+    return float(np.exp(acc['per_problem']['JOINT']['logp_correct']).mean())
+
+
+def same_energy(mine, job):
+    """The job's joint model is the method alone's UNIT at a seed: the same outcome on every problem in
+    each of its columns, P(correct sum) within 1e-4. Else it is the job's BIT, the other of its two."""
+    m, j = mine['per_problem']['JOINT'], job['per_problem']['JOINT']
+    return (all(m[k] == j[k] for k in m if k.endswith('_exact'))
+            and abs(p_correct(mine) - p_correct(job)) < 1e-4)
+
+
+JOBS_UNIT = [s for s in JOB['seeds'] if same_energy(MINE6[s], JOB_OUT[s])]
+JOBS_BIT = [s for s in JOB['seeds'] if s not in JOBS_UNIT]
+
+
+def bit_over_unit(column):
+    """At the seeds where the job kept its BIT: the BIT's and the UNIT's means over those seeds, and the
+    seeds where each is the better (ties out), in an exact-match column or 'p_correct'."""
+    def score(acc):
+        return p_correct(acc) if column == 'p_correct' else np.mean(acc['per_problem']['JOINT'][column])
+    bit, unit = ([score(t[s]) for s in JOBS_BIT] for t in (JOB_OUT, MINE6))
+    return dict(bit=np.mean(bit), unit=np.mean(unit), better=sum(b > u for b, u in zip(bit, unit)),
+                worse=sum(b < u for b, u in zip(bit, unit)))
+
+
+A1_BU, MODE_BU, PC_BU = (bit_over_unit(c) for c in ('a1_64_exact', 'mode_64_exact', 'p_correct'))
+SEED_CLAIMS += [
+    ('docs/addition.md', r'at seeds (\d+), (\d) and (\d) the job\'s joint model writes\s+the outcome of '
+                         r'the UNIT here .{0,200}?at the other seven seeds it kept its BIT\. On those seven, '
+                         r'with the same LM\s+and problems, the BIT\'s joint model beats the UNIT\'s at '
+                         r'every seed in Algorithm 1 of 64 \(([\d.]+)\s+against ([\d.]+)\) and in '
+                         r'P\(correct sum\) \(([\d.]+) against ([\d.]+)\), sign test p ([\d.]+); its mode '
+                         r'of 64 ties at\s+(\d) of them and leads at (\d)\.',
+     JOBS_UNIT + [A1_BU['bit'], A1_BU['unit'], PC_BU['bit'], PC_BU['unit'],
+                  math.exp(sign_test_log_p(PC_BU['better'], PC_BU['worse'])),
+                  len(JOBS_BIT) - MODE_BU['better'] - MODE_BU['worse'], MODE_BU['better']]),
+]
+
+
+def test_the_jobs_energy_at_each_seed_is_read_off_the_outcomes():
+    """docs/addition.md names the energy the addition job kept at each seed from its outcomes and the
+    method alone's UNIT's: the same at three seeds (the same UNIT), and at each of the other seven
+    Algorithm 1 of 64 differs on some problem (another energy: the BIT); there the BIT beats the UNIT
+    at every seed in Algorithm 1 and P(correct), and its mode of 64 is never below the UNIT's."""
+    assert JOBS_UNIT == [1337, 6, 8] and len(JOBS_BIT) == 7
+    for s in JOBS_BIT:
+        a1 = [t[s]['per_problem']['JOINT']['a1_64_exact'] for t in (MINE6, JOB_OUT)]
+        assert a1[0] != a1[1], s
+    assert A1_BU['better'] == PC_BU['better'] == 7 and MODE_BU['worse'] == 0
+
+
 def test_the_method_alone_trains_the_jobs_lm_at_each_seed():
     """assets/seeds_lesson6 (job.seeds --lesson --digits 6) at each of its ten seeds: every LM decoder
     writes the addition job's outcome (assets/seeds_addition) on every problem, as docs/addition.md
     says (the same LM: one thread, the same seed, problems and flags); its joint rows are the UNIT's,
     the job's those of its stronger energy, so they differ."""
-    from job.seeds import read_outcomes
-    read = lambda name, t: dict(zip(t['seeds'], read_outcomes(os.path.join(ROOT, 'assets', name))))
-    mine = read('seeds_lesson6_outcomes.json.gz', LS6.table)
-    job = read('seeds_addition_outcomes.json.gz', JOB)
+    mine, job = MINE6, JOB_OUT
     assert sorted(mine) == sorted(job) and len(mine) == 10
     for seed, acc in mine.items():
         assert acc['per_problem']['BASE LM'] == job[seed]['per_problem']['BASE LM'], seed

@@ -16,8 +16,9 @@ from job import seeds, stats
 from tests.common import ROOT, t_log_density
 
 
-def fake_run(folder, seed, joint, lm, data='d1', chain=None):
-    """An out_dir with a provenance.json naming the prepared data and an accuracy.json of 2 rows."""
+def fake_run(folder, seed, joint, lm, data='d1', chain=None, energy=None):
+    """An out_dir with a provenance.json naming the prepared data and an accuracy.json of 2 rows (and
+    the joint model's --energy, where given: its folder's name)."""
     folder.mkdir()
     (folder / 'provenance.json').write_text(json.dumps({'lm': dict(flags=[], inputs={'prepare': {'m': data}},
                                                                    outputs=None)}))
@@ -30,7 +31,9 @@ def fake_run(folder, seed, joint, lm, data='d1', chain=None):
         carry_chain=chain, by_carry_chain=exact_by(torch.tensor(chain), per),
         lookahead=ahead, by_lookahead=exact_by(torch.tensor(ahead), per))
     (folder / 'accuracy.json').write_text(json.dumps(dict(split='test', num_prefixes=len(lm), ns=[1, 4],
-                                                          seed=seed, rows=rows, per_problem=per, **by_chain)))
+                                                          seed=seed, rows=rows, per_problem=per, **by_chain,
+                                                          **({'energy': str(folder / energy / 'best.pt')}
+                                                             if energy else {}))))
     return str(folder)
 
 
@@ -48,12 +51,14 @@ def test_seeds_against_brute_force(tmp_path):
     joint = (rng.random((3, 200)) < 0.9).astype(int)
     lm = (rng.random((3, 200)) < 0.8).astype(int)
     chain = rng.integers(0, 4, 200)
-    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist(), chain=chain.tolist())
-            for i, s in enumerate((1, 2, 3))]
+    runs = [fake_run(tmp_path / f's{s}', s, joint[i].tolist(), lm[i].tolist(), chain=chain.tolist(), energy=e)
+            for i, (s, e) in enumerate(zip((1, 2, 3), ('bit', 'unit', 'bit')))]
     out = tmp_path / 'seeds.json'
     seeds.main([*runs, '--out', str(out), '--plot', str(tmp_path / 'carry.png')])
     res = json.loads(out.read_text())
-    assert res['seeds'] == [1, 2, 3] and (tmp_path / 'seeds.txt').exists()
+    assert res['seeds'] == [1, 2, 3] and res['energies'] == ['bit', 'unit', 'bit']
+    energies = "the joint model's energy at each seed: 1 bit, 2 unit, 3 bit"
+    assert energies in (tmp_path / 'seeds.txt').read_text()
     assert (tmp_path / 'carry.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     exact = res['rows'][1]['exact']
     assert exact['mean'] == pytest.approx(joint.mean())
@@ -79,7 +84,8 @@ def test_seeds_against_brute_force(tmp_path):
         assert ahead['count'][str(3 - c)] == (chain == c).sum()
     assert 'exact match by the lookahead' in (tmp_path / 'seeds.txt').read_text()
     with gzip.open(tmp_path / 'seeds_outcomes.json.gz', 'rt') as f:
-        assert json.load(f)['lookahead'] == (3 - chain).tolist()
+        kept = json.load(f)
+    assert kept['lookahead'] == (3 - chain).tolist() and kept['energies'] == ['bit', 'unit', 'bit']
     again = seeds.comparisons(seeds.read_outcomes(tmp_path / 'seeds_outcomes.json.gz'))
     assert again == res['comparisons']  # every seed's outcomes kept: the tests recomputed from them
     assert statistics.fmean(first['diff_per_seed']) == pytest.approx(first['diff'])
