@@ -200,13 +200,22 @@ CLAIMS += [
      + [DEFAULT['ordering'][k] for k in ('bit_iters', 'num_prefixes', 'num_samples')]),
 ]
 
+# docs/nanogpt.md's learner's path: each step's lines after, exactly (the before column is history), and
+# the lines of the KV cache it skips
+CLAIMS += [('docs/nanogpt.md', rf'\| {step}\. [^|]+\|[^|]+\| \d+[^|]*\| (\d+)', [lines_to_read(step)])
+           for step in READING] + [
+    ('docs/nanogpt.md', r'`KVCache`, `empty_cache`, `cached_attention`, `shared_prompt_attention`, '
+                        r'(\d+) lines',
+     [sum(code_lines('model.py', f) for f in ('KVCache', 'empty_cache', 'cached_attention',
+                                               'shared_prompt_attention'))]),
+]
+
 # (doc, regex, the counts in the code): lines, claimed "about", within LINE_TOLERANCE
 LINE_TOLERANCE = 0.05
 LINE_CLAIMS = [
     ('docs/nanogpt.md', r'`nce_train\.py` \(about (\d+) lines, `main` about (\d+) of them\)',
      [file_lines('nce_train.py'), function_lines('nce_train.py', 'main')]),
-] + [('docs/nanogpt.md', rf'\| {step}\. [^|]+\|[^|]+\| \d+[^|]*\| (\d+)', [lines_to_read(step)])
-       for step in READING]  # the learner's path: each step's lines after (the before column is history)
+]
 
 
 def docs_text():
@@ -218,6 +227,49 @@ def test_doc_numbers_equal_the_code():
     assert len(CLAIMS) >= 25
     bad = mismatches(CLAIMS, docs_text())
     assert not bad, '\n'.join(bad)
+
+
+def where_they_are(text):
+    """docs/nanogpt.md's "Where they are (after)": each (path, name, first, last) it states, from the
+    `path`: that opens a file's names and each `name` first-last (or a single line) after it, 'loop'
+    for "its loop first-last" (main's while loop); what follows "Before:" is history, not read."""
+    section = text[text.index('Where they are (after)'):]
+    out, path = [], None
+    for item in re.findall(r'^\d\. (.*?)(?=^\d\. |\Z)', section, re.M | re.S):
+        after = item.split('Before:')[0]
+        for m in re.finditer(r'`([\w/]+\.py)`:|`([\w.]+)` (\d+)(?:-(\d+))?|its (loop) (\d+)-(\d+)', after):
+            if m[1]:
+                path = m[1]
+            else:
+                name, first, last = (m[2], m[3], m[4]) if m[2] else ('main:loop', m[6], m[7])
+                out.append((path, name, int(first), int(last or first)))
+    return out
+
+
+def span(path, name):
+    """(first, last) line of a top-level def, class or assignment, a method 'Class.method' (from its
+    first decorator, if any), or 'main:loop', main's while loop."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding='utf-8').read())
+    outer, _, inner = name.replace(':', '.').partition('.')
+    node = next(n for n in tree.body if getattr(n, 'name', None) == outer or isinstance(n, ast.Assign)
+                and getattr(n.targets[0], 'id', None) == outer)
+    if inner == 'loop':
+        node = next(n for n in ast.walk(node) if isinstance(n, ast.While))
+    elif inner:
+        node = next(n for n in node.body if getattr(n, 'name', None) == inner)
+    return min([d.lineno for d in getattr(node, 'decorator_list', [])] + [node.lineno]), node.end_lineno
+
+
+def test_where_they_are_points_at_the_code():
+    """Every line range docs/nanogpt.md gives for the learner's path is where the code has it now; a
+    range off by a line is found."""
+    text = open(os.path.join(ROOT, 'docs/nanogpt.md'), encoding='utf-8').read()
+    stated = where_they_are(text)
+    assert len(stated) >= 25 and {p for p, *_ in stated} >= {'model.py', 'energy.py', 'nce_train.py'}
+    wrong = [(p, n, (a, b), span(p, n)) for p, n, a, b in stated if span(p, n) != (a, b)]
+    assert not wrong, wrong
+    planted = text.replace('`nce_loss` 90-106', '`nce_loss` 90-105')
+    assert [n for p, n, a, b in where_they_are(planted) if span(p, n) != (a, b)] == ['nce_loss']
 
 
 def test_doc_line_counts_within_five_percent():
