@@ -46,8 +46,8 @@ import torch
 from data import load_lm_and_data, load_split, problem_windows
 from energy import kish_ess, load_any_energy, logz_bounds, logz_diagnostics, logz_enumerate
 from extensions.enumeration import MAX_CONTINUATIONS, enumerate_split, index_of, one_token_edits
-from plumbing import (ArgumentParser, check_new, check_writable, comma_ints, common_flags, file_hash, rng,
-                      run_main, setup, write_json)
+from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
+                      file_hash, rng, run_main, setup, write_json)
 
 # The models it was run on (docs/exact_logz.md): ADDITION's recipe (job/configs.py) on N = 2 with budgets
 # scaled to 1,700 training problems (each stage ~100x less data than N = 6): the LM's shape and lrs,
@@ -56,8 +56,8 @@ from plumbing import (ArgumentParser, check_new, check_writable, comma_ints, com
 # problems (64 samples each), capped at 1,500 steps; no MLM/BIT (a BIT shares no prefix: enumeration
 # would cost 6x more).
 RECIPE = [
-    'python -m data.addition.prepare --digits 2 --train 1700 --select 200 --val 200 --test 400 '
-    '--out_dir {o}/data',
+    'python -m data.addition.prepare --digits 2 --train_problems 1700 --select_problems 200 '
+    '--val_problems 200 --test_problems 400 --out_dir {o}/data',
     'python train_lm.py --data_dir {o}/data --out_dir {o}/lm --objective lm --n_layer 3 --n_head 3 '
     '--n_embd 96 --block_size 66 --batch_size 32 --max_iters 2000 --lr 3e-3 --min_lr 3e-4 --warmup_iters 40 '
     "--eval_interval 100 --patience 2 --min_rel_delta 0.001 --snapshots ''",
@@ -493,7 +493,8 @@ def plot(res, split, select_split, chosen, path):
     a2.set(xscale='log', ylim=(-0.02, 1.02), xlabel='LM samples n', ylabel='share of (prompt, replicate)')
     a2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format='png'))
+    plt.close(fig)
 
 
 if __name__ == '__main__':

@@ -35,8 +35,8 @@ from energy import joint_sample, kl_to_lm, load_any_energy, load_energy
 from extensions.metrics import METRIC_HELP, MetricEnergy, fit_mu, metric_energy_state, parse_metrics
 from model import load_lm
 from plumbing import (ArgumentParser, Precision, check_memory, check_new, check_writable, common_flags,
-                      file_hash, named_paths, precision, progress, rng, run_main, save_checkpoints, setup,
-                      write_json, write_text)
+                      file_hash, json_text, named_paths, precision, progress, rng, run_main, save_checkpoints,
+                      setup)
 
 
 
@@ -236,9 +236,9 @@ def main(argv=None):
             joint['METRICS+' + '+'.join(energy.energies)] = energy
         res['table'] = table(lm, extra, joint, data_dir, meta, split_offsets, args, amp)
         text.append(format_table(res['table']['rows'], res['table']['metrics']))
-    save_checkpoints(saves)  # the energies with their results, not before the table has worked
-    write_json(res, os.path.join(args.out_dir, 'results.json'))
-    write_text('\n\n'.join(text) + '\n', os.path.join(args.out_dir, 'results.txt'))
+    # the energies with their results, together (results.json last), not before the table has worked
+    save_checkpoints(saves, [('\n\n'.join(text) + '\n', os.path.join(args.out_dir, 'results.txt')),
+                             (json_text(res), os.path.join(args.out_dir, 'results.json'))])
     print('\n\n'.join(text) + f"\n-> {args.out_dir}")
     return res
 

@@ -32,7 +32,8 @@ if not __package__:  # run as a file: the repo root is not on the path
 import torch
 
 from data import load_meta, read_json
-from plumbing import ArgumentParser, common_flags, lock_folder, one_job, rerun_command, run_main, write_json
+from plumbing import (ArgumentParser, common_flags, lock_folder, one_job, rerun_command, run_main, write_json,
+                      write_text)
 
 from job.configs import lesson_recipe
 from job.pipeline import FIX, ROOT, Pipeline
@@ -121,8 +122,7 @@ def run(args, out, data_dir):
     write_json(dict(table, seconds=round(time.time() - t0, 1), seed=args.seed, data_seed=args.data_seed),
                path('lesson.json'))
     text = format_lesson(table)
-    with open(path('lesson.txt'), 'w') as f:
-        f.write(text + '\n')
+    write_text(text + '\n', path('lesson.txt'))
     print('\n' + text + f"\n-> {path('lesson.json')}, figure {path('fig_lesson.png')}", flush=True)
     return table
 

@@ -32,7 +32,7 @@ from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, Precision, all_reduce, 
                              set_wait_policy, setup, setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401
                             checked_load, checkpoint_iter, content_hash, disk_full, file_hash, finite,
-                            first_missing, free_space, load_weights, not_a_file, out_of_space,
+                            first_missing, free_space, json_text, load_weights, not_a_file, out_of_space,
                             save_checkpoint, save_checkpoints, write_json, write_text)
 from plumbing.run import (COMMON_FLAGS, LOCKS, ArgumentParser, at_least, check, check_heads,  # noqa: F401
                           check_new, check_writable, comma_ints, common_flags, interrupt, lock_folder,

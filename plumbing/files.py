@@ -137,17 +137,27 @@ def checkpoint_iter(path):
 # -----------------------------------------------------------------------------
 # text and JSON outputs
 
-def write_text(text, path):
-    """Atomic text write (atomic_write)."""
+def text_writer(text):
+    """write(tmp) writing text: for atomic_writes, beside other files."""
     def write(tmp):
         with open(tmp, 'w') as f:
             f.write(text)
-    atomic_write(path, write)
+    return write
+
+
+def write_text(text, path):
+    """Atomic text write (atomic_write)."""
+    atomic_write(path, text_writer(text))
+
+
+def json_text(obj):
+    """obj as write_json writes it: NaN and infinities as null (JSON has neither)."""
+    return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
 def write_json(obj, path):
-    """Atomic JSON write, like write_text; NaN and infinities are written as null (JSON has neither)."""
-    write_text(json.dumps(finite(obj), indent=2, allow_nan=False), path)
+    """Atomic JSON write, like write_text."""
+    write_text(json_text(obj), path)
 
 
 # -----------------------------------------------------------------------------
@@ -158,12 +168,12 @@ def save_checkpoint(obj, path):
     save_checkpoints([(obj, path)])
 
 
-def save_checkpoints(saves):
-    """Each (obj, path) of saves torch.saved, together (atomic_writes): the disk checked
-    for all of them first, every one written to a temp file, then each renamed into place in
-    order. A full disk leaves every previous checkpoint as it was."""
-    atomic_writes([(path, lambda tmp, obj=obj: torch.save(obj, tmp), saved_bytes(obj))
-                   for obj, path in saves])
+def save_checkpoints(saves, texts=()):
+    """Each (obj, path) of saves torch.saved, and after them each (text, path) of texts written,
+    together (atomic_writes): the disk checked for all of them first, every one written to a temp
+    file, then each renamed into place in order. A full disk leaves every previous file as it was."""
+    atomic_writes([(path, lambda tmp, obj=obj: torch.save(obj, tmp), saved_bytes(obj)) for obj, path in saves]
+                  + [(path, text_writer(text), len(text.encode())) for text, path in texts])
 
 
 def saved_bytes(obj):

@@ -18,6 +18,7 @@ import re
 from extensions.exact_logz import RECIPE
 from job.configs import ADDITION, DEFAULT
 from tests.common import ROOT, mismatches, read
+from tests.test_bad_input import CLI_TABLE
 
 
 def file_lines(path):
@@ -156,11 +157,13 @@ CLAIMS += [
 # docs/exact_logz.md: the study's recipe (extensions/exact_logz.RECIPE) beside ADDITION's
 EXACT_RECIPE = ' '.join(RECIPE)
 CLAIMS += [
-    ('docs/exact_logz.md', r'eval every (\d+) \(not (\d+)\) steps, cap ([\d,]+) \(not a fixed ([\d,]+)\), '
-                           r'stopped on whole windows by ([\d.]+)% \(the job\'s: no rule',
+    ('docs/exact_logz.md', r'eval every (\d+) \(not (\d+)\) steps, cap ([\d,]+) with its cosine \(not a '
+                           r'fixed ([\d,]+), cosine to ([\d,]+)\), stopped on whole windows by ([\d.]+)%, '
+                           r'patience (\d) \(the job\'s: no rule',
      [int(re.search(r'--eval_interval (\d+) --patience', EXACT_RECIPE)[1]), ADDITION['lm']['eval_interval'],
       int(re.search(r'--max_iters (\d+) --lr 3e-3', EXACT_RECIPE)[1]), ADDITION['lm']['max_iters'],
-      100 * float(re.search(r'--min_rel_delta ([\d.]+)', EXACT_RECIPE)[1])]),
+      ADDITION['lm']['lr_decay_iters'], 100 * float(re.search(r'--min_rel_delta ([\d.]+)', EXACT_RECIPE)[1]),
+      int(re.search(r'--eval_interval 100 --patience (\d+)', EXACT_RECIPE)[1])]),
     ('docs/exact_logz.md', r'selection problems, cap ([\d,]+) \(not ([\d,]+)\)',
      [int(re.search(r'--max_iters (\d+) --lr 2e-4', EXACT_RECIPE)[1]), ADDITION['unit']['max_iters']]),
 ]
@@ -174,6 +177,8 @@ def constant(path, name):
 
 # docs/using.md and docs/guarantees.md: the limits and thresholds the code holds as constants
 CLAIMS += [
+    ('docs/guarantees.md', r'a kill -9 does not leave stuck, (\d+) bad inputs in one table',
+     [len(CLI_TABLE)]),
     ('docs/using.md', r'for sampling and scoring of models at least (\d+) wide',
      [constant('plumbing/device.py', 'CPU_BF16_MIN_WIDTH')]),
     ('docs/using.md', r'\((\d+) in all by default\)',
@@ -270,6 +275,40 @@ def test_where_they_are_points_at_the_code():
     assert not wrong, wrong
     planted = text.replace('`nce_loss` 90-106', '`nce_loss` 90-105')
     assert [n for p, n, a, b in where_they_are(planted) if span(p, n) != (a, b)] == ['nce_loss']
+
+
+def resume_table():
+    """docs/guarantees.md's resume table: {row's first cell: set of flags in its 'fixed' cell}."""
+    rows = re.findall(r'^ *\| (both trainers|`[\w/.]+`[^|]*) \| ([^|]+) \|', read_lines('docs/guarantees.md'),
+                      re.M)
+    return {name.split('`')[1] if '`' in name else name: set(re.findall(r'`--(\w+)`', fixed))
+            for name, fixed in rows}
+
+
+def read_lines(path):
+    return open(os.path.join(ROOT, path), encoding='utf-8').read()
+
+
+def test_the_resume_table_lists_every_flag_a_resume_keeps():
+    """Each flag a --resume keeps from the checkpoint (plumbing.guards' LM_RESUME_FIXED and
+    NCE_RESUME_FIXED, by flag name; extensions.exo's FIXED) is in docs/guarantees.md's table, in its
+    trainer's row or the trainers' shared one."""
+    from extensions.exo import FIXED
+    from plumbing.guards import LM_RESUME_FIXED, NCE_RESUME_FIXED
+    table, missing = resume_table(), {}
+    for row, code, flag, shared in (('train_lm.py', LM_RESUME_FIXED, {}, True),
+                                    ('nce_train.py', NCE_RESUME_FIXED, {'energy': 'body'}, True),
+                                    ('extensions/exo.py', FIXED, {'K': 'num_samples'}, False)):
+        stated = table[row] | (table['both trainers'] if shared else set())
+        missing[row] = sorted({flag.get(dest, dest) for dest in code} - stated)  # flag: its dest's flag
+    assert not any(missing.values()), missing
+
+
+def test_every_test_file_is_named_in_the_guarantees():
+    """docs/guarantees.md's Tests section names every tests/test_*.py (what each file is for)."""
+    text = read_lines('docs/guarantees.md').split('## Tests')[1]
+    files = sorted(f for f in os.listdir(os.path.join(ROOT, 'tests')) if re.match(r'test_\w+\.py$', f))
+    assert len(files) >= 30 and not [f for f in files if f'`{f}`' not in text]
 
 
 def test_doc_line_counts_within_five_percent():

@@ -227,3 +227,19 @@ def test_a_damaged_cache_is_computed_again(tmp_path, capsys):
         assert torch.equal(a, b)
     run()
     assert capsys.readouterr().err == ''  # each was saved again, whole
+
+
+def test_the_recipes_run_as_written():
+    """Every `python` command of RECIPE, RECIPE_SHARP and RECIPE_SHARPER (the models docs/exact_logz.md
+    was run on) gives only flags its script takes (its --help): a renamed flag fails here, not a reader's
+    run."""
+    from tests.common import run_scripts
+    from tests.test_layout import help_flags
+    commands = [c.split() for c in exact_logz.RECIPE + exact_logz.RECIPE_SHARP + exact_logz.RECIPE_SHARPER
+                if c.startswith('python ')]
+    scripts = sorted({tuple(c[1:3]) if c[1] == '-m' else (c[1],) for c in commands})
+    assert len(commands) >= 15 and len(scripts) >= 4, scripts
+    helps = dict(zip(scripts, run_scripts([[*s, '--help'] for s in scripts])))
+    bad = [(s, f) for c in commands for s in [tuple(c[1:3]) if c[1] == '-m' else (c[1],)]
+           for f in c if f.startswith('--') and f not in help_flags(helps[s].stdout)]
+    assert not bad, bad

@@ -201,6 +201,20 @@ def test_checkpoints_go_in_together_ckpt_first(cli_run, tmp_path, monkeypatch):
     assert dir_snapshot(out) == before
 
 
+def test_checkpoints_and_their_results_land_together(tmp_path):
+    """save_checkpoints(saves, texts) (metric_ebm's energies and results): all land, or none does: a
+    text that cannot be written leaves no checkpoint and no temp file."""
+    obj = {'w': torch.ones(3)}
+    plumbing.save_checkpoints([(obj, str(tmp_path / 'e.pt'))],
+                              [('{"a": 1}', str(tmp_path / 'results.json'))])
+    assert json.loads((tmp_path / 'results.json').read_text()) == {'a': 1}
+    assert torch.load(tmp_path / 'e.pt', weights_only=True)['w'].tolist() == [1, 1, 1]
+    with pytest.raises(OSError):
+        plumbing.save_checkpoints([(obj, str(tmp_path / 'f.pt'))],
+                                  [('{}', str(tmp_path / 'e.pt' / 'r.json'))])  # e.pt is a file
+    assert sorted(os.listdir(tmp_path)) == ['e.pt', 'results.json']
+
+
 def test_sigterm_says_rerun_like_ctrl_c(cli_run, tmp_path):
     """SIGTERM (kill, a scheduler) while sampling negatives: the same one line as Ctrl-C."""
     out = str(tmp_path / 'neg')
