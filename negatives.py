@@ -3,7 +3,8 @@ Offline negatives for conditional NCE (Eq. 3): for each prefix of a split, K con
 once from the base LM and stored, as in the paper (16 or 128 per prefix, sampled uniformly among
 at training time).
 
-Default sampling is untruncated: NCE's noise distribution must be P_LM itself (Theorem 1).
+Default sampling is untruncated: Theorem 1's optimum, log P_LM - E = log P_data, is that of Eq. 3
+with noise drawn from P_LM itself (truncated noise needs the log P_LM - log q correction).
 --top_k/--top_p are options, recorded in meta.json with each sample's log q.
 
     python negatives.py --lm out/lm/best.pt --split train --num_samples 4 --out_dir out/neg_train

@@ -48,7 +48,7 @@ PAPER_PRESETS = {
                      batch_size=60, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
     'bit_med': dict(n_layer=12, n_head=16, n_embd=1024, bias=True,
                     batch_size=32, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
-    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True,
+    'bit_large': dict(n_layer=24, n_head=16, n_embd=1024, bias=True,  # Table 4's row with LM-24L
                       batch_size=20, warmup_iters=2000, max_iters=90000, lr=5e-5, grad_clip=0.25),
 }
 PAPER_DATA = dict(tokenizer='gpt2', block_size=512, prefix_len=120, gen_len=40)

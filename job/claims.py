@@ -11,8 +11,9 @@ results.json). Writes claims.json and claims.txt:
     C5  the log Z bounds' calibration: at the n of Table 1, the expected lower bound lies below an
         n_ref-sample reference log Z and the expected upper bound above it (Theorem 2; each bound's
         expectation is its mean over groups of n samples drawn apart from the reference's)
-    C6  joint samples have more unique n-grams than base samples (characters, n = 4, 6, 8:
-        about the paper's 1-2 words; word n-grams of 64 characters are all unique)  (Fig. 2 right)
+    C6  joint samples have more unique n-grams than base samples (characters, n = 4, 6, 8, about
+        one or two words: the paper's n = 2-4, of units it does not name, over longer texts; word
+        n-grams of 64 characters are all unique)                        (Fig. 2 right)
     C7  the difference of log-likelihood means, own samples minus real text, smaller under the
         joint model than under the base LM                              (Fig. 3)
     C6u, C7u  the same on the joint model itself: untruncated LM proposals reweighted by exp(-E),
@@ -170,7 +171,7 @@ def ngrams(text, n):
 
 def unique_ngrams(texts, n):
     """% of distinct character n-grams among all character n-grams of the texts, pooled (the
-    paper's Fig. 2 right counts word n-grams the same way)."""
+    paper's Fig. 2 right pools its n-grams the same way)."""
     return pooled_unique([ngrams(t, n) for t in texts])
 
 
@@ -180,7 +181,7 @@ def pooled_unique(grams):
     return 100.0 * len(set(itertools.chain.from_iterable(grams))) / total if total else float('nan')
 
 
-C6_N = (4, 6, 8)  # the n-grams of C6; Fig. 2 right also shows n = 2
+C6_N = (4, 6, 8)  # the n-grams of C6; this project's Fig. 2 right also shows n = 2
 PERMUTATIONS = 1000
 
 

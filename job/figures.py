@@ -155,7 +155,8 @@ def fig4_ordering(ax, ordering):
     ax.invert_xaxis()  # training goes left to right
     ax.set(xlabel="base LM's selection loss (nats/token; labels: its step)",
            ylabel=f"gain over BASE, nats/token ({ordering['split']})",
-           title=f"Fig. 4: the ordering as the base LM trains ({ordering['num_prefixes']} prefixes)")
+           title=f"Fig. 4 (this project's): the ordering as the base LM trains "
+                 f"({ordering['num_prefixes']} prefixes)")
     ax.legend(fontsize=7)
 
 
