@@ -49,7 +49,7 @@ from extensions.enumeration import one_token_edits
 import extensions.metrics  # noqa: F401  registers the metric energy's loader (--energy)
 from model import load_lm
 from plumbing import (ArgumentParser, atomic_write, check_new, check_writable, comma_ints, common_flags,
-                      named_paths, rng, run_main, setup, write_json)
+                      named_paths, rng, run_main, setup, write_json, write_text)
 
 
 def scores(pred, gold):
@@ -343,8 +343,7 @@ def main(argv=None):
                by_lookahead=exact_by(ahead, per_problem), per_problem=per_problem)
     write_json(res, args.out)
     table = format_table(rows)
-    with open(os.path.splitext(args.out)[0] + '.txt', 'w') as f:
-        f.write(table + '\n')
+    write_text(table + '\n', os.path.splitext(args.out)[0] + '.txt')
     if not args.quiet:
         print(table)
     if args.plot:

@@ -523,3 +523,59 @@ def test_the_test_map_names_every_test_file():
     taken = {a.arg for n in ast.walk(trees['test_all.py']) if isinstance(n, ast.FunctionDef)
              for a in n.args.args} & fixtures
     assert not taken, f'test_all.py takes the fixtures {sorted(taken)}, which only tests/ sees'
+
+
+# the files written in place, not through plumbing's atomic writes (a temp file renamed): (file, function)
+IN_PLACE_WRITES = {
+    ('negatives.py', 'reserve'): "the samples' file, filled chunk by chunk, resumed (done.bin: how far)",
+    ('job/pipeline.py', 'start'): "a stage's log, written as it runs",
+    ('job/seeds.py', 'train_seeds'): "a seed's job's log, written as it runs",
+    ('plumbing/trainer.py', 'start'): 'log.jsonl, a line appended at each evaluation',
+}
+
+
+WRITERS = ('savefig', 'tofile', 'torch.save', 'np.save', 'json.dump')  # each writes its file argument
+
+
+def writes_to(call):
+    """The file a call writes, as source text (open() for writing or appending, or a WRITERS call),
+    else None."""
+    name = ast.unparse(call.func)
+    if name == 'open' and call.args:
+        mode = call.args[1] if len(call.args) > 1 else next(
+            (k.value for k in call.keywords if k.arg == 'mode'), None)
+        writing = isinstance(mode, ast.Constant) and set(mode.value) & set('wax+')
+        return ast.unparse(call.args[0]) if writing else None
+    if name.endswith(WRITERS) and call.args:
+        return ast.unparse(call.args[min(len(call.args) - 1, name.endswith(('torch.save', 'json.dump')))])
+    return None
+
+
+def raw_writes(tree):
+    """(enclosing function, line, file) of each write whose file is not a temp file (no 'tmp' in it,
+    as atomic_write's write(tmp) has) nor an open file object (f)."""
+    found = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            target = writes_to(child) if isinstance(child, ast.Call) else None
+            if target is not None and 'tmp' not in target and target != 'f':
+                found.append((inner, child.lineno, target))
+            visit(child, inner)
+    visit(tree, None)
+    return found
+
+
+def test_every_write_is_atomic_or_named():
+    """Outputs are written to a temp file and renamed (plumbing's atomic_write, write_text, write_json,
+    save_checkpoints), so a kill leaves the old file whole; the few files written in place are
+    IN_PLACE_WRITES, each with its reason. A planted plain write is found."""
+    found = [(path, func, line, target) for path, tree in python_files().items() if not is_test(path)
+             for func, line, target in raw_writes(tree)]
+    assert not [f for f in found if (f[0], f[1]) not in IN_PLACE_WRITES], found
+    assert {(p, f) for p, f, *_ in found} == set(IN_PLACE_WRITES)  # none of them stale
+    planted = ast.parse("def main(args):\n    with open(args.out + '.txt', 'w') as f:\n        f.write('x')\n"
+                        "    fig.savefig(args.plot)\n")
+    found = [(f, t) for f, _, t in raw_writes(planted)]
+    assert found == [('main', "args.out + '.txt'"), ('main', 'args.plot')]
