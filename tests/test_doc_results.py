@@ -210,6 +210,18 @@ JSON_CLAIMS += [
      [min(r['within_tol'] for r in E8_ROWS)] + [r['beam'] for r in EDITS8['test']['beam_curve']]
      + [max(r['worst_prompt_median_error'] for r in E8_ROWS)]),
 ]
+# docs/reports.md's lesson run of 2026-12-03 (assets/lesson.json's last run): its UNIT, and the UNIT's 500
+# steps alternated with the code of the day before
+LAST_LESSON = asset('lesson.json')['runs'][-1]
+BEFORE = next(c for c in LAST_LESSON['unit_500_steps_s'] if c not in ('what', LAST_LESSON['commit']))
+JSON_CLAIMS += [
+    ('docs/reports.md', rf'At {LAST_LESSON["commit"]} \(2026-12-03\) the table is the same to the last '
+                        r'digit, after\s+([\d.]+) s: the UNIT took ([\d.]+) s\. 500 of its steps, the two '
+                        r'commits alternated, took a median ([\d.]+) s\s+there and ([\d.]+) s with the code '
+                        rf'of 2026-12-02 \({BEFORE}\)',
+     [LAST_LESSON['to_table_s'], LAST_LESSON['stage_s']['unit']]
+     + [statistics.median(LAST_LESSON['unit_500_steps_s'][c]) for c in (LAST_LESSON['commit'], BEFORE)]),
+]
 # docs/addition.md's --edits table (assets/p_correct_edits.json): the job's P(correct), then with the edits
 EDITS = asset('p_correct_edits.json')
 JSON_CLAIMS += [
