@@ -339,6 +339,41 @@ def test_ranking_draws_only_prefixes_with_a_gradient(fox_negatives, eval_ckpts, 
     assert all(p.grad is None or p.grad.abs().max().item() == 0 for p in energy.parameters())
 
 
+def test_a_training_step_on_top_k_negatives_corrects_by_log_p_over_q(eval_ckpts, lm_ckpt, tmp_path):
+    """train_step on truncated (top-k) negatives: its loss is the ranking NCE of each positive among its
+    M negatives with scores -E + log P_LM - log q (each sequence scored alone, float64 loops), not -E
+    alone, and it leaves a gradient (the update is the optimizer's, not the step's)."""
+    from types import SimpleNamespace
+    negatives.main(['--lm', lm_ckpt, '--split', 'select', '--out_dir', str(tmp_path / 'topk'),
+                    '--top_k', '24', *NEG_FLAGS])  # wide: the real continuations are in q's support
+    neg, data = fox_pairs(dict(select=str(tmp_path / 'topk')), 'select')
+    P, L, K, M = neg['meta']['prefix_len'], neg['meta']['gen_len'], neg['meta']['num_samples'], 2
+    energy = load_energy(eval_ckpts['bit'], lm_path=lm_ckpt)[0]
+    pool = np.arange(len(neg['offsets']))
+    rows, neg_idx = nce_train.choose(len(pool), K, 5, M, 3, 'train', 0)
+    rows = pool[rows]
+    d_pos = neg['pos_logp'][rows] - neg['pos_logq'][rows]
+    assert np.isfinite(d_pos).all() and (d_pos < -0.1).all()  # in q's support, and q is not P_LM
+    ref = []
+    for r, j, dp in zip(rows, neg_idx, d_pos.astype(np.float64)):
+        x = window_tokens(data, neg['offsets'][r:r + 1], P + L)
+        with torch.no_grad():
+            e_pos = energy(x, P).double().item()
+            samples = torch.from_numpy(neg['tokens'][r].astype(np.int64))  # (K, L)
+            e = [energy(torch.cat([x[:, :P], samples[k:k + 1]], 1), P).double().item() for k in j]
+        d = [float(neg['logp'][r, k]) - float(neg['logq'][r, k]) for k in j]
+        ref.append(math.log1p(sum(math.exp((dk - ek) - (dp - e_pos)) for dk, ek in zip(d, e))))
+    before = [p.detach().clone() for p in energy.parameters()]
+    for p in energy.parameters():  # loaded for scoring: trainable again
+        p.requires_grad_()
+    args = SimpleNamespace(batch_size=5, grad_accum=1, seed=3, loss='ranking')
+    stats = nce_train.train_step(energy, torch.amp.GradScaler('cpu', enabled=False), data, neg, pool, M, args,
+                                 0, 'cpu', contextlib.nullcontext(), 0, 1)
+    assert abs(stats[0] - np.mean(ref)) < 1e-5, (stats[0], np.mean(ref))
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in energy.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, energy.parameters()))
+
+
 @pytest.mark.parametrize('truncated', [False, True])
 def test_held_out_gain_reference(fox_negatives, eval_ckpts, lm_ckpt, lm_corpus, tmp_path, truncated):
     """nce_train.evaluate's joint gain, -E(x+) - log Z per token with log Z from the K stored

@@ -422,7 +422,8 @@ def test_sample_cli_prompt(lm_corpus, lm_ckpt, eval_ckpts, tmp_path):
 def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, tmp_path, capsys):
     """3 prefixes x n = 6 samples: within --max_rows 512 main runs algorithm_1, over --max_rows 10
     it says so in one line and hands over to energy.joint_sample. Either way its samples are
-    joint_sample's own from the same generator (in one chunk: algorithm_1 draws exactly as it does)."""
+    joint_sample's own from the same generator (in one chunk: algorithm_1 draws exactly as it does),
+    with --correct_proposal too (weights exp(-E) P_LM / q, a sign of its own in each)."""
     argv = ['--lm', lm_ckpt, '--energy', eval_ckpts['bit'], '--split', 'test', '--num_prefixes', '3',
             '--prefix_len', str(EVAL_P), '--gen_len', str(EVAL_L), '--num_samples', '6', '--top_k', '5',
             '--table_k', '0', '--device', 'cpu', '--dtype', 'float32', '--quiet']
@@ -432,11 +433,13 @@ def test_sample_cli_hands_over_to_joint_sample(lm_corpus, lm_ckpt, eval_ckpts, t
     tok, lm, energy = load_tokenizer(meta), load_lm(lm_ckpt)[0], load_energy(eval_ckpts['bit'], lm_ckpt)[0]
     data = load_split(lm_corpus, 'test', meta)
     prefixes = window_tokens(data, windows(data, EVAL_P, EVAL_L, max_windows=3), EVAL_P + EVAL_L)[:, :EVAL_P]
-    for max_rows, hands_over in ((512, False), (10, True)):
-        rep = sample.main(argv + ['--max_rows', str(max_rows), '--out', str(tmp_path / f'{max_rows}.json')])
+    for max_rows, hands_over, correct in ((512, False, False), (10, True, False), (512, False, True),
+                                          (10, True, True)):
+        flags = ['--max_rows', str(max_rows), '--out', str(tmp_path / f'{max_rows}{correct}.json')]
+        rep = sample.main(argv + flags + ['--correct_proposal'] * correct)
         assert capsys.readouterr().err.count(line) == hands_over
         g = rng(1337, 'joint_samples', 'test', 0, 'cpu')  # main's generator
-        out = joint_sample(lm, energy, prefixes, 6, EVAL_L, 5, generator=g, max_rows=max_rows)
+        out = joint_sample(lm, energy, prefixes, 6, EVAL_L, 5, correct, generator=g, max_rows=max_rows)
         for b, r in enumerate(rep['samples']):
             for k in ('joint', 'worst', 'base'):
                 assert r[k] == tok.decode(out[k][b].tolist())
