@@ -305,7 +305,9 @@ def test_algorithm_1_and_joint_sample_agree():
     """sample.algorithm_1 (the paper's Algorithm 1, one prefix at a time) and joint_sample (rows
     and candidates in chunks, a running Gumbel-max) draw from the same distribution: n = 8
     candidates of 2 tokens over V = 3 from the untruncated LM (top_k = V), the 9 outcomes'
-    empirical frequencies within TV 0.06; both far from P_LM (n = 1), so the check has power."""
+    empirical frequencies within TV 0.06; both far from P_LM (n = 1), so the check has power. It
+    compares the two with each other; each against the distribution it must draw from (softmax of
+    log w over known candidates, chi-square): tests/test_sampling.py's resampling-frequency tests."""
     V, L, n = 3, 2, 8
     lm, e = tiny_gpt(vocab_size=V, block_size=8, n_layer=1, std=0.5, seed=3), rand_energy(V, head_std=3.0)
     prefix = torch.tensor([[1, 0, 2]])
@@ -747,6 +749,13 @@ def test_evaluate_prefixes_exact():
     E_ref = energies(e, x, P)
     exact = torch.stack([enumerate_joint(lm, e, x[b, :P], L, V, P)[3] for b in range(5)])
     assert sorted(cols['logz']['E']) == [4, 4096]
+    kls = []
+    for b in range(5):  # log Z by enumeration of what was seen, and KL(P_joint || P_LM), against exact ones
+        _, lp_all, E_all, logz = enumerate_joint(lm, e, x[b, :P], L, V, P)
+        kls.append((torch.exp(lp_all - E_all - logz) * (-E_all - logz)).sum().item())
+        assert abs(cols['kl']['E'][b] - kls[-1]) < 0.06, (b, cols['kl']['E'][b], kls[-1])  # 4,096 samples
+        enum = {k: float(v[b]) for k, v in cols['enum']['E'].items()}
+        assert enum['sure'] <= logz.item() + 1e-6 and abs(enum['estimate'] - logz.item()) < 0.02, (b, enum)
     for b in range(5):
         assert (abs(cols['lm_logp'][b] - lp_ref[b].item()) < 1e-4
                 and abs(cols['extra_logp']['LM2'][b] - lp2_ref[b].item()) < 1e-4)
@@ -761,6 +770,7 @@ def test_evaluate_prefixes_exact():
     exact_ppl = math.exp(-exact_lp.sum().item() / N)
     row = summarize(cols, N, 4096)[2]
     assert row['ppl_low'] <= row['ppl_high']
+    assert abs(row['predicted_gain'] - np.mean(kls) / L) < 0.02  # the Pythagorean prediction, per token
     for k in ('ppl_low', 'ppl_high'):
         assert abs(math.log(row[k]) - math.log(exact_ppl)) < 0.03, (k, row[k], exact_ppl)
 
@@ -920,14 +930,13 @@ def exact_step_logz(lm, e, x, P, V):
 
 def test_exact_step_logz_reference():
     """The reference itself (no rebm code but the LM and the energy): Eq. 5 with exact Z, each
-    step's distribution sums to 1 over the vocabulary, and the steps telescope to the
-    sequence-level joint log-prob log P_LM(x) - E(x) - log Z(prefix)."""
+    step's distribution sums to 1 over the vocabulary, and log Z(prefix) is the log-sum over all
+    V^L continuations c of P_LM(c) exp(-E(c)), each sequence scored on its own. (That the steps
+    then telescope to log P_LM(x) - E(x) - log Z(prefix) is an identity, not checked.)"""
     V, P, L = 4, 2, 3
     lm, e = toy_lm(V), rand_energy(V)
     x = torch.tensor([[0, 0, 1, 3, 2], [3, 1, 0, 0, 1]])
     Z = exact_step_logz(lm, e, x, P, V)
-    lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
-    E = energies(e, x, P)
     for b in range(2):
         for k in range(L):
             step_lp = logprobs64(lm, x[b:b + 1, :P + k])[0, -1]
@@ -935,9 +944,10 @@ def test_exact_step_logz_reference():
                                                    L - k - 1, V, P)[3].item()
                                    for v in range(V)], dtype=torch.float64)
             assert abs((step_lp + z_next - Z[b, k]).exp().sum().item() - 1) < 1e-5  # float32 energies
-        steps = lp_ref[b] + Z[b, 1:] - Z[b, :-1]
-        assert abs(steps.sum().item() - (lp_ref[b].sum() - E[b] - Z[b, 0]).item()) < 1e-9
-    assert torch.allclose(Z[:, L], -E)
+        seqs = torch.tensor([x[b, :P].tolist() + list(c) for c in itertools.product(range(V), repeat=L)])
+        log_joint = [logprobs64(lm, s[None])[0, P - 1:-1].gather(-1, s[P:, None]).sum().item()
+                     - energies(e, s[None], P)[0].item() for s in seqs]
+        assert abs(torch.tensor(log_joint, dtype=torch.float64).logsumexp(0).item() - Z[b, 0].item()) < 1e-5
 
 
 def per_step_case():
@@ -971,13 +981,37 @@ def test_per_step_report_exact():
                    / rep['last_step_exact_ppl'])
     assert (0 < rep['last_step_mc_se'] < 0.01
             and abs(gap) < 4 * rep['last_step_mc_se']), (gap, rep['last_step_mc_se'])
+    # per prefix, the last step's exact gain over the LM (claims.py's C4): -E(x) - log Z(x_<T)
+    assert np.allclose(rep['per_prefix_last_step_gain_exact'], (Z[:, L] - Z[:, L - 1]).numpy(), atol=1e-5)
     exact_ppl = torch.exp(-exact_step.mean(0)).numpy()
     # the joint model differs from the LM at the last step
     assert abs(exact_ppl[-1] - rep['base_ppl'][-1]) > 0.05
     for t in range(L):
         assert rep['joint_ppl_low'][t] <= rep['joint_ppl_high'][t]
         for k in ('joint_ppl_low', 'joint_ppl_high'):
-            assert abs(math.log(rep[k][t]) - math.log(exact_ppl[t])) < 0.15, (k, t, rep[k][t], exact_ppl[t])
+            assert abs(math.log(rep[k][t]) - math.log(exact_ppl[t])) < 0.05, (k, t, rep[k][t], exact_ppl[t])
+
+
+def test_per_step_report_by_segments_exact():
+    """--step_every 2 (Fig. 1 on a coarser grid: positions 0, 2, 3 of L = 3): each segment's base and
+    joint PPL per token, and the gain over the LM, against the exact per-step log-probs summed over
+    the segment's tokens and divided by its width."""
+    V, P, L = 4, 2, 3
+    lm, e, data, offsets, args = per_step_case()
+    args.step_every = 2
+    rep = per_step_report(lm, e, data, offsets, args, FP32, 'cpu', 'test')
+    x = window_tokens(data, offsets[[0, 2, 3]], P + L)
+    Z = exact_step_logz(lm, e, x, P, V)
+    lp = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
+    segments = [(0, 2), (2, 3)]
+    assert rep['position'] == [2, 3]
+    for s, (k1, k2) in enumerate(segments):
+        width, seg_lp = k2 - k1, lp[:, k1:k2].sum(1)
+        exact = seg_lp + Z[:, k2] - Z[:, k1]  # the segment's exact joint log-prob
+        assert abs(rep['base_ppl'][s] - math.exp(-(seg_lp / width).mean().item())) < 1e-5 * rep['base_ppl'][s]
+        for k in ('joint_ppl_low', 'joint_ppl_high'):
+            assert abs(math.log(rep[k][s]) + (exact / width).mean().item()) < 0.05, (k, s)
+        assert abs(rep['gain'][s] - ((Z[:, k2] - Z[:, k1]) / width).mean().item()) < 0.05
 
 
 def test_per_step_report_combines_the_bounds():
@@ -985,11 +1019,15 @@ def test_per_step_report_combines_the_bounds():
     low end of log P(x_t | x_<t) is the low numerator Z(x_<=t) over the high denominator Z(x_<t)."""
     P, L = 2, 3
     lm, e, data, offsets, args = per_step_case()
-    x = window_tokens(data, offsets[[0, 2, 3]], P + L)
-    args.step_samples = 4
+    x = window_tokens(data, offsets, P + L)  # all 4 windows: 4 prefixes, 3 positions, axes apart
+    args.step_samples, args.step_prefixes = 4, 4
     rep = per_step_report(lm, e, data, offsets, args, FP32, 'cpu', 'test')
     lp, _, lo, hi = per_step(lm, e, x, P, 4, FP32, rng(args.seed, 'per_step', 'test', 0), args.max_rows)[:4]
     assert (hi - lo).max() > 0.1  # the two bounds differ: mixing them up would show
+    mid = (lo + hi) / 2
+    gain = mid[:, 1:] - mid[:, :-1]  # per prefix and position, at the bounds' midpoint
+    assert np.allclose(rep['gain'], gain.mean(0).numpy(), rtol=1e-12)
+    assert np.allclose(rep['gain_se'], (gain.std(0) / 2).numpy(), rtol=1e-12)  # SE over the 4 prefixes
     assert np.allclose(rep['joint_ppl_high'], torch.exp(-(lp + lo[:, 1:] - hi[:, :-1]).mean(0)).numpy(),
                        rtol=1e-12)
     assert np.allclose(rep['joint_ppl_low'], torch.exp(-(lp + hi[:, 1:] - lo[:, :-1]).mean(0)).numpy(),

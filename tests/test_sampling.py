@@ -97,6 +97,29 @@ def test_joint_sample_resampling_frequencies(correct_proposal):
             and out['ess'].shape == (B,))
 
 
+@pytest.mark.parametrize('correct_proposal', [False, True])
+def test_algorithm_1_resampling_frequencies(correct_proposal):
+    """sample.algorithm_1 (its n samples in memory) on the fixed K = 10 candidates: the chosen one follows
+    softmax(log w) (chi-square, p = 0.001), log w = -E, or -E + log P_LM - log q with the proposal
+    correction; a target that leaves out a candidate, or weighs the wrong way, is rejected."""
+    K, B = 10, 20000
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(K, generator=g, dtype=torch.float64).float().double()
+    logp, logq = torch.randn(K, generator=g) - 2, torch.randn(K, generator=g) - 2
+    prefix, g1 = torch.zeros(B, 2, dtype=torch.long), torch.Generator().manual_seed(1)
+    x, i, _, _, log_w_out = sample.algorithm_1(ListLM(logp, logq), TableEnergy(E), prefix, K, 1, top_k=3,
+                                               generator=g1, correct_proposal=correct_proposal)
+    log_w = -E + (logp.double() - logq.double() if correct_proposal else 0)
+    assert torch.equal(x[:, 0], i) and (log_w_out[0] - log_w).abs().max() < 1e-6
+    counts = np.bincount(i.numpy(), minlength=K)
+    p = torch.softmax(log_w, 0)
+    assert chi_square(counts, p.numpy()) < CHI2_999[K - 1], (counts, p * B)
+    other = -E if correct_proposal else log_w + logp.double()  # the correction left out, or added unasked
+    for wrong in (torch.softmax(-log_w, 0), torch.softmax(other, 0),
+                  torch.cat([torch.softmax(log_w[:-1], 0), torch.zeros(1, dtype=torch.float64)])):
+        assert chi_square(counts, wrong.numpy() + 1e-12) > 10 * CHI2_999[K - 1]
+
+
 def test_joint_sample_ess_equal_energies():
     """Equal energies (the zero-head energy): every weight the same, ESS = n exactly."""
     V = 6
