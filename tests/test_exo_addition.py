@@ -156,6 +156,43 @@ def test_addition_eval_against_brute_force(addition_run, tmp_path):
     assert len(per['JOINT']['a1_8_exact']) == 16 and set(per['JOINT']['a1_8_exact']) <= {0.0, 1.0}
 
 
+@pytest.mark.parametrize('top_k', [0, 2])
+def test_p_correct_against_exact_enumeration(top_k):
+    """joint_columns' log P_joint(correct) (Eq. 2, log Z by logz_enumerate) against the exact one, each of
+    the V^L = 625 continuations scored on its own, on a toy whose LM is diffuse (the 256 samples see
+    part of them: the sure lower bound of log Z is well below it) and whose energy is far from zero;
+    with top_k the decoders' samples are top-k ones, and log Z still comes from P_LM's own. Eq. 4's
+    range is ordered, and over the problems where it is not flagged its midpoint lies near the exact
+    value on average (a range from 256 samples need not hold it: Eq. 4 bounds log Z in expectation)."""
+    import itertools
+    from tests.common import rand_energy, tiny_gpt
+    V, P, L, B, m = 5, 3, 4, 6, 256
+    lm = tiny_gpt(vocab_size=V, block_size=8, std=0.3, seed=4)
+    energy = rand_energy(V, seed=3, head_std=1.0)
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randint(V, (B, P), generator=g)
+    gold = torch.randint(V, (B, L), generator=g)
+    samples = addition_eval.lm_columns(lm, pre, gold, [1, m], top_k, g)[1]
+    out = addition_eval.joint_columns(lm, energy, pre, gold, samples, [1, m], top_k, g, beam=4)
+    conts = torch.tensor(list(itertools.product(range(V), repeat=L)))  # (V^L, L)
+    mids, exacts = [], []
+    for b in range(B):
+        seqs = torch.cat([pre[b].expand(len(conts), -1), conts], 1)
+        lp = logprobs64(lm, seqs)[:, P - 1:-1].gather(-1, conts[..., None]).squeeze(-1).sum(1)
+        with torch.no_grad():
+            E = energy(seqs, P).double()
+        log_z = torch.logsumexp(lp - E, 0).item()
+        i = int((conts == gold[b]).all(1).nonzero())
+        exact = (lp[i] - E[i]).item() - log_z
+        assert abs(out['logp_correct'][b].item() - exact) < 0.1, (b, out['logp_correct'][b].item(), exact)
+        low, high = out['logp_correct_low'][b].item(), out['logp_correct_high'][b].item()
+        assert low <= high
+        if not out['eq4_flagged'][b]:
+            mids, exacts = mids + [(low + high) / 2], exacts + [exact]
+    assert len(mids) >= 3 and abs(sum(mids) / len(mids) - sum(exacts) / len(exacts)) < 0.1, (mids, exacts)
+    assert (out['logp_correct_low'] < out['logp_correct_high']).any()  # not all raised to the sure bound
+
+
 def test_p_correct_never_above_one_and_eq4_flagged(addition_run, tmp_path):
     """A sharp random energy: P(correct) from logz_enumerate is at most 1 on every problem (the answer
     is in the scored set), Eq. 4's range is reported only where it flags no problem, and the share
