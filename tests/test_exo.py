@@ -255,6 +255,31 @@ def test_exo_kl_estimates_match_enumeration():
             assert abs(got[f'{kl}_{end}'] - exact[kl]) < 0.02, (kl, got, exact)
 
 
+def test_logz_table_keeps_its_first_m_samples_and_bounds_from_all_n():
+    """logz_table with m = 16 < n = 64: log Z's range and its diagnostics from all n LM samples, the
+    first m kept aligned (tokens, -E, log P_LM), each against the same draws redone by hand; and the
+    KL ranges of kl_estimates are as wide as log Z's (mean high - low), for the reverse and the
+    forward KL alike."""
+    from energy import logz_bounds, logz_diagnostics
+    sft, policy, energy, prefix = exo_kl_case()
+    n, m = 64, 16
+    table = exo.logz_table(sft, energy, prefix, 3, n, m, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        y = sft.generate(prefix, 3, num_samples=n, generator=torch.Generator().manual_seed(7))[0]
+        neg_e = -score_continuations(energy, prefix, y, 2, NULL).double()
+        logp = exo.continuation_logprob(sft, prefix, y[:, :m]).double()
+    low, high = logz_bounds(neg_e)
+    assert (table['low'] - low).abs().max() < 1e-9 and (table['high'] - high).abs().max() < 1e-9
+    assert torch.allclose(table['ess'], logz_diagnostics(neg_e)['ess'].double(), rtol=1e-9)
+    assert torch.equal(table['y'], y[:, :m]) and torch.allclose(table['neg_e'], neg_e[:, :m], atol=1e-9)
+    assert torch.allclose(table['logp_sft'], logp, atol=1e-9)
+    width = (table['high'] - table['low']).mean().item()
+    assert width > 1e-3  # 64 samples: a range, not a point
+    got = exo.kl_estimates(policy, sft, energy, table, 3, m, torch.Generator().manual_seed(8))
+    for kl in ('kl_reverse', 'kl_forward'):
+        assert abs(got[f'{kl}_high'] - got[f'{kl}_low'] - width) < 1e-9, (kl, got, width)
+
+
 def test_exo_policy_forward_in_eval_mode():
     """With dropout in the LM, pi_theta's forward runs in eval mode in the loss and the estimates:
     at step 0 (pi_theta = pi_sft) p_f is uniform, so L_exo = KL(uniform || p_r) exactly (float64
