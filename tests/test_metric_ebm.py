@@ -96,6 +96,23 @@ def test_moment_matching_by_sampling_converges():
     assert errors[0] > errors[1] > errors[2] and errors[2] < 0.02 * mu_exact.norm().item(), errors
 
 
+def test_moments_are_the_joint_models_in_closed_form():
+    """metric_ebm.moments on a pool that is P_LM exactly (4 continuations drawn 4, 2, 1 and 1 times of 8:
+    P_LM = 1/2, 1/4, 1/8, 1/8): the joint model p* ∝ P_LM exp(-mu . f) then has closed-form metric means
+    and KL(p* || P_LM) (the predicted gain), which the self-normalised pool estimates equal exactly."""
+    g = torch.Generator().manual_seed(0)
+    f_items = torch.randn(4, 2, generator=g, dtype=torch.float64)  # 4 continuations x 2 metrics
+    counts, p_lm = [4, 2, 1, 1], torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    pool = torch.cat([f_items[j].expand(c, -1) for j, c in enumerate(counts)])[None]  # (1, 8, 2)
+    mu = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    p_star = p_lm * torch.exp(-f_items @ mu)
+    p_star = p_star / p_star.sum()
+    means, kl = metric_ebm.moments(torch.zeros(1, 2, dtype=torch.float64), pool, mu)
+    assert abs(kl.item() - (p_star * (p_star / p_lm).log()).sum().item()) < 1e-12
+    assert torch.allclose(torch.tensor(means['joint'], dtype=torch.float64), p_star @ f_items, atol=1e-12)
+    assert torch.allclose(torch.tensor(means['lm'], dtype=torch.float64), p_lm @ f_items, atol=1e-12)
+
+
 def test_fit_refuses_unreachable_or_constant_metrics():
     log_p, p_data, f = enumerable_problem()
     target = torch.einsum('bn,bnk->bk', p_data, f)
