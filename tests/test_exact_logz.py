@@ -5,6 +5,8 @@ MIN_ESS's rule, and the job's estimator by beam width.
 """
 
 import itertools
+import math
+import statistics
 
 import numpy as np
 import torch
@@ -138,6 +140,68 @@ def test_sharp_energy_eq4_far_off_enumerate_exact():
     row = exact_logz.error_table(reps, 0.01)[0]
     assert row['estimate']['within_tol'] == 1.0 and row['estimate']['mean_abs'] < 1e-6
     assert row['eq4_coverage'] < 0.1 and row['fast_vs_logz_enumerate'] < 1e-12
+
+
+def test_exact_values_by_hand():
+    """exact_values on 2 prompts x 4 continuations where the LM's mode and the joint model's differ:
+    each field against its definition written out (the real continuation's log P_LM and E, whose mode
+    is right, the LM's lost mass)."""
+    log_p = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64))
+    E = torch.tensor([[3.0, 0.0, 0.0, 1.0], [0.5, -1.0, 0.0, 2.0]], dtype=torch.float64)
+    real = torch.tensor([0, 1])
+    v = exact_logz.exact_values(log_p, E, real)
+    for b in range(2):
+        lpw = [float(log_p[b, j] - E[b, j]) for j in range(4)]
+        log_z = math.log(sum(math.exp(t) for t in lpw))
+        r = int(real[b])
+        assert abs(v['log_z'][b].item() - log_z) < 1e-12
+        assert abs(v['joint_ll'][b].item() - (lpw[r] - log_z)) < 1e-12
+        assert v['lm_logp'][b].item() == log_p[b, r].item() and v['energy'][b].item() == E[b, r].item()
+        assert bool(v['lm_mode_correct'][b]) == (max(range(4), key=lambda j: log_p[b, j]) == r)
+        assert bool(v['joint_mode_correct'][b]) == (max(range(4), key=lambda j: lpw[j]) == r)
+        assert abs(v['lm_mass_error'][b].item() - (float(log_p[b].exp().sum()) - 1)) < 1e-12
+    assert v['lm_mode_correct'].tolist() == [True, False]  # the modes differ: the two fields apart
+    assert v['joint_mode_correct'].tolist() == [False, True]
+
+
+def test_error_table_and_threshold_curve_by_loops():
+    """replicate_errors on random_case, then error_table and threshold_curve, against loops over the
+    (prompt, replicate) pairs: each estimator's bias, spread over replicates (per prompt, averaged),
+    mean |error|, RMSE and share within tol; Eq. 4's coverage, exact and within the slack (T_n at most
+    slack above log Z, the upper end at most slack below); each threshold's flagged share (ESS below
+    it, or the sure-bound flag) and the coverage of the rest."""
+    log_p, E, known, _ = random_case()
+    log_z = (log_p - E).logsumexp(-1)
+    cont = enumeration.all_continuations(4, 3)[:30]
+    slack, tol = 0.05, 0.1
+    reps = exact_logz.replicate_errors(log_p, E, log_z, known, cont, [4, 16], 20, 0, 'test', slack=slack,
+                                       check=2)
+    rows = exact_logz.error_table(reps, tol)
+    curve = exact_logz.threshold_curve(reps, [2.0, 3.0])
+    for row, (n, r) in zip(rows, reps.items()):
+        B, R = r['T_n'].shape
+        pairs = [(b, k) for b in range(B) for k in range(R)]
+        near = [float(r['T_n'][b, k]) <= slack and float(r['upper'][b, k]) >= -slack for b, k in pairs]
+        assert row['n'] == n and abs(row['eq4_coverage_slack'] - sum(near) / len(pairs)) < 1e-12
+        covered = [float(r['T_n'][b, k]) <= 0 <= float(r['upper'][b, k]) for b, k in pairs]
+        assert abs(row['eq4_coverage'] - sum(covered) / len(pairs)) < 1e-12
+        for key in ('T_n', 'upper', 'estimate', 'sure'):
+            e = [[float(r[key][b, k]) for k in range(R)] for b in range(B)]
+            flat = [x for p in e for x in p]
+            spread = sum(statistics.stdev(p) for p in e) / B
+            want = dict(bias=sum(flat) / len(flat), spread=spread, mean_abs=sum(map(abs, flat)) / len(flat),
+                        rmse=math.sqrt(sum(x * x for x in flat) / len(flat)),
+                        within_tol=sum(abs(x) <= tol for x in flat) / len(flat))
+            assert all(abs(row[key][k] - w) < 1e-9 for k, w in want.items()), (n, key, row[key], want)
+        for c in curve:
+            point = next(p for p in c['per_n'] if p['n'] == n)
+            flagged = [float(r['ess'][b, k]) < c['min_ess'] or bool(r['sure_flag'][b, k]) for b, k in pairs]
+            kept = [i for i, f in enumerate(flagged) if not f]
+            assert abs(point['flagged'] - sum(flagged) / len(pairs)) < 1e-12
+            assert point['unflagged'] == len(kept)
+            assert abs(point['coverage_slack_unflagged'] - sum(near[i] for i in kept) / len(kept)) < 1e-12
+    assert 0 < rows[0]['eq4_coverage'] < rows[0]['eq4_coverage_slack'] < 1  # the slack changes something
+    assert any(0 < p['flagged'] < 1 for c in curve for p in c['per_n'])  # the curve flags some, not all
 
 
 def test_min_ess_rule():
