@@ -178,7 +178,7 @@ def test_error_table_and_threshold_curve_by_loops():
                                        check=2)
     rows = exact_logz.error_table(reps, tol)
     curve = exact_logz.threshold_curve(reps, [2.0, 3.0])
-    for row, (n, r) in zip(rows, reps.items()):
+    for row, (n, r) in zip(rows, reps.items(), strict=True):
         B, R = r['T_n'].shape
         pairs = [(b, k) for b in range(B) for k in range(R)]
         near = [float(r['T_n'][b, k]) <= slack and float(r['upper'][b, k]) >= -slack for b, k in pairs]

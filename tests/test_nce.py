@@ -371,7 +371,7 @@ def test_a_training_step_on_top_k_negatives_corrects_by_log_p_over_q(eval_ckpts,
                                  0, 'cpu', contextlib.nullcontext(), 0, 1)
     assert abs(stats[0] - np.mean(ref)) < 1e-5, (stats[0], np.mean(ref))
     assert any(p.grad is not None and p.grad.abs().max() > 0 for p in energy.parameters())
-    assert all(torch.equal(a, p) for a, p in zip(before, energy.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(before, energy.parameters(), strict=True))
 
 
 @pytest.mark.parametrize('truncated', [False, True])
