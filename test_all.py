@@ -775,6 +775,33 @@ def test_evaluate_prefixes_exact():
         assert abs(math.log(row[k]) - math.log(exact_ppl)) < 0.03, (k, row[k], exact_ppl)
 
 
+def test_enumerated_knows_the_real_continuation():
+    """estimate_ppl.enumerated, the enum columns of Table 1's records: logz_enumerate with the real
+    continuation known and the first --num_samples LM samples drawn, against ref_enumerate (its
+    definition in float64 loops) on hand-made samples that repeat the real continuation and one another."""
+    V, P, L = 4, 2, 3
+    lm, e = toy_lm(V), rand_energy(V)
+    x = torch.tensor([[0, 1, 2, 3, 1], [3, 3, 0, 0, 2]])
+    samples = torch.tensor([[[2, 3, 1], [0, 0, 0], [2, 3, 1], [1, 2, 3]],
+                            [[0, 0, 2], [1, 1, 1], [1, 1, 1], [3, 2, 1]]])  # (B, 4, L); row 0: the real twice
+    with torch.no_grad():
+        lm_logp = lm.sequence_logprob(x, P).double()
+        e_real = {'E': e(x, P)}
+        seqs = [torch.cat([x[:, :P], samples[:, j]], 1) for j in range(4)]
+        samples_logp = torch.stack([lm.sequence_logprob(q, P).double() for q in seqs], 1)
+        log_w = -torch.stack([e(q, P) for q in seqs], 1)[None]  # (energies, B, 4)
+    args = types.SimpleNamespace(num_samples=3)  # the first 3 of the 4 samples
+    got = estimate_ppl.enumerated(lm, {'E': e}, x, P, lm_logp, e_real, samples, samples_logp, log_w, args,
+                                  FP32)
+    for b in range(2):
+        conts = [tuple(x[b, P:].tolist())] + [tuple(c) for c in samples[b, :3].tolist()]
+        log_p = [lm_logp[b].item()] + samples_logp[b, :3].tolist()
+        lw = [-e_real['E'][b].item()] + log_w[0, b, :3].double().tolist()
+        estimate, sure = ref_enumerate(conts, log_p, lw, 1)
+        assert abs(got['E']['estimate'][b].item() - estimate) < 1e-9
+        assert abs(got['E']['sure'][b].item() - sure) < 1e-9
+
+
 def ref_enumerate(conts, log_p, log_w, known):
     """logz_enumerate by its definition, in float64 Python loops: the mean over the samples i of
     A(S_-i) + [x_i not in S_-i] w_i, S_-i the distinct continuations among the known ones and the
