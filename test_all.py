@@ -18,7 +18,8 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_baselines.py   RALM (Eq. 6), BALM, the paper's presets
     tests/test_bad_input.py   bad input: one clear line each (the CLI table)
     tests/cli_files.py        the files the CLI table's rows point at (broken, odd, one defect each)
-    tests/test_interruptions.py  a full disk, memory, Ctrl-C, SIGTERM and kill -9, each one line
+    tests/test_interruptions.py  memory, Ctrl-C, SIGTERM and kill -9, each one line
+    tests/test_full_disk.py   a full disk in one line, and writes that land whole
     tests/test_script_refusals.py  each script's refusals, case by case
     tests/test_flags.py       every script's flags: one vocabulary, help and defaults, declared bounds
     tests/test_resume.py      resume, locks, DDP and torchrun, fp16, finite checkpoints
@@ -33,7 +34,8 @@ concept or a concern, each section of the method under the '# ====' banner it ha
     tests/test_human_eval.py  Table 2's protocol (job/human_eval.py)
     tests/test_metric_ebm.py  the talk's metric energy and TaiLr
     tests/test_exo.py         EXO's objective against exact enumeration (Ji et al., ICML 2024)
-    tests/test_exo_addition.py  the addition task, its decoders, and exo.py's runs on it
+    tests/test_addition.py    the addition task, its decoders and P(correct sum)
+    tests/test_exo_runs.py    exo.py's runs on it: resume, precision, bad input
     tests/test_exo_budget.py  EXO's budget curve from the runs kept in assets (job/exo_budget.py)
     tests/test_carry.py       the lookahead (extensions/carry.py) by enumeration; job/lookahead.py
     tests/test_provenance.py  the main job's provenance.json

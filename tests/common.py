@@ -169,8 +169,8 @@ NCE_FLAGS = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--batch_size'
              '--eval_prefixes', '10', *CPU]
 
 
-# the flags of the bad-input tests' tiny runs (tests/test_bad_input.py, tests/test_interruptions.py):
-# the CPU always, whatever REBM_TEST_DEVICE says
+# the flags of the bad-input tests' tiny runs (tests/test_bad_input.py, test_interruptions.py,
+# test_full_disk.py): the CPU always, whatever REBM_TEST_DEVICE says
 CLI_CPU = ['--device', 'cpu', '--dtype', 'float32', '--quiet']
 
 

@@ -17,6 +17,7 @@ import negatives
 import sample
 import train_lm
 from data import load_meta
+from data.addition import prepare as addition_prepare
 from data.text import prepare as text_prepare
 from energy import build_energy, energy_state
 from model import load_checkpoint
@@ -118,9 +119,10 @@ def he_export(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def cli_run(tmp_path_factory):
-    """The tiny run the command-line tests (test_bad_input.py, test_interruptions.py) point at, on the
-    CPU, made once a module: {name: path} under A['root']: the fox corpus, a 2-step LM, its negatives
-    (train, select, val; select copied as if killed before it finished), a 2-step NCE energy."""
+    """The tiny run the command-line tests (test_bad_input.py, test_interruptions.py, test_full_disk.py)
+    point at, on the CPU, made once a module: {name: path} under A['root']: the fox corpus, a 2-step LM,
+    its negatives (train, select, val; select copied as if killed before it finished), a 2-step NCE
+    energy."""
     root = tmp_path_factory.mktemp('cli')
     A = {k: str(root / k) for k in ('data', 'lm', 'neg_train', 'neg_select', 'neg_val', 'nce',
                                     'neg_incomplete')}
@@ -143,3 +145,25 @@ def cli_run(tmp_path_factory):
     meta = json.load(open(os.path.join(A['neg_select'], 'meta.json')))
     write_json(dict(meta, complete=False), os.path.join(A['neg_incomplete'], 'meta.json'))
     return A
+
+
+@pytest.fixture(scope='session')
+def addition_run(tmp_path_factory):
+    """A 3-digit addition corpus, an LM of 30 steps on it, a random BIT energy for that LM and a zero one
+    (test_addition.py, test_exo_runs.py)."""
+    d = tmp_path_factory.mktemp('addition')
+    addition_prepare.main(['--out_dir', str(d / 'data'), '--digits', '3', '--train_problems', '3000',
+                           '--select_problems', '64',
+                           '--val_problems', '64', '--test_problems', '64', '--quiet'])
+    train_lm.main(['--data_dir', str(d / 'data'), '--out_dir', str(d / 'lm'), '--max_iters', '30',
+                   '--eval_interval', '30', '--final_eval', '0', '--lr', '3e-3', *TRAIN_FLAGS])
+    lm = str(d / 'lm' / 'best.pt')
+    meta = dict(load_meta(str(d / 'data')), data_dir=str(d / 'data'))
+    torch.manual_seed(0)
+    energy = build_energy('bit', lm, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+    with torch.no_grad():
+        energy.head.weight.normal_(0.0, 2.0)
+    save_checkpoint(energy_state(energy, lm, meta), str(d / 'bit.pt'))
+    zero = build_energy('bit', lm, meta, sizes=dict(n_layer=1, n_head=2, n_embd=16))
+    save_checkpoint(energy_state(zero, lm, meta), str(d / 'zero.pt'))
+    return d, lm

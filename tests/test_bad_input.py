@@ -1,7 +1,8 @@
 """Bad input to a script gives one clear 'error: ...' line, no traceback, and writes or overwrites
 nothing: the CLI table (one row each; the files its rows point at: cli_files.py). What the table
 cannot hold (a full disk, checkpoints' order, SIGTERM and Ctrl-C, memory headroom, a killed run
-resumed): test_interruptions.py. Each script's own refusals, case by case: test_script_refusals.py.
+resumed): test_interruptions.py and test_full_disk.py. Each script's own refusals, case by case:
+test_script_refusals.py.
 """
 
 import importlib

@@ -1,6 +1,6 @@
 """EXO's objective (Ji et al., ICML 2024) against exact enumeration on a toy: its K-sample gradient
 tends to the reverse KL's, its minimiser is the joint model, its step loss and KL estimates match
-float64 references. exo.py's runs on addition (resume, guards): test_exo_addition.py."""
+float64 references. exo.py's runs on addition (resume, guards): test_exo_runs.py."""
 
 import copy
 import itertools

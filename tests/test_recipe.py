@@ -168,7 +168,7 @@ def test_data_of_other_flags_is_not_reused(tmp_path):
 
 def test_a_stopped_exo_stage_resumes(tmp_path, monkeypatch):
     """The job's EXO stage continues a stopped run's ckpt.pt with --resume (exo.py resumes exactly:
-    test_exo_addition) and starts a new one with --force; its folder is the stage's, so that one made
+    test_exo_runs) and starts a new one with --force; its folder is the stage's, so that one made
     from something else is kept aside by the scheduler, which drops the --resume. It is declared wide
     (alone, on every core: the last long stage of the job's critical path), and takes the job's --dtype
     (its training step under autocast)."""

@@ -2,7 +2,7 @@
 estimate_ppl, human_eval, sample and figures, a fixture runs every bad invocation at once against the
 shared tiny checkpoints (tests/conftest.py), and each case gets one clear 'error: ...' line, no
 traceback, and leaves what was there as it was. The CLI table: test_bad_input.py; what it cannot
-hold (a full disk, Ctrl-C, SIGTERM, kill -9): test_interruptions.py.
+hold (Ctrl-C, SIGTERM, kill -9): test_interruptions.py; a full disk: test_full_disk.py.
 """
 
 import csv
