@@ -283,17 +283,26 @@ def test_logz_enumerate_is_unbiased_exactly():
     assert z2['estimate'].shape == (2, len(tuples))
 
 
-def test_per_step_exact():
+def test_per_step_exact(monkeypatch):
     """per_step with many samples: bounds close to the exact Z, the last column exactly -E(x); the
     sum of the per-step log-probs at exact Z is the sequence-level joint log-prob, and the per_step
-    estimates of it are close."""
+    estimates of it are close. Each sampled Z's sure lower bound (what its diagnostics flag against)
+    is the real rest's own term, log P_LM(x_>P+k | x_<=P+k) - E(x) in float64, and lies below Z."""
     V, P, L = 4, 2, 3
     lm, e = toy_lm(V), rand_energy(V)
     x = torch.tensor([[0, 0, 1, 3, 2], [3, 1, 0, 0, 1]])
     Z = exact_step_logz(lm, e, x, P, V)
     lp_ref = logprobs64(lm, x)[:, P - 1:-1].gather(-1, x[:, P:, None]).squeeze(-1)
     E = energies(e, x, P)
+    sures, diagnostics = [], estimate_ppl.logz_diagnostics
+    spy = lambda log_w, logz_sure=None: (sures.append(logz_sure), diagnostics(log_w, logz_sure))[1]
+    monkeypatch.setattr(estimate_ppl, 'logz_diagnostics', spy)
     lp, ks, lo, hi = per_step(lm, e, x, P, 4000, FP32, torch.Generator().manual_seed(0), max_rows=8192)[:4]
+    monkeypatch.undo()
+    assert len(sures) == L
+    for k, sure in enumerate(sures):
+        assert (sure - (lp_ref[:, k:].sum(1) - E)).abs().max() < 1e-5, k
+        assert (sure <= Z[:, k] + 1e-6).all(), k
     assert ks == list(range(L + 1)) and lp.shape == (2, L) and lo.shape == hi.shape == (2, L + 1)
     assert (lp - lp_ref).abs().max() < 1e-5
     assert (lo[:, L] - (-E)).abs().max() < 1e-6 and torch.equal(lo[:, L], hi[:, L])
