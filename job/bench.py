@@ -30,7 +30,11 @@ process:
                sequence; and the energy forward in fp32 vs bf16 autocast;
 - metric_fit:  the talk's metric energy (metrics.py): mu fitted by Newton's method on the dual at
                the main job's sizes (512 prefixes x 32 LM samples, 5 metrics), vs L-BFGS on the
-               same dual to the same moment gap; and its five metrics per second vs a BIT's forward.
+               same dual to the same moment gap; and its five metrics per second vs a BIT's forward;
+- graphs:      a CUDA GPU only (job/bench_graphs.py): the training step above, eager vs captured
+               once as a CUDA graph and replayed, and vs torch.compile's reduce-overhead mode: ms a
+               step, the speedups, and each variant's largest weight difference from eager after the
+               same 20 steps.
 
 A 512^3 matmul probe runs first: where bf16 is emulated (an AVX2-only CPU: ~40x slower than
 fp32), every bf16 figure is skipped (listed under bf16_skipped) rather than taking minutes. The
@@ -40,6 +44,8 @@ JSON also records the CPU's ATen capability and its avx2/avx512f/avx512_bf16/amx
     python -m job.bench --quick           # smoke test, < 1 minute: fewer repeats, and 2 prefixes
                                       # instead of 8, so its sampling figures are not comparable
     python -m job.bench --device cuda     # GPU
+    python -m job.bench --device cuda --sections graphs --n_layer 3 --n_head 3 --n_embd 96 \
+        --energy_embd 96 --block_size 66 --batch_size 32 --data_dir data/addition   # addition's LM step
 
 The sections that decode (sampling, distinct, beam, estimation, estimate) are in job/bench_decoding.py,
 the timing tools every section shares in job/bench_tools.py.
@@ -53,6 +59,7 @@ line of stdout; the same JSON is written (atomically) to --out.
 import json
 import sys
 import time
+from argparse import ArgumentTypeError
 from contextlib import nullcontext
 
 if not __package__:  # run as a file: the repo root is not on the path
@@ -63,6 +70,7 @@ from data import batch_offsets, get_batch, load_meta, load_split
 from energy import Energy, score
 from extensions.metrics import MetricEnergy, fit_mu
 from job.bench_decoding import bench_beam, bench_distinct, bench_estimate, bench_estimation, bench_sampling
+from job.bench_graphs import bench_graphs
 from job.bench_tools import DTYPES, forward_flops_per_token, lm_config, log, timeit
 import model as model_py
 from model import GPT, GPTConfig, flops_per_token
@@ -71,9 +79,25 @@ from plumbing import (ArgumentParser, autocast, check_heads, check_writable, com
                       run_main, write_json)
 
 
+SECTIONS = ('train', 'sampling', 'beam', 'distinct', 'energy', 'estimation', 'estimate', 'metric_fit',
+            'graphs')
+
+
+def section_names(text):
+    """'train,graphs' -> ['train', 'graphs'], each a section of SECTIONS."""
+    names = [n.strip() for n in text.split(',') if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise ArgumentTypeError(f"{', '.join(unknown) or 'none'}: not a section; pick from "
+                                f"{', '.join(SECTIONS)}")
+    return names
+
+
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
+    a('--sections', type=section_names, default=list(SECTIONS),
+      help='the sections to run, comma-separated (the bf16 probe and the matmul peak always run)')
     a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
     a('--out', default='out/bench.json', help='the JSON of all figures is written here')
     common_flags(p, 'device')
@@ -339,14 +363,15 @@ def main(argv=None):
     results['bf16_skipped'] = (['matmul_peak', 'train', 'sampling', 'estimate_energy'] if probe['bf16_slow']
                                else [])
     peak = run('matmul_peak', bench_matmul_peak, dtypes)
-    run('train', bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes})
-    run('sampling', bench_sampling, meta, dtypes, peak['matmul_gflops_fp32'])
-    run('beam', bench_beam, meta)
-    run('distinct', bench_distinct, dtypes)
-    run('energy', bench_energy, meta, peak['matmul_gflops_fp32'])
-    run('estimation', bench_estimation, meta)
-    run('estimate', bench_estimate, meta, dtypes)
-    run('metric_fit', bench_metric_fit, meta)
+    sections_args = dict(train=(bench_train, meta, {k: peak[f'matmul_gflops_{k}'] for k in dtypes}),
+                         sampling=(bench_sampling, meta, dtypes, peak['matmul_gflops_fp32']),
+                         beam=(bench_beam, meta), distinct=(bench_distinct, dtypes),
+                         energy=(bench_energy, meta, peak['matmul_gflops_fp32']),
+                         estimation=(bench_estimation, meta), estimate=(bench_estimate, meta, dtypes),
+                         metric_fit=(bench_metric_fit, meta), graphs=(bench_graphs, meta))
+    for name in SECTIONS:
+        if name in args.sections:
+            run(name, *sections_args[name])
     results['bench_time_s'] = time.perf_counter() - t_start
 
     if not args.quiet:

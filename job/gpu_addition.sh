@@ -6,6 +6,7 @@
 #     bash job/gpu_addition.sh [OUT [JOBS]]      # default out/gpu_addition, 6; JOB_LIMIT=480 s
 #     SELECT_EVAL= bash job/gpu_addition.sh     # the job alone, no selection-split scoring
 #     JOB_FLAGS=--deterministic bash job/gpu_addition.sh   # more flags of job.reproduce
+#     GRAPHS= bash job/gpu_addition.sh          # no CUDA-graph bench of the LM's and BALM's step after
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-out/gpu_addition}"
@@ -43,5 +44,15 @@ for e in ${SELECT_EVAL-bit unit}; do  # the energies on 1,000 selection problems
         --split select --ns 64 --beam 8 --quiet --out "$run/select_$e.json" > "$run/select_$e.log" 2>&1
     echo "select $e: exit $?" | tee -a "$out/summary.txt"
     grep -E "greedy|Algorithm 1|joint mode" "$run/select_$e.txt" | tee -a "$out/summary.txt"
+done
+for model in ${GRAPHS-lm:96 balm:144}; do  # the LMs' step eager vs CUDA graphs (job.bench's graphs section)
+    name=${model%:*}
+    timeout 150 python3 -m job.bench --device cuda --sections graphs --quiet --data_dir "$data" --n_layer 3 \
+        --n_head 3 --n_embd "${model#*:}" --energy_embd 96 --block_size 66 --batch_size 32 --prefix_len 14 \
+        --gen_len 8 --out "$out/graphs_$name.json" > /dev/null 2> "$out/graphs_$name.log"
+    echo "graphs $name: exit $?" | tee -a "$out/summary.txt"
+    python3 -c 'import json, sys; print({k: round(v, 4) if isinstance(v, float) else v
+                for k, v in json.load(open(sys.argv[1])).items() if k.startswith("graphs_")})' \
+        "$out/graphs_$name.json" 2>&1 | tee -a "$out/summary.txt"
 done
 tar czf "$out/run.tar.gz" --exclude='*.pt' --exclude='*.bin' "$run"

@@ -280,6 +280,58 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
     assert per_prompt[0] < 8 < per_prompt[1], per_prompt
 
 
+def test_bench_graphs_compares_the_same_steps(lm_corpus, tmp_path):
+    """The graphs section's harness on a CPU (its CUDA variants need a GPU: without one it says so): a
+    variant that is eager's step, one that takes its first step while being made (as the CUDA graph's
+    warm-up does) and one at another lr, against eager after the same batches: the weights equal
+    exactly for the first two, not for the third; a variant that fails is recorded, the rest go on;
+    --sections runs only what it names, and an unknown name is refused in one line."""
+    from data import load_meta
+    from job import bench, bench_graphs as bg
+    args = bench.get_args(['--quick', '--data_dir', lm_corpus, '--n_layer', '1', '--n_head', '2',
+                           '--n_embd', '32', '--energy_embd', '32', '--block_size', '32', '--batch_size', '2',
+                           '--prefix_len', '8', '--gen_len', '8', '--out', str(tmp_path / 'b.json')])
+    meta = load_meta(lm_corpus)
+    skipped = bg.bench_graphs(args, 'cpu', meta)
+    assert skipped == dict(graphs_skipped='CUDA graphs need a CUDA GPU (device cpu)')
+
+    def warmed(model, batches, device, dtype):
+        step = bg.eager_step(model, batches, device, dtype)
+        step()
+        return step
+
+    def other_lr(model, batches, device, dtype):
+        optimizer = bg.adamw(model, device)
+        optimizer.param_groups[0]['lr'] = 1e-3
+
+        def step():
+            bg.step_body(model, optimizer, *batches(), device, dtype)
+            optimizer.zero_grad(set_to_none=True)
+        return step
+
+    def broken(model, batches, device, dtype):
+        raise RuntimeError('capture refused\nsecond line')
+
+    res = bg.bench_graphs(args, 'cpu', meta, steps=6,
+                          variants=dict(same=bg.eager_step, warmed=warmed, other_lr=other_lr, broken=broken))
+    assert res['graphs_max_weight_diff_same'] == res['graphs_max_weight_diff_warmed'] == 0.0, res
+    assert res['graphs_max_weight_diff_other_lr'] > 1e-5, res
+    assert res['graphs_broken_error'] == 'RuntimeError: capture refused'
+    assert sorted(k for k in res if k.startswith('graphs_ms_per_step_')) == [
+        f'graphs_ms_per_step_{n}' for n in ('eager', 'other_lr', 'same', 'warmed')]
+    assert all(res[f'graphs_speedup_{n}'] > 0 for n in ('same', 'warmed', 'other_lr'))
+    out = tmp_path / 'b.json'
+    ran = run_script(['-m', 'job.bench', '--quick', '--quiet', '--sections', 'graphs', '--data_dir',
+                      lm_corpus, '--out', str(out), '--matmul_size', '128'])
+    assert ran.returncode == 0, ran.stderr
+    figures = json.load(open(out))
+    assert 'graphs_skipped' in figures and not any(k.startswith('train_') for k in figures)
+    bad = run_script(['-m', 'job.bench', '--sections', 'train,graph'])
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
+        "error: --sections: graph: not a section; pick from train, sampling, beam, distinct, energy, "
+        "estimation, estimate, metric_fit, graphs (see python -m job.bench --help)"]
+
+
 def test_figures_draws_the_four_pngs(tmp_path):
     fake_main_job_json(tmp_path)
     res = run_script(['-m', 'job.figures', '--out_dir', str(tmp_path), '--copy_to', str(tmp_path / 'copy')])
