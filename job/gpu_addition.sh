@@ -6,6 +6,7 @@
 #     bash job/gpu_addition.sh [OUT [JOBS]]      # default out/gpu_addition, 6; JOB_LIMIT=480 s
 #     SELECT_EVAL= bash job/gpu_addition.sh     # the job alone, no selection-split scoring
 #     JOB_FLAGS=--deterministic bash job/gpu_addition.sh   # more flags of job.reproduce
+#     JOB_FLAGS=--compile bash job/gpu_addition.sh         # the trainers' models under torch.compile
 #     GRAPHS= bash job/gpu_addition.sh          # no CUDA-graph bench of the LM's and BALM's step after
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -51,8 +51,8 @@ from data import load_meta, problem_windows, read_json
 from job import NUMBER, read_report
 from energy import Energy
 from model import GPT, GPTConfig
-from plumbing import (ArgumentParser, check_writable, common_flags, lock_folder, one_job, pick_device,
-                      rerun_command, run_main, write_json)
+from plumbing import (ArgumentParser, check_compiler, check_writable, common_flags, lock_folder, one_job,
+                      pick_device, rerun_command, run_main, write_json)
 
 from job.configs import (ADDITION, ADDITION_QUICK, DEFAULT, QUICK, QUICK_GPT2, RELATIVE_TIME, STAGE_SECONDS,
                          SIZE_FLAGS, large_batch, size_flags)
@@ -116,6 +116,10 @@ def get_args(argv=None):
                         "EXO or Shakespeare's Table 1: alone, on every core), its output in <out_dir>/<stage>"
                         ".log. Threads change float rounding: the per-stage count follows --jobs and the "
                         "cores, never timing, so the numbers depend on them, never on the schedule")
+    p.add_argument('--compile', action='store_true',
+                   help="passed to the trainers (train_lm.py, nce_train.py): torch.compile their models. "
+                        "Another rounding, so other models; on a CPU it needs a C++ compiler and was slower "
+                        "(docs/reports.md): for a GPU, where their steps are bound by launches")
     p.add_argument('--skip_lesson', action='store_true',
                    help="skip the lesson (python -m job.lesson, into <out_dir>/lesson) that the Shakespeare "
                         "job runs first")
@@ -129,14 +133,19 @@ def get_args(argv=None):
     if args.recipe == 'gpu' and not add:
         raise ValueError("--recipe gpu is the addition job's (measured there): add --data addition")
     args.cfg = recipe(args, add, gpt2)
-    args.out_dir = args.out_dir or ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
-                                    + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else '')
-                                    + (f'-lm{args.lm_max_iters}' if args.lm_max_iters else '')
-                                    + (f'-e{args.energy_max_iters}' if args.energy_max_iters else '')
-                                    + (f'-test{args.test_problems}' if args.test_problems else ''))
+    args.out_dir = args.out_dir or default_out_dir(args, add, gpt2)
     args.data_dir = args.data_dir or ('data/addition' if add else
                                       'data/shakespeare_gpt2' if gpt2 else 'data/shakespeare')
     return args
+
+
+def default_out_dir(args, add, gpt2):
+    """out, out-quick, out-addition-gpu, out-addition-lm7000-e16000, ...: a folder a recipe."""
+    return ('out' + ('-quick' if args.quick else '') + ('-gpt2' if gpt2 else '')
+            + ('-addition' if add else '') + ('-gpu' if args.recipe == 'gpu' else '')
+            + (f'-lm{args.lm_max_iters}' if args.lm_max_iters else '')
+            + (f'-e{args.energy_max_iters}' if args.energy_max_iters else '')
+            + (f'-test{args.test_problems}' if args.test_problems else ''))
 
 
 def recipe(args, add, gpt2):
@@ -213,7 +222,9 @@ def check_data_kind(args, windows):
 @one_job  # --out_dir's lock released however main ends
 def main(argv=None):
     args = get_args(argv)
-    pick_device(args.device)  # every stage would fail on it
+    device = pick_device(args.device)  # every stage would fail on it
+    if args.compile:
+        check_compiler(device)  # every trainer would fail on it
     check_data_dir(args)
     lock_folder(os.path.join(ROOT, args.out_dir), '--out_dir')  # one job per folder (checked writable first)
     pipe = Pipeline(os.path.join(args.out_dir, 'timings.json'), args.jobs,
@@ -249,7 +260,9 @@ def stages(args, pipe):
     common = ['--seed', str(args.seed)] + (['--quiet'] if args.quiet else [])
 
     def stage(name, cmd, done, deps=(), folder=None, wide=False):  # a script stage: seed, device, dtype
-        pipe.run(name, cmd + common + device_flags(args) + ['--dtype', args.dtype], done, deps, folder, wide)
+        compiled = ['--compile'] * (args.compile and cmd[0] in ('train_lm.py', 'nce_train.py'))
+        pipe.run(name, cmd + common + device_flags(args) + ['--dtype', args.dtype] + compiled, done, deps,
+                 folder, wide)
 
     lm, neg = cfg['lm'], cfg['neg']
     vocab = prepare_data(pipe, args)

@@ -27,7 +27,7 @@ from plumbing.budget import (TIME_LIMIT_S, available_memory, check_memory, check
                              check_training_memory, duration, forward_seconds, training_memory)
 from plumbing.checkpoints import check_checkpoint  # noqa: F401
 from plumbing.device import (CPU_BF16_MIN_WIDTH, DTYPES, Precision, all_reduce, autocast,  # noqa: F401
-                             choose_dtype, cores_in_use, cpu_bf16_units, keep_freed_memory,
+                             check_compiler, choose_dtype, cores_in_use, cpu_bf16_units, keep_freed_memory,
                              openmp_wait_policy, pick_device, precision, rng, rng_seed, set_deterministic,
                              set_wait_policy, setup, setup_distributed, teardown_distributed)
 from plumbing.files import (atomic_write, atomic_writes, check_disk, check_free_space,  # noqa: F401

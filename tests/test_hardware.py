@@ -343,6 +343,26 @@ def test_compile_on_a_cpu_needs_a_cpp_compiler(lm_corpus, tmp_path, monkeypatch)
         device.check_compiler('cpu', environ)
 
 
+def test_the_job_passes_compile_to_the_trainers_alone(tmp_path, monkeypatch):
+    """job.reproduce --compile: every trainer stage (train_lm.py: LM, BALM, MLM, RALM, TaiLr; nce_train.py:
+    BIT, UNIT) gets --compile once, no other stage gets it, and without the flag none does; on a CPU with
+    no C++ compiler the job refuses it in one line before any stage runs."""
+    from job import reproduce
+    from plumbing import device
+    from tests.common import job_commands
+    for argv in ([], ['--data', 'addition']):
+        listed = lambda cmds: {n: c for n, c in cmds.items() if not callable(c)}  # EXO's, made when it starts
+        given, plain = listed(job_commands(argv + ['--compile'])), listed(job_commands(argv))
+        trainers = [n for n, cmd in given.items() if cmd[0] in ('train_lm.py', 'nce_train.py')]
+        assert {'lm', 'balm', 'mlm', 'ralm', 'tailr', 'bit', 'unit'} <= set(trainers), trainers
+        assert all(given[n].count('--compile') == (n in trainers) for n in given), given
+        assert len(given) > len(trainers) + 3 and not any('--compile' in cmd for cmd in plain.values())
+    monkeypatch.setattr(device.shutil, 'which', lambda name: None)
+    with pytest.raises(ValueError, match=r"--compile: on a CPU torch.compile builds C\+\+ kernels"):
+        reproduce.main(['--quick', '--compile', '--device', 'cpu', '--out_dir', str(tmp_path / 'out')])
+    assert not (tmp_path / 'out').exists()
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ('g++', 'c++', 'clang++')), reason='no C++ compiler')
 def test_compile_trains_what_eager_trains(lm_corpus, tmp_path):
     """train_lm.py --compile (torch.compile's C++ kernels on a CPU, about 25 s to build here): the same
