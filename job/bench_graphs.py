@@ -67,24 +67,27 @@ def graph_step(model, batches, device, dtype, warmup=3):
     into static inputs, AdamW capturable; `warmup` eager steps on a side stream first, as capture needs
     (they train on the first batches; the replays go on from there)."""
     optimizer = adamw(model, device, capturable=True)
-    static_x, static_y = None, None
+    static = [t.clone() for t in batches()]  # the inputs the graph reads: batch 0, then each one copied in
+
+    def next_batch():
+        for s, t in zip(static, batches(), strict=True):
+            s.copy_(t)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(warmup):
-            x, y = batches()
-            static_x, static_y = (x.clone(), y.clone()) if static_x is None else (static_x, static_y)
-            static_x.copy_(x), static_y.copy_(y)
-            step_body(model, optimizer, static_x, static_y, device, dtype)
+        for i in range(warmup):
+            if i:
+                next_batch()
+            step_body(model, optimizer, *static, device, dtype)
             optimizer.zero_grad(set_to_none=True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # grads are None here, so each replay writes them anew
-        static_loss = step_body(model, optimizer, static_x, static_y, device, dtype)
+        static_loss = step_body(model, optimizer, *static, device, dtype)
 
     def step():
-        x, y = batches()
-        static_x.copy_(x), static_y.copy_(y)
+        next_batch()
         graph.replay()
         static_loss.item()
     return step

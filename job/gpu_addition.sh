@@ -48,7 +48,7 @@ for e in ${SELECT_EVAL-bit unit}; do  # the energies on 1,000 selection problems
 done
 for model in ${GRAPHS-lm:96 balm:144}; do  # the LMs' step eager vs CUDA graphs (job.bench's graphs section)
     name=${model%:*}
-    timeout 150 python3 -m job.bench --device cuda --sections graphs --quiet --data_dir "$data" --n_layer 3 \
+    timeout 240 python3 -m job.bench --device cuda --sections graphs --quiet --data_dir "$data" --n_layer 3 \
         --n_head 3 --n_embd "${model#*:}" --energy_embd 96 --block_size 66 --batch_size 32 --prefix_len 14 \
         --gen_len 8 --out "$out/graphs_$name.json" > /dev/null 2> "$out/graphs_$name.log"
     echo "graphs $name: exit $?" | tee -a "$out/summary.txt"
