@@ -96,7 +96,7 @@ def section_names(text):
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__)
     a = p.add_argument
-    a('--sections', type=section_names, default=list(SECTIONS),
+    a('--sections', type=section_names, default=','.join(SECTIONS),
       help='the sections to run, comma-separated (the bf16 probe and the matmul peak always run)')
     a('--data_dir', default='data/shakespeare', help='prepared char corpus (data/shakespeare/prepare.py)')
     a('--out', default='out/bench.json', help='the JSON of all figures is written here')
