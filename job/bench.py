@@ -73,7 +73,7 @@ from job.bench_decoding import bench_beam, bench_distinct, bench_estimate, bench
 from job.bench_graphs import bench_graphs
 from job.bench_tools import DTYPES, forward_flops_per_token, lm_config, log, timeit
 import model as model_py
-from model import GPT, GPTConfig, flops_per_token
+from model import GPT, GPTConfig, configure_optimizer, flops_per_token
 from nce_train import nce_loss
 from plumbing import (ArgumentParser, autocast, check_heads, check_writable, common_flags, pick_device,
                       run_main, write_json)
@@ -155,12 +155,9 @@ def get_args(argv=None):
 # -----------------------------------------------------------------------------
 
 
-def adamw(model, lr, device, weight_decay=0.1):
-    """The trainers' optimizer: AdamW, weight decay on matrices only, fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), fused=device.startswith('cuda'))
+def adamw(model, lr, device):
+    """The trainers' optimizer (model.configure_optimizer: weight decay 0.1 on matrices, fused on CUDA)."""
+    return configure_optimizer(model, lr, 0.1, (0.9, 0.99), device)
 
 
 def cpu_flags():
