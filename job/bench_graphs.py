@@ -2,7 +2,8 @@
 (forward under autocast, backward, clipping at norm 1, AdamW), eager against the same step captured once
 as a CUDA graph and replayed, and against torch.compile's reduce-overhead mode (its own CUDA graphs). On a
 GPU these models' steps are bound by kernel launches and Python (addition's LM: about 8 ms a step at 32
-sequences as at 128; docs/addition.md, On a GPU), which a replayed graph skips. A captured step must
+sequences as at 128; docs/addition.md, On a GPU), which a replayed graph skips; the step without the
+trainers' two host syncs a step says what those alone cost. A captured step must
 train the same model: the section reports the largest weight difference between eager and each variant
 after the same batches from the same weights. On a CPU it reports why it did not run."""
 
@@ -27,14 +28,18 @@ def adamw(model, device, capturable=False):
     return optimizer
 
 
-def step_body(model, optimizer, x, y, device, dtype):
-    """One step without a host sync: capturable as it is (autocast's cast cache off, as capture needs)."""
+def step_body(model, optimizer, x, y, device, dtype, synced=False):
+    """One step (autocast's cast cache off, as capture needs); `synced`: the host reads the loss after
+    the backward and the gradient norm before AdamW, each a sync, where train_lm.py reads them every
+    step (nanoGPT reads them only at its log interval). Unsynced, it is capturable as it is."""
     amp = torch.autocast(device.split(':')[0], dtype=dtype, cache_enabled=False) if dtype != torch.float32 \
         else nullcontext()
     with amp:
         _, loss = model(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if synced:
+        loss.item(), norm.item()
     optimizer.step()
     return loss
 
@@ -52,14 +57,19 @@ class Batches:
         return get_batch(self.data, offsets, a.block_size, self.device)
 
 
-def eager_step(model, batches, device, dtype):
-    """The trainers' step: their AdamW, the gradients set to None after each step."""
+def eager_step(model, batches, device, dtype, synced=True):
+    """The trainers' step: their AdamW, their two host syncs, the gradients set to None after each step."""
     optimizer = adamw(model, device)
 
     def step():
-        step_body(model, optimizer, *batches(), device, dtype).item()
+        step_body(model, optimizer, *batches(), device, dtype, synced)
         optimizer.zero_grad(set_to_none=True)
     return step
+
+
+def unsynced_step(model, batches, device, dtype):
+    """The trainers' step without its two host syncs: the GPU runs ahead of Python (the same arithmetic)."""
+    return eager_step(model, batches, device, dtype, synced=False)
 
 
 def graph_step(model, batches, device, dtype, warmup=3):
@@ -99,12 +109,12 @@ def compiled_step(model, batches, device, dtype):
 
     def step():
         torch.compiler.cudagraph_mark_step_begin()
-        step_body(compiled, optimizer, *batches(), device, dtype).item()
+        step_body(compiled, optimizer, *batches(), device, dtype, synced=True)
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-VARIANTS = dict(graph=graph_step, compiled=compiled_step)
+VARIANTS = dict(unsynced=unsynced_step, graph=graph_step, compiled=compiled_step)
 
 
 def bench_graphs(args, device, meta, steps=20, variants=None):

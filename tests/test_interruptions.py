@@ -43,7 +43,7 @@ def test_ctrl_c_reproduce_jobs_stops_every_stage(cli_run, tmp_path):
     stop with the pipeline, and the one line is the pipeline's: rerun it."""
     out = str(tmp_path / 'out')
     argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_run['data'],
-            '--out_dir', out, '--device', 'cpu', '--jobs', '2']
+            '--out_dir', out, '--device', 'cpu', '--jobs', '2', '--skip_lesson']  # its lesson: 20 s
     env = dict(os.environ, OMP_NUM_THREADS='2')  # one thread each
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
@@ -243,7 +243,7 @@ def test_ctrl_c_reproduce_says_rerun(cli_run, tmp_path):
     stopped with the pipeline, and the one line is the pipeline's: rerun it."""
     out = str(tmp_path / 'out')
     argv = ['-m', 'job.reproduce', '--quick', '--quiet', '--data_dir', cli_run['data'],
-            '--out_dir', out, '--device', 'cpu']
+            '--out_dir', out, '--device', 'cpu', '--skip_lesson']  # the lesson first would take 20 s
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,

@@ -242,7 +242,8 @@ def reproduce_args(argv):
 def test_reproduce_quick_gpt2_end_to_end(tmp_path):
     """The paper's tokenizer (GPT-2 BPE, 50,257 tokens, offline) through every stage of the main
     job, tiny models on the bundled corpus (slow-ish, ~1 min: the vocabulary makes the LM head
-    and the exact last-step enumeration big). Every row is there and the last step was enumerated."""
+    and the exact last-step enumeration big). The lesson ran first (the one test of the job with it; the
+    others skip it), every row is there and the last step was enumerated."""
     out, data = tmp_path / 'out', tmp_path / 'data'
     cmd = [sys.executable, '-m', 'job.reproduce', '--quick', '--tokenizer', 'gpt2', '--quiet',
            '--out_dir', str(out), '--data_dir', str(data)]
@@ -250,6 +251,9 @@ def test_reproduce_quick_gpt2_end_to_end(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert load_meta(data)['vocab_size'] == 50257
+    ran = [line.split(']')[0][1:] for line in res.stderr.splitlines() if '] $ python' in line]
+    assert ran[0] == 'lesson' and 'The lesson: exact sums on 64 held-out' in res.stdout, res.stderr
+    assert (out / 'lesson' / 'lesson.json').exists()
     rows = {(r['model'], r['split']) for r in json.load(open(out / 'results.json'))['rows']}
     assert rows == {(m, s) for m in ('BASE LM', 'RALM', 'BALM', 'TAILR', 'JOINT UNIT', 'JOINT BIT')
                     for s in ('val', 'test')}
@@ -282,10 +286,11 @@ def test_bench_quick_runs(lm_corpus, tmp_path):
 
 def test_bench_graphs_compares_the_same_steps(lm_corpus, tmp_path):
     """The graphs section's harness on a CPU (its CUDA variants need a GPU: without one it says so): a
-    variant that is eager's step, one that takes its first step while being made (as the CUDA graph's
-    warm-up does) and one at another lr, against eager after the same batches: the weights equal
-    exactly for the first two, not for the third; a variant that fails is recorded, the rest go on;
-    --sections runs only what it names, and an unknown name is refused in one line."""
+    variant that is eager's step, eager's without its host syncs, one that takes its first step while
+    being made (as the CUDA graph's warm-up does) and one at another lr, against eager after the same
+    batches: the weights equal exactly for the first three, not for the fourth; a variant that fails is
+    recorded, the rest go on; --sections runs only what it names, and an unknown name is refused in one
+    line."""
     from data import load_meta
     from job import bench, bench_graphs as bg
     args = bench.get_args(['--quick', '--data_dir', lm_corpus, '--n_layer', '1', '--n_head', '2',
@@ -313,13 +318,15 @@ def test_bench_graphs_compares_the_same_steps(lm_corpus, tmp_path):
         raise RuntimeError('capture refused\nsecond line')
 
     res = bg.bench_graphs(args, 'cpu', meta, steps=6,
-                          variants=dict(same=bg.eager_step, warmed=warmed, other_lr=other_lr, broken=broken))
+                          variants=dict(same=bg.eager_step, unsynced=bg.unsynced_step, warmed=warmed,
+                                        other_lr=other_lr, broken=broken))
     assert res['graphs_max_weight_diff_same'] == res['graphs_max_weight_diff_warmed'] == 0.0, res
+    assert res['graphs_max_weight_diff_unsynced'] == 0.0, res
     assert res['graphs_max_weight_diff_other_lr'] > 1e-5, res
     assert res['graphs_broken_error'] == 'RuntimeError: capture refused'
     assert sorted(k for k in res if k.startswith('graphs_ms_per_step_')) == [
-        f'graphs_ms_per_step_{n}' for n in ('eager', 'other_lr', 'same', 'warmed')]
-    assert all(res[f'graphs_speedup_{n}'] > 0 for n in ('same', 'warmed', 'other_lr'))
+        f'graphs_ms_per_step_{n}' for n in ('eager', 'other_lr', 'same', 'unsynced', 'warmed')]
+    assert all(res[f'graphs_speedup_{n}'] > 0 for n in ('same', 'unsynced', 'warmed', 'other_lr'))
     out = tmp_path / 'b.json'
     ran = run_script(['-m', 'job.bench', '--quick', '--quiet', '--sections', 'graphs', '--data_dir',
                       lm_corpus, '--out', str(out), '--matmul_size', '128'])
