@@ -531,7 +531,7 @@ def follow_parents(cache, rows):
 
 
 # -----------------------------------------------------------------------------
-# sizing: the width that matches a parameter count (BALM), and a training step's FLOPs
+# sizing: the width that matches a parameter count (BALM)
 
 def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False, head_multiple=16):
     """The n_embd whose GPT has the parameter count closest to target, among widths whose head
@@ -548,12 +548,6 @@ def width_for_params(target, n_layer, n_head, vocab_size, block_size, bias=False
         lo, hi = (mid + 1, hi) if count(widths[mid]) < target else (lo, mid)
     cands = [widths[i] for i in (lo - 1, lo) if 0 <= i < len(widths)]
     return min(cands, key=lambda c: abs(count(c) - target))
-
-
-def flops_per_token(config, num_params):
-    """Training FLOPs per token (forward + backward): 6N for the weights plus attention's
-    12 * L * T * C (PaLM appendix B), as in nanoGPT's MFU estimate."""
-    return 6 * num_params + 12 * config.n_layer * config.block_size * config.n_embd
 
 
 # -----------------------------------------------------------------------------

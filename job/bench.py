@@ -71,9 +71,9 @@ from energy import Energy, score
 from extensions.metrics import MetricEnergy, fit_mu
 from job.bench_decoding import bench_beam, bench_distinct, bench_estimate, bench_estimation, bench_sampling
 from job.bench_graphs import bench_graphs
-from job.bench_tools import DTYPES, forward_flops_per_token, lm_config, log, timeit
+from job.bench_tools import DTYPES, adamw, flops_per_token, forward_flops_per_token, lm_config, log, timeit
 import model as model_py
-from model import GPT, GPTConfig, configure_optimizer, flops_per_token
+from model import GPT, GPTConfig
 from nce_train import nce_loss
 from plumbing import (ArgumentParser, autocast, check_heads, check_writable, common_flags, pick_device,
                       run_main, write_json)
@@ -153,11 +153,6 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-
-
-def adamw(model, lr, device):
-    """The trainers' optimizer (model.configure_optimizer: weight decay 0.1 on matrices, fused on CUDA)."""
-    return configure_optimizer(model, lr, 0.1, (0.9, 0.99), device)
 
 
 def cpu_flags():

@@ -13,18 +13,17 @@ from contextlib import nullcontext
 import torch
 
 from data import batch_offsets, get_batch, load_split
+from job import bench_tools
 from job.bench_tools import lm_config, timeit
-from model import GPT, configure_optimizer
+from model import GPT
 
 
 def adamw(model, device, capturable=False):
-    """The trainers' optimizer (model.configure_optimizer, train_lm.py's lr 2e-3): fused on a GPU;
-    capturable, to be captured in a graph (not fused: the flag is set on its groups before any state)."""
-    if not capturable:
-        return configure_optimizer(model, 2e-3, 0.1, (0.9, 0.99), device)
-    optimizer = configure_optimizer(model, 2e-3, 0.1, (0.9, 0.99), 'cpu')
+    """The trainers' AdamW (bench_tools.adamw) at train_lm.py's lr 2e-3: fused on a GPU; capturable, to
+    be captured in a graph (not fused: the flag is set on its groups before any state)."""
+    optimizer = bench_tools.adamw(model, 2e-3, 'cpu' if capturable else device)
     for group in optimizer.param_groups:
-        group['capturable'] = True
+        group['capturable'] = capturable
     return optimizer
 
 

@@ -1,5 +1,6 @@
 """The timing tools every section of job/bench.py shares: a median of alternating timed runs, the
-char GPT's config from the bench's flags, forward FLOPs for MFU, the process's peak memory."""
+char GPT's config from the bench's flags, training and forward FLOPs for MFU, the trainers' AdamW, the
+process's peak memory."""
 
 import dataclasses
 import resource
@@ -9,7 +10,7 @@ import time
 
 import torch
 
-from model import GPTConfig, flops_per_token
+from model import GPTConfig, configure_optimizer
 
 
 def log(args, msg):
@@ -46,6 +47,18 @@ def lm_config(args, meta):
 
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+
+
+def flops_per_token(config, num_params):
+    """Training FLOPs per token (forward + backward): 6N for the weights plus attention's
+    12 * L * T * C (PaLM appendix B), as in nanoGPT's MFU estimate."""
+    return 6 * num_params + 12 * config.n_layer * config.block_size * config.n_embd
+
+
+def adamw(model, lr, device):
+    """The trainers' optimizer (model.configure_optimizer at their weight decay 0.1 and betas (0.9, 0.99)):
+    weight decay on matrices only, fused on CUDA."""
+    return configure_optimizer(model, lr, 0.1, (0.9, 0.99), device)
 
 
 def forward_flops_per_token(config, num_params, context):
